@@ -1,0 +1,407 @@
+"""Exact capture of every attention layer through one plug-in in transformers' attention registry.
+
+attngeom registers an attention function under the name ``"attngeom"`` in
+``transformers.AttentionInterface`` and the matching mask builder (the boolean SDPA mask) in
+``AttentionMaskInterface``. Every supported architecture's attention module calls it with its own
+q, k, v (after RoPE, q/k norms, biases), its mask (causal, padding, sliding window as the model
+defines them), its scaling and soft-capping; learned sink logits (``module.sinks``) are honoured.
+
+With no :class:`Session` active the function is plain SDPA (or, where SDPA cannot express the
+layer, the exact blocked computation below), so a model left on ``"attngeom"`` behaves as usual.
+Inside :func:`Session.run` it computes attention in blocks of queries, exactly as the eager
+implementation does (softmax in float32, then cast to the model dtype), hands each block to the
+session's *observers* (which reduce metrics as they go) and lets an optional *intervention* edit
+the weights that mix the values (no renormalisation, SPEC §3). Blocks only ever hold
+``[B, H, Q, S]`` maps; sources that no query of the block can see are not computed at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Iterable, Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import metrics as M
+
+ATTN_NAME = "attngeom"
+
+_SESSION: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("attngeom_session", default=None)
+
+DEFAULT_BLOCK_ELEMENTS = 1 << 23
+"""Upper bound on ``B*H*Q*S`` for one block of queries (32 MiB per float32 map)."""
+
+
+# --------------------------------------------------------------------------------------------
+# The block handed to observers and interventions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerState:
+    """Per-layer quantities shared by all query blocks of one forward call.
+
+    ``v [B, H, S, d]`` float32 value states per query head; ``w_o [D, H*d]`` float32 output
+    projection; ``G [H, d, d]``; ``kv_head [H]`` the key/value head of each query head."""
+
+    layer: int
+    module: torch.nn.Module
+    v: torch.Tensor
+    w_o: torch.Tensor
+    G: torch.Tensor
+    kv_head: torch.Tensor
+    lengths: torch.Tensor  # [B] valid tokens per text (right padding)
+
+    @cached_property
+    def value_norm(self) -> torch.Tensor:
+        """``‖ṽ_j^h‖``: ``[B, H, S]``."""
+        return M.projected_value_norm(self.v, self.G)
+
+    @cached_property
+    def raw_value_norm(self) -> torch.Tensor:
+        """``‖v_j^h‖`` in head space: ``[B, H, S]``."""
+        return self.v.norm(dim=-1)
+
+    @property
+    def num_heads(self) -> int:
+        return self.v.shape[1]
+
+
+@dataclass
+class Block:
+    """Queries ``q_start .. q_start+Q-1`` of one layer, with sources ``k_start .. k_start+S-1``.
+
+    ``a [B, H, Q, S]`` holds the attention probabilities (float32) exactly as the model used them.
+    Metric maps are computed on first access and cached for the other observers."""
+
+    state: LayerState
+    a: torch.Tensor
+    q_start: int
+    k_start: int
+    allowed: torch.Tensor | None = None  # [B, 1, Q, S] bool, None = causal
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # ---- geometry -------------------------------------------------------------------------
+    @property
+    def layer(self) -> int:
+        return self.state.layer
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.a.shape)  # type: ignore[return-value]
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        """Positions of the block's queries: ``[Q]``."""
+        return torch.arange(self.q_start, self.q_start + self.a.shape[2], device=self.a.device)
+
+    @property
+    def k_positions(self) -> torch.Tensor:
+        """Positions of the block's sources: ``[S]``."""
+        return torch.arange(self.k_start, self.k_start + self.a.shape[3], device=self.a.device)
+
+    @property
+    def query_valid(self) -> torch.Tensor:
+        """``[B, Q]`` bool: the query is a real token (not right padding)."""
+        return self.q_positions[None, :] < self.state.lengths[:, None]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Value states of the block's sources: ``[B, H, S, d]``."""
+        return self.state.v[:, :, self.k_start : self.k_start + self.a.shape[3]]
+
+    @property
+    def value_norm(self) -> torch.Tensor:
+        """``‖ṽ_j^h‖`` of the block's sources: ``[B, H, S]``."""
+        return self.state.value_norm[:, :, self.k_start : self.k_start + self.a.shape[3]]
+
+    def _memo(self, key: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    # ---- vectors ----------------------------------------------------------------------------
+    @property
+    def head_output(self) -> torch.Tensor:
+        """``u_i^h`` in head space: ``[B, H, Q, d]``."""
+        return self._memo("u", lambda: M.head_output(self.a, self.v))
+
+    @property
+    def head_output_norm(self) -> torch.Tensor:
+        """``‖o_i^h‖``: ``[B, H, Q]``."""
+        return self._memo("hon", lambda: M.head_output_norm(self.head_output, self.state.G))
+
+    @property
+    def layer_output(self) -> torch.Tensor:
+        """``o_i`` (model space, before the o_proj bias): ``[B, Q, D]``."""
+        return self._memo("o", lambda: M.layer_output(self.head_output, self.state.w_o))
+
+    @property
+    def head_share(self) -> torch.Tensor:
+        """``⟨o_i, o_i^h⟩/‖o_i‖²``: ``[B, H, Q]``."""
+        return self._memo("share", lambda: M.head_share(self.layer_output, self.head_output, self.state.w_o))
+
+    # ---- maps [B, H, Q, S] --------------------------------------------------------------------
+    @property
+    def attention(self) -> torch.Tensor:
+        return self.a
+
+    @property
+    def value_weighted(self) -> torch.Tensor:
+        return self._memo("value_weighted", lambda: M.value_weighted(self.a, self.value_norm))
+
+    @property
+    def output_normalized(self) -> torch.Tensor:
+        return self._memo(
+            "output_normalized", lambda: M.output_normalized(self.a, self.value_norm, self.head_output_norm)
+        )
+
+    @property
+    def contribution(self) -> torch.Tensor:
+        return self._memo("contribution", lambda: M.contribution(self.a, self.head_output, self.v, self.state.G))
+
+    @property
+    def contribution_inter(self) -> torch.Tensor:
+        return self._memo(
+            "contribution_inter",
+            lambda: M.contribution_inter(self.a, self.layer_output, self.v, self.state.w_o),
+        )
+
+    def metric(self, name: str) -> torch.Tensor:
+        """A per-head map of SPEC §2 by name: ``[B, H, Q, S]``."""
+        if name not in M.METRICS:
+            raise KeyError(f"unknown metric {name!r}; known: {', '.join(M.METRICS)}")
+        return getattr(self, name)
+
+    def token_score(self, name: str) -> torch.Tensor:
+        """Token-level score of SPEC §2 (all heads of the layer): ``[B, Q, S]``.
+
+        ``contribution`` at token level is ``C_ij = Σ_h C_ij^h`` (the inter-head map)."""
+        per_head = self.contribution_inter if name == "contribution" else self.metric(name)
+        return M.token_scores(name, per_head)
+
+
+class Observer(Protocol):
+    """Something that reduces blocks as the forward pass goes (see :mod:`attngeom.reducers`)."""
+
+    def observe(self, block: Block) -> None: ...
+
+
+class Intervention(Protocol):
+    """Returns the weights that mix the values for a block, ``[B, H, Q, S]``, or None to leave
+    the block as the model computed it. Called after the observers."""
+
+    def __call__(self, block: Block) -> torch.Tensor | None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# The session: what is active during one forward pass
+# --------------------------------------------------------------------------------------------
+
+
+class Session:
+    """Observers and an intervention active for the forward passes run inside :meth:`active`.
+
+    ``layers``: the attention layers (``module.layer_idx``) that are observed and intervened on;
+    None means all. Layers outside it still run through the exact blocked path (cheap) unless
+    ``passthrough`` is set, in which case they use SDPA."""
+
+    def __init__(
+        self,
+        observers: Iterable[Observer] = (),
+        intervention: Intervention | None = None,
+        layers: Iterable[int] | None = None,
+        block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    ):
+        self.observers = list(observers)
+        self.intervention = intervention
+        self.layers = None if layers is None else set(int(x) for x in layers)
+        self.block_elements = int(block_elements)
+        self.lengths: torch.Tensor | None = None
+        self.layers_seen: list[int] = []
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    @contextlib.contextmanager
+    def active(self, lengths: torch.Tensor):
+        """Make this session the one the attention function reports to."""
+        self.lengths = lengths
+        self.layers_seen = []
+        token = _SESSION.set(self)
+        try:
+            yield self
+        finally:
+            _SESSION.reset(token)
+
+
+def active_session() -> Session | None:
+    return _SESSION.get()
+
+
+# --------------------------------------------------------------------------------------------
+# The attention function
+# --------------------------------------------------------------------------------------------
+
+
+def _query_blocks(B: int, H: int, Tq: int, S: int, budget: int) -> list[tuple[int, int]]:
+    step = max(1, min(Tq, budget // max(1, B * H * S)))
+    return [(i, min(Tq, i + step)) for i in range(0, Tq, step)]
+
+
+def _block_allowed(mask: torch.Tensor | None, i0: int, i1: int) -> torch.Tensor | None:
+    """Boolean ``[B|1, 1, Q, S]`` mask for queries ``i0..i1`` (True = may attend), or None for causal."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return mask[:, :, i0:i1]
+    return mask[:, :, i0:i1] > torch.finfo(mask.dtype).min / 2  # additive float mask
+
+
+def _source_range(allowed: torch.Tensor | None, i1: int, S: int, Tq: int) -> tuple[int, int]:
+    """Smallest range of sources any query in the block may see."""
+    if allowed is None:
+        if Tq == 1:  # a single query sees everything (SDPA's lower-right alignment)
+            return 0, S
+        return 0, min(S, i1)  # upper-left causal, as SDPA's is_causal
+    cols = allowed.any(dim=(0, 1, 2)).nonzero()
+    if cols.numel() == 0:
+        return 0, 1
+    return int(cols.min()), int(cols.max()) + 1
+
+
+def exact_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    session: Session | None = None,
+) -> torch.Tensor:
+    """Eager-equivalent attention in blocks of queries; returns ``[B, Tq, H, d]`` like transformers.
+
+    ``query [B, H, Tq, d]``, ``key``/``value [B, Hkv, S, d]``; ``attention_mask`` is the boolean
+    SDPA mask ``[B, 1, Tq, S]`` or None (causal)."""
+    B, H, Tq, d = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    n_rep = H // Hkv
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    k = repeat_kv(key, n_rep)
+    v = repeat_kv(value, n_rep)
+    sinks = getattr(module, "sinks", None)
+    layer = int(getattr(module, "layer_idx", -1))
+    observing = session is not None and session.wants(layer)
+    state = None
+    if observing:
+        w_o = module.o_proj.weight.detach().float()
+        lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
+        state = LayerState(
+            layer=layer,
+            module=module,
+            v=v.detach().float(),
+            w_o=w_o,
+            G=M.gram(w_o, H),
+            kv_head=torch.arange(H) // n_rep,
+            lengths=lengths.to(query.device),
+        )
+        session.layers_seen.append(layer)
+    out = query.new_empty(B, Tq, H, value.shape[-1])
+    for i0, i1 in _query_blocks(B, H, Tq, S, session.block_elements if session else DEFAULT_BLOCK_ELEMENTS):
+        allowed = _block_allowed(attention_mask, i0, i1)
+        k0, k1 = _source_range(allowed, i1, S, Tq)
+        scores = torch.matmul(query[:, :, i0:i1], k[:, :, k0:k1].transpose(2, 3)) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if allowed is None:
+            if Tq > 1:
+                causal = torch.arange(i0, i1, device=query.device)[:, None] >= torch.arange(k0, k1, device=query.device)
+                scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores.masked_fill(~allowed[..., k0:k1], torch.finfo(scores.dtype).min)
+        if sinks is not None:
+            sink_logits = sinks.reshape(1, -1, 1, 1).expand(B, -1, i1 - i0, 1).to(scores.dtype)
+            scores = torch.cat([scores, sink_logits], dim=-1)
+            scores = scores - scores.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = probs.to(query.dtype)
+        mix = probs
+        if observing:
+            block = Block(state=state, a=probs.float(), q_start=i0, k_start=k0,
+                          allowed=None if allowed is None else allowed[..., k0:k1])
+            for obs in session.observers:
+                obs.observe(block)
+            if session.intervention is not None:
+                edited = session.intervention(block)
+                if edited is not None:
+                    mix = edited.to(query.dtype)
+        out[:, i0:i1] = torch.matmul(mix, v[:, :, k0:k1]).transpose(1, 2)
+    return out
+
+
+def attngeom_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """The function registered as ``"attngeom"`` in ``transformers.AttentionInterface``."""
+    session = _SESSION.get()
+    if session is None and softcap is None and getattr(module, "sinks", None) is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if dropout and module.training:
+        raise RuntimeError("attngeom computes attention in eval mode only (dropout > 0 while training)")
+    return exact_attention(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
+                           session=session), None
+
+
+AttentionInterface.register(ATTN_NAME, attngeom_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Switching a model onto the plug-in
+# --------------------------------------------------------------------------------------------
+
+
+def _all_configs(config):
+    yield config
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None:
+            yield sub
+
+
+@contextlib.contextmanager
+def attngeom_attention_implementation(model):
+    """Route ``model``'s attention through the plug-in for the duration of the block, then restore."""
+    previous = [(c, c._attn_implementation) for c in _all_configs(model.config)]
+    if all(impl == ATTN_NAME for _, impl in previous):
+        yield model
+        return
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except Exception:  # older transformers: set the field directly
+        for c, _ in previous:
+            c._attn_implementation = ATTN_NAME
+    try:
+        yield model
+    finally:
+        for c, impl in previous:
+            c._attn_implementation = impl

@@ -1,0 +1,1 @@
+"""Presentation: figures and tables, kept apart from the math and the capture."""

@@ -1,0 +1,104 @@
+"""The five metrics of SPEC §2 against a slow, obvious model-space computation, and their invariants."""
+
+import numpy as np
+import pytest
+import torch
+
+from attngeom import metrics as M
+from attngeom.trace import analyze
+from tiny_models import ARCHS, tiny_model
+
+T = 16
+
+
+def slow_metrics(a, v, w_o):
+    """Model-space reference, one (query, source, head) at a time, with projected values
+    ṽ_j^h = v_j^h W_O^h materialised. a [H,T,T], v [H,T,d], w_o [D, H*d] (float64)."""
+    H, T_, _ = a.shape
+    d = v.shape[-1]
+    W = [w_o[:, h * d:(h + 1) * d].T for h in range(H)]          # W_O^h: [d, D]
+    vt = [[v[h, j] @ W[h] for j in range(T_)] for h in range(H)]  # ṽ_j^h in R^D
+    o_h = [[sum(a[h, i, j] * vt[h][j] for j in range(T_)) for i in range(T_)] for h in range(H)]
+    o = [sum(o_h[h][i] for h in range(H)) for i in range(T_)]
+    out = {k: np.zeros((H, T_, T_)) for k in M.METRICS}
+    out["relative_norm"] = np.zeros((H, T_, T_))
+    out["cosine"] = np.zeros((H, T_, T_))
+    for h in range(H):
+        for i in range(T_):
+            on = np.linalg.norm(o_h[h][i])
+            for j in range(T_):
+                vn = np.linalg.norm(vt[h][j])
+                out["attention"][h, i, j] = a[h, i, j]
+                out["value_weighted"][h, i, j] = a[h, i, j] * vn
+                out["output_normalized"][h, i, j] = a[h, i, j] * vn / on
+                out["contribution"][h, i, j] = o_h[h][i] @ (a[h, i, j] * vt[h][j]) / on**2
+                out["contribution_inter"][h, i, j] = o[i] @ (a[h, i, j] * vt[h][j]) / (o[i] @ o[i])
+                out["relative_norm"][h, i, j] = vn / on
+                out["cosine"][h, i, j] = o_h[h][i] @ vt[h][j] / (on * vn)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_metrics_match_model_space_reference(arch):
+    handle = tiny_model(arch)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, handle.model.config.vocab_size, (T,), generator=g)
+    trace = analyze(handle, ids, block_elements=128)
+    for lt in trace.layers:
+        ref = slow_metrics(lt.a.double().numpy(), lt.v.double().numpy(), lt.w_o.double().numpy())
+        for name in M.METRICS:
+            err = np.abs(lt.metric(name) - ref[name]).max()
+            assert err < 1e-5, (arch, lt.index, name, err)
+        f = lt.factors()
+        for name in ("relative_norm", "cosine"):
+            assert np.abs(f[name] - ref[name]).max() < 1e-4 * max(1, np.abs(ref[name]).max())
+        assert np.abs(f["attention"] * f["relative_norm"] * f["cosine"] - lt.contribution).max() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_contributions_sum_to_one(arch):
+    handle = tiny_model(arch)
+    trace = analyze(handle, handle.encode("the quick brown fox jumps over the lazy dog again and again"))
+    for lt in trace.layers:
+        assert np.abs(lt.contribution.sum(-1) - 1).max() < 1e-5
+        assert np.abs(lt.contribution_inter.sum((0, 2)) - 1).max() < 1e-5
+        assert np.abs(lt.head_share.sum(0) - 1).max() < 1e-5
+        assert np.abs(lt.contribution_inter.sum(-1) - lt.head_share).max() < 1e-5
+        assert np.abs(lt.attention.sum(-1) - 1).max() < 1e-5
+        # token level: C_ij sums to one over sources
+        assert np.abs(lt.token_score("contribution").sum(-1) - 1).max() < 1e-5
+
+
+def test_output_normalized_ranks_differently_from_value_weighted():
+    """SPEC §2: each head is normalised by its own output, so token-level orders can differ."""
+    handle = tiny_model("llama")
+    trace = analyze(handle, handle.encode("one two three four five six seven eight nine ten"))
+    lt = trace.layers[0]
+    vw = lt.token_score("value_weighted")
+    on = lt.token_score("output_normalized")
+    assert not np.array_equal(np.argsort(vw, -1), np.argsort(on, -1))
+
+
+def test_zero_output_gives_zero_weights_not_nan():
+    a = torch.tensor([[[[0.5, 0.5]]]])
+    v = torch.tensor([[[[1.0, 0.0], [-1.0, 0.0]]]])
+    G = torch.eye(2)[None]
+    u = M.head_output(a, v)
+    c = M.contribution(a, u, v, G)
+    assert torch.isfinite(c).all() and float(c.abs().max()) == 0.0
+
+
+def test_hand_computed_contribution():
+    """Two sources, one head, W_O = I: o = 0.5*(2,0) + 0.5*(0,1) = (1, 0.5)."""
+    a = torch.tensor([[[[0.5, 0.5]]]])
+    v = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])
+    w_o = torch.eye(2)
+    G = M.gram(w_o, 1)
+    u = M.head_output(a, v)
+    c = M.contribution(a, u, v, G)[0, 0, 0]
+    # <o, a1 v1> = (1,0.5)·(1,0) = 1 ; <o, a2 v2> = (1,0.5)·(0,0.5) = 0.25 ; |o|^2 = 1.25
+    assert torch.allclose(c, torch.tensor([0.8, 0.2]))
+    C = M.contribution_inter(a, M.layer_output(u, w_o), v, w_o)[0, 0, 0]
+    assert torch.allclose(C, torch.tensor([0.8, 0.2]))
+    vw = M.value_weighted(a, M.projected_value_norm(v, G))[0, 0, 0]
+    assert torch.allclose(vw, torch.tensor([1.0, 0.5]))
