@@ -41,9 +41,10 @@ def test_stream_matches_full_traces(handle):
             n = len(tr)
             rows = ts[(ts.text == k) & (ts.layer == layer)].sort_values("position")
             assert len(rows) == n
-            C = lt.token_score("contribution")                        # [T, T]
-            expected = C.sum(0) / (n - np.arange(n))                  # mean over queries i >= j
-            assert np.allclose(rows.contribution_received, expected, atol=1e-5)
+            for m in ("attention", "value_weighted", "output_normalized", "contribution"):
+                score = lt.token_score(m)                             # [T, T]
+                expected = score.sum(0) / (n - np.arange(n))          # mean over queries i >= j
+                assert np.allclose(rows[f"{m}_received"], expected, atol=1e-5), m
             assert np.allclose(rows.sink_rate, lt.attention[:, :, 0].mean(0), atol=1e-6)
             assert np.allclose(rows.output_norm, lt.output_norm, rtol=1e-5)
 

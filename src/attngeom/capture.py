@@ -18,6 +18,8 @@ the weights that mix the values (no renormalisation, SPEC §3). Blocks only ever
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 import contextvars
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -48,13 +50,15 @@ class LayerState:
     """Per-layer quantities shared by all query blocks of one forward call.
 
     ``v [B, H, S, d]`` float32 value states per query head; ``w_o [D, H*d]`` float32 output
-    projection; ``G [H, d, d]``; ``kv_head [H]`` the key/value head of each query head."""
+    projection; ``G [H, d, d]`` per-head Gram matrices, ``G_full [H*d, H*d] = W_Oᵀ W_O``;
+    ``kv_head [H]`` the key/value head of each query head."""
 
     layer: int
-    module: torch.nn.Module
+    module: torch.nn.Module | None
     v: torch.Tensor
     w_o: torch.Tensor
     G: torch.Tensor
+    G_full: torch.Tensor
     kv_head: torch.Tensor
     lengths: torch.Tensor  # [B] valid tokens per text (right padding)
 
@@ -133,9 +137,39 @@ class Block:
         return self._memo("u", lambda: M.head_output(self.a, self.v))
 
     @property
+    def uG(self) -> torch.Tensor:
+        """``u_i^h G^h`` (``⟨o_i^h, ṽ_j^h⟩ = uG_i·v_j``): ``[B, H, Q, d]``."""
+        return self._memo("uG", lambda: self.head_output @ self.state.G)
+
+    @property
+    def head_output_sq(self) -> torch.Tensor:
+        """``‖o_i^h‖²``: ``[B, H, Q]``."""
+        return self._memo("hon2", lambda: (self.uG * self.head_output).sum(-1).clamp_min(0.0))
+
+    @property
     def head_output_norm(self) -> torch.Tensor:
         """``‖o_i^h‖``: ``[B, H, Q]``."""
-        return self._memo("hon", lambda: M.head_output_norm(self.head_output, self.state.G))
+        return self._memo("hon", lambda: self.head_output_sq.sqrt())
+
+    @property
+    def pulled_back(self) -> torch.Tensor:
+        """``p_i^h = o_i W_O^{hᵀ}`` (``⟨o_i, ṽ_j^h⟩ = p_i^h·v_j``): ``[B, H, Q, d]``."""
+        return self._memo("p", lambda: M.pulled_back(self.head_output, self.state.G_full))
+
+    @property
+    def head_dot_output(self) -> torch.Tensor:
+        """``⟨o_i, o_i^h⟩ = p_i^h·u_i^h``: ``[B, H, Q]``."""
+        return self._memo("pu", lambda: (self.pulled_back * self.head_output).sum(-1))
+
+    @property
+    def output_sq(self) -> torch.Tensor:
+        """``‖o_i‖² = Σ_h ⟨o_i, o_i^h⟩``: ``[B, Q]``."""
+        return self._memo("o2", lambda: self.head_dot_output.sum(1).clamp_min(0.0))
+
+    @property
+    def output_norm(self) -> torch.Tensor:
+        """``‖o_i‖`` (layer attention output before the o_proj bias): ``[B, Q]``."""
+        return self.output_sq.sqrt()
 
     @property
     def layer_output(self) -> torch.Tensor:
@@ -145,7 +179,12 @@ class Block:
     @property
     def head_share(self) -> torch.Tensor:
         """``⟨o_i, o_i^h⟩/‖o_i‖²``: ``[B, H, Q]``."""
-        return self._memo("share", lambda: M.head_share(self.layer_output, self.head_output, self.state.w_o))
+        return self._memo("share", lambda: M._safe_div(self.head_dot_output, self.output_sq.unsqueeze(1)))
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        """Entropy (nats) of each attention row: ``[B, H, Q]``."""
+        return self._memo("entropy", lambda: M.entropy(self.a))
 
     # ---- maps [B, H, Q, S] --------------------------------------------------------------------
     @property
@@ -164,14 +203,33 @@ class Block:
 
     @property
     def contribution(self) -> torch.Tensor:
-        return self._memo("contribution", lambda: M.contribution(self.a, self.head_output, self.v, self.state.G))
+        return self._memo("contribution", lambda: M.contribution(self.a, self.uG, self.v, self.head_output_sq))
 
     @property
     def contribution_inter(self) -> torch.Tensor:
-        return self._memo(
-            "contribution_inter",
-            lambda: M.contribution_inter(self.a, self.layer_output, self.v, self.state.w_o),
-        )
+        return self._memo("contribution_inter",
+                          lambda: M.contribution_inter(self.a, self.pulled_back, self.v, self.output_sq))
+
+    def factors(self) -> dict[str, torch.Tensor]:
+        """The three factors of the intra-head contribution, each ``[B, H, Q, S]``."""
+        return M.contribution_factors(self.a, self.uG, self.v, self.value_norm, self.head_output_norm)
+
+    def contribution_column(self, col: int) -> torch.Tensor:
+        """``c_ij^h`` for the block's source column ``col`` (position ``k_start + col``): ``[B, H, Q]``."""
+        if "contribution" in self._cache:
+            return self._cache["contribution"][..., col]
+        return M.contribution_column(self.a[..., col], self.uG, self.v[:, :, col], self.head_output_sq)
+
+    def contribution_inter_column(self, col: int) -> torch.Tensor:
+        """``C_ij^h`` for the block's source column ``col``: ``[B, H, Q]``."""
+        if "contribution_inter" in self._cache:
+            return self._cache["contribution_inter"][..., col]
+        return M.contribution_inter_column(self.a[..., col], self.pulled_back, self.v[:, :, col], self.output_sq)
+
+    def received(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``Σ_i weight_i s_ij`` for the token-level scores of every metric: ``{name: [B, S]}``."""
+        return M.received(self.a, self.v, self.value_norm, self.head_output_norm, self.pulled_back,
+                          self.output_sq, weight)
 
     def metric(self, name: str) -> torch.Tensor:
         """A per-head map of SPEC §2 by name: ``[B, H, Q, S]``."""
@@ -250,6 +308,23 @@ def active_session() -> Session | None:
 # --------------------------------------------------------------------------------------------
 
 
+_GRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def output_grams(module: torch.nn.Module, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w_o [D, H*d], G [H, d, d], G_full [H*d, H*d])`` in float32 for an attention module's
+    ``o_proj``; cached per module until its weight changes."""
+    weight = module.o_proj.weight
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    hit = _GRAMS.get(module)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    w_o = weight.detach().float()
+    value = (w_o, M.gram(w_o, num_heads), M.full_gram(w_o))
+    _GRAMS[module] = (key, value)
+    return value
+
+
 def _query_blocks(B: int, H: int, Tq: int, S: int, budget: int) -> list[tuple[int, int]]:
     step = max(1, min(Tq, budget // max(1, B * H * S)))
     return [(i, min(Tq, i + step)) for i in range(0, Tq, step)]
@@ -274,6 +349,43 @@ def _source_range(allowed: torch.Tensor | None, i1: int, S: int, Tq: int) -> tup
     if cols.numel() == 0:
         return 0, 1
     return int(cols.min()), int(cols.max()) + 1
+
+
+def _additive_mask(allowed, i0: int, i1: int, k0: int, k1: int, Tq: int, dtype, device) -> torch.Tensor | None:
+    """``0`` where a query may attend, the dtype's minimum elsewhere (eager's convention):
+    ``[B|1, 1, Q, S]``, ``[Q, S]`` for causal, or None when nothing is masked."""
+    if allowed is None:
+        if Tq == 1:
+            return None
+        return _causal_additive(i0, i1, k0, k1, dtype, str(device))
+    return torch.zeros(allowed[..., k0:k1].shape, dtype=dtype, device=device).masked_fill_(
+        ~allowed[..., k0:k1], torch.finfo(dtype).min)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_additive(i0: int, i1: int, k0: int, k1: int, dtype, device: str) -> torch.Tensor:
+    """Cached: the same blocks recur in every layer."""
+    q = torch.arange(i0, i1, device=device)[:, None]
+    k = torch.arange(k0, k1, device=device)[None, :]
+    return torch.zeros((i1 - i0, k1 - k0), dtype=dtype, device=device).masked_fill_(k > q, torch.finfo(dtype).min)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | None,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention logits as eager computes them: ``(q kᵀ)·scaling``, soft-capped, plus the mask.
+
+    ``q [B, H, Q, d]``, ``k [B, H, S, d]`` -> ``[B, H, Q, S]``. Without soft-capping the scaling
+    and the mask are fused into one ``baddbmm`` (same values up to float rounding)."""
+    B, H, Q, d = q.shape
+    S = k.shape[2]
+    if softcap is None and mask is not None and mask.dim() == 2:
+        out = torch.baddbmm(mask.expand(B * H, Q, S), q.reshape(B * H, Q, d),
+                            k.reshape(B * H, S, d).transpose(1, 2), alpha=scaling)
+        return out.view(B, H, Q, S)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores if mask is None else scores + mask
 
 
 def exact_attention(
@@ -302,31 +414,17 @@ def exact_attention(
     observing = session is not None and session.wants(layer)
     state = None
     if observing:
-        w_o = module.o_proj.weight.detach().float()
+        w_o, G, G_full = output_grams(module, H)
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
-        state = LayerState(
-            layer=layer,
-            module=module,
-            v=v.detach().float(),
-            w_o=w_o,
-            G=M.gram(w_o, H),
-            kv_head=torch.arange(H) // n_rep,
-            lengths=lengths.to(query.device),
-        )
+        state = LayerState(layer=layer, module=module, v=v.detach().float(), w_o=w_o, G=G, G_full=G_full,
+                           kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device))
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])
     for i0, i1 in _query_blocks(B, H, Tq, S, session.block_elements if session else DEFAULT_BLOCK_ELEMENTS):
         allowed = _block_allowed(attention_mask, i0, i1)
         k0, k1 = _source_range(allowed, i1, S, Tq)
-        scores = torch.matmul(query[:, :, i0:i1], k[:, :, k0:k1].transpose(2, 3)) * scaling
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if allowed is None:
-            if Tq > 1:
-                causal = torch.arange(i0, i1, device=query.device)[:, None] >= torch.arange(k0, k1, device=query.device)
-                scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores.masked_fill(~allowed[..., k0:k1], torch.finfo(scores.dtype).min)
+        scores = _scores(query[:, :, i0:i1], k[:, :, k0:k1], scaling, softcap,
+                         _additive_mask(allowed, i0, i1, k0, k1, Tq, query.dtype, query.device))
         if sinks is not None:
             sink_logits = sinks.reshape(1, -1, 1, 1).expand(B, -1, i1 - i0, 1).to(scores.dtype)
             scores = torch.cat([scores, sink_logits], dim=-1)

@@ -25,12 +25,16 @@ METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "
 def head_blocks(w_o: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``W_O^h`` for every head: ``[D, H*d]`` -> ``[H, d, D]`` (row vectors map head space to model space)."""
     D, Hd = w_o.shape
-    d = Hd // num_heads
-    return w_o.t().reshape(num_heads, d, D)
+    return w_o.t().reshape(num_heads, Hd // num_heads, D)
+
+
+def full_gram(w_o: torch.Tensor) -> torch.Tensor:
+    """``W_Oᵀ W_O`` over all heads: ``[D, H*d]`` -> ``[H*d, H*d]``; block ``(g, h)`` is ``W_O^g W_O^{hᵀ}``."""
+    return w_o.t() @ w_o
 
 
 def gram(w_o: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``G^h = W_O^h W_O^hᵀ``: ``[D, H*d]`` -> ``[H, d, d]``."""
+    """``G^h = W_O^h W_O^{hᵀ}`` (the diagonal blocks of :func:`full_gram`): -> ``[H, d, d]``."""
     W = head_blocks(w_o, num_heads)
     return W @ W.transpose(1, 2)
 
@@ -50,21 +54,22 @@ def head_output(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return a @ v
 
 
-def head_output_norm(u: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """``‖o_i^h‖ = ‖u_i^h W_O^h‖``: ``u [B, H, Q, d]`` -> ``[B, H, Q]``."""
-    return quad(u, G).sqrt()
-
-
 def layer_output(u: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     """``o_i = Σ_h u_i^h W_O^h`` (before the output-projection bias): -> ``[B, Q, D]``."""
     B, H, Q, d = u.shape
     return u.transpose(1, 2).reshape(B, Q, H * d) @ w_o.t()
 
 
-def pulled_back_output(o: torch.Tensor, w_o: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``o_i W_O^{hᵀ}`` for every head, so that ``⟨o_i, ṽ_j^h⟩ = pulled·v_j``: ``[B, Q, D]`` -> ``[B, H, Q, d]``."""
-    B, Q, D = o.shape
-    return (o @ w_o).reshape(B, Q, num_heads, -1).transpose(1, 2)
+def pulled_back(u: torch.Tensor, G_full: torch.Tensor) -> torch.Tensor:
+    """``p_i^h = o_i W_O^{hᵀ} = Σ_g u_i^g W_O^g W_O^{hᵀ}``, so that ``⟨o_i, ṽ_j^h⟩ = p_i^h·v_j^h``:
+    ``u [B, H, Q, d]``, ``G_full [H*d, H*d]`` -> ``[B, H, Q, d]`` (no model-space vector formed)."""
+    B, H, Q, d = u.shape
+    return (u.transpose(1, 2).reshape(B, Q, H * d) @ G_full).reshape(B, Q, H, d).transpose(1, 2)
+
+
+def output_sq_norm(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``‖o_i‖² = Σ_h ⟨o_i, o_i^h⟩ = Σ_h p_i^h·u_i^h``: -> ``[B, Q]``."""
+    return (p * u).sum((1, 3)).clamp_min(0.0)
 
 
 def _safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -82,45 +87,75 @@ def output_normalized(a: torch.Tensor, value_norm: torch.Tensor, out_norm: torch
     return _safe_div(value_weighted(a, value_norm), out_norm.unsqueeze(-1))
 
 
-def intra_dot(u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """``⟨o_i^h, ṽ_j^h⟩ = (u_i G)·v_j``: -> ``[B, H, Q, S]``."""
-    return (u @ G) @ v.transpose(-1, -2)
-
-
-def contribution(a: torch.Tensor, u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+def contribution(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, head_out_sq: torch.Tensor) -> torch.Tensor:
     """Intra-head contribution ``c_ij^h = ⟨o_i^h, a_ij^h ṽ_j^h⟩ / ‖o_i^h‖²`` -> ``[B, H, Q, S]``.
 
+    ``uG = u G [B, H, Q, d]`` (so ``⟨o_i^h, ṽ_j^h⟩ = uG_i·v_j``), ``head_out_sq = ‖o_i^h‖² [B, H, Q]``.
     Sums to 1 over sources for every head and query with a non-zero output."""
-    return _safe_div(a * intra_dot(u, v, G), quad(u, G).unsqueeze(-1))
+    return _safe_div(a * (uG @ v.transpose(-1, -2)), head_out_sq.unsqueeze(-1))
 
 
-def contribution_inter(a: torch.Tensor, o: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """Inter-head contribution ``C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²``: ``o [B, Q, D]`` -> ``[B, H, Q, S]``.
+def contribution_inter(a: torch.Tensor, p: torch.Tensor, v: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
+    """Inter-head contribution ``C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²`` -> ``[B, H, Q, S]``.
 
-    Sums to 1 over heads and sources for every query with a non-zero layer output."""
-    H = a.shape[1]
-    dots = pulled_back_output(o, w_o, H) @ v.transpose(-1, -2)
-    o2 = (o * o).sum(-1)[:, None, :, None]
-    return _safe_div(a * dots, o2)
+    ``p`` from :func:`pulled_back`, ``out_sq = ‖o_i‖² [B, Q]``. Sums to 1 over heads and sources
+    for every query with a non-zero layer output."""
+    return _safe_div(a * (p @ v.transpose(-1, -2)), out_sq[:, None, :, None])
 
 
-def contribution_factors(a: torch.Tensor, u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> dict[str, torch.Tensor]:
+def contribution_column(a_col: torch.Tensor, uG: torch.Tensor, v_col: torch.Tensor,
+                        head_out_sq: torch.Tensor) -> torch.Tensor:
+    """:func:`contribution` for one source ``j``: ``a_col [B, H, Q]``, ``v_col [B, H, d]`` -> ``[B, H, Q]``."""
+    return _safe_div(a_col * (uG * v_col.unsqueeze(-2)).sum(-1), head_out_sq)
+
+
+def contribution_inter_column(a_col: torch.Tensor, p: torch.Tensor, v_col: torch.Tensor,
+                              out_sq: torch.Tensor) -> torch.Tensor:
+    """:func:`contribution_inter` for one source ``j``: -> ``[B, H, Q]``."""
+    return _safe_div(a_col * (p * v_col.unsqueeze(-2)).sum(-1), out_sq.unsqueeze(1))
+
+
+def contribution_factors(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor,
+                         head_out_norm: torch.Tensor) -> dict[str, torch.Tensor]:
     """The three factors of ``c_ij^h = a_ij^h · (‖ṽ_j^h‖/‖o_i^h‖) · cos(o_i^h, ṽ_j^h)``.
 
-    Returns ``{"attention": [B,H,Q,S], "relative_norm": [B,H,Q,S], "cosine": [B,H,Q,S]}``;
-    their product equals :func:`contribution`."""
-    vn = projected_value_norm(v, G)                 # [B, H, S]
-    on = head_output_norm(u, G)                      # [B, H, Q]
-    rel = _safe_div(vn.unsqueeze(-2).expand(a.shape), on.unsqueeze(-1).expand(a.shape))
-    cos = _safe_div(intra_dot(u, v, G), on.unsqueeze(-1) * vn.unsqueeze(-2))
+    Returns ``{"attention", "relative_norm", "cosine"}``, each ``[B, H, Q, S]``; their product
+    equals :func:`contribution`."""
+    vn = value_norm.unsqueeze(-2).expand(a.shape)
+    on = head_out_norm.unsqueeze(-1).expand(a.shape)
+    rel = _safe_div(vn, on)
+    cos = _safe_div(uG @ v.transpose(-1, -2), on * vn)
     return {"attention": a, "relative_norm": rel, "cosine": cos}
 
 
-def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """``Σ_j C_ij^h = ⟨o_i, o_i^h⟩ / ‖o_i‖²``: -> ``[B, H, Q]`` (sums to 1 over heads)."""
-    H = u.shape[1]
-    dots = (pulled_back_output(o, w_o, H) * u).sum(-1)
-    return _safe_div(dots, (o * o).sum(-1).unsqueeze(1))
+def head_share(u: torch.Tensor, p: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
+    """``Σ_j C_ij^h = ⟨o_i, o_i^h⟩ / ‖o_i‖² = p_i^h·u_i^h / ‖o_i‖²``: -> ``[B, H, Q]`` (sums to 1 over heads)."""
+    return _safe_div((p * u).sum(-1), out_sq.unsqueeze(1))
+
+
+def received(a: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor, head_out_norm: torch.Tensor,
+             p: torch.Tensor, out_sq: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2,
+    without forming any score map: -> ``{metric: [B, S]}``.
+
+    ``weight [B, Q]`` weighs the queries (e.g. 0 for padding). Every sum over queries is one
+    ``aᵀ X`` product: ``Σ_i w_i a_ij^h (p_i^h·v_j^h)/‖o_i‖² = v_j^h · (aᵀ (w p/‖o‖²))_j``,
+    and likewise for the attention and output-normalised sums."""
+    B, H, Q, S = a.shape
+    inv_out = _safe_div(torch.ones_like(head_out_norm), head_out_norm)      # [B, H, Q]
+    X = torch.cat([
+        weight[:, None, :, None].expand(B, H, Q, 1),
+        (weight[:, None, :] * inv_out).unsqueeze(-1),
+        p * _safe_div(weight, out_sq)[:, None, :, None],
+    ], dim=-1)                                                                # [B, H, Q, 2+d]
+    R = a.transpose(-1, -2) @ X                                               # [B, H, S, 2+d]
+    att = R[..., 0]
+    return {
+        "attention": att.mean(1),
+        "value_weighted": (att * value_norm).sum(1),
+        "output_normalized": (R[..., 1] * value_norm).sum(1),
+        "contribution": (R[..., 2:] * v).sum(-1).sum(1),
+    }
 
 
 def token_scores(name: str, per_head: torch.Tensor) -> torch.Tensor:

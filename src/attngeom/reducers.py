@@ -20,7 +20,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import metrics as M
 from .capture import Block
 
 
@@ -63,19 +62,34 @@ def _query_weights(block: Block, skip_first: bool = True) -> torch.Tensor:
     return w
 
 
+def _seen_by(block: Block, w: torch.Tensor) -> torch.Tensor:
+    """``Σ_i w_i [query i may attend to source j]``: ``[B, S]``, without a ``[Q, S]`` pass when causal."""
+    B, H, Q, S = block.shape
+    if block.allowed is not None:
+        return (w[:, None, :] @ block.allowed[:, 0].expand(B, Q, S).to(w.dtype)).squeeze(1)
+    suffix = w.flip(-1).cumsum(-1).flip(-1)                         # [B, Q]: Σ_{i' >= i} w_i'
+    first = (block.k_positions - block.q_start).clamp_min(0)        # first query that sees j
+    padded = torch.cat([suffix, suffix.new_zeros(B, 1)], dim=-1)
+    return padded[:, first.clamp_max(Q)]
+
+
 class HeadStats(Reducer):
     """Per-(layer, head) means over all real queries ``i > 0`` of the stream.
 
     Columns: ``sink_rate`` (``a_i0``), ``sink_contribution`` (intra ``c_i0``),
     ``sink_contribution_inter`` (``C_i0^h``), ``self_attention`` (``a_ii``), ``entropy`` (nats),
     ``head_output_norm`` (``‖o_i^h‖``), ``head_share`` (``Σ_j C_ij^h``), and the source-winner
-    shares ``winner_self`` / ``winner_sink`` / ``winner_other`` of SPEC §6 (``argmax_j a_ij‖v_j‖``)."""
+    shares ``winner_self`` / ``winner_sink`` / ``winner_other`` of SPEC §6 (``argmax_j a_ij‖v_j‖``;
+    ``winner_norm="projected"`` uses ``‖ṽ_j‖`` instead)."""
 
     FIELDS = ("sink_rate", "sink_contribution", "sink_contribution_inter", "self_attention", "entropy",
               "head_output_norm", "head_share", "winner_self", "winner_sink", "winner_other")
 
-    def __init__(self, sink: int = 0):
+    def __init__(self, sink: int = 0, winner_norm: str = "raw"):
+        if winner_norm not in ("raw", "projected"):
+            raise ValueError(f"winner_norm must be 'raw' (‖v_j‖) or 'projected' (‖ṽ_j‖), got {winner_norm!r}")
         self.sink = sink
+        self.winner_norm = winner_norm
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, torch.Tensor] = {}
 
@@ -89,14 +103,15 @@ class HeadStats(Reducer):
         zeros = torch.zeros(B, H, Q, device=a.device)
         self_idx = (qpos - block.k_start).clamp(0, S - 1)
         self_att = a.gather(-1, self_idx.view(1, 1, Q, 1).expand(B, H, Q, 1)).squeeze(-1)
-        winner = (a * block.state.raw_value_norm[:, :, block.k_start:block.k_start + S].unsqueeze(-2)).argmax(-1)
+        norms = block.state.value_norm if self.winner_norm == "projected" else block.state.raw_value_norm
+        winner = (a * norms[:, :, block.k_start:block.k_start + S].unsqueeze(-2)).argmax(-1)
         winner = kpos[winner]                                      # [B, H, Q] absolute positions
         per_query = {
             "sink_rate": a[..., sink_col] if has_sink else zeros,
-            "sink_contribution": block.contribution[..., sink_col] if has_sink else zeros,
-            "sink_contribution_inter": block.contribution_inter[..., sink_col] if has_sink else zeros,
+            "sink_contribution": block.contribution_column(sink_col) if has_sink else zeros,
+            "sink_contribution_inter": block.contribution_inter_column(sink_col) if has_sink else zeros,
             "self_attention": self_att,
-            "entropy": M.entropy(a),
+            "entropy": block.entropy,
             "head_output_norm": block.head_output_norm,
             "head_share": block.head_share,
             "winner_self": (winner == qpos.view(1, 1, Q)).float(),
@@ -155,18 +170,13 @@ class TokenStats(Reducer):
         w = block.query_valid.float()                              # [B, Q]
         ks = slice(block.k_start, block.k_start + S)
         qs = slice(block.q_start, block.q_start + Q)
-        if block.allowed is None:  # causal
-            visible = (block.k_positions[None, :] <= block.q_positions[:, None]).expand(B, Q, S)
-        else:
-            visible = block.allowed[:, 0].expand(B, Q, S)
-        acc["seen_by"][:, ks] += (visible.float() * w[..., None]).sum(1).double().cpu()
-        for m in self.SOURCE:
-            score = block.token_score(m)                          # [B, Q, S]
-            acc[f"{m}_received"][:, ks] += (score * w[..., None]).sum(1).double().cpu()
+        acc["seen_by"][:, ks] += _seen_by(block, w).double().cpu()
+        for m, x in block.received(w).items():
+            acc[f"{m}_received"][:, ks] += x.double().cpu()
         sink_col = self.sink - block.k_start
         if 0 <= sink_col < S:
             acc["sink_rate"][:, qs] = block.a[..., sink_col].mean(1).double().cpu()
-        acc["entropy"][:, qs] = M.entropy(block.a).mean(1).double().cpu()
+        acc["entropy"][:, qs] = block.entropy.mean(1).double().cpu()
         acc["output_norm"][:, qs] = block.layer_output.norm(dim=-1).double().cpu()
 
     def end(self, batch: Batch) -> None:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import metrics as M
-from .capture import Intervention, Session, attngeom_attention_implementation
+from .capture import Block, Intervention, LayerState, Session, attngeom_attention_implementation
 from .errors import InputError
 from .reducers import Batch, FullCapture, Reducer
 
@@ -154,72 +154,74 @@ def stream(
 @dataclass
 class LayerTrace:
     """One attention layer of one text. Maps are numpy float32 ``[heads, T, T]`` (queries x
-    sources), computed from the stored head-space pieces on first access."""
+    sources), computed on first access from the stored head-space pieces (the same
+    :class:`~attngeom.capture.Block` code the streaming path runs)."""
 
     index: int
     a: torch.Tensor        # [H, T, T]
     v: torch.Tensor        # [H, T, d]
     G: torch.Tensor        # [H, d, d]
     w_o: torch.Tensor      # [D, H*d]
-    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_heads(self) -> int:
         return self.a.shape[0]
 
     @cached_property
-    def _u(self) -> torch.Tensor:
-        return M.head_output(self.a[None], self.v[None])  # [1, H, T, d]
+    def block(self) -> Block:
+        """The whole layer as one block (batch of one)."""
+        T = self.a.shape[-1]
+        state = LayerState(layer=self.index, module=None, v=self.v[None], w_o=self.w_o, G=self.G,
+                           G_full=M.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
+                           lengths=torch.tensor([T]))
+        return Block(state=state, a=self.a[None], q_start=0, k_start=0)
 
-    @cached_property
-    def _o(self) -> torch.Tensor:
-        return M.layer_output(self._u, self.w_o)  # [1, T, D]
+    def _np(self, x: torch.Tensor) -> np.ndarray:
+        return x[0].numpy()
 
     @cached_property
     def attention(self) -> np.ndarray:
         return self.a.numpy()
 
     @cached_property
+    def value_weighted(self) -> np.ndarray:
+        return self._np(self.block.value_weighted)
+
+    @cached_property
+    def output_normalized(self) -> np.ndarray:
+        return self._np(self.block.output_normalized)
+
+    @cached_property
+    def contribution(self) -> np.ndarray:
+        return self._np(self.block.contribution)
+
+    @cached_property
+    def contribution_inter(self) -> np.ndarray:
+        return self._np(self.block.contribution_inter)
+
+    @cached_property
     def value_norm(self) -> np.ndarray:
         """``‖ṽ_j^h‖``: ``[heads, T]``."""
-        return M.projected_value_norm(self.v[None], self.G)[0].numpy()
+        return self._np(self.block.value_norm)
 
     @cached_property
     def head_output_norm(self) -> np.ndarray:
         """``‖o_i^h‖``: ``[heads, T]``."""
-        return M.head_output_norm(self._u, self.G)[0].numpy()
+        return self._np(self.block.head_output_norm)
 
     @cached_property
     def output_norm(self) -> np.ndarray:
         """``‖o_i‖`` (layer attention output before the o_proj bias): ``[T]``."""
-        return self._o[0].norm(dim=-1).numpy()
+        return self._np(self.block.output_norm)
 
     @cached_property
     def head_share(self) -> np.ndarray:
         """``Σ_j C_ij^h``: ``[heads, T]``."""
-        return M.head_share(self._o, self._u, self.w_o)[0].numpy()
-
-    @cached_property
-    def value_weighted(self) -> np.ndarray:
-        return M.value_weighted(self.a, torch.from_numpy(self.value_norm)).numpy()
-
-    @cached_property
-    def output_normalized(self) -> np.ndarray:
-        return M.output_normalized(self.a, torch.from_numpy(self.value_norm),
-                                   torch.from_numpy(self.head_output_norm)).numpy()
-
-    @cached_property
-    def contribution(self) -> np.ndarray:
-        return M.contribution(self.a[None], self._u, self.v[None], self.G)[0].numpy()
-
-    @cached_property
-    def contribution_inter(self) -> np.ndarray:
-        return M.contribution_inter(self.a[None], self._o, self.v[None], self.w_o)[0].numpy()
+        return self._np(self.block.head_share)
 
     def factors(self) -> dict[str, np.ndarray]:
         """The three factors of the intra-head contribution, each ``[heads, T, T]``."""
-        f = M.contribution_factors(self.a[None], self._u, self.v[None], self.G)
-        return {k: x[0].numpy() for k, x in f.items()}
+        return {k: self._np(x) for k, x in self.block.factors().items()}
 
     def metric(self, name: str) -> np.ndarray:
         if name not in M.METRICS:
