@@ -179,7 +179,7 @@ class Block:
     @property
     def head_share(self) -> torch.Tensor:
         """``⟨o_i, o_i^h⟩/‖o_i‖²``: ``[B, H, Q]``."""
-        return self._memo("share", lambda: M._safe_div(self.head_dot_output, self.output_sq.unsqueeze(1)))
+        return self._memo("share", lambda: M.safe_div(self.head_dot_output, self.output_sq.unsqueeze(1)))
 
     @property
     def entropy(self) -> torch.Tensor:

@@ -72,7 +72,7 @@ def output_sq_norm(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (p * u).sum((1, 3)).clamp_min(0.0)
 
 
-def _safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x / y`` where ``y > 0``, else 0 (a zero output has no direction; every weight on it is 0)."""
     return torch.where(y > 0, x / torch.where(y > 0, y, torch.ones_like(y)), torch.zeros_like(x))
 
@@ -84,7 +84,7 @@ def value_weighted(a: torch.Tensor, value_norm: torch.Tensor) -> torch.Tensor:
 
 def output_normalized(a: torch.Tensor, value_norm: torch.Tensor, out_norm: torch.Tensor) -> torch.Tensor:
     """``a_ij^h ‖ṽ_j^h‖ / ‖o_i^h‖``: ``out_norm [B, H, Q]`` -> ``[B, H, Q, S]``."""
-    return _safe_div(value_weighted(a, value_norm), out_norm.unsqueeze(-1))
+    return safe_div(value_weighted(a, value_norm), out_norm.unsqueeze(-1))
 
 
 def contribution(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, head_out_sq: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ def contribution(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, head_out_sq
 
     ``uG = u G [B, H, Q, d]`` (so ``⟨o_i^h, ṽ_j^h⟩ = uG_i·v_j``), ``head_out_sq = ‖o_i^h‖² [B, H, Q]``.
     Sums to 1 over sources for every head and query with a non-zero output."""
-    return _safe_div(a * (uG @ v.transpose(-1, -2)), head_out_sq.unsqueeze(-1))
+    return safe_div(a * (uG @ v.transpose(-1, -2)), head_out_sq.unsqueeze(-1))
 
 
 def contribution_inter(a: torch.Tensor, p: torch.Tensor, v: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
@@ -100,19 +100,19 @@ def contribution_inter(a: torch.Tensor, p: torch.Tensor, v: torch.Tensor, out_sq
 
     ``p`` from :func:`pulled_back`, ``out_sq = ‖o_i‖² [B, Q]``. Sums to 1 over heads and sources
     for every query with a non-zero layer output."""
-    return _safe_div(a * (p @ v.transpose(-1, -2)), out_sq[:, None, :, None])
+    return safe_div(a * (p @ v.transpose(-1, -2)), out_sq[:, None, :, None])
 
 
 def contribution_column(a_col: torch.Tensor, uG: torch.Tensor, v_col: torch.Tensor,
                         head_out_sq: torch.Tensor) -> torch.Tensor:
     """:func:`contribution` for one source ``j``: ``a_col [B, H, Q]``, ``v_col [B, H, d]`` -> ``[B, H, Q]``."""
-    return _safe_div(a_col * (uG * v_col.unsqueeze(-2)).sum(-1), head_out_sq)
+    return safe_div(a_col * (uG * v_col.unsqueeze(-2)).sum(-1), head_out_sq)
 
 
 def contribution_inter_column(a_col: torch.Tensor, p: torch.Tensor, v_col: torch.Tensor,
                               out_sq: torch.Tensor) -> torch.Tensor:
     """:func:`contribution_inter` for one source ``j``: -> ``[B, H, Q]``."""
-    return _safe_div(a_col * (p * v_col.unsqueeze(-2)).sum(-1), out_sq.unsqueeze(1))
+    return safe_div(a_col * (p * v_col.unsqueeze(-2)).sum(-1), out_sq.unsqueeze(1))
 
 
 def contribution_factors(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor,
@@ -123,14 +123,14 @@ def contribution_factors(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, val
     equals :func:`contribution`."""
     vn = value_norm.unsqueeze(-2).expand(a.shape)
     on = head_out_norm.unsqueeze(-1).expand(a.shape)
-    rel = _safe_div(vn, on)
-    cos = _safe_div(uG @ v.transpose(-1, -2), on * vn)
+    rel = safe_div(vn, on)
+    cos = safe_div(uG @ v.transpose(-1, -2), on * vn)
     return {"attention": a, "relative_norm": rel, "cosine": cos}
 
 
 def head_share(u: torch.Tensor, p: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
     """``Σ_j C_ij^h = ⟨o_i, o_i^h⟩ / ‖o_i‖² = p_i^h·u_i^h / ‖o_i‖²``: -> ``[B, H, Q]`` (sums to 1 over heads)."""
-    return _safe_div((p * u).sum(-1), out_sq.unsqueeze(1))
+    return safe_div((p * u).sum(-1), out_sq.unsqueeze(1))
 
 
 def received(a: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor, head_out_norm: torch.Tensor,
@@ -142,11 +142,11 @@ def received(a: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor, head_ou
     ``aᵀ X`` product: ``Σ_i w_i a_ij^h (p_i^h·v_j^h)/‖o_i‖² = v_j^h · (aᵀ (w p/‖o‖²))_j``,
     and likewise for the attention and output-normalised sums."""
     B, H, Q, S = a.shape
-    inv_out = _safe_div(torch.ones_like(head_out_norm), head_out_norm)      # [B, H, Q]
+    inv_out = safe_div(torch.ones_like(head_out_norm), head_out_norm)      # [B, H, Q]
     X = torch.cat([
         weight[:, None, :, None].expand(B, H, Q, 1),
         (weight[:, None, :] * inv_out).unsqueeze(-1),
-        p * _safe_div(weight, out_sq)[:, None, :, None],
+        p * safe_div(weight, out_sq)[:, None, :, None],
     ], dim=-1)                                                                # [B, H, Q, 2+d]
     R = a.transpose(-1, -2) @ X                                               # [B, H, S, 2+d]
     att = R[..., 0]
