@@ -91,8 +91,8 @@ def test_zero_output_gives_zero_weights_not_nan():
     a = torch.tensor([[[[0.5, 0.5]]]])
     v = torch.tensor([[[[1.0, 0.0], [-1.0, 0.0]]]])
     G, u, uG, p = _pieces(a, v, torch.eye(2))
-    c = M.contribution(a, uG, v, M.quad(u, G))
-    C = M.contribution_inter(a, p, v, M.output_sq_norm(u, p))
+    c = M.contribution_from(a, uG, v, M.quad(u, G))
+    C = M.contribution_inter_from(a, p, v, M.output_sq_norm(u, p))
     for x in (c, C):
         assert torch.isfinite(x).all() and float(x.abs().max()) == 0.0
 
@@ -105,14 +105,18 @@ def test_hand_computed_contribution():
     G, u, uG, p = _pieces(a, v, w_o)
     assert torch.allclose(M.layer_output(u, w_o), torch.tensor([[[1.0, 0.5]]]))
     # <o, a1 v1> = (1,0.5)·(1,0) = 1 ; <o, a2 v2> = (1,0.5)·(0,0.5) = 0.25 ; |o|^2 = 1.25
-    c = M.contribution(a, uG, v, M.quad(u, G))[0, 0, 0]
+    c = M.contribution_from(a, uG, v, M.quad(u, G))[0, 0, 0]
     assert torch.allclose(c, torch.tensor([0.8, 0.2]))
-    C = M.contribution_inter(a, p, v, M.output_sq_norm(u, p))[0, 0, 0]
+    C = M.contribution_inter_from(a, p, v, M.output_sq_norm(u, p))[0, 0, 0]
     assert torch.allclose(C, torch.tensor([0.8, 0.2]))
     vw = M.value_weighted(a, M.projected_value_norm(v, G))[0, 0, 0]
     assert torch.allclose(vw, torch.tensor([1.0, 0.5]))
     on = M.output_normalized(a, M.projected_value_norm(v, G), M.quad(u, G).sqrt())[0, 0, 0]
     assert torch.allclose(on, torch.tensor([1.0, 0.5]) / 1.25**0.5)
+    # the plain-piece forms agree with the piece-based ones
+    o = M.layer_output(u, w_o)
+    assert torch.allclose(M.contribution(a, u, v, G)[0, 0, 0], c)
+    assert torch.allclose(M.contribution_inter(a, o, v, w_o)[0, 0, 0], C)
 
 
 def test_two_heads_inter_contribution_by_hand():
@@ -122,7 +126,7 @@ def test_two_heads_inter_contribution_by_hand():
     w_o = torch.eye(2)                                          # [D=2, H*d=2]
     G, u, uG, p = _pieces(a, v, w_o)
     # o = (1*3, 0.25*4 + 0.75*(-4)) = (3, -2); |o|^2 = 13
-    C = M.contribution_inter(a, p, v, M.output_sq_norm(u, p))[0, :, 0]
+    C = M.contribution_inter_from(a, p, v, M.output_sq_norm(u, p))[0, :, 0]
     expected = torch.tensor([[9.0, 0.0], [-2.0 * 1.0, -2.0 * -3.0]]) / 13
     assert torch.allclose(C, expected)
-    assert torch.allclose(M.head_share(u, p, M.output_sq_norm(u, p))[0, :, 0], torch.tensor([9.0, 4.0]) / 13)
+    assert torch.allclose(M.head_share_from(u, p, M.output_sq_norm(u, p))[0, :, 0], torch.tensor([9.0, 4.0]) / 13)

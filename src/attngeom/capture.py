@@ -203,16 +203,16 @@ class Block:
 
     @property
     def contribution(self) -> torch.Tensor:
-        return self._memo("contribution", lambda: M.contribution(self.a, self.uG, self.v, self.head_output_sq))
+        return self._memo("contribution", lambda: M.contribution_from(self.a, self.uG, self.v, self.head_output_sq))
 
     @property
     def contribution_inter(self) -> torch.Tensor:
         return self._memo("contribution_inter",
-                          lambda: M.contribution_inter(self.a, self.pulled_back, self.v, self.output_sq))
+                          lambda: M.contribution_inter_from(self.a, self.pulled_back, self.v, self.output_sq))
 
     def factors(self) -> dict[str, torch.Tensor]:
         """The three factors of the intra-head contribution, each ``[B, H, Q, S]``."""
-        return M.contribution_factors(self.a, self.uG, self.v, self.value_norm, self.head_output_norm)
+        return M.contribution_factors_from(self.a, self.uG, self.v, self.value_norm, self.head_output_norm)
 
     def contribution_column(self, col: int) -> torch.Tensor:
         """``c_ij^h`` for the block's source column ``col`` (position ``k_start + col``): ``[B, H, Q]``."""

@@ -87,7 +87,7 @@ def output_normalized(a: torch.Tensor, value_norm: torch.Tensor, out_norm: torch
     return safe_div(value_weighted(a, value_norm), out_norm.unsqueeze(-1))
 
 
-def contribution(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, head_out_sq: torch.Tensor) -> torch.Tensor:
+def contribution_from(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, head_out_sq: torch.Tensor) -> torch.Tensor:
     """Intra-head contribution ``c_ij^h = ⟨o_i^h, a_ij^h ṽ_j^h⟩ / ‖o_i^h‖²`` -> ``[B, H, Q, S]``.
 
     ``uG = u G [B, H, Q, d]`` (so ``⟨o_i^h, ṽ_j^h⟩ = uG_i·v_j``), ``head_out_sq = ‖o_i^h‖² [B, H, Q]``.
@@ -95,7 +95,7 @@ def contribution(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, head_out_sq
     return safe_div(a * (uG @ v.transpose(-1, -2)), head_out_sq.unsqueeze(-1))
 
 
-def contribution_inter(a: torch.Tensor, p: torch.Tensor, v: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
+def contribution_inter_from(a: torch.Tensor, p: torch.Tensor, v: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
     """Inter-head contribution ``C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²`` -> ``[B, H, Q, S]``.
 
     ``p`` from :func:`pulled_back`, ``out_sq = ‖o_i‖² [B, Q]``. Sums to 1 over heads and sources
@@ -115,12 +115,12 @@ def contribution_inter_column(a_col: torch.Tensor, p: torch.Tensor, v_col: torch
     return safe_div(a_col * (p * v_col.unsqueeze(-2)).sum(-1), out_sq.unsqueeze(1))
 
 
-def contribution_factors(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor,
+def contribution_factors_from(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor,
                          head_out_norm: torch.Tensor) -> dict[str, torch.Tensor]:
     """The three factors of ``c_ij^h = a_ij^h · (‖ṽ_j^h‖/‖o_i^h‖) · cos(o_i^h, ṽ_j^h)``.
 
     Returns ``{"attention", "relative_norm", "cosine"}``, each ``[B, H, Q, S]``; their product
-    equals :func:`contribution`."""
+    equals :func:`contribution_from`."""
     vn = value_norm.unsqueeze(-2).expand(a.shape)
     on = head_out_norm.unsqueeze(-1).expand(a.shape)
     rel = safe_div(vn, on)
@@ -128,9 +128,46 @@ def contribution_factors(a: torch.Tensor, uG: torch.Tensor, v: torch.Tensor, val
     return {"attention": a, "relative_norm": rel, "cosine": cos}
 
 
-def head_share(u: torch.Tensor, p: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
+def head_share_from(u: torch.Tensor, p: torch.Tensor, out_sq: torch.Tensor) -> torch.Tensor:
     """``Σ_j C_ij^h = ⟨o_i, o_i^h⟩ / ‖o_i‖² = p_i^h·u_i^h / ‖o_i‖²``: -> ``[B, H, Q]`` (sums to 1 over heads)."""
     return safe_div((p * u).sum(-1), out_sq.unsqueeze(1))
+
+
+# ---- the same metrics from the plain pieces (a, v, G, w_o), as the SPEC writes them -------------
+
+
+def head_output_norm(u: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``‖o_i^h‖ = ‖u_i^h W_O^h‖``: ``u [B, H, Q, d]`` -> ``[B, H, Q]``."""
+    return quad(u, G).sqrt()
+
+
+def pulled_back_output(o: torch.Tensor, w_o: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``o_i W_O^{hᵀ}`` for every head from the model-space output: ``[B, Q, D]`` -> ``[B, H, Q, d]``."""
+    B, Q, D = o.shape
+    return (o @ w_o).reshape(B, Q, num_heads, -1).transpose(1, 2)
+
+
+def contribution(a: torch.Tensor, u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Intra-head contribution from ``a [B,H,Q,S]``, ``u = a v [B,H,Q,d]``, ``v [B,H,S,d]``, ``G [H,d,d]``."""
+    return contribution_from(a, u @ G, v, quad(u, G))
+
+
+def contribution_inter(a: torch.Tensor, o: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """Inter-head contribution from the model-space layer output ``o [B, Q, D]`` and ``w_o [D, H*d]``."""
+    return contribution_inter_from(a, pulled_back_output(o, w_o, a.shape[1]), v, (o * o).sum(-1))
+
+
+def contribution_factors(a: torch.Tensor, u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The three factors of the intra-head contribution (see :func:`contribution_factors_from`)."""
+    return contribution_factors_from(a, u @ G, v, projected_value_norm(v, G), head_output_norm(u, G))
+
+
+def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """``Σ_j C_ij^h = ⟨o_i, o_i^h⟩ / ‖o_i‖²`` from the model-space output: -> ``[B, H, Q]``."""
+    return head_share_from(u, pulled_back_output(o, w_o, u.shape[1]), (o * o).sum(-1))
+
+
+_safe_div = safe_div  # older name
 
 
 def received(a: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor, head_out_norm: torch.Tensor,
