@@ -1,0 +1,725 @@
+"""Attention sinks as active suppressors (SPEC §4): pure math, a corpus reducer, and removal.
+
+Everything is computed per layer ``l``, head ``h`` and query ``i`` in head space through the Gram
+matrix ``G = W_O^h W_O^hᵀ`` (SPEC §2): ``⟨ṽ_a, ṽ_b⟩ = v_aᵀ G v_b``. With the sink at position ``s``
+(default 0), ``ρ_i = a_is`` the sink rate, ``u_i = Σ_j a_ij v_j`` the head output in head space:
+
+- ``m_i = Σ_{j≠s} a_ij ṽ_j`` — the *semantic* (non-sink) part of the head output, so that
+  ``o_i = ρ_i ṽ_s + m_i``; computed directly as ``(a with the sink column zeroed) · v`` (no
+  cancellation when ``ρ_i → 1``).
+- anti-alignment ``cos(ṽ_s, m_i) = v_sᵀ G m_i / (‖ṽ_s‖ ‖m_i‖)`` and, per source ``j ≠ s`` of each
+  text, ``cos(ṽ_s, ṽ_j)``.
+- counterfactual ``o(ρ) = ρ ṽ_s + (1−ρ) r_i`` with ``r_i = m_i / (1−ρ_i)``; ``‖o(ρ)‖²`` is a convex
+  quadratic with minimiser ``ρ* = ⟨r, r − ṽ_s⟩ / ‖r − ṽ_s‖²`` (:func:`rho_star`).
+- decomposition ``c_ij = a_ij · (‖ṽ_j‖/‖o_i‖) · cos(o_i, ṽ_j)`` for the sink (``j = s``) and the
+  tail (``j ≠ s``). How much of the contribution each factor explains is summarised two ways:
+
+  * **levels**: the mean of each factor (sink: over queries; tail: over all visible
+    (query, source) pairs, unweighted);
+  * **variance shares**: with ``y = log|c| = log a + log(‖ṽ‖/‖o‖) + log|cos|``, the share of factor
+    ``k`` is ``Cov(log f_k, y) / Var(y)`` over the same population. The three shares sum to 1
+    exactly; a factor whose share is near 0 does not explain *which* entries have large
+    contributions, even if its level is large (e.g. a sink rate that is high everywhere).
+
+- semantic drift: ``H̃_i`` = entropy of the renormalised non-sink attention
+  ``a_ij / (1−ρ_i)``, ``j ≠ s``, divided by ``log`` of the number of visible non-sink sources
+  (1 = uniform over them, i.e. the most diffuse). How much the sink's value cancels the drift of the
+  semantic mean is measured by
+
+  * ``cancel_i = −⟨ρ_i ṽ_s, m_i⟩ / ‖m_i‖²`` — the component of ``ρ_i ṽ_s`` along ``−m_i/‖m_i‖``
+    as a fraction of ``‖m_i‖`` (1 = the sink cancels the semantic mean entirely along its own
+    direction, 0 = orthogonal, negative = it adds to it), and
+  * ``norm_reduction_i = 1 − ‖o_i‖ / ‖m_i‖`` (positive when adding the sink shortens the output).
+
+  Over many queries both are aggregated as ratios of sums (queries with a tiny ``‖m_i‖`` would
+  dominate a plain mean of ratios): ``cancel = Σ_i (−⟨ρ_i ṽ_s, m_i⟩/‖m_i‖) / Σ_i ‖m_i‖`` (the
+  ``‖m_i‖``-weighted mean of ``cancel_i``) and ``norm_reduction = 1 − Σ_i ‖o_i‖ / Σ_i ‖m_i‖``.
+
+Sink-norm removal (:class:`SourceRemoval`): the weights that mix the values get the sink column
+zeroed for every query ``i > s`` of the chosen layers (the sink token's own query keeps its output:
+it can see nothing else), no renormalisation (SPEC §3). The *control* removes, for every query and
+head, the one non-sink visible source whose attention is closest to the sink's ``|a_ij − a_is|``
+(so the removed mass is as close to the sink's as any single other source allows; the mean removed
+mass of both is reported). The *cone measure* of a head output ``o_i`` is the attention-weighted
+mean cosine of ``o_i`` with the semantic sources, ``κ_i = Σ_{j≠s} (a_ij/(1−ρ_i)) cos(o_i, ṽ_j)``
+(how far inside the cone of the semantic values the output lies), reported beside
+``cos(o_i, m_i)``, which is 1 by construction after sink removal at that layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import metrics as M
+from .capture import Block
+from .reducers import Batch, Reducer
+
+# Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
+# a median read from the histogram (and whether it is inside (0, 1)) is exact.
+HISTOGRAMS = {
+    "cos_v0_m": (-1.0, 1.0, 200),
+    "cos_v0_vj": (-1.0, 1.0, 200),
+    "rho_star": (-4.0, 5.0, 900),
+}
+SINK_RATE_BINS = 20
+ENTROPY_BINS = 10
+EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# Pure math
+# --------------------------------------------------------------------------------------------
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor, G: torch.Tensor | None = None) -> torch.Tensor:
+    """``⟨x, y⟩`` over the last axis; in head space ``xᵀ G y`` when ``G`` is given.
+
+    ``x, y [..., H, N, d]`` with ``G [H, d, d]``; without ``G`` any matching shapes."""
+    if G is None:
+        return (x * y).sum(-1)
+    return ((x @ G) * y).sum(-1)
+
+
+def rho_star_from_dots(r2: torch.Tensor, rv: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """``ρ* = (‖r‖² − ⟨r,ṽ_0⟩) / (‖r‖² − 2⟨r,ṽ_0⟩ + ‖ṽ_0‖²)`` from the three inner products;
+    NaN where ``‖r − ṽ_0‖`` vanishes (every ρ gives the same output)."""
+    den = r2 - 2 * rv + v2
+    ok = den > EPS * (r2 + v2).clamp_min(1e-30)
+    return torch.where(ok, (r2 - rv) / torch.where(ok, den, torch.ones_like(den)), torch.full_like(den, float("nan")))
+
+
+def rho_star(r: torch.Tensor, v0: torch.Tensor, G: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact minimiser over ρ of ``‖ρ ṽ_0 + (1−ρ) r‖``: ``ρ* = ⟨r, r − ṽ_0⟩ / ‖r − ṽ_0‖²`` (SPEC §4).
+
+    ``r, v0 [..., d]`` in model space, or in head space with ``G`` (then ``[..., H, N, d]``)."""
+    return rho_star_from_dots(_dot(r, r, G), _dot(r, v0, G), _dot(v0, v0, G))
+
+
+def counterfactual_norm(r: torch.Tensor, v0: torch.Tensor, rho, G: torch.Tensor | None = None) -> torch.Tensor:
+    """``‖o(ρ)‖ = ‖ρ ṽ_0 + (1−ρ) r‖`` (model space, or head space with ``G``)."""
+    o = rho * v0 + (1 - rho) * r
+    return _dot(o, o, G).clamp_min(0).sqrt()
+
+
+def visible_mask(block: Block) -> torch.Tensor:
+    """``[B|1, 1, Q, S]`` bool: query ``i`` may attend to source ``j``."""
+    if block.allowed is not None:
+        return block.allowed
+    return (block.k_positions[None, :] <= block.q_positions[:, None])[None, None]
+
+
+def _safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x / y`` where ``y > 0``, else 0 (a zero vector has no direction)."""
+    return torch.where(y > 0, x / torch.where(y > 0, y, torch.ones_like(y)), torch.zeros_like(x))
+
+
+def _intra_dot(u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``⟨o_i^h, ṽ_j^h⟩ = (u_i G)·v_j``: ``u [B,H,Q,d]``, ``v [B,H,S,d]`` -> ``[B,H,Q,S]``."""
+    return (u @ G) @ v.transpose(-1, -2)
+
+
+def sink_terms(a: torch.Tensor, v: torch.Tensor, G: torch.Tensor, v0: torch.Tensor,
+               sink_col: int | None, visible: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-query sink quantities of one block, all ``[B, H, Q]``.
+
+    ``a [B,H,Q,S]`` attention, ``v [B,H,S,d]`` values of the block's sources, ``G [H,d,d]``,
+    ``v0 [B,H,d]`` the sink's value, ``sink_col`` its column in the block (None: not a source of
+    the block, so ``ρ = 0``), ``visible [B|1,1,Q,S]`` (None: all). Keys: ``rho``, ``output_norm``
+    ‖o_i‖, ``semantic_norm`` ‖m_i‖, ``sink_value_norm`` ‖ṽ_0‖, ``cos_v0_m``, ``sink_relative_norm``
+    ‖ṽ_0‖/‖o_i‖, ``sink_cosine`` cos(o_i, ṽ_0), ``sink_contribution`` c_i0 (their product with ρ),
+    ``rho_star``, ``tail_entropy`` (normalised, NaN with fewer than 2 non-sink sources),
+    ``cancel``, ``norm_reduction``; plus ``m [B,H,Q,d]`` and ``u [B,H,Q,d]`` (head space)."""
+    B, H, Q, S = a.shape
+    a_tail = a
+    if sink_col is not None:
+        a_tail = a.clone()
+        a_tail[..., sink_col] = 0.0
+        rho = a[..., sink_col]
+    else:
+        rho = torch.zeros(B, H, Q, dtype=a.dtype, device=a.device)
+    m = a_tail @ v                                            # [B,H,Q,d]
+    u = m + rho.unsqueeze(-1) * v0.unsqueeze(2)               # = a @ v
+    v0q = v0.unsqueeze(2)                                     # [B,H,1,d]
+    n0sq = _dot(v0q, v0q, G).clamp_min(0)                     # [B,H,1]
+    n0 = n0sq.sqrt().expand(B, H, Q)
+    m2 = _dot(m, m, G).clamp_min(0)
+    mn = m2.sqrt()
+    d0m = ((v0q @ G) * m).sum(-1)                             # ⟨ṽ0, m⟩ [B,H,Q]
+    d0u = d0m + rho * n0sq.expand(B, H, Q)                    # ⟨ṽ0, o⟩
+    on = _dot(u, u, G).clamp_min(0).sqrt()
+    s = 1.0 - rho
+    ok = s > EPS
+    s_safe = torch.where(ok, s, torch.ones_like(s))
+    rs = rho_star_from_dots(m2 / s_safe**2, d0m / s_safe, n0sq.expand(B, H, Q))
+    rs = torch.where(ok, rs, torch.full_like(rs, float("nan")))
+    # normalised entropy of the renormalised non-sink attention
+    p = _safe_div(a_tail, s.unsqueeze(-1))
+    ent = M.entropy(p)
+    if visible is None:
+        n_vis = torch.full((1, 1, Q), float(S - (sink_col is not None)), device=a.device)
+    else:
+        vis = visible.expand(-1, -1, Q, S).clone()
+        if sink_col is not None:
+            vis[..., sink_col] = False
+        n_vis = vis.sum(-1).float()                           # [B|1,1,Q]
+    logn = torch.log(n_vis.clamp_min(1.0)).expand(B, H, Q)
+    tail_entropy = torch.where(logn > 0, ent / torch.where(logn > 0, logn, torch.ones_like(logn)),
+                               torch.full_like(ent, float("nan")))
+    return {
+        "rho": rho,
+        "output_norm": on,
+        "semantic_norm": mn,
+        "sink_value_norm": n0,
+        "cos_v0_m": _safe_div(d0m, n0 * mn),
+        "sink_relative_norm": _safe_div(n0, on),
+        "sink_cosine": _safe_div(d0u, n0 * on),
+        "sink_contribution": _safe_div(rho * d0u, on * on),
+        "rho_star": rs,
+        "tail_entropy": tail_entropy,
+        "cancel": _safe_div(-rho * d0m, m2),
+        "cancel_length": _safe_div(-rho * d0m, mn),
+        "norm_reduction": torch.where(mn > 0, 1.0 - _safe_div(on, mn), torch.full_like(mn, float("nan"))),
+        "m": m,
+        "u": u,
+    }
+
+
+def pair_factors(a: torch.Tensor, u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The three factors of ``c_ij`` for every pair: ``attention``, ``relative_norm``, ``cosine``,
+    and ``contribution`` (their product), each ``[B, H, Q, S]``."""
+    f = M.contribution_factors(a, u, v, G)
+    f["contribution"] = f["attention"] * f["relative_norm"] * f["cosine"]
+    return f
+
+
+def log_share_sums(factors: dict[str, torch.Tensor], mask: torch.Tensor, dims) -> dict[str, torch.Tensor]:
+    """Sufficient statistics for the variance shares ``Cov(log f_k, log|c|)/Var(log|c|)``.
+
+    Entries where any factor is 0 or not finite (no attention, no direction) are left out. Returns
+    float64 sums over ``dims`` of ``n, y, y², x_k, x_k·y`` for ``k`` in attention, relative_norm,
+    cosine (``x_k = log|f_k|``, ``y = Σ_k x_k``)."""
+    keys = ("attention", "relative_norm", "cosine")
+    ok = mask
+    absx = {}
+    for k in keys:
+        x = factors[k].abs()
+        ok = ok & (x > 0) & (x < float("inf"))
+        absx[k] = x
+    one = torch.ones((), dtype=factors["attention"].dtype, device=factors["attention"].device)
+    logs = {k: torch.log(torch.where(ok, x, one)) for k, x in absx.items()}   # 0 where left out
+    y = logs["attention"] + logs["relative_norm"] + logs["cosine"]
+    f64 = torch.float64
+    out = {"n": ok.sum(dims, dtype=f64), "y": y.sum(dims, dtype=f64), "yy": (y * y).sum(dims, dtype=f64)}
+    for k, x in logs.items():
+        out[f"x_{k}"] = x.sum(dims, dtype=f64)
+        out[f"xy_{k}"] = (x * y).sum(dims, dtype=f64)
+    return out
+
+
+def variance_shares(s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Shares ``Cov(log f_k, y)/Var(y)`` from :func:`log_share_sums` (they sum to 1)."""
+    n = np.maximum(s["n"], 1)
+    ey = s["y"] / n
+    var = s["yy"] / n - ey**2
+    out = {}
+    for k in ("attention", "relative_norm", "cosine"):
+        cov = s[f"xy_{k}"] / n - (s[f"x_{k}"] / n) * ey
+        out[k] = np.where(var > 0, cov / np.where(var > 0, var, 1), np.nan)
+    return out
+
+
+def histogram_counts(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
+    """Per-head histogram: ``x, w [B, H, N]`` -> ``[H, bins + 2]`` float64 counts (first/last column:
+    below ``lo`` / at or above ``hi``). NaN entries are left out."""
+    H = x.shape[1]
+    ok = torch.isfinite(x) & (w > 0)
+    width = (hi - lo) / bins
+    idx = torch.floor((torch.where(ok, x, torch.zeros_like(x)) - lo) / width).long()
+    idx = idx.clamp(-1, bins) + 1                            # 0 = underflow, bins+1 = overflow
+    head = torch.arange(H, device=x.device).view(1, H, 1).expand_as(idx)
+    flat = (head * (bins + 2) + idx).reshape(-1)
+    wt = torch.where(ok, w, torch.zeros_like(w)).reshape(-1).double()
+    return torch.bincount(flat.cpu(), weights=wt.cpu(), minlength=H * (bins + 2)).view(H, bins + 2)
+
+
+def histogram_quantile(counts: np.ndarray, lo: float, hi: float, q: float) -> float:
+    """Quantile ``q`` of a histogram from :func:`histogram_counts` (linear inside the bin; values in
+    the under/overflow bins are reported as ``lo``/``hi``); NaN when empty."""
+    counts = np.asarray(counts, dtype=float)
+    total = counts.sum()
+    if total <= 0:
+        return float("nan")
+    bins = len(counts) - 2
+    width = (hi - lo) / bins
+    cum = np.cumsum(counts)
+    target = q * total
+    k = int(np.searchsorted(cum, target, side="left"))
+    if k == 0:
+        return lo
+    if k == bins + 1:
+        return hi
+    below = cum[k - 1]
+    frac = (target - below) / counts[k] if counts[k] > 0 else 0.5
+    return lo + (k - 1 + frac) * width
+
+
+def histogram_share_inside(counts: np.ndarray, lo: float, hi: float, a: float, b: float) -> float:
+    """Share of the mass in bins fully inside ``(a, b)`` (``a, b`` must be bin edges)."""
+    counts = np.asarray(counts, dtype=float)
+    total = counts.sum()
+    if total <= 0:
+        return float("nan")
+    bins = len(counts) - 2
+    width = (hi - lo) / bins
+    i0 = int(round((a - lo) / width)) + 1
+    i1 = int(round((b - lo) / width)) + 1
+    return float(counts[i0:i1].sum() / total)
+
+
+def quadratic_fit(sums: np.ndarray) -> dict[str, float]:
+    """Least-squares fit ``‖o‖ ≈ α ρ² + β ρ + γ`` over the queries, from the sums
+    ``[n, Σρ, Σρ², Σρ³, Σρ⁴, Σy, Σyρ, Σyρ², Σy²]``. Returns ``alpha, beta, gamma, vertex`` (the
+    minimiser ``−β/2α`` when ``α > 0``, else NaN), ``r2`` and ``convex``."""
+    n, s1, s2, s3, s4, y0, y1, y2, yy = [float(x) for x in sums]
+    nan = float("nan")
+    out = {"alpha": nan, "beta": nan, "gamma": nan, "vertex": nan, "r2": nan, "convex": False}
+    if n < 3:
+        return out
+    A = np.array([[s4, s3, s2], [s3, s2, s1], [s2, s1, n]])
+    b = np.array([y2, y1, y0])
+    # relative conditioning: sink rates spread too little to fix a curvature
+    var_rho = s2 / n - (s1 / n) ** 2
+    if var_rho < 1e-8:
+        return out
+    try:
+        coef = np.linalg.solve(A, b)
+    except np.linalg.LinAlgError:
+        return out
+    al, be, ga = (float(c) for c in coef)
+    sse = yy - 2 * coef @ b + coef @ A @ coef
+    sst = yy - y0**2 / n
+    out.update(alpha=al, beta=be, gamma=ga, r2=float(1 - sse / sst) if sst > 0 else nan, convex=al > 0)
+    if al > 0:
+        out["vertex"] = -be / (2 * al)
+    return out
+
+
+def _pearson(n, sx, sy, sxx, syy, sxy) -> float:
+    if n < 2:
+        return float("nan")
+    cov = sxy / n - (sx / n) * (sy / n)
+    vx = sxx / n - (sx / n) ** 2
+    vy = syy / n - (sy / n) ** 2
+    if vx <= 0 or vy <= 0:
+        return float("nan")
+    return float(cov / math.sqrt(vx * vy))
+
+
+# --------------------------------------------------------------------------------------------
+# The corpus reducer
+# --------------------------------------------------------------------------------------------
+
+_MEANS = ("rho", "sink_contribution", "sink_contribution_inter", "output_norm", "semantic_norm",
+          "sink_value_norm", "cos_v0_m", "sink_relative_norm", "sink_cosine", "cancel_length", "tail_entropy")
+
+
+class SinkStats(Reducer):
+    """Per (layer, head) sink statistics over a corpus (see the module docstring for definitions).
+
+    Queries counted: real tokens at positions ``i > sink``. ``layers``: the layers to reduce (None:
+    every observed layer). :meth:`result` returns a dict of DataFrames: ``heads`` (one row per
+    layer and head), ``curve`` (queries binned by sink rate), ``drift`` (queries binned by the
+    normalised non-sink entropy) and ``hist`` (histograms of ``cos_v0_m``, ``cos_v0_vj``,
+    ``rho_star``)."""
+
+    def __init__(self, sink: int = 0, layers=None):
+        self.sink = int(sink)
+        self.layers = None if layers is None else set(int(x) for x in layers)
+        self.acc: dict[int, dict[str, torch.Tensor]] = {}
+        self._seen_values: set[int] = set()
+
+    def begin(self, batch: Batch) -> None:
+        super().begin(batch)
+        self._seen_values = set()
+
+    # -- accumulation helpers -------------------------------------------------------------------
+    def _get(self, layer: int, key: str, shape) -> torch.Tensor:
+        d = self.acc.setdefault(layer, {})
+        if key not in d:
+            d[key] = torch.zeros(shape, dtype=torch.float64)
+        return d[key]
+
+    def _add(self, layer: int, key: str, x: torch.Tensor) -> None:
+        x = x.detach().double().cpu()
+        self._get(layer, key, x.shape).add_(x)
+
+    def _values(self, block: Block) -> None:
+        """Once per text and layer: value-norm ratios and cos(ṽ_0, ṽ_j) over the text's sources."""
+        st = block.state
+        v = st.v                                                   # [B,H,T,d]
+        B, H, T, _ = v.shape
+        pos = torch.arange(T, device=v.device)
+        src = (pos[None, :] < st.lengths[:, None]) & (pos[None, :] != self.sink)  # [B,T]
+        has_sink = (st.lengths > self.sink).double()                              # [B]
+        w = src.double()[:, None, :].expand(B, H, T)
+        vn = st.value_norm.double()
+        rn = st.raw_value_norm.double()
+        layer = block.layer
+        self._add(layer, "n_texts", has_sink.sum().expand(H).clone())
+        self._add(layer, "v0_norm_sum", (vn[:, :, self.sink] * has_sink[:, None]).sum(0))
+        self._add(layer, "v0_raw_norm_sum", (rn[:, :, self.sink] * has_sink[:, None]).sum(0))
+        wt = w * has_sink[:, None, None]
+        self._add(layer, "n_sources", wt.sum((0, 2)))
+        self._add(layer, "vj_norm_sum", (vn * wt).sum((0, 2)))
+        self._add(layer, "vj_raw_norm_sum", (rn * wt).sum((0, 2)))
+        v0 = v[:, :, self.sink]                                    # [B,H,d]
+        dots = ((v0.unsqueeze(2) @ st.G) * v).sum(-1)              # [B,H,T]
+        cos = _safe_div(dots, st.value_norm[:, :, self.sink:self.sink + 1] * st.value_norm)
+        lo, hi, bins = HISTOGRAMS["cos_v0_vj"]
+        self._add(layer, "hist_cos_v0_vj", histogram_counts(cos, wt.float(), lo, hi, bins))
+        self._add(layer, "cos_v0_vj_sum", (cos.double() * wt).sum((0, 2)))
+
+    def observe(self, block: Block) -> None:
+        layer = block.layer
+        if self.layers is not None and layer not in self.layers:
+            return
+        st = block.state
+        if self.sink >= st.v.shape[2]:
+            return
+        if layer not in self._seen_values:
+            self._seen_values.add(layer)
+            self._values(block)
+        B, H, Q, S = block.shape
+        qw = (block.query_valid & (block.q_positions[None, :] > self.sink)).float()   # [B,Q]
+        if qw.sum() == 0:
+            return
+        sink_col = self.sink - block.k_start
+        sink_col = sink_col if 0 <= sink_col < S else None
+        vis = visible_mask(block)
+        G = st.G
+        v0 = st.v[:, :, self.sink]
+        t = sink_terms(block.a, block.v, G, v0, sink_col, vis)
+        w = qw[:, None, :].expand(B, H, Q)                          # [B,H,Q]
+        # inter-head sink contribution C_i0^h = ρ ⟨o_i, ṽ_0^h⟩ / ‖o_i‖²
+        pulled = block.pulled_back                                  # o_i W_O^hᵀ [B,H,Q,d]
+        c_inter = _safe_div(t["rho"] * (pulled * v0.unsqueeze(2)).sum(-1), block.output_sq[:, None, :])
+        t["sink_contribution_inter"] = c_inter
+        wd = w.double()
+        self._add(layer, "n", wd.sum((0, 2)))
+        for k in _MEANS:
+            x = t[k].double()
+            ok = torch.isfinite(x)
+            self._add(layer, f"sum_{k}", torch.where(ok, x * wd, torch.zeros_like(x)).sum((0, 2)))
+            self._add(layer, f"n_{k}", (ok.double() * wd).sum((0, 2)))
+        rs = t["rho_star"].double()
+        ok = torch.isfinite(rs) & (wd > 0)
+        self._add(layer, "n_rho_star", ok.double().sum((0, 2)))
+        self._add(layer, "rho_star_interior", ((rs > 0) & (rs < 1) & ok).double().sum((0, 2)))
+        for name in ("cos_v0_m", "rho_star"):
+            lo, hi, bins = HISTOGRAMS[name]
+            self._add(layer, f"hist_{name}", histogram_counts(t[name], w, lo, hi, bins))
+        # convexity: exact least-squares sums and sink-rate bins
+        rho = t["rho"].double()
+        y = t["output_norm"].double()
+        pw = [wd * rho**k for k in range(5)]
+        fit = torch.stack([p.sum((0, 2)) for p in pw]
+                          + [(y * pw[k]).sum((0, 2)) for k in range(3)] + [(y * y * wd).sum((0, 2))], -1)
+        self._add(layer, "fit", fit)                                # [H, 9]
+        rbin = (rho * SINK_RATE_BINS).floor().clamp(0, SINK_RATE_BINS - 1).long()
+        self._binned(layer, "curve", rbin, SINK_RATE_BINS, wd,
+                     {"output_norm": y, "semantic_norm": t["semantic_norm"].double(),
+                      "tail_entropy": t["tail_entropy"].double(), "cancel_length": t["cancel_length"].double()})
+        # drift: binned by normalised non-sink entropy; correlation sums
+        te = t["tail_entropy"].double()
+        okd = torch.isfinite(te) & (wd > 0)
+        ebin = (torch.where(okd, te, torch.zeros_like(te)) * ENTROPY_BINS).floor().clamp(0, ENTROPY_BINS - 1).long()
+        self._binned(layer, "drift", ebin, ENTROPY_BINS, okd.double(),
+                     {"rho": rho, "cancel_length": t["cancel_length"].double(),
+                      "semantic_norm": t["semantic_norm"].double(), "output_norm": y})
+        te0 = torch.where(okd, te, torch.zeros_like(te))
+        dw = okd.double()
+        self._add(layer, "corr_rho_entropy", torch.stack([
+            dw.sum((0, 2)), (rho * dw).sum((0, 2)), (te0 * dw).sum((0, 2)), (rho * rho * dw).sum((0, 2)),
+            (te0 * te0 * dw).sum((0, 2)), (rho * te0 * dw).sum((0, 2))], -1))
+        # sink vs tail factor decomposition
+        sink_f = {"attention": t["rho"], "relative_norm": t["sink_relative_norm"], "cosine": t["sink_cosine"]}
+        for k, x in log_share_sums(sink_f, w > 0, (0, 2)).items():
+            self._add(layer, f"sinklog_{k}", x)
+        self._add(layer, "sink_negative", ((t["sink_contribution"] < 0).double() * wd).sum((0, 2)))
+        f = pair_factors(block.a, t["u"], block.v, G)
+        pair = vis.expand(B, 1, Q, S) & (qw[:, None, :, None] > 0)
+        if sink_col is not None:
+            pair = pair.clone()
+            pair[..., sink_col] = False
+        pair = pair.expand(B, H, Q, S)
+        f64 = torch.float64
+        zero = torch.zeros((), dtype=block.a.dtype, device=block.a.device)
+        self._add(layer, "n_pairs", pair.sum((0, 2, 3), dtype=f64))
+        for k in ("attention", "relative_norm", "cosine", "contribution"):
+            self._add(layer, f"tail_{k}_sum", torch.where(pair, f[k], zero).sum((0, 2, 3), dtype=f64))
+        self._add(layer, "tail_negative", (pair & (f["contribution"] < 0)).sum((0, 2, 3), dtype=f64))
+        for k, x in log_share_sums(f, pair, (0, 2, 3)).items():
+            self._add(layer, f"taillog_{k}", x)
+
+    def _binned(self, layer: int, name: str, bins: torch.Tensor, nb: int, w: torch.Tensor,
+                values: dict[str, torch.Tensor]) -> None:
+        B, H, Q = bins.shape
+        head = torch.arange(H).view(1, H, 1).expand(B, H, Q)
+        flat = (head * nb + bins.cpu()).reshape(-1)
+        wc = w.cpu().reshape(-1)
+        self._add(layer, f"{name}_n", torch.bincount(flat, weights=wc, minlength=H * nb).view(H, nb))
+        for k, x in values.items():
+            x = x.cpu()
+            ok = torch.isfinite(x).reshape(-1) & (wc > 0)
+            xv = torch.where(ok, x.reshape(-1), torch.zeros_like(wc)) * wc
+            self._add(layer, f"{name}_{k}_n", torch.bincount(flat, weights=ok.double() * wc, minlength=H * nb).view(H, nb))
+            self._add(layer, f"{name}_{k}_sum", torch.bincount(flat, weights=xv, minlength=H * nb).view(H, nb))
+            if k == "output_norm":
+                self._add(layer, f"{name}_{k}_sq", torch.bincount(flat, weights=xv * x.reshape(-1).nan_to_num(),
+                                                                  minlength=H * nb).view(H, nb))
+
+    # -- results ------------------------------------------------------------------------------
+    def result(self) -> dict[str, pd.DataFrame]:
+        heads, curve, drift, hist = [], [], [], []
+        for layer in sorted(self.acc):
+            A = {k: x.numpy() for k, x in self.acc[layer].items()}
+            if "n" not in A:
+                continue
+            H = len(A["n"])
+            share_sink = variance_shares({k[len("sinklog_"):]: x for k, x in A.items() if k.startswith("sinklog_")})
+            share_tail = variance_shares({k[len("taillog_"):]: x for k, x in A.items() if k.startswith("taillog_")})
+            for h in range(H):
+                n = A["n"][h]
+                row = {"layer": layer, "head": h, "queries": int(n)}
+                for k in _MEANS:
+                    cnt = A[f"n_{k}"][h]
+                    row[k if k != "rho" else "sink_rate"] = A[f"sum_{k}"][h] / cnt if cnt else np.nan
+                row["cancel"] = _ratio(A["sum_cancel_length"][h], A["sum_semantic_norm"][h])
+                row["norm_reduction"] = 1.0 - _ratio(A["sum_output_norm"][h], A["sum_semantic_norm"][h])
+                row["sink_negative_share"] = A["sink_negative"][h] / n if n else np.nan
+                nt = A["n_texts"][h]
+                ns = A["n_sources"][h]
+                row["value_norm_ratio"] = (A["vj_norm_sum"][h] / ns) / (A["v0_norm_sum"][h] / nt) if ns and nt else np.nan
+                row["raw_value_norm_ratio"] = (A["vj_raw_norm_sum"][h] / ns) / (A["v0_raw_norm_sum"][h] / nt) if ns and nt else np.nan
+                row["cos_v0_vj"] = A["cos_v0_vj_sum"][h] / ns if ns else np.nan
+                for name in ("cos_v0_m", "cos_v0_vj", "rho_star"):
+                    lo, hi, bins = HISTOGRAMS[name]
+                    c = A[f"hist_{name}"][h]
+                    for q, lab in ((0.1, "q10"), (0.25, "q25"), (0.5, "median"), (0.75, "q75"), (0.9, "q90")):
+                        row[f"{name}_{lab}"] = histogram_quantile(c, lo, hi, q)
+                row["anti_aligned"] = bool(row["cos_v0_m_median"] < 0)
+                nrs = A["n_rho_star"][h]
+                row["rho_star_interior_share"] = A["rho_star_interior"][h] / nrs if nrs else np.nan
+                row["rho_star_median_interior"] = bool(0 < row["rho_star_median"] < 1)
+                fit = quadratic_fit(A["fit"][h])
+                row.update({f"fit_{k}": v for k, v in fit.items()})
+                row["fit_vertex_interior"] = bool(fit["convex"] and 0 < fit["vertex"] < 1)
+                row["rho_min"], row["rho_max"] = _bin_range(A["curve_n"][h])
+                row["corr_rho_entropy"] = _pearson(*A["corr_rho_entropy"][h])
+                for k in ("attention", "relative_norm", "cosine"):
+                    row[f"sink_{k}"] = {"attention": row["sink_rate"], "relative_norm": row["sink_relative_norm"],
+                                        "cosine": row["sink_cosine"]}[k]
+                    row[f"sink_share_{k}"] = share_sink[k][h]
+                np_ = A["n_pairs"][h]
+                for k in ("attention", "relative_norm", "cosine", "contribution"):
+                    row[f"tail_{k}"] = A[f"tail_{k}_sum"][h] / np_ if np_ else np.nan
+                for k in ("attention", "relative_norm", "cosine"):
+                    row[f"tail_share_{k}"] = share_tail[k][h]
+                row["tail_negative_share"] = A["tail_negative"][h] / np_ if np_ else np.nan
+                row["tail_pairs"] = int(np_)
+                heads.append(row)
+                for b in range(SINK_RATE_BINS):
+                    cnt = A["curve_n"][h, b]
+                    r = {"layer": layer, "head": h, "bin_lo": b / SINK_RATE_BINS, "bin_hi": (b + 1) / SINK_RATE_BINS,
+                         "queries": int(cnt)}
+                    for k in ("output_norm", "semantic_norm", "tail_entropy", "cancel_length"):
+                        c = A[f"curve_{k}_n"][h, b]
+                        r[k] = A[f"curve_{k}_sum"][h, b] / c if c else np.nan
+                    r["cancel"] = _ratio(A["curve_cancel_length_sum"][h, b], A["curve_semantic_norm_sum"][h, b])
+                    r["norm_reduction"] = 1.0 - _ratio(A["curve_output_norm_sum"][h, b], A["curve_semantic_norm_sum"][h, b])
+                    c = A["curve_output_norm_n"][h, b]
+                    r["output_norm_std"] = (np.sqrt(max(A["curve_output_norm_sq"][h, b] / c - r["output_norm"] ** 2, 0))
+                                            if c else np.nan)
+                    curve.append(r)
+                for b in range(ENTROPY_BINS):
+                    cnt = A["drift_n"][h, b]
+                    r = {"layer": layer, "head": h, "bin_lo": b / ENTROPY_BINS, "bin_hi": (b + 1) / ENTROPY_BINS,
+                         "queries": int(cnt)}
+                    for k in ("rho", "semantic_norm", "output_norm"):
+                        c = A[f"drift_{k}_n"][h, b]
+                        r[k if k != "rho" else "sink_rate"] = A[f"drift_{k}_sum"][h, b] / c if c else np.nan
+                    r["cancel"] = _ratio(A["drift_cancel_length_sum"][h, b], A["drift_semantic_norm_sum"][h, b])
+                    r["norm_reduction"] = 1.0 - _ratio(A["drift_output_norm_sum"][h, b], A["drift_semantic_norm_sum"][h, b])
+                    drift.append(r)
+                for name in ("cos_v0_m", "cos_v0_vj", "rho_star"):
+                    lo, hi, bins = HISTOGRAMS[name]
+                    c = A[f"hist_{name}"][h]
+                    width = (hi - lo) / bins
+                    edges_lo = np.concatenate([[-np.inf], lo + width * np.arange(bins), [hi]])
+                    edges_hi = np.concatenate([[lo], lo + width * np.arange(1, bins + 1), [np.inf]])
+                    nz = np.nonzero(c)[0]
+                    for b in nz:
+                        hist.append({"layer": layer, "head": h, "quantity": name, "bin_lo": edges_lo[b],
+                                     "bin_hi": edges_hi[b], "count": float(c[b])})
+        cols_h = ["layer", "head", "quantity", "bin_lo", "bin_hi", "count"]
+        return {"heads": pd.DataFrame(heads), "curve": pd.DataFrame(curve), "drift": pd.DataFrame(drift),
+                "hist": pd.DataFrame(hist, columns=cols_h)}
+
+
+def _ratio(x: float, y: float) -> float:
+    return float(x / y) if y else float("nan")
+
+
+def _bin_range(counts: np.ndarray) -> tuple[float, float]:
+    nz = np.nonzero(counts)[0]
+    if len(nz) == 0:
+        return float("nan"), float("nan")
+    return nz[0] / SINK_RATE_BINS, (nz[-1] + 1) / SINK_RATE_BINS
+
+
+# --------------------------------------------------------------------------------------------
+# Removal
+# --------------------------------------------------------------------------------------------
+
+REMOVAL_MODES = ("none", "sink", "control")
+
+
+def control_columns(a: torch.Tensor, visible: torch.Tensor, sink_col: int | None,
+                    k_positions: torch.Tensor, q_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query and head the visible non-sink source whose attention is closest to the sink's.
+
+    Returns ``(col [B,H,Q] long, ok [B,H,Q] bool)``; ``ok`` is False where there is no candidate."""
+    B, H, Q, S = a.shape
+    cand = visible.expand(B, H, Q, S).clone()
+    if sink_col is not None:
+        cand[..., sink_col] = False
+        rho = a[..., sink_col:sink_col + 1]
+    else:
+        rho = torch.zeros(B, H, Q, 1, dtype=a.dtype, device=a.device)
+    gap = torch.where(cand, (a - rho).abs(), torch.full_like(a, float("inf")))
+    col = gap.argmin(-1)
+    ok = cand.any(-1)
+    return col, ok
+
+
+class SourceRemoval:
+    """Intervention that removes the sink (``mode="sink"``) or the mass-matched control source
+    (``mode="control"``) from every query ``i > sink`` of ``layers`` (None: all observed layers), and
+    records, for every observed layer, the head outputs that are actually used.
+
+    With ``mode="none"`` nothing is edited: the same statistics describe the unedited model, so a
+    baseline pass and a removal pass are measured by the same code. ``min_query`` (default
+    ``sink + 1``) is the first query position edited. Queries whose sink rate (in the pass's own,
+    unedited attention) is at least ``heavy`` are also summarised apart (``*_sink_heavy``): these
+    are the low-norm outputs the paper says collapse into the semantic cone."""
+
+    def __init__(self, mode: str = "sink", sink: int = 0, layers=None, min_query: int | None = None,
+                 heavy: float = 0.5):
+        if mode not in REMOVAL_MODES:
+            raise ValueError(f"mode must be one of {REMOVAL_MODES}, got {mode!r}")
+        self.mode = mode
+        self.sink = int(sink)
+        self.layers = None if layers is None else set(int(x) for x in layers)
+        self.min_query = self.sink + 1 if min_query is None else int(min_query)
+        self.heavy = float(heavy)
+        self.acc: dict[int, dict[str, torch.Tensor]] = {}
+        self.calls = 0
+
+    def edits(self, layer: int) -> bool:
+        return self.mode != "none" and (self.layers is None or layer in self.layers)
+
+    def _add(self, layer: int, key: str, x: torch.Tensor) -> None:
+        d = self.acc.setdefault(layer, {})
+        x = x.detach().double().cpu()
+        if key not in d:
+            d[key] = torch.zeros_like(x)
+        d[key] += x
+
+    def __call__(self, block: Block) -> torch.Tensor | None:
+        self.calls += 1
+        B, H, Q, S = block.shape
+        a = block.a
+        st = block.state
+        sink_col = self.sink - block.k_start
+        sink_col = sink_col if 0 <= sink_col < S else None
+        qsel = block.query_valid & (block.q_positions[None, :] >= self.min_query)       # [B,Q]
+        vis = visible_mask(block)
+        edited = None
+        removed = torch.zeros(B, H, Q, device=a.device)
+        if self.edits(block.layer):
+            if self.mode == "sink":
+                if sink_col is not None:
+                    edited = a.clone()
+                    col = edited[..., sink_col]
+                    removed = torch.where(qsel[:, None, :], col, torch.zeros_like(col))
+                    edited[..., sink_col] = torch.where(qsel[:, None, :], torch.zeros_like(col), col)
+            else:
+                col, ok = control_columns(a, vis, sink_col, block.k_positions, block.q_positions)
+                ok = ok & qsel[:, None, :]
+                edited = a.clone()
+                vals = edited.gather(-1, col.unsqueeze(-1)).squeeze(-1)
+                removed = torch.where(ok, vals, torch.zeros_like(vals))
+                edited.scatter_(-1, col.unsqueeze(-1), torch.where(ok, torch.zeros_like(vals), vals).unsqueeze(-1))
+        # statistics of the outputs actually used (queries i > sink)
+        w = (block.query_valid & (block.q_positions[None, :] > self.sink)).double()     # [B,Q]
+        if w.sum() > 0:
+            mix = a if edited is None else edited
+            G = st.G
+            u = mix @ block.v                                                        # [B,H,Q,d]
+            on = M.head_output_norm(u, G)
+            a_tail = a.clone()
+            if sink_col is not None:
+                a_tail[..., sink_col] = 0.0
+            m = a_tail @ block.v
+            mn = M.head_output_norm(m, G)
+            cos_om = _safe_div(((u @ G) * m).sum(-1), on * mn)
+            # cone measure κ: attention-weighted mean cosine of o with the non-sink values
+            dots = _intra_dot(u, block.v, G)                                         # [B,H,Q,S]
+            vn = block.value_norm.unsqueeze(-2)
+            cos = _safe_div(dots, on.unsqueeze(-1) * vn)
+            kappa = _safe_div((a_tail * cos).sum(-1), a_tail.sum(-1))
+            o_norm = (M.pulled_back(u, st.G_full) * u).sum((1, -1)).clamp_min(0).sqrt()  # ‖o_i‖ [B,Q]
+            wd = w[:, None, :].expand(B, H, Q)
+            L = block.layer
+            self._add(L, "n", wd.sum((0, 2)))
+            self._add(L, "output_norm", (on.double() * wd).sum((0, 2)))
+            self._add(L, "log_output_norm", (torch.log(on.double().clamp_min(1e-30)) * wd).sum((0, 2)))
+            self._add(L, "cone", (kappa.double() * wd).sum((0, 2)))
+            self._add(L, "cos_output_semantic", (cos_om.double() * wd).sum((0, 2)))
+            self._add(L, "removed_mass", (removed.double() * wd).sum((0, 2)))
+            rho = a[..., sink_col] if sink_col is not None else torch.zeros_like(on)
+            heavy = wd * (rho >= self.heavy).double()
+            self._add(L, "heavy_n", heavy.sum((0, 2)))
+            self._add(L, "heavy_output_norm", (on.double() * heavy).sum((0, 2)))
+            self._add(L, "heavy_cone", (kappa.double() * heavy).sum((0, 2)))
+            self._add(L, "layer_n", w.sum().reshape(1))
+            self._add(L, "layer_output_norm", (o_norm.double() * w).sum().reshape(1))
+        return edited
+
+    def result(self) -> pd.DataFrame:
+        """One row per (layer, head): mean ``output_norm``, ``log_output_norm``, ``cone``,
+        ``cos_output_semantic``, ``removed_mass``, the same means of ``output_norm`` and ``cone``
+        over sink-heavy queries (``*_sink_heavy``, with their count), and the layer's mean
+        ``layer_output_norm``."""
+        rows = []
+        for layer in sorted(self.acc):
+            A = {k: x.numpy() for k, x in self.acc[layer].items()}
+            H = len(A["n"])
+            lo = A["layer_output_norm"][0] / A["layer_n"][0] if A["layer_n"][0] else np.nan
+            for h in range(H):
+                n = A["n"][h]
+                row = {"mode": self.mode, "layer": layer, "head": h, "queries": int(n),
+                       "edited": self.edits(layer)}
+                for k in ("output_norm", "log_output_norm", "cone", "cos_output_semantic", "removed_mass"):
+                    row[k] = A[k][h] / n if n else np.nan
+                hn = A["heavy_n"][h]
+                row["queries_sink_heavy"] = int(hn)
+                row["output_norm_sink_heavy"] = A["heavy_output_norm"][h] / hn if hn else np.nan
+                row["cone_sink_heavy"] = A["heavy_cone"][h] / hn if hn else np.nan
+                row["layer_output_norm"] = lo
+                rows.append(row)
+        return pd.DataFrame(rows)
