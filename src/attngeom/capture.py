@@ -36,8 +36,9 @@ ATTN_NAME = "attngeom"
 
 _SESSION: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("attngeom_session", default=None)
 
-DEFAULT_BLOCK_ELEMENTS = 1 << 23
-"""Upper bound on ``B*H*Q*S`` for one block of queries (32 MiB per float32 map)."""
+DEFAULT_BLOCK_ELEMENTS = 1 << 22
+"""Upper bound on ``B*H*Q*S`` for one block of queries (16 MiB per float32 map; larger blocks
+pay more in page faults than they save, measured in benchmarks/bench_analyze.py)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,17 +434,22 @@ def exact_attention(
         else:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         probs = probs.to(query.dtype)
-        mix = probs
+        mixed = None
         if observing:
             block = Block(state=state, a=probs.float(), q_start=i0, k_start=k0,
                           allowed=None if allowed is None else allowed[..., k0:k1])
+            if query.dtype == torch.float32:
+                # in float32 the head outputs the metrics use are the module's own output: share them
+                mixed = block.head_output
             for obs in session.observers:
                 obs.observe(block)
             if session.intervention is not None:
                 edited = session.intervention(block)
                 if edited is not None:
-                    mix = edited.to(query.dtype)
-        out[:, i0:i1] = torch.matmul(mix, v[:, :, k0:k1]).transpose(1, 2)
+                    mixed = torch.matmul(edited.to(query.dtype), v[:, :, k0:k1])
+        if mixed is None:
+            mixed = torch.matmul(probs, v[:, :, k0:k1])
+        out[:, i0:i1] = mixed.transpose(1, 2)
     return out
 
 

@@ -1,0 +1,344 @@
+"""``attngeom analyze``: per-token and per-head summaries of one text, with maps and sink figures.
+
+With no ``--text``/``--file`` it analyses the built-in sample text (:data:`attngeom.data.SAMPLE_TEXT`)
+with the bundled model: that is ``make demo``.
+
+Order of work (bad input fails before any compute): arguments are checked, the output directory is
+created and proved writable, the input file is read, the model is loaded, the text is encoded and its
+length checked against the model's context (longer inputs need ``--window``), then
+
+1. one streaming pass (:func:`attngeom.trace.stream` with :class:`~attngeom.reducers.HeadStats` and
+   :class:`~attngeom.reducers.TokenStats`) over all requested layers, keeping only summaries, so long
+   inputs fit in memory;
+2. for the figure layers only, and only when the (first) input window is at most
+   ``--max-map-tokens`` long, a full :func:`attngeom.trace.analyze` to draw the maps.
+
+Outputs in ``--out``: ``tokens.parquet``, ``heads.parquet``, ``summary.json``, ``maps_layer{L}.png``,
+``heads_layer{L}.png``, ``sinks_per_layer.png`` and ``report.md``.
+
+**Windowing** (``--window N [--stride S]``): the input's tokens (BOS excluded) are cut into windows
+of ``N-1`` tokens starting every ``S`` tokens (default ``S = N-1``: no overlap), each window gets the
+BOS token (the sink) in front and is analysed as a text of its own. The last window ends at the last
+token (it may be shorter). ``tokens.parquet`` then has one row per (window, layer, position), with
+``text`` = the window's index and ``input_position`` = the token's position in the whole input
+(BOS = 0); ``heads.parquet`` averages over the queries of all windows; maps show the first window.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ..errors import InputError
+from .common import add_model_args, add_out_arg, load, prepare_out, write_json, write_parquet
+
+DEFAULT_OUT = "out/analyze"
+TOP_K = 5
+MIN_SEEN_BY = 8
+"""The top-k rankings in ``summary.json`` leave out the sources seen by fewer than
+``max(8, T/4)`` queries (at most ``T/2``): a late token's 'received' mean averages over a few nearby
+queries only, which mostly attend locally, and would fill the ranking with the last positions."""
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "analyze",
+        help="analyse one text: per-token and per-head tables, attention vs contribution maps, sink figures",
+        description="Run one text (default: the built-in sample) through the model, reduce every analysed "
+                    "layer to per-token summaries (tokens.parquet) and per-head statistics (heads.parquet), "
+                    "and draw attention beside contribution maps for a few layers and the per-layer sink "
+                    "attention vs sink contribution. Writes summary.json and report.md too, all in --out "
+                    f"(default {DEFAULT_OUT}). With no --text/--file: the built-in sample text (make demo).")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="the text to analyse (default: the built-in sample text)")
+    src.add_argument("--file", default=None, help="read the text to analyse from this UTF-8 file")
+    p.add_argument("--layers", default="all",
+                   help="layers to analyse: all (default) or a comma-separated list, e.g. 0,5,29")
+    p.add_argument("--figure-layers", default=None,
+                   help="layers drawn as maps (default: the first, a middle and the last analysed layer)")
+    p.add_argument("--heads", default="all",
+                   help="heads shown in the per-head grids heads_layer{L}.png: all (default) or a list; "
+                        "maps_layer{L}.png always shows the token level (all heads)")
+    p.add_argument("--window", type=int, default=None,
+                   help="analyse an input longer than the model's context in windows of this many tokens "
+                        "(BOS included); default: such inputs are refused")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts with --window (default: window-1, no overlap)")
+    p.add_argument("--sink", type=int, default=0, help="position of the sink token (default 0)")
+    p.add_argument("--max-map-tokens", type=int, default=2048,
+                   help="draw maps only when the (first) input window has at most this many tokens (default 2048)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_out_arg(p, default=DEFAULT_OUT)
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _read_file(path: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"input file not found: {p}")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory; give a text file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{p} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
+    if not text.strip():
+        raise InputError(f"{p} is empty (or only whitespace); give some text to analyse")
+    return text
+
+
+def cut_windows(ids: list[int], window: int, stride: int | None, bos: int | None) -> tuple[list[tuple[int, list[int]]], bool]:
+    """Windows covering every token of ``ids`` and whether they start with BOS.
+
+    When ``ids`` starts with ``bos``, each window is ``bos`` + up to ``window-1`` of the other tokens,
+    else up to ``window`` tokens. Returns ``([(offset, window_ids), ...], has_bos)``: window position
+    ``p`` is input position ``offset + p`` (the BOS of a window is input position 0)."""
+    has_bos = bool(bos is not None and ids and ids[0] == bos)
+    body = ids[1:] if has_bos else list(ids)
+    span = window - 1 if has_bos else window
+    stride = stride or span
+    out = []
+    start = 0
+    while True:
+        out.append((start, ([bos] if has_bos else []) + body[start:start + span]))
+        if start + span >= len(body):
+            break
+        start += stride
+    return out, has_bos
+
+
+def _pick_figure_layers(layers: list[int]) -> list[int]:
+    if len(layers) <= 3:
+        return list(layers)
+    return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
+
+
+class _LayerProgress:
+    """A progress bar with one step per (window, analysed layer); an observer of the stream."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="analyse", unit="layer", disable=not enabled, file=sys.stderr)
+        self._seen: set[int] = set()
+
+    def begin(self, batch) -> None:
+        self._seen = set()
+
+    def observe(self, block) -> None:
+        if block.layer not in self._seen:
+            self._seen.add(block.layer)
+            self.bar.update(1)
+
+    def end(self, batch) -> None:
+        pass
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def run(args) -> int:
+    from ..data import SAMPLE_TEXT, check_layers, parse_int_list
+
+    t_start = time.perf_counter()
+    # ---- everything that needs no model, before loading it ---------------------------------
+    if args.text is not None and not args.text.strip():
+        raise InputError("--text is empty (or only whitespace); give some text to analyse")
+    layers = parse_int_list(args.layers, "--layers")
+    if layers is not None and not layers:
+        raise InputError("--layers names no layer")
+    fig_layers = parse_int_list(args.figure_layers, "--figure-layers") if args.figure_layers else None
+    heads = parse_int_list(args.heads, "--heads")
+    if heads is not None and not heads:
+        raise InputError("--heads names no head")
+    if args.window is not None and args.window < 3:
+        raise InputError(f"--window must be at least 3 tokens, got {args.window}")
+    if args.stride is not None:
+        if args.window is None:
+            raise InputError("--stride needs --window")
+        if args.stride < 1:
+            raise InputError(f"--stride must be positive, got {args.stride}")
+    if args.sink < 0:
+        raise InputError(f"--sink must be a position >= 0, got {args.sink}")
+    if args.max_map_tokens < 0:
+        raise InputError(f"--max-map-tokens must be >= 0, got {args.max_map_tokens}")
+    out = prepare_out(args.out)
+    if args.file is not None:
+        text, source = _read_file(args.file), str(Path(args.file))
+    elif args.text is not None:
+        text, source = args.text, "--text"
+    else:
+        text, source = SAMPLE_TEXT, "built-in sample text (attngeom.data.SAMPLE_TEXT)"
+
+    # ---- the model and the input ------------------------------------------------------------
+    t0 = time.perf_counter()
+    handle = load(args)
+    t_load = time.perf_counter() - t0
+    L, H = handle.num_layers, handle.num_heads
+    layers = sorted(set(check_layers(layers, L) or range(L)))
+    fig_layers = sorted(set(check_layers(fig_layers, L))) if fig_layers is not None else _pick_figure_layers(layers)
+    if heads is not None:
+        bad = [h for h in heads if not 0 <= h < H]
+        if bad:
+            raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{H - 1}")
+        heads = sorted(set(heads))
+    ids = handle.encode(text)
+    limit = handle.max_positions
+    if args.window is not None:
+        if limit and args.window > limit:
+            raise InputError(f"--window {args.window} is longer than the model's context ({limit} tokens)")
+        windows, has_bos = cut_windows(ids, args.window, args.stride, handle.tokenizer.bos_token_id)
+    else:
+        if limit and len(ids) > limit:
+            raise InputError(
+                f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}; "
+                f"analyse it in windows with --window {limit} (and optionally --stride)")
+        windows, has_bos = [(0, ids)], False
+    if args.sink >= min(len(w) for _, w in windows):
+        raise InputError(f"--sink {args.sink} is beyond the input ({min(len(w) for _, w in windows)} tokens)")
+
+    # ---- 1. streaming pass: per-head and per-token summaries ---------------------------------
+    from .. import trace as tr
+    from ..reducers import HeadStats, TokenStats
+
+    n_tokens = sum(len(w) for _, w in windows)
+    show = not args.no_progress and (n_tokens * len(layers) >= 4096 or len(windows) > 1)
+    progress = _LayerProgress(len(windows) * len(layers), show)
+    head_stats, token_stats = HeadStats(sink=args.sink), TokenStats(sink=args.sink)
+    t0 = time.perf_counter()
+    try:
+        tr.stream(handle, [w for _, w in windows], [head_stats, token_stats, progress], layers=layers,
+                  progress=False)
+    finally:
+        progress.close()
+    t_stream = time.perf_counter() - t0
+    heads_df = head_stats.result()
+    tokens_df = token_stats.result()
+    offsets = {i: off for i, (off, _) in enumerate(windows)}
+    uniq = sorted(set(ids))
+    strings = dict(zip(uniq, handle.tokens(uniq)))
+    tokens_df.insert(tokens_df.columns.get_loc("token_id") + 1, "token", tokens_df["token_id"].map(strings))
+    pos = tokens_df["position"].to_numpy()
+    off = tokens_df["text"].map(offsets).to_numpy()
+    tokens_df.insert(tokens_df.columns.get_loc("position") + 1, "input_position",
+                     ((pos + off) * (pos > 0)) if has_bos else (pos + off))
+
+    files = []
+    write_parquet(tokens_df, out / "tokens.parquet")
+    files.append("tokens.parquet")
+    write_parquet(heads_df, out / "heads.parquet")
+    files.append("heads.parquet")
+
+    # ---- 2. maps of the figure layers (full trace, first window only) -------------------------
+    from ..reports import analyze as rep
+
+    t0 = time.perf_counter()
+    first = windows[0][1]
+    maps_note = None
+    if len(first) <= args.max_map_tokens and fig_layers:
+        trace = tr.analyze(handle, first, layers=fig_layers)
+        title = f"{handle.name}" + (" (first window)" if len(windows) > 1 else "")
+        for k, lt in enumerate(trace.layers):
+            files.append(rep.draw_token_maps(lt, trace.tokens, out / f"maps_layer{lt.index}.png", title=title))
+            files.append(rep.draw_head_grid(lt, trace.tokens, out / f"heads_layer{lt.index}.png",
+                                            heads=heads, title=title))
+            trace.layers[k] = None  # free this layer's maps before the next one
+        del trace
+    elif fig_layers:
+        maps_note = (f"maps not drawn: the input window has {len(first)} tokens, more than --max-map-tokens "
+                     f"{args.max_map_tokens}")
+        print(f"attngeom analyze: {maps_note}", file=sys.stderr)
+    files.append(rep.draw_sinks(heads_df, out / "sinks_per_layer.png", title=handle.name))
+    t_figures = time.perf_counter() - t0
+
+    # ---- summary ---------------------------------------------------------------------------------
+    summary = build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df)
+    summary["maps"] = maps_note or f"drawn for layers {fig_layers}"
+    summary["runtime_s"] = {"total": round(time.perf_counter() - t_start, 3), "load_model": round(t_load, 3),
+                            "stream": round(t_stream, 3), "maps_and_figures": round(t_figures, 3)}
+    files += ["summary.json", "report.md"]
+    summary["files"] = [str(f) for f in files]
+    write_json(out / "summary.json", summary)
+    (out / "report.md").write_text(rep.report_markdown(summary), encoding="utf-8")
+    print(f"attngeom analyze: {len(ids)} tokens, {len(layers)} layer(s) -> {out}/ ({', '.join(map(str, files))})",
+          file=sys.stderr)
+    return 0
+
+
+def build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df) -> dict:
+    import numpy as np
+
+    from .. import __version__
+
+    per_layer = []
+    for layer, g in heads_df.groupby("layer", sort=True):
+        per_layer.append({
+            "layer": int(layer),
+            "sink_attention": float(g["sink_rate"].mean()),
+            "sink_attention_min": float(g["sink_rate"].min()),
+            "sink_attention_max": float(g["sink_rate"].max()),
+            "sink_contribution": float(g["sink_contribution"].mean()),
+            "sink_contribution_min": float(g["sink_contribution"].min()),
+            "sink_contribution_max": float(g["sink_contribution"].max()),
+            "sink_contribution_to_layer_output": float(g["sink_contribution_inter"].sum()),
+        })
+    mid = layers[len(layers) // 2]
+    t = tokens_df[tokens_df["layer"] == mid].copy()
+    lengths = {i: len(w) for i, (_, w) in enumerate(windows)}
+    t["seen_by"] = t["text"].map(lengths) - t["position"]
+    span = int(t["seen_by"].max()) if len(t) else 1
+    need = max(1, min(MIN_SEEN_BY, span // 2), span // 4)
+    t = t[t["seen_by"] >= need]
+
+    def top(col):
+        rows = t.sort_values(col, ascending=False, kind="stable").head(TOP_K)
+        return [{"position": int(r.input_position), "token": r.token, "score": float(r[col]),
+                 **({"window": int(r.text)} if len(windows) > 1 else {})}
+                for _, r in rows.iterrows()]
+
+    return {
+        "command": "analyze",
+        "attngeom_version": __version__,
+        "model": {"name": handle.name, "spec": args.model, "architecture": handle.architecture,
+                  "layers": handle.num_layers, "heads": handle.num_heads, "kv_heads": handle.num_kv_heads,
+                  "head_dim": handle.head_dim, "dtype": str(handle.dtype).removeprefix("torch."),
+                  "device": str(handle.device), "max_positions": handle.max_positions},
+        "input": {"source": source, "tokens": len(ids),
+                  "windows": len(windows), "window": args.window, "stride": args.stride if args.window else None,
+                  "window_lengths": [len(w) for _, w in windows][:50]},
+        "T": len(ids),
+        "sink": args.sink,
+        "layers": layers,
+        "figure_layers": fig_layers,
+        "per_layer": per_layer,
+        "mean_sink_attention": float(np.mean([r["sink_attention"] for r in per_layer])),
+        "mean_sink_contribution": float(np.mean([r["sink_contribution"] for r in per_layer])),
+        "top_tokens": {
+            "layer": int(mid),
+            "ranked_over": f"positions seen by at least {need} queries",
+            "min_seen_by": int(need),
+            "by_contribution_received": top("contribution_received"),
+            "by_attention_received": top("attention_received"),
+        },
+        "definitions": {
+            "sink_attention": "mean over heads of the per-head mean over queries i>0 of a_i0^h",
+            "sink_contribution": "mean over heads of the per-head mean over queries i>0 of c_i0^h (intra-head)",
+            "sink_contribution_to_layer_output": "sum over heads of the mean over queries i>0 of C_i0^h "
+                                                 "(the sink's share of the layer output o_i)",
+            "*_received": "token-level score of SPEC §2 a source receives, averaged over the queries that see it",
+        },
+    }

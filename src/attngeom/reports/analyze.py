@@ -1,0 +1,332 @@
+"""Figures and the Markdown report of ``attngeom analyze``.
+
+- :func:`draw_token_maps` — one layer, token level (all heads): attention, contribution,
+  value-weighted and output-normalised maps in a 2x2 grid.
+- :func:`draw_head_grid` — one layer, head by head: attention beside intra-head contribution.
+- :func:`draw_sinks` — per layer: sink attention vs sink contribution, mean over heads with the
+  per-head spread.
+- :func:`report_markdown` — ``report.md`` from ``summary.json``'s content.
+
+Conventions: queries on the vertical axis (row ``i``), sources on the horizontal axis (column ``j``);
+pairs a query cannot see (``j > i``) are drawn in light grey. Non-negative maps use a square-root
+colour scale (the sink column would otherwise wash everything else out); contributions, which can be
+negative, use a diverging map centred at 0 on a signed square-root scale, clipped at the 99.5th
+percentile of ``|value|`` (the colour bar's pointed ends say when it clips).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib import colors  # noqa: E402
+
+DPI = 150
+MAX_LABELLED_TOKENS = 64
+MASK_COLOR = "#e6e6e6"
+SEQ_CMAP = "magma_r"
+DIV_CMAP = "RdBu_r"
+
+TOKEN_LEVEL = (
+    ("attention", "Attention", r"mean over heads of $a_{ij}^h$"),
+    ("contribution", "Contribution", r"$C_{ij}=\Sigma_h \langle o_i, a_{ij}^h\tilde v_j^h\rangle/\|o_i\|^2$"),
+    ("value_weighted", "Value-weighted", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|$"),
+    ("output_normalized", "Output-normalised", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|/\|o_i^h\|$"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def token_label(tok: str, max_len: int = 12) -> str:
+    """A token string readable as a tick label: newlines/tabs escaped, leading space shown as '␣'."""
+    s = tok.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    if s.startswith(" "):
+        s = "␣" + s[1:]
+    s = s.replace("$", r"\$")
+    return s if len(s) <= max_len else s[: max_len - 1] + "…"
+
+
+def _causal_mask(T: int) -> np.ndarray:
+    return np.triu(np.ones((T, T), dtype=bool), k=1)
+
+
+def _robust_abs_max(x: np.ndarray, q: float = 99.5) -> tuple[float, bool]:
+    """Symmetric colour limit for a diverging map and whether it clips some values."""
+    vals = np.abs(x[np.isfinite(x)])
+    if vals.size == 0:
+        return 1.0, False
+    lim = float(np.percentile(vals, q))
+    full = float(vals.max())
+    if lim <= 0:
+        lim = full if full > 0 else 1.0
+    return lim, full > lim * 1.0001
+
+
+def _signed_sqrt(x):
+    return np.sign(x) * np.sqrt(np.abs(x))
+
+
+def _signed_square(y):
+    return np.sign(y) * y * y
+
+
+def _div_norm(lim: float) -> colors.Normalize:
+    """Diverging norm centred at 0 on a signed square-root scale (small contributions stay visible)."""
+    return colors.FuncNorm((_signed_sqrt, _signed_square), vmin=-lim, vmax=lim)
+
+
+def _seq_norm(x: np.ndarray) -> colors.Normalize:
+    vals = x[np.isfinite(x)]
+    vmax = float(vals.max()) if vals.size and vals.max() > 0 else 1.0
+    return colors.PowerNorm(gamma=0.5, vmin=0.0, vmax=vmax)
+
+
+def _cmap(name: str):
+    return matplotlib.colormaps[name].with_extremes(bad=MASK_COLOR)
+
+
+def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, fig, title: str,
+              colorbar: bool = True, norm=None, ticks: bool = True):
+    T = m.shape[0]
+    shown = np.where(_causal_mask(T), np.nan, m)
+    extend = "neither"
+    if norm is None:
+        if diverging:
+            lim, clips = _robust_abs_max(shown)
+            norm = _div_norm(lim)
+            extend = "both" if clips else "neither"
+        else:
+            norm = _seq_norm(shown)
+    im = ax.imshow(shown, cmap=_cmap(DIV_CMAP if diverging else SEQ_CMAP), norm=norm,
+                   interpolation="auto", aspect="equal")
+    ax.set_title(title, fontsize=10)
+    # a small margin left of column 0, so that the sink column is not hidden under the frame
+    if T > MAX_LABELLED_TOKENS:
+        ax.set_xlim(-0.5 - 0.012 * T, T - 0.5)
+    for spine in ax.spines.values():
+        spine.set_linewidth(0.6)
+    if ticks and tokens is not None and T <= MAX_LABELLED_TOKENS:
+        labels = [token_label(t) for t in tokens]
+        fs = 7 if T <= 24 else (5.5 if T <= 44 else 4.5)
+        ax.set_xticks(range(T))
+        ax.set_xticklabels(labels, rotation=90, fontsize=fs)
+        ax.set_yticks(range(T))
+        ax.set_yticklabels(labels, fontsize=fs)
+        ax.tick_params(length=1.5, pad=1)
+        ax.set_xlabel("source token $j$", fontsize=9)
+        ax.set_ylabel("query token $i$", fontsize=9)
+    elif ticks:
+        ax.set_xlabel("source position $j$", fontsize=9)
+        ax.set_ylabel("query position $i$", fontsize=9)
+        ax.tick_params(labelsize=7)
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    if colorbar:
+        cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, extend=extend)
+        cb.ax.tick_params(labelsize=7)
+    return im
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------------------------
+
+
+def draw_token_maps(layer_trace, tokens: list[str], path: str | Path, title: str = "") -> str:
+    """``maps_layer{L}.png``: the token-level maps (all heads) of one layer in a 2x2 grid:
+    attention and contribution on top, value-weighted and output-normalised below."""
+    path = Path(path)
+    T = len(tokens)
+    labelled = T <= MAX_LABELLED_TOKENS
+    side = 6.4 if labelled else 5.2
+    fig, axes = plt.subplots(2, 2, figsize=(2 * side, 2 * side - 0.4), constrained_layout=True)
+    for ax, (name, label, formula) in zip(axes.flat, TOKEN_LEVEL):
+        m = layer_trace.token_score(name)
+        _draw_map(ax, m, diverging=name == "contribution", tokens=tokens, fig=fig, title=f"{label}: {formula}")
+    fig.suptitle(f"{title} — layer {layer_trace.index}, all {layer_trace.num_heads} heads, T = {T} tokens\n"
+                 "rows: queries $i$; columns: sources $j$; grey: not visible (causal mask); "
+                 "colour scales: square root (signed for the contribution)", fontsize=11)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path.name
+
+
+def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list[int] | None = None,
+                   title: str = "") -> str:
+    """``heads_layer{L}.png``: for each head, attention ``a_ij^h`` beside the intra-head contribution
+    ``c_ij^h``, with shared colour scales across heads."""
+    path = Path(path)
+    heads = list(range(layer_trace.num_heads)) if heads is None else list(heads)
+    att = layer_trace.attention[heads]
+    con = layer_trace.contribution[heads]
+    T = att.shape[-1]
+    n = len(heads)
+    per_row = 3 if n > 4 else min(n, 2) if n > 1 else 1
+    rows = int(np.ceil(n / per_row))
+    cell = 2.3
+    fig, axes = plt.subplots(rows, 2 * per_row, figsize=(2 * per_row * cell + 1.4, rows * cell + 1.0),
+                             squeeze=False, constrained_layout=True)
+    mask = _causal_mask(T)
+    att_norm = _seq_norm(np.where(mask, np.nan, att))
+    lim, clips = _robust_abs_max(np.where(mask[None], np.nan, con))
+    con_norm = _div_norm(lim)
+    im_a = im_c = None
+    for k in range(rows * per_row):
+        ax_a, ax_c = axes[k // per_row, 2 * (k % per_row)], axes[k // per_row, 2 * (k % per_row) + 1]
+        if k >= n:
+            ax_a.axis("off")
+            ax_c.axis("off")
+            continue
+        h = heads[k]
+        sink_a = float(att[k][1:, 0].mean()) if T > 1 else float("nan")
+        sink_c = float(con[k][1:, 0].mean()) if T > 1 else float("nan")
+        im_a = _draw_map(ax_a, att[k], diverging=False, tokens=None, fig=fig,
+                         title=f"head {h}: attention (sink {sink_a:.2f})", colorbar=False, norm=att_norm, ticks=False)
+        im_c = _draw_map(ax_c, con[k], diverging=True, tokens=None, fig=fig,
+                         title=f"head {h}: contribution (sink {sink_c:.2f})", colorbar=False, norm=con_norm,
+                         ticks=False)
+        for ax in (ax_a, ax_c):
+            ax.title.set_fontsize(8)
+    cb = fig.colorbar(im_a, ax=axes, fraction=0.02, pad=0.01, location="right")
+    cb.set_label(r"attention $a_{ij}^h$ (square-root scale)", fontsize=8)
+    cb.ax.tick_params(labelsize=7)
+    cb2 = fig.colorbar(im_c, ax=axes, fraction=0.02, pad=0.01, location="right", extend="both" if clips else "neither")
+    cb2.set_label(r"contribution $c_{ij}^h$ (intra-head; signed square-root scale)", fontsize=8)
+    cb2.ax.tick_params(labelsize=7)
+    fig.suptitle(f"{title} — layer {layer_trace.index}, per head: attention beside contribution "
+                 f"(T = {T}; rows $i$ = queries, columns $j$ = sources; "
+                 r"sink = mean over queries $i>0$ of the sink column $j=0$)", fontsize=10)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path.name
+
+
+def draw_sinks(heads_df, path: str | Path, title: str = "") -> str:
+    """``sinks_per_layer.png``: per layer, how much attention the sink gets and how much of the
+    output it explains. Left: per head (mean over heads, line; each head, dots; min-max, band).
+    Right: token level — mean sink attention vs the sink's share of the layer output Σ_h C_i0^h."""
+    path = Path(path)
+    layers = sorted(heads_df["layer"].unique())
+    g = heads_df.groupby("layer")
+    x = np.array(layers)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), constrained_layout=True)
+    series = (("sink_rate", "C0", r"sink attention $a_{i0}^h$"),
+              ("sink_contribution", "C3", r"sink contribution $c_{i0}^h$ (intra-head)"))
+    rng = np.random.default_rng(0)
+    for col, c, label in series:
+        mean = g[col].mean().reindex(layers).to_numpy()
+        lo = g[col].min().reindex(layers).to_numpy()
+        hi = g[col].max().reindex(layers).to_numpy()
+        ax1.fill_between(x, lo, hi, color=c, alpha=0.12, linewidth=0)
+        jitter = rng.uniform(-0.15, 0.15, len(heads_df)) if len(layers) > 1 else 0
+        ax1.scatter(heads_df["layer"].to_numpy() + jitter, heads_df[col].to_numpy(), s=7, color=c, alpha=0.45,
+                    linewidths=0)
+        ax1.plot(x, mean, "-o", color=c, ms=3.5, lw=1.6, label=f"{label}: mean over heads")
+    ax1.axhline(0, color="0.3", lw=0.7)
+    ax1.set_xlabel("layer")
+    ax1.set_ylabel("mean over queries $i>0$")
+    ax1.set_title("Per head: dots = heads, band = min–max over heads", fontsize=10)
+    ax1.legend(fontsize=8, loc="best", frameon=True, framealpha=0.85)
+
+    share = g["sink_contribution_inter"].sum().reindex(layers).to_numpy()
+    att = g["sink_rate"].mean().reindex(layers).to_numpy()
+    ax2.plot(x, att, "-o", color="C0", ms=3.5, lw=1.6, label=r"sink attention (mean over heads)")
+    ax2.plot(x, share, "-s", color="C3", ms=3.5, lw=1.6,
+             label=r"sink's share of the layer output $\Sigma_h C_{i0}^h$")
+    ax2.axhline(0, color="0.3", lw=0.7)
+    ax2.set_xlabel("layer")
+    ax2.set_ylabel("mean over queries $i>0$")
+    ax2.set_title("Layer level", fontsize=10)
+    ax2.legend(fontsize=8, loc="best", frameon=True, framealpha=0.85)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.25, lw=0.5)
+        if len(layers) <= 40:
+            step = 1 if len(layers) <= 16 else 2 if len(layers) <= 32 else 4
+            ax.set_xticks(x[::step])
+    n_q = int(heads_df["queries"].iloc[0]) if len(heads_df) else 0
+    fig.suptitle(f"{title} — attention to the sink (position 0) vs its contribution, per layer "
+                 f"({n_q} queries)", fontsize=11)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path.name
+
+
+# --------------------------------------------------------------------------------------------
+# report.md
+# --------------------------------------------------------------------------------------------
+
+FILE_NOTES = {
+    "tokens.parquet": "per (text/window, layer, position): token, scores received (attention, value-weighted, "
+                      "output-normalised, contribution; mean over the queries that see it), value norm, "
+                      "sink rate, entropy, output norm",
+    "heads.parquet": "per (layer, head): sink rate, sink contribution (intra and inter), self-attention, "
+                     "entropy, head output norm, head share, source-winner shares",
+    "summary.json": "model, input, per-layer sink numbers, top tokens, runtime, files",
+    "sinks_per_layer.png": "per layer: sink attention vs sink contribution",
+    "report.md": "this file",
+}
+
+
+def _tok(t: str) -> str:
+    return "`" + t.replace("`", "'").replace("\n", "\\n") + "`"
+
+
+def report_markdown(summary: dict) -> str:
+    m, inp = summary["model"], summary["input"]
+    lines = [f"# attngeom analyze — {m['name']}", ""]
+    lines.append(f"- model: {m['name']} (`{m['spec']}`, {m['architecture']}, {m['layers']} layers, "
+                 f"{m['heads']} heads, {m['kv_heads']} KV heads, {m['dtype']} on {m['device']})")
+    win = (f", in {inp['windows']} windows of {inp['window']} tokens (stride {inp['stride'] or inp['window'] - 1})"
+           if inp["windows"] > 1 or inp["window"] else "")
+    lines.append(f"- input: {inp['source']} — {inp['tokens']} tokens{win}")
+    lines.append(f"- layers analysed: {_ranges(summary['layers'])}; maps: {summary['maps']}")
+    lines.append(f"- attngeom {summary['attngeom_version']}, {summary['runtime_s']['total']:.1f} s in all")
+    lines += ["", "## Headline numbers", ""]
+    lines.append(f"Mean over layers and heads: sink attention **{summary['mean_sink_attention']:.3f}**, "
+                 f"sink contribution (intra-head) **{summary['mean_sink_contribution']:.3f}**.")
+    lines += ["", "| layer | sink attention | sink contribution (intra) | sink share of layer output |",
+              "|---:|---:|---:|---:|"]
+    for r in summary["per_layer"]:
+        lines.append(f"| {r['layer']} | {r['sink_attention']:.3f} | {r['sink_contribution']:.3f} | "
+                     f"{r['sink_contribution_to_layer_output']:.3f} |")
+    top = summary["top_tokens"]
+    lines += ["", f"Top {len(top['by_contribution_received'])} tokens at layer {top['layer']} "
+                  f"({top['ranked_over']}):", "",
+              "| rank | by contribution received | score | by attention received | score |",
+              "|---:|---|---:|---|---:|"]
+    for k, (c, a) in enumerate(zip(top["by_contribution_received"], top["by_attention_received"]), 1):
+        lines.append(f"| {k} | {_tok(c['token'])} @{c['position']} | {c['score']:.4f} | "
+                     f"{_tok(a['token'])} @{a['position']} | {a['score']:.4f} |")
+    lines += ["", "## Files", ""]
+    for f in summary["files"]:
+        if f.startswith("maps_layer"):
+            note = "token-level maps (all heads): attention, contribution, value-weighted, output-normalised"
+        elif f.startswith("heads_layer"):
+            note = "per head: attention beside intra-head contribution"
+        else:
+            note = FILE_NOTES.get(f, "")
+        lines.append(f"- [`{f}`]({f}) — {note}")
+    return "\n".join(lines) + "\n"
+
+
+def _ranges(xs: list[int]) -> str:
+    xs = sorted(xs)
+    if not xs:
+        return "none"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}–{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
