@@ -1,0 +1,166 @@
+"""``attngeom selection``: geometry of token selection (SPEC §5).
+
+For every layer and head, at the last query of each window (``--queries all`` or a sample of ``K``
+queries per window instead), the precision, recall and F of the top-N sources by attention in the
+space of attention-scaled values ``y_j = a_tj v_j``, for ``N = 1, 2, 4, …, 256`` below the query's
+candidate count, Euclidean and cosine; the same with the sink excluded from the candidates; seeded
+random subsets (``--repeats``, default 8) with and without the sink; inversions ``GInv_N`` and the
+bounds of SPEC §5 checked on every selection; the sink-aware regime and the prediction of ``P, R, F``
+from its fitted parameters (see :mod:`attngeom.selection`).
+
+Writes to ``--out``: ``selection.parquet`` (one row per window, layer, query, kind, distance, head,
+N: measured P, R, F, GInv, ρ_max, ρ_min; random kinds as means over repeats with ``F_std``; the
+top-N kinds with the predicted ``P_pred, R_pred, F_pred``), ``regime.parquet`` (one row per window,
+layer, query and head: the sink-aware parameters and the measured and predicted best small N),
+``summary.json`` and the figures of :mod:`attngeom.reports.selection`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ..errors import InputError
+from . import common
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "selection", help="geometry of token selection: precision/recall/F of top-N vs random, sink-aware prediction",
+        description="Treat each head as a classifier of its top-N sources in the space of attention-scaled "
+                    "values: geometric precision, recall and F for N = 1, 2, 4, ..., 256 (Euclidean and cosine), "
+                    "with and without the sink, against seeded random subsets, with the inversion bounds checked "
+                    "and the sink-aware regime's prediction beside the measurement.")
+    common.add_model_args(p)
+    common.add_data_args(p)
+    p.add_argument("--ns", default=None,
+                   help="selection sizes N, comma-separated (default 1,2,4,...,256 below the window length); "
+                        "every N must be below --window")
+    p.add_argument("--distances", default="euclidean,cosine", help="euclidean, cosine or both (default both)")
+    p.add_argument("--repeats", type=int, default=8, help="random subsets per N (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random subsets (default 0)")
+    p.add_argument("--no-random-nosink", action="store_true",
+                   help="draw the random control only from all candidates, not also from the non-sink ones")
+    p.add_argument("--queries", default="last",
+                   help="queries analysed per window: last (default), all, or a number K (a seeded sample of K, "
+                        "the last included)")
+    p.add_argument("--layers", default=None, help="layers analysed, e.g. 0,5,10 (default: all)")
+    p.add_argument("--sink", type=int, default=0, help="sink position (default 0, the BOS token)")
+    p.add_argument("--no-predict", action="store_true", help="skip the sink-aware prediction")
+    p.add_argument("--max-lag", type=int, default=256, help="largest position distance of the cosine-decay fit")
+    p.add_argument("--small-n-max", type=int, default=16, help="largest N considered for the best small N (default 16)")
+    p.add_argument("--batch-size", type=int, default=2, help="windows per forward pass (default 2)")
+    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    common.add_out_arg(p)
+    p.set_defaults(func=run)
+
+
+def parse_args_checked(args):
+    """Validate everything that does not need the model; returns (ns, distances, queries, layers)."""
+    from ..data import parse_int_list
+    from ..selection import DISTANCES, POWERS, check_ns
+
+    if args.window is None or args.window < 3:
+        raise InputError(f"--window must be at least 3 tokens, got {args.window}")
+    if args.max_windows is not None and args.max_windows < 1:
+        raise InputError(f"--max-windows must be at least 1, got {args.max_windows}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.repeats < 0:
+        raise InputError(f"--repeats must be >= 0, got {args.repeats}")
+    if args.sink < 0 or args.sink >= args.window - 1:
+        raise InputError(f"--sink must be a position in 0..{args.window - 2}, got {args.sink}")
+    if args.max_lag < 1:
+        raise InputError(f"--max-lag must be at least 1, got {args.max_lag}")
+    if args.ns is None:
+        ns = [n for n in POWERS if n < args.window]
+    else:
+        ns = check_ns(parse_int_list(args.ns, "--ns") or [], args.window)
+    distances = [d.strip() for d in args.distances.split(",") if d.strip()]
+    bad = [d for d in distances if d not in DISTANCES]
+    if bad or not distances:
+        raise InputError(f"--distances takes {', '.join(DISTANCES)}; got {args.distances!r}")
+    q = args.queries.strip().lower()
+    if q in ("last", "all"):
+        queries = q
+    else:
+        try:
+            queries = int(q)
+        except ValueError:
+            raise InputError(f"--queries must be last, all or a number, got {args.queries!r}") from None
+        if queries < 1:
+            raise InputError(f"--queries must be at least 1, got {queries}")
+    layers = parse_int_list(args.layers, "--layers")
+    check_corpus(args.data, args)
+    return ns, distances, queries, layers
+
+
+def check_corpus(spec: str, args) -> None:
+    """Refuse a missing or empty local corpus before the model is loaded (``hf:`` specs are checked
+    when they are read)."""
+    from ..data import read_texts
+
+    if not spec.startswith("hf:"):
+        read_texts(spec, common.fields_of(args))
+
+
+def run(args) -> int:
+    from ..data import check_layers, load_windows
+    from ..selection import SelectionStats, summarize
+    from ..trace import stream
+
+    ns, distances, queries, layers = parse_args_checked(args)
+    out = common.prepare_out(args.out)
+    t0 = time.time()
+    handle = common.load(args)
+    layers = check_layers(layers, handle.num_layers)
+    windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, common.fields_of(args))
+    reducer = SelectionStats(ns=ns, distances=distances, repeats=args.repeats, seed=args.seed, queries=queries,
+                             sink=args.sink, predict=not args.no_predict, max_lag=args.max_lag,
+                             small_n_max=args.small_n_max, random_without_sink=not args.no_random_nosink)
+    stream(handle, windows, [reducer], layers=layers, batch_size=args.batch_size,
+           progress=False if args.no_progress else "selection")
+    sel, reg = reducer.result()
+    if not len(sel):
+        raise InputError("no query had at least 2 candidate sources; use longer windows")
+    model_name = getattr(handle, "name", args.model)
+    sel.insert(0, "model", model_name)
+    reg.insert(0, "model", model_name)
+    common.write_parquet(sel, out / "selection.parquet")
+    common.write_parquet(reg, out / "regime.parquet")
+    summary = {
+        "command": "selection",
+        "model": model_name,
+        "data": args.data,
+        "window": args.window,
+        "windows": len(windows),
+        "tokens": int(sum(len(w) for w in windows)),
+        "queries": queries,
+        "ns": ns,
+        "distances": distances,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "sink_position": args.sink,
+        "layers": layers if layers is not None else "all",
+        **summarize(sel, reg, reducer.violations, reducer.selections, args.small_n_max),
+        "seconds": None,
+        "files": ["selection.parquet", "regime.parquet"],
+    }
+    if not args.no_figures:
+        from ..reports.selection import render
+
+        summary["figures"] = [p.name for p in render(out, sel, reg)]
+    summary["seconds"] = round(time.time() - t0, 1)
+    common.write_json(out / "summary.json", summary)
+    d0 = distances[0]
+    small = [n for n in ns if n <= 4]
+    parts = []
+    for n in small:
+        ft = summary[d0]["with_sink"]["f_topn"].get(n)
+        fr = summary[d0]["with_sink"]["f_random"].get(n)
+        if ft is not None and fr is not None:
+            parts.append(f"N={n}: top {ft:.3f} / random {fr:.3f}")
+    print(f"attngeom selection: {model_name}: F ({d0}, with sink) " + "; ".join(parts)
+          + f"; bound violations {summary['bound_violations']}; written to {out}", file=sys.stderr)
+    return 0
