@@ -18,23 +18,14 @@ TEXT = "The cat sat on the mat; the dog lay by the door."
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llama")
-    handle = tiny_model("llama")
-    handle.model.save_pretrained(d)
-    handle.tokenizer.save_pretrained(d)
-    return d
+def handle(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir))
 
 
 @pytest.fixture(scope="module")
-def handle(model_dir):
-    return load_model(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def run_default(model_dir, tmp_path_factory):
+def run_default(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("analyze_out")
-    rc = main(["analyze", "--model", str(model_dir), "--text", TEXT, "--out", str(out)])
+    rc = main(["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--out", str(out)])
     assert rc == 0
     return out
 
@@ -70,7 +61,7 @@ def test_files_written(run_default, handle):
         assert f in report
 
 
-def test_tables_and_summary_keys(run_default, handle, model_dir):
+def test_tables_and_summary_keys(run_default, handle, tiny_llama_dir):
     tokens = pd.read_parquet(run_default / "tokens.parquet")
     heads = pd.read_parquet(run_default / "heads.parquet")
     summary = json.loads((run_default / "summary.json").read_text())
@@ -98,7 +89,7 @@ def test_tables_and_summary_keys(run_default, handle, model_dir):
         assert key in summary, key
     assert summary["T"] == T
     assert summary["layers"] == list(range(L))
-    assert summary["model"]["spec"] == str(model_dir)
+    assert summary["model"]["spec"] == str(tiny_llama_dir)
     assert summary["model"]["architecture"] == "llama"
     assert [r["layer"] for r in summary["per_layer"]] == list(range(L))
     top = summary["top_tokens"]
@@ -143,12 +134,12 @@ def test_values_match_direct_analyze(run_default, handle):
     assert [r["token"] for r in top["by_contribution_received"]] == best["token"].tolist()
 
 
-def test_layer_subset_window_and_heads(model_dir, handle, tmp_path):
+def test_layer_subset_window_and_heads(tiny_llama_dir, handle, tmp_path):
     """--layers, --figure-layers, --heads and --window on an input longer than the model's context."""
     ids = handle.encode(SAMPLE_TEXT)
     assert len(ids) > handle.max_positions  # the built-in text does not fit the tiny model
     out = tmp_path / "o"
-    rc = main(["analyze", "--model", str(model_dir), "--layers", "0,2", "--figure-layers", "2", "--heads", "0,3",
+    rc = main(["analyze", "--model", str(tiny_llama_dir), "--layers", "0,2", "--figure-layers", "2", "--heads", "0,3",
                "--window", "200", "--out", str(out), "--no-progress"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -217,20 +208,20 @@ def test_bad_options_before_load(monkeypatch, capsys, tmp_path):
     _fails(capsys, ["analyze", "--window", "1", "--out", str(tmp_path / "o")], "--window")
 
 
-def test_unknown_layer_and_head(model_dir, capsys, tmp_path):
+def test_unknown_layer_and_head(tiny_llama_dir, capsys, tmp_path):
     out = tmp_path / "o"
-    _fails(capsys, ["analyze", "--model", str(model_dir), "--text", TEXT, "--layers", "0,7", "--out", str(out)],
+    _fails(capsys, ["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--layers", "0,7", "--out", str(out)],
            "layer 7 does not exist", "0..2")
-    _fails(capsys, ["analyze", "--model", str(model_dir), "--text", TEXT, "--heads", "9", "--out", str(out)],
+    _fails(capsys, ["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--heads", "9", "--out", str(out)],
            "head 9 does not exist")
-    _fails(capsys, ["analyze", "--model", str(model_dir), "--text", TEXT, "--figure-layers", "3", "--out", str(out)],
+    _fails(capsys, ["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--figure-layers", "3", "--out", str(out)],
            "layer 3 does not exist")
     assert not (out / "tokens.parquet").exists()
 
 
-def test_too_long_without_window(model_dir, capsys, tmp_path):
+def test_too_long_without_window(tiny_llama_dir, capsys, tmp_path):
     out = tmp_path / "o"
-    _fails(capsys, ["analyze", "--model", str(model_dir), "--out", str(out)], "handles at most 256", "--window")
+    _fails(capsys, ["analyze", "--model", str(tiny_llama_dir), "--out", str(out)], "handles at most 256", "--window")
     assert not (out / "tokens.parquet").exists()
 
 

@@ -150,22 +150,13 @@ def test_critical_heads_rule():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llama_heads")
-    h = tiny_model("llama")
-    h.model.save_pretrained(d)
-    h.tokenizer.save_pretrained(d)
-    return d
-
-
-def test_cli_end_to_end_two_corpora(model_dir, tmp_path):
+def test_cli_end_to_end_two_corpora(tiny_llama_dir, tmp_path):
     c1 = tmp_path / "a.txt"
     c1.write_text(" ".join(TEXTS * 8))
     c2 = tmp_path / "b.txt"
     c2.write_text("Completely different words go here, on and on. " * 6)
     out = tmp_path / "heads"
-    rc = main(["heads", "--model", str(model_dir), "--data", str(c1), "--data", str(c2), "--window", "24",
+    rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(c1), "--data", str(c2), "--window", "24",
                "--max-windows", "4", "--calib-windows", "1", "--out", str(out), "--no-progress"])
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
@@ -189,10 +180,10 @@ def test_cli_end_to_end_two_corpora(model_dir, tmp_path):
         assert (out / f).stat().st_size > 10_000
 
 
-def test_cli_too_few_windows(model_dir, tmp_path, capsys):
+def test_cli_too_few_windows(tiny_llama_dir, tmp_path, capsys):
     c1 = tmp_path / "a.txt"
     c1.write_text("tiny")
-    rc = main(["heads", "--model", str(model_dir), "--data", str(c1), "--window", "24", "--calib-windows", "1",
+    rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(c1), "--window", "24", "--calib-windows", "1",
                "--out", str(tmp_path / "o"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "held-out" in err

@@ -250,20 +250,11 @@ def test_sink_stats_match_model_space_traces():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    h = tiny_model("llama")
-    h.model.save_pretrained(d)
-    h.tokenizer.save_pretrained(d)
-    return d
-
-
-def test_cli_whole_pipeline_on_a_tiny_model(tiny_dir, tmp_path):
+def test_cli_whole_pipeline_on_a_tiny_model(tiny_llama_dir, tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("\n".join(["The cat sat on the mat. The dog slept by the door, and the bird sang."] * 4))
     out = tmp_path / "out"
-    rc = main(["sinks", "--model", str(tiny_dir), "--data", str(data), "--window", "40", "--max-windows", "3",
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "40", "--max-windows", "3",
                "--out", str(out)])
     assert rc == 0
     for f in ("heads.parquet", "curve.parquet", "drift.parquet", "hist.parquet", "removal.parquet", "ppl.parquet",
@@ -295,11 +286,11 @@ def test_cli_whole_pipeline_on_a_tiny_model(tiny_dir, tmp_path):
     assert np.isclose(ppl.loc["sink", "delta_ppl"], m["removal_delta_ppl"])
 
 
-def test_cli_chosen_layers_and_bad_input(tiny_dir, tmp_path, capsys):
+def test_cli_chosen_layers_and_bad_input(tiny_llama_dir, tmp_path, capsys):
     data = tmp_path / "corpus.txt"
     data.write_text("some words to read, again and again, some more words to read.\n" * 3)
     out = tmp_path / "out"
-    rc = main(["sinks", "--model", str(tiny_dir), "--data", str(data), "--window", "24", "--max-windows", "2",
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "24", "--max-windows", "2",
                "--layers", "1", "--removal-layers", "2", "--no-figures", "--out", str(out)])
     assert rc == 0
     heads = pd.read_parquet(out / "heads.parquet")
@@ -307,7 +298,7 @@ def test_cli_chosen_layers_and_bad_input(tiny_dir, tmp_path, capsys):
     removal = pd.read_parquet(out / "removal.parquet")
     edited = removal[removal["mode"] == "sink"].groupby("layer").removed_mass.mean()
     assert edited.loc[2] > 0 and edited.loc[1] == 0
-    rc = main(["sinks", "--model", str(tiny_dir), "--data", str(data), "--layers", "7", "--out", str(tmp_path / "x")])
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--layers", "7", "--out", str(tmp_path / "x")])
     assert rc == 2
     assert "layer 7" in capsys.readouterr().err
 

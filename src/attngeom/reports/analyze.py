@@ -18,14 +18,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .common import DPI  # sets the Agg backend first
+
 import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib import colors
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib import colors  # noqa: E402
-
-DPI = 150
 MAX_LABELLED_TOKENS = 64
 MASK_COLOR = "#e6e6e6"
 SEQ_CMAP = "magma_r"

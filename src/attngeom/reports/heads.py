@@ -16,28 +16,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .common import DPI, save_figure  # sets the Agg backend first
+
 import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LinearSegmentedColormap
+from matplotlib.patches import Patch, Rectangle
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
-from matplotlib.patches import Patch, Rectangle  # noqa: E402
-
-DPI = 150
 REGIMES = ("Retriever", "Mixer", "Reset")
 REGIME_COLORS = {"Retriever": "#2a9d8f", "Mixer": "#c0392b", "Reset": "#3b5b92"}
 SHARE = {"Retriever": "winner_self", "Mixer": "winner_sink", "Reset": "winner_other"}
 ORDER_STYLE = {"taxonomy": ("#c0392b", "-o"), "weight": ("#1f77b4", "-s"), "entropy": ("#2a9d8f", "-^"),
                "random": ("#777777", ":x"), "sensitivity": ("#6a3d9a", "-d")}
 
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
 
 
 def _title(df: pd.DataFrame) -> str:
@@ -99,7 +92,7 @@ def fig_regimes_by_layer(by_layer: pd.DataFrame, path: Path) -> Path:
         ax.set_title(Path(str(corpus)).name)
         ax.legend(fontsize=7, loc="upper right")
     fig.suptitle(f"{_title(by_layer)}: regime shares by layer depth")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_removal(curves: pd.DataFrame, path: Path) -> Path:
@@ -118,7 +111,7 @@ def fig_removal(curves: pd.DataFrame, path: Path) -> Path:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, title="removal order", title_fontsize=8)
     ax.set_title(f"{_title(curves)}: perplexity against head retention")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_sensitivity(heads: pd.DataFrame, path: Path) -> Path:
@@ -140,7 +133,7 @@ def fig_sensitivity(heads: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel("head")
     ax.set_yticks(range(H))
     ax.set_title(f"{_title(heads)}: single-head sensitivity (calibration split; critical outlined)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def render(out_dir: str | Path, heads: pd.DataFrame | None = None, curves: pd.DataFrame | None = None,

@@ -18,22 +18,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import matplotlib
+from .common import save_figure  # sets the Agg backend first
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-DPI = 150
 C_SINK, C_NOSINK = "#1f4e9a", "#e07b00"
 
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
 
 
 def _title(sel: pd.DataFrame) -> str:
@@ -66,7 +58,7 @@ def fig_f_vs_n(sel: pd.DataFrame, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"{_title(sel)}: separability of the top-N selection vs random subsets")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_pr(sel: pd.DataFrame, path: Path) -> Path:
@@ -95,7 +87,7 @@ def fig_pr(sel: pd.DataFrame, path: Path) -> Path:
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
     fig.suptitle(f"{_title(sel)}: precision and recall of the top-N selection")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_layers(sel: pd.DataFrame, path: Path, dist: str = "euclidean", ns=(2, 4, 8)) -> Path:
@@ -118,7 +110,7 @@ def fig_layers(sel: pd.DataFrame, path: Path, dist: str = "euclidean", ns=(2, 4,
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{_title(sel)}: separability by layer")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_sink_regime(reg: pd.DataFrame, path: Path) -> Path:
@@ -170,7 +162,7 @@ def fig_sink_regime(reg: pd.DataFrame, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{_title(reg)}: sink-aware regime at the analysed queries")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def render(out_dir: str | Path, sel: pd.DataFrame | None = None, reg: pd.DataFrame | None = None) -> list[Path]:

@@ -22,22 +22,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import matplotlib
+from .common import save_figure  # sets the Agg backend first
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-DPI = 150
 COLORS = {"base": "#333333", "removed": "#d62728", "control": "#1f77b4", "sink": "#d62728", "tail": "#1f77b4"}
 
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
 
 
 def _model_title(df: pd.DataFrame) -> str:
@@ -82,7 +74,7 @@ def fig_convexity(heads: pd.DataFrame, curve: pd.DataFrame, path: Path, n: int =
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"{_model_title(heads)}: sink rate vs head output norm (heads with the most sink attention)",
                  fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _pooled_hist(hist: pd.DataFrame, quantity: str, lo: float, hi: float, width: float):
@@ -124,7 +116,7 @@ def fig_rho_star(heads: pd.DataFrame, hist: pd.DataFrame, path: Path) -> Path:
     a2.legend(fontsize=8)
     fig.suptitle(f"{_model_title(heads)}: where the output norm is smallest as a function of the sink rate",
                  fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_anti_alignment(heads: pd.DataFrame, path: Path) -> Path:
@@ -143,7 +135,7 @@ def fig_anti_alignment(heads: pd.DataFrame, path: Path) -> Path:
         ax.legend(fontsize=8)
     axes[0].set_ylabel("median cosine (head space via G)")
     fig.suptitle(f"{_model_title(heads)}: anti-alignment of the sink's projected value", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_decomposition(heads: pd.DataFrame, path: Path) -> Path:
@@ -172,7 +164,7 @@ def fig_decomposition(heads: pd.DataFrame, path: Path) -> Path:
     ax.set_ylim(min(0.0, ax.get_ylim()[0]), max(1.0, ax.get_ylim()[1]) * 1.15)
     ax.legend(fontsize=8, loc="upper center", ncol=3, columnspacing=0.8, handlelength=1.2)
     fig.suptitle(f"{_model_title(heads)}: contribution c = a · (‖ṽ‖/‖o‖) · cos, sink vs tail", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_removal(removal: pd.DataFrame, ppl: pd.DataFrame, path: Path) -> Path:
@@ -214,7 +206,7 @@ def fig_removal(removal: pd.DataFrame, ppl: pd.DataFrame, path: Path) -> Path:
                     xytext=(0, 2 if b >= 0 else -2), textcoords="offset points")
     fig.suptitle(f"{_model_title(removal)}: sink-norm removal vs a mass-matched control source "
                  "(mass = mean attention removed per query and head)", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def fig_drift(drift: pd.DataFrame, path: Path) -> Path:
@@ -245,7 +237,7 @@ def fig_drift(drift: pd.DataFrame, path: Path) -> Path:
     for ax in axes:
         ax.legend(fontsize=8)
     fig.suptitle(f"{_model_title(drift)}: semantic drift and the sink", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def render(out_dir) -> list[Path]:
