@@ -12,7 +12,6 @@ from attngeom import analyze, load_model
 from attngeom.cli import main
 from attngeom.data import SAMPLE_TEXT
 
-from tiny_models import tiny_model
 
 TEXT = "The cat sat on the mat; the dog lay by the door."
 
