@@ -1,0 +1,415 @@
+"""The faithfulness experiment of SPEC §3: comprehensiveness and sufficiency of token rankings.
+
+For every unit (a corpus window, or one option of a multiple-choice example) and every
+:class:`~attngeom.interventions.Variant` (metric x mode x ratio [x seed], plus the clean forward),
+the unit is run with the variant's masking at the chosen layers and its summed next-token NLL is
+recorded. Several variants of one unit run as ONE batched forward: row ``b`` of the batch holds the
+same tokens and uses variant ``b`` (:class:`~attngeom.interventions.RankIntervention`), up to
+``rows`` rows per forward.
+
+Resumable: every finished (unit, variant) pair is appended to ``checkpoint.jsonl`` in the output
+directory as soon as its forward is done (flushed and fsynced); a rerun with the same settings
+skips the pairs already there. ``checkpoint-meta.json`` holds the settings that must match.
+
+Results (:func:`summarize`):
+
+- perplexity: ``PPL = exp(Σ NLL / Σ tokens)`` over all windows (the first token of each window is
+  never predicted), ``change = PPL' − PPL_clean`` (``ΔPPL``);
+- tasks: accuracy by option log-likelihood, ``change = acc' − acc_clean``.
+
+Only units on which every variant has finished enter the summary, so partial runs compare all
+variants on the same units. ``comprehensiveness_aoc``/``sufficiency_aoc`` are the mean change over
+the ratios (for ``random``: over ratios and seeds); for perplexity ``*_log_aoc`` is the mean of
+``ln(PPL'/PPL)`` as well, a scale-free companion that large ratios do not dominate. Orderings list the most faithful metric first:
+for perplexity the largest comprehensiveness ΔPPL and the smallest sufficiency ΔPPL; for accuracy
+the most negative comprehensiveness change and the largest (least negative) sufficiency change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .capture import Session
+from .errors import InputError
+from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
+from .reducers import Batch
+from .trace import forward, token_nll
+
+DEFAULT_METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "random")
+DEFAULT_RATIOS = tuple(round(0.1 * k, 1) for k in range(1, 10))
+DEFAULT_SEEDS = (0, 1, 2)
+
+CHECKPOINT = "checkpoint.jsonl"
+META = "checkpoint-meta.json"
+
+
+# --------------------------------------------------------------------------------------------
+# Variants and checks
+# --------------------------------------------------------------------------------------------
+
+
+def check_metrics(metrics: Iterable[str]) -> list[str]:
+    metrics = [m.strip() for m in metrics if m.strip()]
+    if not metrics:
+        raise InputError("no metric given")
+    bad = [m for m in metrics if m not in RANK_METRICS]
+    if bad:
+        raise InputError(f"unknown metric {bad[0]!r}; known: {', '.join(RANK_METRICS)}")
+    if len(set(metrics)) != len(metrics):
+        raise InputError("a metric is listed twice")
+    return metrics
+
+
+def check_ratios(ratios: Iterable[float]) -> list[float]:
+    ratios = [float(r) for r in ratios]
+    if not ratios:
+        raise InputError("no ratio given")
+    bad = [r for r in ratios if not (0.0 < r < 1.0)]
+    if bad:
+        raise InputError(f"ratio {bad[0]:g} is outside (0, 1): ratios are the share of sources masked per query")
+    if len(set(ratios)) != len(ratios):
+        raise InputError("a ratio is listed twice")
+    return sorted(ratios)
+
+
+def build_variants(metrics: Sequence[str], ratios: Sequence[float], seeds: Sequence[int] = DEFAULT_SEEDS,
+                   per_head: bool = False, absolute: bool = False) -> list[Variant]:
+    """The clean forward, then every metric x mode x ratio (x seed for ``random``)."""
+    metrics = check_metrics(metrics)
+    ratios = check_ratios(ratios)
+    if "random" in metrics and not seeds:
+        raise InputError("the random ranking needs at least one seed")
+    out = [CLEAN]
+    for m in metrics:
+        for mode in MODES:
+            for r in ratios:
+                for s in (seeds if m == "random" else (0,)):
+                    out.append(Variant(m, mode, float(r), int(s), per_head=per_head, absolute=absolute))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Units and the checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Token ids to run, the number of scored next-token predictions at the end (``len(ids)-1``
+    for a perplexity window), and the salt of its random ranking."""
+
+    ids: tuple[int, ...]
+    n_scored: int
+    salt: int
+
+    @property
+    def digest(self) -> int:
+        return zlib.crc32(np.asarray(self.ids, dtype=np.int64).tobytes()) ^ self.n_scored
+
+
+def window_units(windows: Sequence[Sequence[int]]) -> list[Unit]:
+    return [Unit(tuple(int(x) for x in w), len(w) - 1, i) for i, w in enumerate(windows)]
+
+
+class Checkpoint:
+    """Append-only record of finished (unit, variant) pairs in ``DIR/checkpoint.jsonl``."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / CHECKPOINT
+        self.meta_path = Path(out) / META
+
+    def check_meta(self, meta: dict) -> None:
+        """Refuse to mix runs with different settings (before any compute); record them otherwise."""
+        if self.meta_path.exists():
+            try:
+                old = json.loads(self.meta_path.read_text())
+            except json.JSONDecodeError:
+                old = None
+            if old is not None and old != meta:
+                diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+                raise InputError(
+                    f"{self.meta_path.parent} holds a faithfulness run with other settings ({', '.join(diff)}); "
+                    "use another --out directory (nothing was changed)")
+        else:
+            from .commands.common import write_json
+            write_json(self.meta_path, meta)
+
+    def load(self) -> dict[tuple[int, str], dict]:
+        done: dict[tuple[int, str], dict] = {}
+        if not self.path.exists():
+            return done
+        with self.path.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    done[(int(rec["unit"]), str(rec["variant"]))] = rec
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue  # a line cut short by a kill
+        return done
+
+    def append(self, records: Sequence[dict]) -> None:
+        if not records:
+            return
+        data = "".join(json.dumps(r) + "\n" for r in records)
+        # a kill can leave a last line without its newline: start on a fresh line
+        prefix = ""
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open("rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    prefix = "\n"
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(prefix + data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def auto_rows(handle, length: int, budget_bytes: float = 3e9, cap: int = 32) -> int:
+    """Rows per batched forward so that the float32 logits (and their log-softmax) fit ``budget_bytes``."""
+    vocab = int(handle.model.config.vocab_size)
+    return int(max(1, min(cap, budget_bytes // (8.0 * length * vocab))))
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def run_units(handle, units: Sequence[Unit], variants: Sequence[Variant], *, layers: Iterable[int] | None = None,
+              out: str | Path | None = None, rows: int | None = None, progress: bool | str = True,
+              after_unit: Callable[[int], None] | None = None, block_elements: int | None = None,
+              ) -> dict[tuple[int, str], dict]:
+    """NLL of every (unit, variant): ``{(unit_index, variant.key): {"nll": Σ NLL, "tokens": n}}``.
+
+    Variants of one unit run together, ``rows`` per batched forward (default :func:`auto_rows`).
+    With ``out``, finished pairs are appended to the checkpoint and skipped when already there.
+    ``after_unit(i)`` is called after unit ``i`` is finished (e.g. to write partial summaries)."""
+    from tqdm.auto import tqdm
+
+    keys = [v.key for v in variants]
+    if len(set(keys)) != len(keys):
+        raise InputError("two variants have the same name")
+    layers = None if layers is None else sorted(set(int(x) for x in layers))
+    ckpt = Checkpoint(Path(out)) if out is not None else None
+    done = ckpt.load() if ckpt else {}
+    results: dict[tuple[int, str], dict] = {}
+    for (u, k), rec in done.items():
+        if u < len(units) and rec.get("digest") == units[u].digest:
+            results[(u, k)] = rec
+    total = len(units) * len(variants)
+    bar = tqdm(total=total, initial=sum(1 for u in range(len(units)) for k in keys if (u, k) in results),
+               desc=progress if isinstance(progress, str) else "faithfulness", unit="fwd",
+               disable=not progress)
+    for u, unit in enumerate(units):
+        pending = [v for v in variants if (u, v.key) not in results]
+        if not pending:
+            continue
+        R = rows or auto_rows(handle, len(unit.ids))
+        T = len(unit.ids)
+        for c in range(0, len(pending), R):
+            chunk = pending[c:c + R]
+            ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
+            batch = Batch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
+            inter = RankIntervention(chunk, salts=[unit.salt] * len(chunk))
+            kw = {} if block_elements is None else {"block_elements": block_elements}
+            session = Session(intervention=inter, layers=layers, **kw)
+            logits = forward(handle, batch, session, logits=True)
+            nll = token_nll(logits, batch)[:, T - 1 - unit.n_scored:T - 1].double().sum(-1).cpu()
+            del logits
+            recs = [{"unit": u, "variant": v.key, "nll": float(nll[b]), "tokens": unit.n_scored,
+                     "digest": unit.digest} for b, v in enumerate(chunk)]
+            if ckpt:
+                ckpt.append(recs)
+            for r in recs:
+                results[(u, r["variant"])] = r
+            bar.update(len(chunk))
+        if after_unit is not None:
+            after_unit(u)
+    bar.close()
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Tables and summaries
+# --------------------------------------------------------------------------------------------
+
+
+def complete_units(results: dict, n_units: int, variants: Sequence[Variant]) -> list[int]:
+    keys = [v.key for v in variants]
+    return [u for u in range(n_units) if all((u, k) in results for k in keys)]
+
+
+def ppl_table(results: dict, units: Sequence[int], variants: Sequence[Variant]) -> pd.DataFrame:
+    """One row per variant: ``ppl``, ``clean``, ``change`` (ΔPPL), ``tokens``, ``units``."""
+    def ppl(key):
+        nll = sum(results[(u, key)]["nll"] for u in units)
+        tok = sum(results[(u, key)]["tokens"] for u in units)
+        return math.exp(nll / tok) if tok else float("nan"), tok
+
+    clean, tok = ppl(CLEAN.key)
+    rows = []
+    for v in variants:
+        if v.metric is None:
+            continue
+        p, t = ppl(v.key)
+        rows.append(dict(metric=v.metric, mode=v.mode, ratio=v.ratio, seed=v.seed if v.metric == "random" else None,
+                         ppl=p, clean=clean, change=p - clean, tokens=t, units=len(units)))
+    return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", "ppl", "clean", "change", "tokens", "units"])
+
+
+def task_table(results: dict, units: Sequence["TaskUnit"], examples: Sequence, variants: Sequence[Variant],
+               done_examples: Sequence[int]) -> pd.DataFrame:
+    """One row per variant: ``accuracy``, ``clean``, ``change``, ``tokens`` (scored), ``units`` (examples)."""
+    from .tasks import accuracy
+
+    by_ex: dict[int, list[int]] = {}
+    for i, tu in enumerate(units):
+        by_ex.setdefault(tu.example, []).append(i)
+    exs = [examples[e] for e in done_examples]
+
+    def acc(key):
+        scores = {}
+        tok = 0
+        for new_e, e in enumerate(done_examples):
+            for i in by_ex[e]:
+                scores[(new_e, units[i].option)] = -results[(i, key)]["nll"]
+                tok += results[(i, key)]["tokens"]
+        return accuracy(scores, exs) if exs else float("nan"), tok
+
+    clean, _ = acc(CLEAN.key)
+    rows = []
+    for v in variants:
+        if v.metric is None:
+            continue
+        a, t = acc(v.key)
+        rows.append(dict(metric=v.metric, mode=v.mode, ratio=v.ratio, seed=v.seed if v.metric == "random" else None,
+                         accuracy=a, clean=clean, change=a - clean, tokens=t, units=len(done_examples)))
+    return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", "accuracy", "clean", "change", "tokens", "units"])
+
+
+def summarize(table: pd.DataFrame, measure: str = "ppl") -> dict:
+    """AOC (mean change over ratios, and seeds for random) per metric and mode, and the orderings."""
+    out: dict = {"measure": measure, "metrics": {}}
+    if table.empty:
+        return out
+    out["clean"] = float(table["clean"].iloc[0])
+    for m, g in table.groupby("metric", sort=False):
+        d = {}
+        for mode in MODES:
+            gm = g[g["mode"] == mode]
+            d[f"{mode}_aoc"] = float(gm["change"].mean())
+            if measure == "ppl":  # a scale-free companion: mean log(PPL'/PPL) over the ratios
+                d[f"{mode}_log_aoc"] = float(np.log(gm["ppl"] / gm["clean"]).mean())
+            if m == "random" and gm["seed"].notna().any():
+                per_seed = gm.groupby("seed")["change"].mean()
+                d[f"{mode}_aoc_per_seed"] = {str(int(s)): float(x) for s, x in per_seed.items()}
+                d[f"{mode}_aoc_seed_std"] = float(per_seed.std(ddof=0))
+        out["metrics"][m] = d
+    names = list(out["metrics"])
+    sign = 1.0 if measure == "ppl" else -1.0  # ppl: larger comprehensiveness change is more faithful
+    out["order_comprehensiveness"] = sorted(names, key=lambda m: -sign * out["metrics"][m]["comprehensiveness_aoc"])
+    out["order_sufficiency"] = sorted(names, key=lambda m: sign * out["metrics"][m]["sufficiency_aoc"])
+    out["order_note"] = ("most faithful first: " + (
+        "largest comprehensiveness ΔPPL, smallest sufficiency ΔPPL" if measure == "ppl" else
+        "largest accuracy drop under comprehensiveness, smallest drop under sufficiency"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskUnit(Unit):
+    example: int = 0
+    option: int = 0
+
+
+def task_units(handle, examples) -> list[TaskUnit]:
+    from .tasks import encode_options
+
+    return [TaskUnit(s.ids, s.n_cont, s.example, example=s.example, option=s.option)
+            for s in encode_options(handle, examples)]
+
+
+def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequence[Variant]) -> list[int]:
+    done = set(complete_units(results, len(units), variants))
+    by_ex: dict[int, list[int]] = {}
+    for i, tu in enumerate(units):
+        by_ex.setdefault(tu.example, []).append(i)
+    return [e for e in sorted(by_ex) if all(i in done for i in by_ex[e])]
+
+
+# --------------------------------------------------------------------------------------------
+# The whole experiment
+# --------------------------------------------------------------------------------------------
+
+
+def write_outputs(out: Path, table: pd.DataFrame, summary: dict, figure: bool = True) -> None:
+    from .commands.common import write_json, write_parquet
+
+    write_parquet(table, out / "table.parquet")
+    write_json(out / "summary.json", summary)
+    if figure and not table.empty:
+        from .reports.faithfulness import plot
+
+        plot(table, out / "faithfulness.png", measure=summary.get("measure", "ppl"),
+             title=summary.get("title"))
+
+
+def experiment(handle, *, units: Sequence[Unit], variants: Sequence[Variant], out: str | Path,
+               layers=None, rows: int | None = None, progress: bool | str = True, examples=None,
+               meta: dict | None = None, after_unit: Callable[[int], None] | None = None,
+               partial_every: int = 1, figure_every: int = 0) -> tuple[pd.DataFrame, dict]:
+    """Run (or resume) the experiment into ``out`` and write ``table.parquet``, ``summary.json`` and
+    ``faithfulness.png``. Partial table and summary are rewritten after every ``partial_every``
+    finished units (0: never), the partial figure after every ``figure_every`` (0: only at the end)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    measure = "accuracy" if examples is not None else "ppl"
+    meta = dict(meta or {})
+
+    def tables(results):
+        if examples is None:
+            done = complete_units(results, len(units), variants)
+            table = ppl_table(results, done, variants)
+            n_done, n_all = len(done), len(units)
+        else:
+            done = complete_examples(results, units, variants)
+            table = task_table(results, units, examples, variants, done)
+            n_done, n_all = len(done), len(examples)
+        summary = summarize(table, measure)
+        summary.update({"units_done": n_done, "units_total": n_all, "complete": n_done == n_all,
+                        "unit": "example" if examples is not None else "window",
+                        "variants": len(variants), "settings": meta})
+        return table, summary
+
+    state = {"count": 0}
+
+    def after(u):
+        state["count"] += 1
+        n = state["count"]
+        if partial_every and n % partial_every == 0:
+            res = Checkpoint(out).load()
+            res = {k: r for k, r in res.items() if k[0] < len(units) and r.get("digest") == units[k[0]].digest}
+            t, s = tables(res)
+            write_outputs(out, t, s, figure=bool(figure_every) and n % figure_every == 0)
+        if after_unit is not None:
+            after_unit(u)
+
+    results = run_units(handle, units, variants, layers=layers, out=out, rows=rows, progress=progress,
+                        after_unit=after)
+    table, summary = tables(results)
+    write_outputs(out, table, summary)
+    return table, summary

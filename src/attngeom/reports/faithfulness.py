@@ -1,0 +1,69 @@
+"""Figure of the faithfulness experiment: comprehensiveness and sufficiency curves per metric."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+COLORS = {
+    "attention": "#1f77b4",
+    "value_weighted": "#ff7f0e",
+    "output_normalized": "#2ca02c",
+    "contribution": "#d62728",
+    "contribution_inter": "#9467bd",
+    "random": "#7f7f7f",
+}
+LABELS = {"comprehensiveness": "Comprehensiveness (top-k masked)", "sufficiency": "Sufficiency (bottom-k masked)"}
+
+
+def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str | None = None) -> Path:
+    """Two panels (comprehensiveness, sufficiency): change vs ratio per metric; ``random`` as the mean
+    over seeds with a band from the lowest to the highest seed."""
+    path = Path(path)
+    ylabel = "ΔPPL (PPL′ − PPL clean)" if measure == "ppl" else "Δ accuracy (acc′ − acc clean)"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=150)
+    for ax, mode in zip(axes, ("comprehensiveness", "sufficiency")):
+        t = table[table["mode"] == mode]
+        for metric, g in t.groupby("metric", sort=False):
+            color = COLORS.get(metric)
+            if metric == "random":
+                agg = g.groupby("ratio")["change"].agg(["mean", "min", "max", "count"]).reset_index()
+                n = int(g["seed"].nunique()) if "seed" in g else 1
+                ax.plot(agg["ratio"], agg["mean"], color=color, ls="--", marker=".", label=f"random (mean, {n} seeds)")
+                if n > 1:
+                    ax.fill_between(agg["ratio"], agg["min"], agg["max"], color=color, alpha=0.25, lw=0,
+                                    label="random (min–max over seeds)")
+            else:
+                g = g.sort_values("ratio")
+                ax.plot(g["ratio"], g["change"], color=color, marker="o", ms=3.5, label=metric)
+        if measure == "ppl":
+            ax.set_yscale("symlog", linthresh=1.0)
+        ax.axhline(0.0, color="black", lw=0.6)
+        ax.set_xlabel("removal ratio r (share of sources masked per query)")
+        ax.set_ylabel(ylabel)
+        better = "higher is more faithful" if mode == "comprehensiveness" else "lower is more faithful"
+        if measure != "ppl":
+            better = "lower is more faithful" if mode == "comprehensiveness" else "higher is more faithful"
+        ax.set_title(f"{LABELS[mode]}\n({better})", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[1].legend(handles, labels, fontsize=8, loc="best")
+    if title is None and not table.empty:
+        clean = float(table["clean"].iloc[0])
+        units = int(table["units"].iloc[0])
+        what = "PPL" if measure == "ppl" else "accuracy"
+        noun = ("window" if measure == "ppl" else "example") + ("" if units == 1 else "s")
+        title = f"Faithfulness of token rankings (clean {what} {clean:.4g}, {units} {noun})"
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=150)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

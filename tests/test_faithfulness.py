@@ -1,0 +1,354 @@
+"""The faithfulness experiment: PPL and task accuracy under interventions, resume, CLI and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from attngeom.capture import Session
+from attngeom.cli import main
+from attngeom.errors import InputError
+from attngeom.faithfulness import (CLEAN, Checkpoint, build_variants, experiment, run_units, summarize,
+                                   task_units, window_units)
+from attngeom.interventions import RankIntervention, Variant
+from attngeom.reducers import Batch
+from attngeom.tasks import load_task
+from attngeom.trace import forward
+from tiny_models import tiny_model
+
+TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. "
+        "Rain fell all night; in the morning the streets were wet and quiet.")
+
+
+def _windows(handle, n=3, window=24):
+    from attngeom.data import windows
+    ids = handle.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    return windows(ids, window, bos=handle.tokenizer.bos_token_id, max_windows=n)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _variants():
+    return build_variants(["attention", "contribution", "random"], [0.3, 0.7], seeds=[0, 1])
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity
+# --------------------------------------------------------------------------------------------
+
+
+def test_clean_ppl_equals_plain_model(llama, tmp_path):
+    wins = _windows(llama)
+    table, summary = experiment(llama, units=window_units(wins), variants=_variants(), out=tmp_path,
+                                progress=False)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in wins:
+            ids = torch.tensor(w)[None]
+            logits = llama.model(input_ids=ids, use_cache=False).logits.double()
+            lp = torch.log_softmax(logits[0, :-1], -1)
+            nll -= float(lp.gather(-1, ids[0, 1:, None]).sum())
+            n += len(w) - 1
+    assert summary["clean"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert set(table["metric"]) == {"attention", "contribution", "random"}
+    assert len(table) == 2 * 2 * 2 + 2 * 2 * 2  # 2 metrics x 2 modes x 2 ratios, random x 2 seeds
+    assert (table["tokens"] == n).all()
+    # change = PPL' - PPL; one row recomputed by hand from a single intervened forward per window
+    v = Variant("contribution", "sufficiency", 0.7)
+    nll = 0.0
+    for u, w in enumerate(wins):
+        b = Batch(ids=torch.tensor(w)[None], lengths=torch.tensor([len(w)]), index=[0])
+        lg = forward(llama, b, Session(intervention=RankIntervention(v, salts=[u])), logits=True).double()
+        nll -= float(torch.log_softmax(lg[0, :-1], -1).gather(-1, b.ids[0, 1:, None]).sum())
+    row = table[(table.metric == "contribution") & (table["mode"] == "sufficiency") & (table.ratio == 0.7)].iloc[0]
+    assert row["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+    assert row["change"] == pytest.approx(row["ppl"] - summary["clean"], rel=1e-9)
+    for f in ("table.parquet", "summary.json", "faithfulness.png", "checkpoint.jsonl"):
+        assert (tmp_path / f).exists()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for m in ("attention", "contribution", "random"):
+        d = s["metrics"][m]
+        g = table[(table.metric == m)]
+        assert d["comprehensiveness_aoc"] == pytest.approx(g[g["mode"] == "comprehensiveness"]["change"].mean())
+        assert d["sufficiency_aoc"] == pytest.approx(g[g["mode"] == "sufficiency"]["change"].mean())
+    assert s["order_comprehensiveness"] == sorted(s["metrics"], key=lambda m: -s["metrics"][m]["comprehensiveness_aoc"])
+    assert s["order_sufficiency"] == sorted(s["metrics"], key=lambda m: s["metrics"][m]["sufficiency_aoc"])
+    assert s["complete"] and s["units_done"] == len(wins)
+
+
+def test_batched_rows_equal_one_variant_per_forward(llama):
+    units = window_units(_windows(llama, n=2))
+    variants = _variants()
+    many = run_units(llama, units, variants, rows=len(variants), progress=False)
+    one = run_units(llama, units, variants, rows=1, progress=False)
+    assert many.keys() == one.keys()
+    for k in many:
+        assert many[k]["nll"] == pytest.approx(one[k]["nll"], rel=1e-5, abs=1e-4)
+
+
+def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path):
+    units = window_units(_windows(llama, n=4))
+    variants = _variants()
+    full, full_s = experiment(llama, units=units, variants=variants, out=tmp_path / "full", progress=False, rows=5)
+
+    class Killed(Exception):
+        pass
+
+    def die_after_two(u):
+        if u == 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        experiment(llama, units=units, variants=variants, out=tmp_path / "part", progress=False, rows=5,
+                   after_unit=die_after_two)
+    done = Checkpoint(tmp_path / "part").load()
+    assert {u for u, _ in done} == {0, 1}
+    # a kill in the middle of a write leaves a cut line: it is ignored and redone
+    with (tmp_path / "part" / "checkpoint.jsonl").open("a") as f:
+        f.write('{"unit": 2, "variant": "clean", "nl')
+    counted = []
+    part, part_s = experiment(llama, units=units, variants=variants, out=tmp_path / "part", progress=False, rows=5,
+                              after_unit=counted.append)
+    assert counted == [2, 3]  # finished windows were skipped
+    pd.testing.assert_frame_equal(part, full)
+    for k in ("clean", "metrics", "order_comprehensiveness", "order_sufficiency", "units_done"):
+        assert part_s[k] == full_s[k]
+    # a rerun of a finished run computes nothing
+    again, _ = experiment(llama, units=units, variants=variants, out=tmp_path / "part", progress=False,
+                          after_unit=counted.append)
+    assert counted == [2, 3]
+    pd.testing.assert_frame_equal(again, full)
+
+
+def test_partial_summary_uses_only_finished_windows(llama, tmp_path):
+    units = window_units(_windows(llama, n=3))
+    variants = _variants()
+
+    def stop(u):
+        if u == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        experiment(llama, units=units, variants=variants, out=tmp_path, progress=False, after_unit=stop)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["units_done"] == 2 and s["units_total"] == 3 and not s["complete"]
+
+
+def test_summary_orders_and_random_seeds():
+    rows = []
+    for m, c, s in (("a", 1.0, 0.5), ("b", 3.0, 0.1), ("random", 2.0, 2.0)):
+        for mode, x in (("comprehensiveness", c), ("sufficiency", s)):
+            for r in (0.2, 0.4):
+                for seed in ((0, 1) if m == "random" else (None,)):
+                    bump = 0.0 if seed in (None, 0) else 1.0
+                    rows.append(dict(metric=m, mode=mode, ratio=r, seed=seed, ppl=10 + x + bump, clean=10.0,
+                                     change=x + bump, tokens=5, units=1))
+    s = summarize(pd.DataFrame(rows))
+    assert s["order_comprehensiveness"] == ["b", "random", "a"]
+    assert s["order_sufficiency"] == ["b", "a", "random"]
+    assert s["metrics"]["random"]["comprehensiveness_aoc"] == pytest.approx(2.5)
+    assert s["metrics"]["random"]["comprehensiveness_aoc_per_seed"] == {"0": 2.0, "1": 3.0}
+    acc = summarize(pd.DataFrame(rows).assign(change=lambda d: -d["change"]), measure="accuracy")
+    assert acc["order_comprehensiveness"] == ["b", "random", "a"]  # biggest accuracy drop first
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+MMLU = [{"question": "What is 2+2?", "choices": ["3", "4", "5", "22"], "answer": 1},
+        {"question": "Color of the sky?", "choices": ["blue", "green"], "answer": "0"},
+        {"question": "Pick C", "choices": ["a", "b", "c"], "answer": "C"}]
+WINO = [{"sentence": "The trophy did not fit in the case because _ was too big.", "option1": "the trophy",
+         "option2": "the case", "answer": "1"},
+        {"sentence": "Ann gave Bea a gift because _ was kind.", "option1": "Ann", "option2": "Bea", "answer": 2}]
+BOOLQ = [{"passage": "Cats are mammals.", "question": "are cats mammals", "answer": True},
+         {"passage": "The sun is cold.", "question": "is the sun hot", "answer": "false"}]
+
+
+def _slow_logliks(handle, examples):
+    """Independent path: each option alone through the plain model, summed log-probs of its continuation."""
+    out = {}
+    for e, ex in enumerate(examples):
+        for k, (ctx, cont) in enumerate(ex.options):
+            c = [handle.tokenizer.bos_token_id] + handle.tokenizer(ctx, add_special_tokens=False)["input_ids"]
+            t = handle.tokenizer(cont, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor(c + t)[None]
+            with torch.no_grad():
+                lp = torch.log_softmax(handle.model(input_ids=ids, use_cache=False).logits[0].double(), -1)
+            out[(e, k)] = sum(float(lp[len(c) - 1 + n, tok]) for n, tok in enumerate(t))
+    return out
+
+
+@pytest.mark.parametrize("task,rows", [("mmlu", MMLU), ("winogrande", WINO), ("boolq", BOOLQ)])
+def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
+    examples = load_task(_write(tmp_path / f"{task}.jsonl", rows), task)
+    assert [ex.answer for ex in examples] == {"mmlu": [1, 0, 2], "winogrande": [0, 1], "boolq": [1, 0]}[task]
+    units = task_units(llama, examples)
+    variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
+    table, summary = experiment(llama, units=units, variants=variants, out=tmp_path / "out", examples=examples,
+                                progress=False, rows=3)
+    slow = _slow_logliks(llama, examples)
+    results = Checkpoint(tmp_path / "out").load()
+    for i, tu in enumerate(units):
+        assert -results[(i, "clean")]["nll"] == pytest.approx(slow[(tu.example, tu.option)], rel=1e-4, abs=1e-4)
+    pred = [max(range(len(ex.options)), key=lambda k: (slow[(e, k)], -k)) for e, ex in enumerate(examples)]
+    acc = sum(p == ex.answer for p, ex in zip(pred, examples)) / len(examples)
+    assert summary["clean"] == pytest.approx(acc)
+    assert summary["measure"] == "accuracy" and summary["units_done"] == len(examples)
+    # intervened: each option alone under the same ranking gives the batched log-likelihood
+    v = Variant("contribution", "comprehensiveness", 0.5)
+    for i, tu in enumerate(units):
+        b = Batch(ids=torch.tensor(tu.ids)[None], lengths=torch.tensor([len(tu.ids)]), index=[0])
+        lg = forward(llama, b, Session(intervention=RankIntervention(v, salts=[tu.salt])), logits=True)[0].double()
+        lp = torch.log_softmax(lg, -1)
+        T = len(tu.ids)
+        ll = sum(float(lp[T - 1 - tu.n_scored + n, tu.ids[T - tu.n_scored + n]]) for n in range(tu.n_scored))
+        assert -results[(i, v.key)]["nll"] == pytest.approx(ll, rel=1e-4, abs=1e-4)
+    row = table[(table.metric == "contribution") & (table["mode"] == "comprehensiveness")].iloc[0]
+    assert row["change"] == pytest.approx(row["accuracy"] - summary["clean"])
+
+
+@pytest.mark.parametrize("task,row,msg", [
+    ("mmlu", {"question": "q", "choices": ["a", "b"], "answer": 2}, "out of range"),
+    ("mmlu", {"question": "q", "choices": ["a", "b"]}, "field 'answer' is missing"),
+    ("winogrande", {"sentence": "x _ y", "option1": "a", "option2": "b", "answer": "3"}, "out of range"),
+    ("winogrande", {"sentence": "no blank", "option1": "a", "option2": "b", "answer": "1"}, "blank"),
+    ("boolq", {"passage": "p", "question": "q", "answer": "maybe"}, "true or false"),
+    ("boolq", {"passage": "p", "answer": True}, "field 'question' is missing"),
+])
+def test_bad_task_files(tmp_path, task, row, msg):
+    path = _write(tmp_path / "t.jsonl", [row])
+    with pytest.raises(InputError, match=msg):
+        load_task(path, task)
+
+
+def test_bad_variant_lists():
+    with pytest.raises(InputError, match="outside"):
+        build_variants(["attention"], [0.0, 0.5])
+    with pytest.raises(InputError, match="outside"):
+        build_variants(["attention"], [1.0])
+    with pytest.raises(InputError, match="unknown metric 'attn'"):
+        build_variants(["attn"], [0.5])
+    v = build_variants(["attention", "random"], [0.5], seeds=[0, 1, 2])
+    assert v[0] == CLEAN and len(v) == 1 + 2 + 2 * 3
+
+
+# --------------------------------------------------------------------------------------------
+# The command line (tiny model saved as a local model directory)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    h = tiny_model("llama")
+    d = tmp_path_factory.mktemp("tiny-llama")
+    h.model.save_pretrained(d)
+    h.tokenizer.save_pretrained(d)
+    return d
+
+
+def _cli(model_dir, out, *extra):
+    return main(["faithfulness", "--model", str(model_dir), "--out", str(out), "--no-progress", *extra])
+
+
+def test_cli_runs_and_resumes(model_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(TEXT * 3)
+    out = tmp_path / "out"
+    args = ["--data", str(data), "--window", "32", "--max-windows", "2", "--metrics", "attention,random",
+            "--ratios", "0.25,0.75", "--seeds", "0,1"]
+    assert _cli(model_dir, out, *args) == 0
+    printed = capsys.readouterr().out
+    assert "clean ppl" in printed and "attention" in printed
+    table = pd.read_parquet(out / "table.parquet")
+    assert len(table) == 2 * 2 + 2 * 2 * 2
+    s = json.loads((out / "summary.json").read_text())
+    assert s["units_done"] == 2 and set(s["metrics"]) == {"attention", "random"}
+    n_lines = len((out / "checkpoint.jsonl").read_text().splitlines())
+    # more windows: the first two are reused
+    assert _cli(model_dir, out, *args[:4], "--max-windows", "3", *args[6:]) == 0
+    lines = (out / "checkpoint.jsonl").read_text().splitlines()
+    assert len(lines) == n_lines + n_lines // 2
+    # JSONL with fields joined
+    jl = tmp_path / "gsm.jsonl"
+    _write(jl, [{"question": "How many legs has a cat?", "answer": "Four legs. " * 5}] * 3)
+    assert _cli(model_dir, tmp_path / "out2", "--data", str(jl), "--fields", "question,answer", "--window", "32",
+                "--metrics", "contribution", "--ratios", "0.5") == 0
+    # a task
+    task = _write(tmp_path / "boolq.jsonl", BOOLQ)
+    assert _cli(model_dir, tmp_path / "out3", "--data", str(task), "--task", "boolq", "--metrics", "attention",
+                "--ratios", "0.5") == 0
+    assert json.loads((tmp_path / "out3" / "summary.json").read_text())["measure"] == "accuracy"
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--ratios", "0,0.5"], "ratio 0 is outside (0, 1)"),
+    (["--ratios", "0.5,1.2"], "ratio 1.2 is outside (0, 1)"),
+    (["--ratios", "a,b"], "--ratios must be"),
+    (["--metrics", "attention,saliency"], "unknown metric 'saliency'"),
+    (["--window", "1000"], "longer than the model's context (256"),
+    (["--layers", "0,7"], "layer 7 does not exist"),
+    (["--fields", "question,nope"], "field 'nope' is missing"),
+    (["--task", "mmlu"], "out of range"),
+])
+def test_cli_bad_input(model_dir, tmp_path, capsys, extra, msg):
+    data = tmp_path / "data.jsonl"
+    _write(data, [{"question": "q", "choices": ["a", "b"], "answer": 3, "text": TEXT}])
+    out = tmp_path / "out"
+    out.mkdir()
+    keep = out / "previous.txt"
+    keep.write_text("earlier results")
+    rc = _cli(model_dir, out, "--data", str(data), *extra)
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err, err
+    assert keep.read_text() == "earlier results"
+    assert not (out / "checkpoint.jsonl").exists()
+
+
+def test_cli_refuses_to_mix_settings(model_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "out"
+    base = ["--data", str(data), "--window", "32", "--max-windows", "1", "--metrics", "attention", "--ratios", "0.5"]
+    assert _cli(model_dir, out, *base) == 0
+    before = (out / "checkpoint.jsonl").read_text()
+    assert _cli(model_dir, out, *base, "--layers", "0") == 2
+    assert "other settings (layers)" in capsys.readouterr().err
+    assert (out / "checkpoint.jsonl").read_text() == before
+
+
+def test_missing_data_file_and_offline_dataset(model_dir, tmp_path, capsys, monkeypatch):
+    assert _cli(model_dir, tmp_path / "o", "--data", str(tmp_path / "nope.txt")) == 2
+    assert "data file not found" in capsys.readouterr().err
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert _cli(model_dir, tmp_path / "o", "--data", "hf:wikitext:wikitext-2-raw-v1") == 2
+    err = capsys.readouterr().err
+    assert "network" in err or "datasets" in err
+
+
+@pytest.mark.slow
+def test_default_model_one_short_window(tmp_path):
+    from attngeom.model import load_model
+
+    h = load_model("smollm2-135m")
+    units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
+    variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
+    table, s = experiment(h, units=units, variants=variants, out=tmp_path, progress=False)
+    assert s["clean"] < 1e4 and len(table) == 4
+    # masking the most important half hurts more than masking the least important half
+    c = table[table.metric == "contribution"].set_index("mode")["change"]
+    assert c["comprehensiveness"] > c["sufficiency"]
