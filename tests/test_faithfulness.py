@@ -252,26 +252,17 @@ def test_bad_variant_lists():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    h = tiny_model("llama")
-    d = tmp_path_factory.mktemp("tiny-llama")
-    h.model.save_pretrained(d)
-    h.tokenizer.save_pretrained(d)
-    return d
+def _cli(tiny_llama_dir, out, *extra):
+    return main(["faithfulness", "--model", str(tiny_llama_dir), "--out", str(out), "--no-progress", *extra])
 
 
-def _cli(model_dir, out, *extra):
-    return main(["faithfulness", "--model", str(model_dir), "--out", str(out), "--no-progress", *extra])
-
-
-def test_cli_runs_and_resumes(model_dir, tmp_path, capsys):
+def test_cli_runs_and_resumes(tiny_llama_dir, tmp_path, capsys):
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT * 3)
     out = tmp_path / "out"
     args = ["--data", str(data), "--window", "32", "--max-windows", "2", "--metrics", "attention,random",
             "--ratios", "0.25,0.75", "--seeds", "0,1"]
-    assert _cli(model_dir, out, *args) == 0
+    assert _cli(tiny_llama_dir, out, *args) == 0
     printed = capsys.readouterr().out
     assert "clean ppl" in printed and "attention" in printed
     table = pd.read_parquet(out / "table.parquet")
@@ -280,17 +271,17 @@ def test_cli_runs_and_resumes(model_dir, tmp_path, capsys):
     assert s["units_done"] == 2 and set(s["metrics"]) == {"attention", "random"}
     n_lines = len((out / "checkpoint.jsonl").read_text().splitlines())
     # more windows: the first two are reused
-    assert _cli(model_dir, out, *args[:4], "--max-windows", "3", *args[6:]) == 0
+    assert _cli(tiny_llama_dir, out, *args[:4], "--max-windows", "3", *args[6:]) == 0
     lines = (out / "checkpoint.jsonl").read_text().splitlines()
     assert len(lines) == n_lines + n_lines // 2
     # JSONL with fields joined
     jl = tmp_path / "gsm.jsonl"
     _write(jl, [{"question": "How many legs has a cat?", "answer": "Four legs. " * 5}] * 3)
-    assert _cli(model_dir, tmp_path / "out2", "--data", str(jl), "--fields", "question,answer", "--window", "32",
+    assert _cli(tiny_llama_dir, tmp_path / "out2", "--data", str(jl), "--fields", "question,answer", "--window", "32",
                 "--metrics", "contribution", "--ratios", "0.5") == 0
     # a task
     task = _write(tmp_path / "boolq.jsonl", BOOLQ)
-    assert _cli(model_dir, tmp_path / "out3", "--data", str(task), "--task", "boolq", "--metrics", "attention",
+    assert _cli(tiny_llama_dir, tmp_path / "out3", "--data", str(task), "--task", "boolq", "--metrics", "attention",
                 "--ratios", "0.5") == 0
     assert json.loads((tmp_path / "out3" / "summary.json").read_text())["measure"] == "accuracy"
 
@@ -305,37 +296,37 @@ def test_cli_runs_and_resumes(model_dir, tmp_path, capsys):
     (["--fields", "question,nope"], "field 'nope' is missing"),
     (["--task", "mmlu"], "out of range"),
 ])
-def test_cli_bad_input(model_dir, tmp_path, capsys, extra, msg):
+def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, extra, msg):
     data = tmp_path / "data.jsonl"
     _write(data, [{"question": "q", "choices": ["a", "b"], "answer": 3, "text": TEXT}])
     out = tmp_path / "out"
     out.mkdir()
     keep = out / "previous.txt"
     keep.write_text("earlier results")
-    rc = _cli(model_dir, out, "--data", str(data), *extra)
+    rc = _cli(tiny_llama_dir, out, "--data", str(data), *extra)
     err = capsys.readouterr().err
     assert rc == 2 and msg in err, err
     assert keep.read_text() == "earlier results"
     assert not (out / "checkpoint.jsonl").exists()
 
 
-def test_cli_refuses_to_mix_settings(model_dir, tmp_path, capsys):
+def test_cli_refuses_to_mix_settings(tiny_llama_dir, tmp_path, capsys):
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT)
     out = tmp_path / "out"
     base = ["--data", str(data), "--window", "32", "--max-windows", "1", "--metrics", "attention", "--ratios", "0.5"]
-    assert _cli(model_dir, out, *base) == 0
+    assert _cli(tiny_llama_dir, out, *base) == 0
     before = (out / "checkpoint.jsonl").read_text()
-    assert _cli(model_dir, out, *base, "--layers", "0") == 2
+    assert _cli(tiny_llama_dir, out, *base, "--layers", "0") == 2
     assert "other settings (layers)" in capsys.readouterr().err
     assert (out / "checkpoint.jsonl").read_text() == before
 
 
-def test_missing_data_file_and_offline_dataset(model_dir, tmp_path, capsys, monkeypatch):
-    assert _cli(model_dir, tmp_path / "o", "--data", str(tmp_path / "nope.txt")) == 2
+def test_missing_data_file_and_offline_dataset(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    assert _cli(tiny_llama_dir, tmp_path / "o", "--data", str(tmp_path / "nope.txt")) == 2
     assert "data file not found" in capsys.readouterr().err
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    assert _cli(model_dir, tmp_path / "o", "--data", "hf:wikitext:wikitext-2-raw-v1") == 2
+    assert _cli(tiny_llama_dir, tmp_path / "o", "--data", "hf:wikitext:wikitext-2-raw-v1") == 2
     err = capsys.readouterr().err
     assert "network" in err or "datasets" in err
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_model_args, add_out_arg, load, prepare_out, write_json, write_parquet
+from .common import add_model_args, add_out_arg, check_at_least, load, prepare_out, write_json, write_parquet
 
 DEFAULT_OUT = "out/analyze"
 TOP_K = 5
@@ -165,8 +165,7 @@ def run(args) -> int:
     heads = parse_int_list(args.heads, "--heads")
     if heads is not None and not heads:
         raise InputError("--heads names no head")
-    if args.window is not None and args.window < 3:
-        raise InputError(f"--window must be at least 3 tokens, got {args.window}")
+    check_at_least(args, window=3)
     if args.stride is not None:
         if args.window is None:
             raise InputError("--stride needs --window")

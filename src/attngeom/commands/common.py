@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import OutputError
+from ..errors import InputError, OutputError
 
 
 def add_model_args(p) -> None:
@@ -34,6 +34,15 @@ def add_out_arg(p, default: str | None = None) -> None:
 
 def fields_of(args) -> list[str] | None:
     return [f.strip() for f in args.fields.split(",") if f.strip()] if getattr(args, "fields", None) else None
+
+
+def check_at_least(args, **minimums: int) -> None:
+    """Refuse an option below its minimum, e.g. ``check_at_least(args, window=3, max_windows=1)``
+    (options left unset, None, are not checked)."""
+    for name, low in minimums.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise InputError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
 
 
 def prepare_out(path: str | os.PathLike) -> Path:

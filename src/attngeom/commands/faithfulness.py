@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_data_args, add_model_args, add_out_arg, fields_of, load, prepare_out
+from .common import add_data_args, add_model_args, add_out_arg, check_at_least, fields_of, load, prepare_out
 
 
 def add_parser(subparsers) -> None:
@@ -48,14 +48,7 @@ def run(args) -> int:
     seeds = parse_int_list(args.seeds, "--seeds") or list(DEFAULT_SEEDS)
     variants = build_variants(metrics, ratios, seeds, per_head=args.per_head, absolute=args.absolute)
     layers = parse_int_list(args.layers, "--layers")
-    if args.window < 2:
-        raise InputError(f"--window must be at least 2 tokens, got {args.window}")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise InputError(f"--max-windows must be positive, got {args.max_windows}")
-    if args.stride is not None and args.stride < 1:
-        raise InputError(f"--stride must be positive, got {args.stride}")
-    if args.batch_rows is not None and args.batch_rows < 1:
-        raise InputError(f"--batch-rows must be positive, got {args.batch_rows}")
+    check_at_least(args, window=2, max_windows=1, stride=1, batch_rows=1)
     fields = fields_of(args)
     examples = None
     if args.task:

@@ -65,15 +65,10 @@ def check_args(args) -> list[float]:
     data = args.data or []
     if len(data) > 2:
         raise InputError(f"--data may be given at most twice (two corpora to compare), got {len(data)}")
-    if args.window < 3:
-        raise InputError(f"--window must be at least 3 tokens, got {args.window}")
-    if args.calib_windows < 1:
-        raise InputError(f"--calib-windows must be at least 1, got {args.calib_windows}")
+    common.check_at_least(args, window=3, calib_windows=1, batch_size=1)
     if args.max_windows is not None and args.max_windows <= args.calib_windows:
         raise InputError(f"--max-windows {args.max_windows} leaves no held-out window after "
                          f"--calib-windows {args.calib_windows}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.sink < 0 or args.sink >= args.window - 1:
         raise InputError(f"--sink must be a position in 0..{args.window - 2}, got {args.sink}")
     retentions = check_retentions(parse_float_list(args.retentions, "--retentions"))

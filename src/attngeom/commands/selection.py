@@ -61,18 +61,9 @@ def parse_args_checked(args):
     from ..data import parse_int_list
     from ..selection import DISTANCES, POWERS, check_ns
 
-    if args.window is None or args.window < 3:
-        raise InputError(f"--window must be at least 3 tokens, got {args.window}")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise InputError(f"--max-windows must be at least 1, got {args.max_windows}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.repeats < 0:
-        raise InputError(f"--repeats must be >= 0, got {args.repeats}")
+    common.check_at_least(args, window=3, max_windows=1, batch_size=1, repeats=0, max_lag=1)
     if args.sink < 0 or args.sink >= args.window - 1:
         raise InputError(f"--sink must be a position in 0..{args.window - 2}, got {args.sink}")
-    if args.max_lag < 1:
-        raise InputError(f"--max-lag must be at least 1, got {args.max_lag}")
     if args.ns is None:
         ns = [n for n in POWERS if n < args.window]
     else:

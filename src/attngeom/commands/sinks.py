@@ -61,14 +61,7 @@ def run(args) -> int:
     from ..capture import Session
     from tqdm.auto import tqdm
 
-    if args.window is not None and args.window < 3:
-        raise InputError(f"--window must be at least 3 tokens, got {args.window}")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise InputError(f"--max-windows must be at least 1, got {args.max_windows}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.sink < 0:
-        raise InputError(f"--sink must be a position >= 0, got {args.sink}")
+    common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0)
     if args.window is not None and args.sink >= args.window - 1:
         raise InputError(f"--sink {args.sink} leaves no query after it in windows of {args.window} tokens")
     layers = parse_int_list(args.layers, "--layers")
