@@ -117,6 +117,13 @@ class Block:
         return self.q_positions[None, :] < self.state.lengths[:, None]
 
     @property
+    def visible(self) -> torch.Tensor:
+        """``[B|1, 1, Q, S]`` bool: query ``i`` may attend to source ``j`` (the model's mask, or causal)."""
+        if self.allowed is not None:
+            return self.allowed
+        return (self.k_positions[None, :] <= self.q_positions[:, None])[None, None]
+
+    @property
     def v(self) -> torch.Tensor:
         """Value states of the block's sources: ``[B, H, S, d]``."""
         return self.state.v[:, :, self.k_start : self.k_start + self.a.shape[3]]

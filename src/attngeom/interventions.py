@@ -174,13 +174,6 @@ def _sub_state(state: LayerState, rows: torch.Tensor) -> LayerState:
     return dataclasses.replace(state, v=state.v[rows], lengths=state.lengths[rows])
 
 
-def _visible(block: Block) -> torch.Tensor:
-    """``[B|1, 1, Q, S]`` bool: source visible to query (the model's mask, or causal)."""
-    if block.allowed is not None:
-        return block.allowed
-    return (block.k_positions[None, :] <= block.q_positions[:, None])[None, None]
-
-
 class RankIntervention:
     """Masks, per query, the ``k_i`` top- or bottom-ranked sources (SPEC §3).
 
@@ -250,7 +243,7 @@ class RankIntervention:
             return None
         any_per_head = any(g[1] for g in groups)
         out = torch.zeros(B, H if any_per_head else 1, Q, S, dtype=torch.bool, device=block.a.device)
-        vis_all = _visible(block)
+        vis_all = block.visible
         qvalid = block.query_valid
         qpos = block.q_positions
         for (metric, per_head, absolute, seed), rows in groups.items():

@@ -167,9 +167,6 @@ def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Ten
     return head_share_from(u, pulled_back_output(o, w_o, u.shape[1]), (o * o).sum(-1))
 
 
-_safe_div = safe_div  # older name
-
-
 def received(a: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor, head_out_norm: torch.Tensor,
              p: torch.Tensor, out_sq: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2,

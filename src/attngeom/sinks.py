@@ -105,16 +105,7 @@ def counterfactual_norm(r: torch.Tensor, v0: torch.Tensor, rho, G: torch.Tensor 
     return _dot(o, o, G).clamp_min(0).sqrt()
 
 
-def visible_mask(block: Block) -> torch.Tensor:
-    """``[B|1, 1, Q, S]`` bool: query ``i`` may attend to source ``j``."""
-    if block.allowed is not None:
-        return block.allowed
-    return (block.k_positions[None, :] <= block.q_positions[:, None])[None, None]
-
-
-def _safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x / y`` where ``y > 0``, else 0 (a zero vector has no direction)."""
-    return torch.where(y > 0, x / torch.where(y > 0, y, torch.ones_like(y)), torch.zeros_like(x))
+_safe_div = M.safe_div  # x / y where y > 0, else 0 (a zero vector has no direction)
 
 
 def _intra_dot(u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -399,7 +390,7 @@ class SinkStats(Reducer):
             return
         sink_col = self.sink - block.k_start
         sink_col = sink_col if 0 <= sink_col < S else None
-        vis = visible_mask(block)
+        vis = block.visible
         G = st.G
         v0 = st.v[:, :, self.sink]
         t = sink_terms(block.a, block.v, G, v0, sink_col, vis)
@@ -647,7 +638,7 @@ class SourceRemoval:
         sink_col = self.sink - block.k_start
         sink_col = sink_col if 0 <= sink_col < S else None
         qsel = block.query_valid & (block.q_positions[None, :] >= self.min_query)       # [B,Q]
-        vis = visible_mask(block)
+        vis = block.visible
         edited = None
         removed = torch.zeros(B, H, Q, device=a.device)
         if self.edits(block.layer):
