@@ -256,15 +256,7 @@ def ppl_table(results: dict, units: Sequence[int], variants: Sequence[Variant]) 
         tok = sum(results[(u, key)]["tokens"] for u in units)
         return math.exp(nll / tok) if tok else float("nan"), tok
 
-    clean, tok = ppl(CLEAN.key)
-    rows = []
-    for v in variants:
-        if v.metric is None:
-            continue
-        p, t = ppl(v.key)
-        rows.append(dict(metric=v.metric, mode=v.mode, ratio=v.ratio, seed=v.seed if v.metric == "random" else None,
-                         ppl=p, clean=clean, change=p - clean, tokens=t, units=len(units)))
-    return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", "ppl", "clean", "change", "tokens", "units"])
+    return _variant_rows(variants, ppl, "ppl", len(units))
 
 
 def task_table(results: dict, units: Sequence["TaskUnit"], examples: Sequence, variants: Sequence[Variant],
@@ -286,15 +278,21 @@ def task_table(results: dict, units: Sequence["TaskUnit"], examples: Sequence, v
                 tok += results[(i, key)]["tokens"]
         return accuracy(scores, exs) if exs else float("nan"), tok
 
-    clean, _ = acc(CLEAN.key)
+    return _variant_rows(variants, acc, "accuracy", len(done_examples))
+
+
+def _variant_rows(variants: Sequence[Variant], measure, column: str, units: int) -> pd.DataFrame:
+    """One row per intervened variant: ``measure(key) -> (value, tokens)`` beside the clean value."""
+    clean, _ = measure(CLEAN.key)
     rows = []
     for v in variants:
         if v.metric is None:
             continue
-        a, t = acc(v.key)
-        rows.append(dict(metric=v.metric, mode=v.mode, ratio=v.ratio, seed=v.seed if v.metric == "random" else None,
-                         accuracy=a, clean=clean, change=a - clean, tokens=t, units=len(done_examples)))
-    return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", "accuracy", "clean", "change", "tokens", "units"])
+        value, tokens = measure(v.key)
+        rows.append({"metric": v.metric, "mode": v.mode, "ratio": v.ratio,
+                     "seed": v.seed if v.metric == "random" else None, column: value, "clean": clean,
+                     "change": value - clean, "tokens": tokens, "units": units})
+    return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", column, "clean", "change", "tokens", "units"])
 
 
 def summarize(table: pd.DataFrame, measure: str = "ppl") -> dict:
