@@ -275,20 +275,20 @@ class Session:
     """Observers and an intervention active for the forward passes run inside :meth:`active`.
 
     ``layers``: the attention layers (``module.layer_idx``) that are observed and intervened on;
-    None means all. Layers outside it still run through the exact blocked path (cheap) unless
-    ``passthrough`` is set, in which case they use SDPA."""
+    None means all. Layers outside it still run through the exact blocked path, unobserved.
+    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :data:`DEFAULT_BLOCK_ELEMENTS`)."""
 
     def __init__(
         self,
         observers: Iterable[Observer] = (),
         intervention: Intervention | None = None,
         layers: Iterable[int] | None = None,
-        block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        block_elements: int | None = None,
     ):
         self.observers = list(observers)
         self.intervention = intervention
         self.layers = None if layers is None else set(int(x) for x in layers)
-        self.block_elements = int(block_elements)
+        self.block_elements = DEFAULT_BLOCK_ELEMENTS if block_elements is None else int(block_elements)
         self.lengths: torch.Tensor | None = None
         self.layers_seen: list[int] = []
 
@@ -305,10 +305,6 @@ class Session:
             yield self
         finally:
             _SESSION.reset(token)
-
-
-def active_session() -> Session | None:
-    return _SESSION.get()
 
 
 # --------------------------------------------------------------------------------------------

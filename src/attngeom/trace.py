@@ -130,7 +130,7 @@ def stream(
     from tqdm.auto import tqdm
 
     session = Session(observers=reducers, intervention=intervention, layers=layers,
-                      **({} if block_elements is None else {"block_elements": block_elements}))
+                      block_elements=block_elements)
     desc = progress if isinstance(progress, str) else "analyse"
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
@@ -281,7 +281,7 @@ def analyze_batch(handle, items: Sequence, *, layers: Iterable[int] | None = Non
     capture = FullCapture()
     traces: dict[int, Trace] = {}
     session = Session(observers=[capture], layers=layers,
-                      **({} if block_elements is None else {"block_elements": block_elements}))
+                      block_elements=block_elements)
     for batch in make_batches(handle, items, batch_size):
         capture.begin(batch)
         forward(handle, batch, session)
