@@ -89,3 +89,50 @@ def test_parsers():
     assert parse_float_list("0.1,0.5", "--ratios") == [0.1, 0.5]
     with pytest.raises(InputError, match="does not exist"):
         check_layers([0, 9], 3)
+
+
+def test_jsonl_not_utf8_names_the_line(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(InputError, match=r"latin1\.jsonl:2: not UTF-8") as e:
+        read_texts(f)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("line, kind", [("5", "a number"), ("[1, 2]", "an array"), ('"text"', "a string"),
+                                        ("null", "null"), ("true", "a boolean"), ("1.5e3", "a number")])
+def test_jsonl_line_that_is_not_an_object(tmp_path, line, kind):
+    f = tmp_path / "odd.jsonl"
+    f.write_text('{"text": "fine"}\n\n' + line + "\n")
+    with pytest.raises(InputError, match=rf"odd\.jsonl:3: expected a JSON object, got {kind}$"):
+        read_texts(f)
+
+
+def test_fields_refused_for_plain_text(tmp_path):
+    f = tmp_path / "plain.txt"
+    f.write_text("some text")
+    assert read_texts(f) == ["some text"]
+    with pytest.raises(InputError, match=r"fields \(question\) apply to \.jsonl files .*plain\.txt is read as plain text"):
+        read_texts(f, ["question"])
+    with pytest.raises(InputError, match="plain text"):
+        resolve_texts(str(f), ["text"])
+
+
+def test_json_error_message_is_complete(tmp_path):
+    f = tmp_path / "ctrl.jsonl"
+    f.write_text('{"text": "a\tb"}\n')               # a raw tab inside a string: "Invalid control character at"
+    with pytest.raises(InputError) as e:
+        read_texts(f)
+    msg = str(e.value)
+    assert msg.endswith("ctrl.jsonl:1: not valid JSON at column 12 (Invalid control character)"), msg
+    assert not msg.rstrip(")").endswith(" at")
+    f.write_text('{"text": "a"} trailing\n')
+    with pytest.raises(InputError, match=r":1: not valid JSON at column 15 \(Extra data\)$"):
+        read_texts(f)
+
+
+def test_jsonl_empty_object_names_missing_field(tmp_path):
+    f = tmp_path / "empty.jsonl"
+    f.write_text("{}\n")
+    with pytest.raises(InputError, match=r"'text' is missing \(fields present: none\)"):
+        read_texts(f)

@@ -4,25 +4,55 @@
     model = load_model("smollm2-135m")
     trace = analyze(model, "some text")
     trace.layers[5].contribution          # numpy float32 [heads, T, T]
+
+The public names are imported on first use (PEP 562), so ``import attngeom`` and the command
+line's ``--help`` do not import torch, transformers, pandas or matplotlib.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from __future__ import annotations
 
-from . import metrics
-from .capture import ATTN_NAME, Block, Session
-from .errors import AttngeomError, InputError, ModelLoadError, OutputError, UnsupportedArchitectureError
-from .model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model
-from .reducers import Batch, FullCapture, HeadStats, Reducer, TokenStats
-from .trace import LayerTrace, Trace, analyze, analyze_batch, stream
+import importlib
+from typing import TYPE_CHECKING
 
-try:
-    __version__ = _version("attngeom")
-except PackageNotFoundError:  # pragma: no cover
-    __version__ = "0.0.0"
+from .errors import AttngeomError, InputError, ModelLoadError, OutputError, TraceFormatError, UnsupportedArchitectureError
 
-__all__ = [
-    "ATTN_NAME", "AttngeomError", "Batch", "Block", "DEFAULT_MODEL", "FullCapture", "HeadStats", "InputError",
-    "LayerTrace", "ModelHandle", "ModelLoadError", "OutputError", "Reducer", "SUPPORTED_ARCHITECTURES",
-    "Session", "TokenStats", "Trace", "UnsupportedArchitectureError", "analyze", "analyze_batch",
-    "load_model", "metrics", "stream",
-]
+_LAZY = {
+    "metrics": ".metrics",
+    "ATTN_NAME": ".capture", "Block": ".capture", "Session": ".capture",
+    "DEFAULT_MODEL": ".model", "SUPPORTED_ARCHITECTURES": ".model", "ModelHandle": ".model", "load_model": ".model",
+    "Batch": ".reducers", "FullCapture": ".reducers", "HeadStats": ".reducers", "Reducer": ".reducers",
+    "TokenStats": ".reducers",
+    "LayerTrace": ".trace", "Trace": ".trace", "analyze": ".trace", "analyze_batch": ".trace", "stream": ".trace",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = sorted([*_LAZY, "AttngeomError", "InputError", "ModelLoadError", "OutputError", "TraceFormatError",
+                  "UnsupportedArchitectureError", "__version__"])
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from . import metrics
+    from .capture import ATTN_NAME, Block, Session
+    from .model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model
+    from .reducers import Batch, FullCapture, HeadStats, Reducer, TokenStats
+    from .trace import LayerTrace, Trace, analyze, analyze_batch, stream
+
+
+def __getattr__(name: str):
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value = version("attngeom")
+        except PackageNotFoundError:  # pragma: no cover
+            value = "0.0.0"
+    elif name in _LAZY:
+        module = importlib.import_module(_LAZY[name], __name__)
+        value = module if name == "metrics" else getattr(module, name)
+    else:
+        raise AttributeError(f"module 'attngeom' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,6 @@
-"""Command line: ``attngeom <command> ...``. Each command lives in :mod:`attngeom.commands`."""
+"""Command line: ``attngeom <command> ...`` (or ``python -m attngeom``). Each command lives in
+:mod:`attngeom.commands`; a command module imports torch, transformers, pandas and matplotlib only
+inside its ``run``, so ``--help`` and argument errors answer at once."""
 
 from __future__ import annotations
 
@@ -35,9 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attngeom {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"attngeom {args.command}: interrupted; what was finished is kept in the output directory "
-              "and the same command resumes from it", file=sys.stderr)
+        print(f"attngeom {args.command}: {interrupted_message(getattr(args, 'out', None))}", file=sys.stderr)
         return 130
+
+
+def interrupted_message(out) -> str:
+    """What Ctrl-C leaves behind: every corpus command checkpoints its finished units."""
+    where = f"{out}/checkpoint" if out else "the output directory's checkpoint"
+    return f"interrupted; finished units are kept in {where} and rerunning the same command resumes"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,8 +32,9 @@ def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[st
 
     - ``.jsonl``: one JSON object per line; ``fields`` (default ``["text"]``) are joined with a
       newline (``fields=["question", "answer"]`` for GSM8K-style files).
-    - anything else: plain text; a WikiText raw file is read as one text with its heading
-      markers (`` = Title = ``) kept, as the raw split is usually scored.
+    - anything else: plain text (``fields`` is refused); a WikiText raw file is read as one text
+      with its heading markers (`` = Title = ``) kept, as the raw split is usually scored. Line
+      endings are normalised to ``\n``.
     """
     p = Path(path)
     if not p.exists():
@@ -43,19 +44,25 @@ def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[st
     if p.suffix == ".jsonl":
         fields = list(fields or ["text"])
         texts = []
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with p.open("rb") as f:
+            for n, raw in enumerate(f, 1):
+                where = f"{p}:{n}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InputError(f"{where}: not UTF-8 text") from None
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+                obj = json_object(line, where)
                 missing = [k for k in fields if k not in obj]
                 if missing:
-                    raise InputError(f"{p}:{n}: field {missing[0]!r} is missing (fields present: {', '.join(obj)})")
+                    raise InputError(f"{where}: field {missing[0]!r} is missing "
+                                     f"(fields present: {', '.join(obj) or 'none'})")
                 texts.append("\n".join(str(obj[k]) for k in fields))
     else:
+        if fields:
+            raise InputError(f"fields ({', '.join(fields)}) apply to .jsonl files and datasets only; "
+                             f"{p} is read as plain text")
         try:
             texts = [p.read_text(encoding="utf-8")]
         except UnicodeDecodeError:
@@ -64,6 +71,19 @@ def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[st
     if not texts:
         raise InputError(f"{p} holds no text")
     return texts
+
+
+def json_object(line: str, where: str) -> dict:
+    """One JSONL line -> a dict, or :class:`InputError` naming ``where`` (``file:line``)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg   # "Invalid control character at"
+        raise InputError(f"{where}: not valid JSON at column {e.colno} ({msg})") from None
+    if not isinstance(obj, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
+        raise InputError(f"{where}: expected a JSON object, got {kind}")
+    return obj
 
 
 def read_hf_dataset(name: str, split: str = "test", fields: Sequence[str] | None = None,

@@ -20,3 +20,8 @@ class InputError(AttngeomError):
 
 class OutputError(AttngeomError):
     """The output directory cannot be written."""
+
+
+class TraceFormatError(AttngeomError):
+    """A saved trace cannot be loaded: missing or damaged files, an unknown format version, or
+    tensors whose shapes, types or values do not fit together."""
