@@ -76,7 +76,7 @@ def test_python_m_attngeom_help_imports_nothing_heavy():
 def test_argument_errors_import_nothing_heavy(command):
     r, heavy = probe(command, "--no-such-option")
     assert r.returncode == 2
-    assert "unrecognized arguments: --no-such-option" in r.stderr
+    assert "error:" in r.stderr
     assert heavy == [], f"an argument error of {command} imported {heavy}"
     r, heavy = probe(command, "--help")
     assert r.returncode == 0 and f"usage: attngeom {command}" in r.stdout
