@@ -7,9 +7,10 @@ recorded. Several variants of one unit run as ONE batched forward: row ``b`` of 
 same tokens and uses variant ``b`` (:class:`~attngeom.interventions.RankIntervention`), up to
 ``rows`` rows per forward.
 
-Resumable: every finished (unit, variant) pair is appended to ``checkpoint.jsonl`` in the output
-directory as soon as its forward is done (flushed and fsynced); a rerun with the same settings
-skips the pairs already there. ``checkpoint-meta.json`` holds the settings that must match.
+Resumable and shareable: the work is one stage of an :class:`attngeom.runner.Run` whose units are
+the (unit, variant) pairs; every batched forward is a record in the run's checkpoint as soon as it
+is done, a rerun with the same settings skips the pairs already there, and the pairs can be shared
+out among processes.
 
 Results (:func:`summarize`):
 
@@ -27,13 +28,10 @@ the most negative comprehensiveness change and the largest (least negative) suff
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -43,14 +41,12 @@ from .capture import Session
 from .errors import InputError
 from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from .reducers import Batch
-from .trace import forward, token_nll
+from .trace import batch_nll
 
 DEFAULT_METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "random")
 DEFAULT_RATIOS = tuple(round(0.1 * k, 1) for k in range(1, 10))
 DEFAULT_SEEDS = (0, 1, 2)
 
-CHECKPOINT = "checkpoint.jsonl"
-META = "checkpoint-meta.json"
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +95,7 @@ def build_variants(metrics: Sequence[str], ratios: Sequence[float], seeds: Seque
 
 
 # --------------------------------------------------------------------------------------------
-# Units and the checkpoint
+# Units
 # --------------------------------------------------------------------------------------------
 
 
@@ -121,59 +117,6 @@ def window_units(windows: Sequence[Sequence[int]]) -> list[Unit]:
     return [Unit(tuple(int(x) for x in w), len(w) - 1, i) for i, w in enumerate(windows)]
 
 
-class Checkpoint:
-    """Append-only record of finished (unit, variant) pairs in ``DIR/checkpoint.jsonl``."""
-
-    def __init__(self, out: Path):
-        self.path = Path(out) / CHECKPOINT
-        self.meta_path = Path(out) / META
-
-    def check_meta(self, meta: dict) -> None:
-        """Refuse to mix runs with different settings (before any compute); record them otherwise."""
-        if self.meta_path.exists():
-            try:
-                old = json.loads(self.meta_path.read_text())
-            except json.JSONDecodeError:
-                old = None
-            if old is not None and old != meta:
-                diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-                raise InputError(
-                    f"{self.meta_path.parent} holds a faithfulness run with other settings ({', '.join(diff)}); "
-                    "use another --out directory (nothing was changed)")
-        else:
-            from .commands.common import write_json
-            write_json(self.meta_path, meta)
-
-    def load(self) -> dict[tuple[int, str], dict]:
-        done: dict[tuple[int, str], dict] = {}
-        if not self.path.exists():
-            return done
-        with self.path.open(encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    done[(int(rec["unit"]), str(rec["variant"]))] = rec
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    continue  # a line cut short by a kill
-        return done
-
-    def append(self, records: Sequence[dict]) -> None:
-        if not records:
-            return
-        data = "".join(json.dumps(r) + "\n" for r in records)
-        # a kill can leave a last line without its newline: start on a fresh line
-        prefix = ""
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with self.path.open("rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    prefix = "\n"
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(prefix + data)
-            f.flush()
-            os.fsync(f.fileno())
-
-
 def auto_rows(handle, length: int, budget_bytes: float = 3e9, cap: int = 32) -> int:
     """Rows per batched forward so that the float32 logits (and their log-softmax) fit ``budget_bytes``."""
     vocab = int(handle.model.config.vocab_size)
@@ -185,57 +128,46 @@ def auto_rows(handle, length: int, budget_bytes: float = 3e9, cap: int = 32) -> 
 # --------------------------------------------------------------------------------------------
 
 
+def _pair_nll(handle, unit: Unit, chunk: Sequence[Variant], layers) -> list[float]:
+    """Summed NLL of ``unit`` under each variant of ``chunk``, in one batched forward (row ``b``
+    uses variant ``b``)."""
+    T = len(unit.ids)
+    ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
+    batch = Batch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
+    session = Session(intervention=RankIntervention(chunk, salts=[unit.salt] * len(chunk)), layers=layers)
+    return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
+
+
 def run_units(handle, units: Sequence[Unit], variants: Sequence[Variant], *, layers: Iterable[int] | None = None,
-              out: str | Path | None = None, rows: int | None = None, progress: bool | str = True,
-              after_unit: Callable[[int], None] | None = None, block_elements: int | None = None,
-              ) -> dict[tuple[int, str], dict]:
+              rows: int | None = None, progress: bool | str = True, run=None) -> dict[tuple[int, str], dict]:
     """NLL of every (unit, variant): ``{(unit_index, variant.key): {"nll": Σ NLL, "tokens": n}}``.
 
-    Variants of one unit run together, ``rows`` per batched forward (default :func:`auto_rows`).
-    With ``out``, finished pairs are appended to the checkpoint and skipped when already there.
-    ``after_unit(i)`` is called after unit ``i`` is finished (e.g. to write partial summaries)."""
-    from tqdm.auto import tqdm
-
+    The work is one runner stage (:meth:`attngeom.runner.Run.stage`) whose units are the (unit,
+    variant) pairs, pair ``p = u·V + k`` for variant ``k``; the pairs of one unit run together,
+    ``rows`` per batched forward (default :func:`auto_rows`). With ``run`` every finished forward is
+    a record (resume, sharding); without (:class:`~attngeom.runner.Memory`), in memory."""
     keys = [v.key for v in variants]
     if len(set(keys)) != len(keys):
         raise InputError("two variants have the same name")
     layers = None if layers is None else sorted(set(int(x) for x in layers))
-    ckpt = Checkpoint(Path(out)) if out is not None else None
-    done = ckpt.load() if ckpt else {}
+    V = len(variants)
+    R = rows or (auto_rows(handle, max(len(u.ids) for u in units)) if units else 1)
+
+    def work(pairs: list[int]) -> dict:
+        unit = units[pairs[0] // V]
+        return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers)}
+
+    from .runner import Memory
+
+    records = (run or Memory()).stage(
+        "faithfulness", len(units) * V, work, group=R, group_key=lambda p: p // V,
+        fingerprints=[units[p // V].digest for p in range(len(units) * V)],
+        desc=progress if isinstance(progress, str) else "faithfulness", unit="fwd")
     results: dict[tuple[int, str], dict] = {}
-    for (u, k), rec in done.items():
-        if u < len(units) and rec.get("digest") == units[u].digest:
-            results[(u, k)] = rec
-    total = len(units) * len(variants)
-    bar = tqdm(total=total, initial=sum(1 for u in range(len(units)) for k in keys if (u, k) in results),
-               desc=progress if isinstance(progress, str) else "faithfulness", unit="fwd",
-               disable=not progress)
-    for u, unit in enumerate(units):
-        pending = [v for v in variants if (u, v.key) not in results]
-        if not pending:
-            continue
-        R = rows or auto_rows(handle, len(unit.ids))
-        T = len(unit.ids)
-        for c in range(0, len(pending), R):
-            chunk = pending[c:c + R]
-            ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
-            batch = Batch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
-            inter = RankIntervention(chunk, salts=[unit.salt] * len(chunk))
-            kw = {} if block_elements is None else {"block_elements": block_elements}
-            session = Session(intervention=inter, layers=layers, **kw)
-            logits = forward(handle, batch, session, logits=True)
-            nll = token_nll(logits, batch)[:, T - 1 - unit.n_scored:T - 1].double().sum(-1).cpu()
-            del logits
-            recs = [{"unit": u, "variant": v.key, "nll": float(nll[b]), "tokens": unit.n_scored,
-                     "digest": unit.digest} for b, v in enumerate(chunk)]
-            if ckpt:
-                ckpt.append(recs)
-            for r in recs:
-                results[(u, r["variant"])] = r
-            bar.update(len(chunk))
-        if after_unit is not None:
-            after_unit(u)
-    bar.close()
+    for pairs, data in records.items():
+        for p, x in zip(pairs, data["nll"]):
+            u = p // V
+            results[(u, keys[p % V])] = {"nll": float(x), "tokens": units[u].n_scored}
     return results
 
 
@@ -354,60 +286,26 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 # --------------------------------------------------------------------------------------------
 
 
-def write_outputs(out: Path, table: pd.DataFrame, summary: dict, figure: bool = True) -> None:
-    from .commands.common import write_json, write_parquet
+def experiment(handle, run=None, *, units: Sequence[Unit], variants: Sequence[Variant], layers=None,
+               rows: int | None = None, progress: bool | str = True, examples=None,
+               meta: dict | None = None) -> tuple[pd.DataFrame, dict]:
+    """Run (or, with a ``run`` holding records, resume) the experiment: ``(table, summary)``.
 
-    write_parquet(table, out / "table.parquet")
-    write_json(out / "summary.json", summary)
-    if figure and not table.empty:
-        from .reports.faithfulness import plot
-
-        plot(table, out / "faithfulness.png", measure=summary.get("measure", "ppl"),
-             title=summary.get("title"))
-
-
-def experiment(handle, *, units: Sequence[Unit], variants: Sequence[Variant], out: str | Path,
-               layers=None, rows: int | None = None, progress: bool | str = True, examples=None,
-               meta: dict | None = None, after_unit: Callable[[int], None] | None = None,
-               partial_every: int = 1, figure_every: int = 0) -> tuple[pd.DataFrame, dict]:
-    """Run (or resume) the experiment into ``out`` and write ``table.parquet``, ``summary.json`` and
-    ``faithfulness.png``. Partial table and summary are rewritten after every ``partial_every``
-    finished units (0: never), the partial figure after every ``figure_every`` (0: only at the end)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    ``table``: one row per intervened variant (:func:`ppl_table` or :func:`task_table`);
+    ``summary``: :func:`summarize` plus units done/total and ``settings`` (``meta``). Only units on
+    which every variant has finished enter the table."""
     measure = "accuracy" if examples is not None else "ppl"
-    meta = dict(meta or {})
-
-    def tables(results):
-        if examples is None:
-            done = complete_units(results, len(units), variants)
-            table = ppl_table(results, done, variants)
-            n_done, n_all = len(done), len(units)
-        else:
-            done = complete_examples(results, units, variants)
-            table = task_table(results, units, examples, variants, done)
-            n_done, n_all = len(done), len(examples)
-        summary = summarize(table, measure)
-        summary.update({"units_done": n_done, "units_total": n_all, "complete": n_done == n_all,
-                        "unit": "example" if examples is not None else "window",
-                        "variants": len(variants), "settings": meta})
-        return table, summary
-
-    state = {"count": 0}
-
-    def after(u):
-        state["count"] += 1
-        n = state["count"]
-        if partial_every and n % partial_every == 0:
-            res = Checkpoint(out).load()
-            res = {k: r for k, r in res.items() if k[0] < len(units) and r.get("digest") == units[k[0]].digest}
-            t, s = tables(res)
-            write_outputs(out, t, s, figure=bool(figure_every) and n % figure_every == 0)
-        if after_unit is not None:
-            after_unit(u)
-
-    results = run_units(handle, units, variants, layers=layers, out=out, rows=rows, progress=progress,
-                        after_unit=after)
-    table, summary = tables(results)
-    write_outputs(out, table, summary)
+    results = run_units(handle, units, variants, layers=layers, rows=rows, progress=progress, run=run)
+    if examples is None:
+        done = complete_units(results, len(units), variants)
+        table = ppl_table(results, done, variants)
+        n_done, n_all = len(done), len(units)
+    else:
+        done = complete_examples(results, units, variants)
+        table = task_table(results, units, examples, variants, done)
+        n_done, n_all = len(done), len(examples)
+    summary = summarize(table, measure)
+    summary.update({"units_done": n_done, "units_total": n_all, "complete": n_done == n_all,
+                    "unit": "example" if examples is not None else "window",
+                    "variants": len(variants), "settings": dict(meta or {})})
     return table, summary

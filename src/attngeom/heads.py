@@ -40,8 +40,9 @@ import torch
 
 from .capture import Block, Session
 from .errors import InputError
+from .model.adapter import adapter_for
 from .taxonomy import REGIMES
-from .trace import forward, make_batches, token_nll
+from .trace import batch_nll, make_batches, scored_tokens, to_ids
 
 RETENTIONS = (100.0, 90.0, 75.0, 50.0, 25.0)
 ORDERS = ("taxonomy", "weight", "entropy", "random", "sensitivity")
@@ -100,35 +101,20 @@ class PerExampleHeadRemoval:
 
 
 def attention_modules(model) -> dict[int, torch.nn.Module]:
-    """Attention modules by ``layer_idx`` (those with an ``o_proj``)."""
-    out = {}
-    for m in model.modules():
-        if hasattr(m, "o_proj") and hasattr(m, "layer_idx"):
-            out[int(m.layer_idx)] = m
-    return out
+    """Attention modules by ``layer_idx`` (the architecture adapter's)."""
+    return adapter_for(model).attention_modules
 
 
 def weight_norms(handle) -> np.ndarray:
-    """``‖W_O^h‖_F · ‖W_V^{g(h)}‖_F`` per layer and head: ``[L, H]``. For a fused ``qkv_proj`` the
-    value rows are its last ``H_kv·d`` rows."""
-    H, Hkv, d = handle.num_heads, handle.num_kv_heads, handle.head_dim
-    mods = attention_modules(handle.model)
-    out = np.zeros((handle.num_layers, H))
-    for l, m in sorted(mods.items()):
-        wo = m.o_proj.weight.detach().float()                          # [D, H*d]
-        wo_h = wo.t().reshape(H, d, -1).flatten(1).norm(dim=1)          # [H]
-        if hasattr(m, "v_proj"):
-            wv = m.v_proj.weight.detach().float()
-        elif hasattr(m, "qkv_proj"):
-            wv = m.qkv_proj.weight.detach().float()[-Hkv * d:]
-        else:
-            wv = None
-        if wv is None:
-            wv_h = torch.ones(H)
-        else:
-            wv_g = wv.reshape(Hkv, d, -1).flatten(1).norm(dim=1)        # [Hkv]
-            wv_h = wv_g[torch.arange(H) // (H // Hkv)]
-        out[l] = (wo_h * wv_h).numpy()
+    """``‖W_O^h‖_F · ‖W_V^{g(h)}‖_F`` per layer and head: ``[L, H]`` (``W_V`` from ``v_proj`` or the
+    value rows of a fused ``qkv_proj``, as the architecture adapter knows)."""
+    adapter = handle.adapter
+    out = np.zeros((adapter.num_layers, adapter.num_heads))
+    kv_head = adapter.geometry.kv_head()
+    for l in adapter.attention_modules:
+        wo_h = adapter.w_o_heads(l).flatten(1).norm(dim=1)              # [H]
+        wv_g = adapter.w_v_heads(l).flatten(1).norm(dim=1)              # [Hkv]
+        out[l] = (wo_h * wv_g[kv_head]).numpy()
     return out
 
 
@@ -137,16 +123,13 @@ def weight_norms(handle) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def nll_sum(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[float, int]:
     """Summed next-token NLL and token count of ``windows`` with ``removed`` heads zeroed."""
     session = Session(intervention=HeadRemoval(removed) if removed else None)
     total, count = 0.0, 0
     for batch in make_batches(handle, windows, batch_size):
-        logits = forward(handle, batch, session, logits=True)
-        nll = token_nll(logits, batch)
-        total += float(nll.double().sum())
-        count += int((batch.lengths - 1).clamp_min(0).sum())
+        total += float(batch_nll(handle, batch, session).sum())
+        count += scored_tokens(batch)
     return total, count
 
 
@@ -155,79 +138,51 @@ def perplexity(handle, windows: Sequence, removed=(), batch_size: int = 4) -> fl
     return math.exp(total / max(1, count))
 
 
-def decoder_layers(model) -> list[torch.nn.Module] | None:
-    """The model's decoder layers in order (``model.model.layers`` and similar), or None."""
-    for path in ("model.layers", "model.language_model.layers", "layers", "transformer.h"):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.ModuleList) and len(obj):
-            return list(obj)
-    return None
+def _removal_stage(handle, run, name: str, windows: Sequence, removals: Sequence[Sequence[tuple[int, int]]],
+                   batch_size: int, desc: str) -> list[float]:
+    """Perplexity of ``windows`` under each removal (a list of heads), as stage ``name`` of ``run``
+    (one unit per removal)."""
+    from .runner import Memory, fingerprint
+
+    def work(units: list[int]) -> dict:
+        return {"nll": [nll_sum(handle, windows, removals[u], batch_size) for u in units]}
+
+    recs = (run or Memory()).stage(name, len(removals), work, desc=desc, unit="removal",
+                                   fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
+    nll = {u: tuple(x) for key, d in recs.items() for u, x in zip(key, d["nll"])}
+    return [math.exp(nll[u][0] / max(1, nll[u][1])) for u in range(len(removals))]
 
 
-@torch.no_grad()
 def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base_ppl: float | None = None,
-                            progress: bool = True, reuse_prefix: bool = True) -> np.ndarray:
+                            progress: bool = True, run=None) -> np.ndarray:
     """ΔPPL of removing each head alone on ``windows``: ``[L, H]``.
 
     Several removals of the same layer share one forward pass: the batch holds one copy of the
     windows per removal (:class:`PerExampleHeadRemoval`), about ``batch_size`` windows per pass.
-    With ``reuse_prefix`` the decoder layers below the removed layer are not recomputed: their
-    outputs (identical to the unedited pass) are recorded once and replayed."""
-    from tqdm.auto import tqdm
+    One unit per head of stage ``sensitivity`` of ``run`` (resumable)."""
+    from .runner import Memory
 
     L, H = handle.num_layers, handle.num_heads
-    base_batch = next(make_batches(handle, windows, len(windows)))
-    count = int((base_batch.lengths - 1).clamp_min(0).sum())
-    layers = decoder_layers(handle.model) if reuse_prefix else None
-    if layers is not None and len(layers) != L:
-        layers = None
-    cached: list[torch.Tensor] = []
-    if layers is not None:
-        hooks = [m.register_forward_hook(lambda mod, args, out: cached.append(
-            (out[0] if isinstance(out, tuple) else out).detach())) for m in layers]
-        try:
-            logits = forward(handle, base_batch, Session(), logits=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        if len(cached) != L:
-            layers = None
-    else:
-        logits = forward(handle, base_batch, Session(), logits=True)
     if base_ppl is None:
-        base_ppl = math.exp(float(token_nll(logits, base_batch).double().sum()) / max(1, count))
+        base_ppl = perplexity(handle, windows, (), batch_size)
     per_pass = max(1, batch_size // max(1, len(windows)))
-    nll = {}
-    bar = tqdm(total=L * H, desc="single-head removal", disable=not progress)
-    for l in range(L):
-        for k in range(0, H, per_pass):
-            group = [(l, h) for h in range(k, min(H, k + per_pass))]
-            items = [w for _ in group for w in windows]
-            assign = [lh for lh in group for _ in windows]
-            session = Session(intervention=PerExampleHeadRemoval(assign))
-            batch = next(make_batches(handle, items, len(items)))
-            patched = []
-            if layers is not None:
-                for j in range(l):
-                    rep = cached[j].repeat(len(group), 1, 1)
-                    layers[j].forward = (lambda out: (lambda *a, **kw: out))(rep)
-                    patched.append(layers[j])
-            try:
-                x = token_nll(forward(handle, batch, session, logits=True), batch).double().sum(-1)
-            finally:
-                for m in patched:
-                    del m.forward
-            for b, lh in enumerate(assign):
-                nll[lh] = nll.get(lh, 0.0) + float(x[b])
-            bar.update(len(group))
-    bar.close()
+    count = sum(max(0, len(to_ids(handle, w)) - 1) for w in windows)
+
+    def work(units: list[int]) -> dict:
+        group = [(u // H, u % H) for u in units]
+        items = [w for _ in group for w in windows]
+        assign = [lh for lh in group for _ in windows]
+        session = Session(intervention=PerExampleHeadRemoval(assign))
+        batch = next(make_batches(handle, items, len(items)))
+        x = batch_nll(handle, batch, session)
+        return {"nll": [float(x[k * len(windows):(k + 1) * len(windows)].sum()) for k in range(len(group))]}
+
+    recs = (run or Memory()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
+                                   desc="single-head removal", unit="head")
     out = np.zeros((L, H))
-    for (l, h), v in nll.items():
-        out[l, h] = math.exp(v / max(1, count)) - base_ppl
+    for key, d in recs.items():
+        for u, v in zip(key, d["nll"]):
+            out[u // H, u % H] = math.exp(v / max(1, count)) - base_ppl
     return out
 
 
@@ -282,23 +237,15 @@ def build_orders(tax: pd.DataFrame, weights: np.ndarray, sensitivity: np.ndarray
 
 
 def choose_regime_order(handle, calib: Sequence, tax: pd.DataFrame, retentions: Sequence[float],
-                        batch_size: int = 4, progress: bool = True) -> tuple[list[str], pd.DataFrame]:
+                        batch_size: int = 4, progress: bool = True, run=None) -> tuple[list[str], pd.DataFrame]:
     """Try the six regime orders on the calibration split; return the best (lowest mean log-PPL over
-    the retentions below 100 %) and the table of all tries."""
-    from tqdm.auto import tqdm
-
+    the retentions below 100 %) and the table of all tries (stage ``order_search`` of ``run``)."""
     levels = [r for r in retentions if r < 100] or list(retentions)
-    rows = []
     perms = list(itertools.permutations(REGIMES))
-    bar = tqdm(total=len(perms) * len(levels), desc="taxonomy order search", disable=not progress)
-    for perm in perms:
-        order = taxonomy_order(tax, perm)
-        for r in levels:
-            ppl = perplexity(handle, calib, removed_at(order, r), batch_size)
-            rows.append({"regime_order": " > ".join(perm), "retention": r, "ppl": ppl})
-            bar.update(1)
-    bar.close()
-    df = pd.DataFrame(rows)
+    jobs = [(perm, r) for perm in perms for r in levels]
+    ppl = _removal_stage(handle, run, "order_search", calib, [removed_at(taxonomy_order(tax, p), r) for p, r in jobs],
+                         batch_size, "taxonomy order search")
+    df = pd.DataFrame([{"regime_order": " > ".join(p), "retention": r, "ppl": x} for (p, r), x in zip(jobs, ppl)])
     score = df.assign(logppl=np.log(df["ppl"])).groupby("regime_order", sort=False)["logppl"].mean()
     best = score.idxmin()
     return best.split(" > "), df
@@ -327,25 +274,150 @@ def critical_heads(sensitivity: np.ndarray, tax: pd.DataFrame, k: float = 3.0, m
 
 
 def removal_curves(handle, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
-                   retentions: Sequence[float], batch_size: int = 4, progress: bool = True) -> pd.DataFrame:
-    """Held-out perplexity for every order and retention (100 % evaluated once and shared)."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    base = perplexity(handle, heldout, (), batch_size) if 100.0 in retentions else None
+                   retentions: Sequence[float], batch_size: int = 4, progress: bool = True, run=None) -> pd.DataFrame:
+    """Held-out perplexity for every order and retention (100 % evaluated once and shared; stage
+    ``removal`` of ``run``)."""
     jobs = [(name, r) for name in orders for r in retentions if r < 100]
-    bar = tqdm(total=len(jobs), desc="removal curves", disable=not progress)
+    removals = [removed_at(orders[name], r) for name, r in jobs] + [[]]
+    ppl = dict(zip(jobs + [("", 100.0)], _removal_stage(handle, run, "removal", heldout, removals, batch_size,
+                                                          "removal curves")))
+    base = ppl[("", 100.0)]
+    rows = []
     for name in orders:
         for r in retentions:
-            if r >= 100:
-                rows.append({"order": name, "retention": r, "heads_removed": 0, "ppl": base})
-                continue
-            removed = removed_at(orders[name], r)
-            rows.append({"order": name, "retention": r, "heads_removed": len(removed),
-                         "ppl": perplexity(handle, heldout, removed, batch_size)})
-            bar.update(1)
-    bar.close()
+            full = r >= 100
+            rows.append({"order": name, "retention": r, "heads_removed": 0 if full else len(removed_at(orders[name], r)),
+                         "ppl": base if full else ppl[(name, r)]})
     df = pd.DataFrame(rows)
-    if base is not None:
-        df["delta_ppl"] = df["ppl"] - base
+    df["delta_ppl"] = df["ppl"] - base
     return df
+
+
+# --------------------------------------------------------------------------------------------
+# The whole experiment
+# --------------------------------------------------------------------------------------------
+
+
+def taxonomy_stage(handle, run, name: str, windows: Sequence, *, sink: int = 0, winner_norm: str = "raw",
+                   batch_size: int = 4, split: int = 0) -> dict[tuple[int, ...], dict]:
+    """Records of :class:`~attngeom.taxonomy.TaxonomyStats` and the unedited NLL, per window
+    (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
+    before and after ``split`` never share a record (the calibration / held-out boundary)."""
+    from .capture import Session
+    from .runner import Memory, fingerprint
+    from .taxonomy import TaxonomyStats
+
+    ids = [to_ids(handle, w) for w in windows]
+
+    def work(units: list[int]) -> dict:
+        tax = TaxonomyStats(sink=sink, winner_norm=winner_norm)
+        session = Session(observers=[tax])
+        nll, n = 0.0, 0
+        for batch in make_batches(handle, [ids[u] for u in units], batch_size, index=units):
+            tax.begin(batch)
+            nll += float(batch_nll(handle, batch, session).sum())
+            tax.end(batch)
+            n += scored_tokens(batch)
+        return {"tax": tax.state(), "nll": nll, "tokens": n}
+
+    return (run or Memory()).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
+                                   desc=f"taxonomy: {name}", unit="window", fingerprints=[fingerprint(w) for w in ids])
+
+
+def _taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.DataFrame, float]:
+    """The taxonomy table and unedited perplexity of the records whose units are in ``units``."""
+    from .runner import merge_sums
+    from .taxonomy import TaxonomyStats
+
+    parts = [d for key, d in records.items() if key[0] in units]
+    merged = merge_sums(parts)
+    df = TaxonomyStats(sink=sink, winner_norm=winner_norm).load_state(merged["tax"]).result()
+    return df, math.exp(merged["nll"] / max(1, merged["tokens"]))
+
+
+def experiment(handle, run, corpora: Sequence[Sequence], *, calib_windows: int = 4,
+               retentions: Sequence[float] = RETENTIONS, winner_norm: str = "raw", sink: int = 0, seed: int = 0,
+               critical_k: float = 3.0, batch_size: int = 4, names: Sequence[str] = ("corpus1", "corpus2")) -> dict:
+    """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``:
+    taxonomy of every window of the first corpus (calibration = its first ``calib_windows``
+    windows, the rest held out) and of the second corpus if given, single-head sensitivity and the
+    regime order search on the calibration split, removal curves on the held-out split.
+
+    Returns ``heads`` (one row per layer and head), ``removal``, ``order_search``,
+    ``regimes_by_layer`` and ``summary`` (a dict)."""
+    from .taxonomy import corpus_agreement, regime_alignment, regime_shares, shares_by_depth, shares_by_layer
+
+    windows = corpora[0]
+    if len(windows) <= calib_windows:
+        raise InputError(f"{names[0]} gives {len(windows)} window(s): not enough for {calib_windows} calibration "
+                         "window(s) and at least one held-out window")
+    calib, held = windows[:calib_windows], windows[calib_windows:]
+    L = handle.num_layers
+    recs = taxonomy_stage(handle, run, "taxonomy", windows, sink=sink, winner_norm=winner_norm, batch_size=batch_size,
+                          split=calib_windows)
+    cal_df, base_cal = _taxonomy_of(recs, range(calib_windows), sink, winner_norm)
+    held_df, base_held = _taxonomy_of(recs, range(calib_windows, len(windows)), sink, winner_norm)
+    all_df, _ = _taxonomy_of(recs, range(len(windows)), sink, winner_norm)
+    second = None
+    if len(corpora) > 1:
+        recs2 = taxonomy_stage(handle, run, "taxonomy2", corpora[1], sink=sink, winner_norm=winner_norm,
+                               batch_size=batch_size)
+        second, _ = _taxonomy_of(recs2, range(len(corpora[1])), sink, winner_norm)
+
+    sens = single_head_sensitivity(handle, calib, batch_size=batch_size, base_ppl=base_cal, run=run)
+    regime_order, search = choose_regime_order(handle, calib, cal_df, retentions, batch_size, run=run)
+    weights = weight_norms(handle)
+    orders = build_orders(cal_df, weights, sens, regime_order, seed=seed)
+    curves = removal_curves(handle, held, orders, retentions, batch_size, run=run)
+    crit = critical_heads(sens, cal_df, k=critical_k)
+
+    heads = all_df.copy()
+    heads["regime_calibration"] = cal_df["regime"].to_numpy()
+    heads["entropy_calibration"] = cal_df["entropy"].to_numpy()
+    if second is not None:
+        heads["regime_corpus2"] = second["regime"].to_numpy()
+        for c in ("winner_self", "winner_sink", "winner_other"):
+            heads[f"{c}_corpus2"] = second[c].to_numpy()
+    lh = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
+    heads["weight_norm"] = [weights[l, h] for l, h in lh]
+    heads["single_delta_ppl"] = [sens[l, h] for l, h in lh]
+    crit_set = {(c["layer"], c["head"]) for c in crit}
+    heads["critical"] = [x in crit_set for x in lh]
+    for name, order in orders.items():
+        rank = {x: i for i, x in enumerate(order)}
+        heads[f"removal_rank_{name}"] = [rank[x] for x in lh]
+    by_layer = shares_by_layer(all_df)
+    by_layer.insert(0, "corpus", names[0])
+    if second is not None:
+        b2 = shares_by_layer(second)
+        b2.insert(0, "corpus", names[1])
+        by_layer = pd.concat([by_layer, b2], ignore_index=True)
+
+    ppl = {name: {f"{r:g}": float(curves[(curves["order"] == name) & (curves["retention"] == r)]["ppl"].iloc[0])
+                  for r in retentions} for name in orders}
+    summary = {
+        "windows": [len(c) for c in corpora],
+        "calibration_windows": len(calib),
+        "heldout_windows": len(held),
+        "winner_norm": winner_norm,
+        "sink_position": sink,
+        "regime_share": {names[0]: regime_shares(all_df), **({names[1]: regime_shares(second)} if second is not None else {})},
+        "regime_share_calibration": regime_shares(cal_df),
+        "regime_share_by_depth": shares_by_depth(all_df, L),
+        "regime_share_by_layer": {int(r.layer): {g: float(getattr(r, g)) for g in REGIMES}
+                                  for r in shares_by_layer(all_df).itertuples()},
+        "corpus_agreement": corpus_agreement(all_df, second) if second is not None else None,
+        "calibration_heldout_agreement": corpus_agreement(cal_df, held_df),
+        "regime_alignment": regime_alignment(all_df),
+        "taxonomy_regime_order": regime_order,
+        "perplexity_base": {"calibration": base_cal, "heldout": base_held},
+        "perplexity": ppl,
+        "retentions": list(retentions),
+        "critical_rule": f"single-removal dPPL > mean + {critical_k:g} std of the other heads of the regime "
+                         "(leave-one-out; calibration split)",
+        "critical_heads": crit,
+        "single_delta_ppl": {"mean": float(sens.mean()), "max": float(sens.max()),
+                             "argmax": [int(x) for x in np.unravel_index(sens.argmax(), sens.shape)]},
+    }
+    return {"heads": heads, "removal": curves, "order_search": search, "regimes_by_layer": by_layer,
+            "summary": summary}

@@ -39,7 +39,24 @@ class Batch:
 
 
 class Reducer:
-    """Base class: no-op hooks."""
+    """Base class: no-op hooks, and the mergeable state the experiment runner records.
+
+    ``STATE`` names the attributes that hold everything :meth:`result` needs, all *additive*:
+    dicts (keyed by layer, name, ...) of float64 tensors or numbers (sums, counts, histograms),
+    numbers, and lists of DataFrames (rows, concatenated). :meth:`state` exports them as numpy /
+    pandas (see :func:`attngeom.runner.merge_sums`, which adds states of several units), and
+    :meth:`load_state` puts a (merged) state back, so ``result()`` of the merged state equals
+    ``result()`` of one reducer that saw every unit."""
+
+    STATE: tuple[str, ...] = ()
+
+    def state(self) -> dict:
+        return {name: _export(getattr(self, name)) for name in self.STATE}
+
+    def load_state(self, state: dict) -> "Reducer":
+        for name in self.STATE:
+            setattr(self, name, _import(state[name]))
+        return self
 
     def begin(self, batch: Batch) -> None:
         self.batch = batch
@@ -52,6 +69,26 @@ class Reducer:
 
     def result(self):
         raise NotImplementedError
+
+
+def _export(x):
+    if isinstance(x, dict):
+        return {str(k): _export(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    if isinstance(x, list):
+        return pd.concat(x, ignore_index=True) if x else pd.DataFrame()
+    return x
+
+
+def _import(x):
+    if isinstance(x, dict):
+        return {(int(k) if k.lstrip("-").isdigit() else k): _import(v) for k, v in x.items()}
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.array(x))
+    if isinstance(x, pd.DataFrame):
+        return [x] if len(x) else []
+    return x
 
 
 def _query_weights(block: Block, skip_first: bool = True) -> torch.Tensor:
@@ -82,6 +119,7 @@ class HeadStats(Reducer):
     shares ``winner_self`` / ``winner_sink`` / ``winner_other`` of SPEC §6 (``argmax_j a_ij‖v_j‖``;
     ``winner_norm="projected"`` uses ``‖ṽ_j‖`` instead)."""
 
+    STATE = ("sums", "counts")
     FIELDS = ("sink_rate", "sink_contribution", "sink_contribution_inter", "self_attention", "entropy",
               "head_output_norm", "head_share", "winner_self", "winner_sink", "winner_other")
 
@@ -146,6 +184,7 @@ class TokenStats(Reducer):
     heads), ``output_norm`` (``‖o_i‖``)."""
 
     SOURCE = ("attention", "value_weighted", "output_normalized", "contribution")
+    STATE = ("frames",)
 
     def __init__(self, sink: int = 0):
         self.sink = sink

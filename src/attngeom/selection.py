@@ -542,6 +542,8 @@ class SelectionStats(Reducer):
     it). ``dtype``: the precision of the geometry (float32 by default; float64 for exact comparisons).
     ``random_without_sink``: also draw the random control from the non-sink candidates (default)."""
 
+    STATE = ("frames", "regime_frames", "violations", "selections")
+
     def __init__(self, ns: Sequence[int] = POWERS, distances: Sequence[str] = DISTANCES, repeats: int = 8,
                  seed: int = 0, queries: str | int = "last", sink: int = 0, predict: bool = True,
                  max_lag: int = 256, small_n_max: int = 16, dtype: torch.dtype = torch.float32,
@@ -709,3 +711,32 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
             }
         out["best_small_n"] = {"small_n_min": 2, "small_n_max": small_n_max, **best}
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The corpus experiment
+# --------------------------------------------------------------------------------------------
+
+
+def experiment(handle, run, windows, *, layers=None, batch_size: int = 2, **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """Selection geometry over ``windows`` as one stage of ``run`` (resumable, shareable): each
+    record is the :class:`SelectionStats` state of its windows (``options`` are its arguments);
+    returns ``(selection rows, regime rows, summary)`` (:func:`summarize`)."""
+    from .runner import fingerprint, merge_sums
+    from .trace import stream, to_ids
+
+    ids = [to_ids(handle, w) for w in windows]
+
+    def work(units: list[int]) -> dict:
+        reducer = SelectionStats(**options)
+        stream(handle, [ids[u] for u in units], [reducer], layers=layers, batch_size=batch_size,
+               progress=False, index=units)
+        return reducer.state()
+
+    records = run.stage("selection", len(ids), work, group=batch_size, desc="selection", unit="window",
+                        fingerprints=[fingerprint(w) for w in ids])
+    reducer = SelectionStats(**options).load_state(merge_sums(records.values()))
+    sel, reg = reducer.result()
+    if not len(sel):
+        raise InputError("no query had at least 2 candidate sources; use longer windows")
+    return sel, reg, summarize(sel, reg, reducer.violations, reducer.selections, reducer.small_n_max)

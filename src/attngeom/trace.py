@@ -20,7 +20,7 @@ import torch
 
 from . import metrics as M
 from .capture import Block, Intervention, LayerState, Session, attngeom_attention_implementation
-from .errors import InputError
+from .errors import InputError, OutputError, TraceFormatError
 from .reducers import Batch, FullCapture, Reducer
 
 TextOrIds = "str | Sequence[int] | torch.Tensor"
@@ -57,8 +57,9 @@ def check_length(handle, n: int) -> None:
         )
 
 
-def make_batches(handle, items: Iterable, batch_size: int = 1) -> Iterator[Batch]:
-    """Group inputs into right-padded batches of at most ``batch_size`` texts."""
+def make_batches(handle, items: Iterable, batch_size: int = 1, index: Sequence[int] | None = None) -> Iterator[Batch]:
+    """Group inputs into right-padded batches of at most ``batch_size`` texts. ``index``: each
+    input's number in the whole stream (default ``0, 1, ...``): reducers see it as ``batch.index``."""
     pad = handle.tokenizer.pad_token_id if handle.tokenizer.pad_token_id is not None else 0
     chunk: list[tuple[int, list[int]]] = []
 
@@ -72,7 +73,7 @@ def make_batches(handle, items: Iterable, batch_size: int = 1) -> Iterator[Batch
     for i, item in enumerate(items):
         ids = to_ids(handle, item)
         check_length(handle, len(ids))
-        chunk.append((i, ids))
+        chunk.append((i if index is None else int(index[i]), ids))
         if len(chunk) == batch_size:
             yield flush()
             chunk = []
@@ -112,6 +113,27 @@ def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return nll * valid
 
 
+@torch.no_grad()
+def batch_nll(handle, batch: Batch, session: Session | None = None, last: int | None = None) -> torch.Tensor:
+    """Summed next-token NLL of each text of ``batch`` under ``session`` (default: unedited):
+    float64 ``[B]``. ``last``: score only the last ``last`` predictions of each row (e.g. the
+    continuation of a multiple-choice option); default every prediction (``lengths - 1``).
+    The one NLL loop every perplexity in attngeom goes through."""
+    logits = forward(handle, batch, session or Session(), logits=True)
+    nll = token_nll(logits, batch)
+    del logits
+    if last is not None:
+        T = nll.shape[1]
+        keep = torch.arange(T, device=nll.device)[None, :] >= (batch.lengths.to(nll.device)[:, None] - 1 - last)
+        nll = nll * keep
+    return nll.double().sum(-1).cpu()
+
+
+def scored_tokens(batch: Batch) -> int:
+    """Next-token predictions in ``batch``: ``Σ (length - 1)``."""
+    return int((batch.lengths - 1).clamp_min(0).sum())
+
+
 def stream(
     handle,
     items: Iterable,
@@ -123,10 +145,12 @@ def stream(
     progress: bool | str = True,
     total: int | None = None,
     block_elements: int | None = None,
+    index: Sequence[int] | None = None,
 ) -> Sequence[Reducer]:
     """Run every input through the model with ``reducers`` observing ``layers`` (default: all).
 
-    Keeps no full maps: each reducer keeps its own summaries. Returns the reducers."""
+    Keeps no full maps: each reducer keeps its own summaries. ``index``: the inputs' numbers in the
+    whole stream (see :func:`make_batches`). Returns the reducers."""
     from tqdm.auto import tqdm
 
     session = Session(observers=reducers, intervention=intervention, layers=layers,
@@ -135,7 +159,7 @@ def stream(
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
     bar = tqdm(total=total, desc=desc, unit="text", disable=not progress)
-    for batch in make_batches(handle, items, batch_size):
+    for batch in make_batches(handle, items, batch_size, index=index):
         for r in reducers:
             r.begin(batch)
         forward(handle, batch, session)
@@ -144,6 +168,33 @@ def stream(
         bar.update(len(batch.index))
     bar.close()
     return reducers
+
+
+def summaries(handle, run, items: Sequence, *, layers: Iterable[int] | None = None, sink: int = 0,
+              batch_size: int = 1, stage: str = "summaries"):
+    """Per-head (:class:`~attngeom.reducers.HeadStats`) and per-token
+    (:class:`~attngeom.reducers.TokenStats`) summaries of ``items`` as one stage of ``run`` (an
+    :class:`attngeom.runner.Run`: resumable, shareable among processes; None: in memory).
+    Returns ``(heads, tokens)`` DataFrames; ``tokens.text`` is the item's index."""
+    from .reducers import HeadStats, TokenStats
+    from .runner import fingerprint, merge_sums
+
+    ids = [to_ids(handle, x) for x in items]
+
+    def work(units: list[int]) -> dict:
+        hs, ts = HeadStats(sink=sink), TokenStats(sink=sink)
+        stream(handle, [ids[u] for u in units], [hs, ts], layers=layers, batch_size=batch_size, progress=False,
+               index=units)
+        return {"heads": hs.state(), "tokens": ts.state()}
+
+    if run is None:
+        records = [work([u]) for u in range(len(ids))]
+    else:
+        records = run.stage(stage, len(ids), work, group=batch_size, desc="analyse", unit="window",
+                            fingerprints=[fingerprint(x) for x in ids]).values()
+    merged = merge_sums(records)
+    return (HeadStats(sink=sink).load_state(merged["heads"]).result(),
+            TokenStats(sink=sink).load_state(merged["tokens"]).result())
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,31 +297,182 @@ class Trace:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def save(self, path: str | Path) -> Path:
-        """Save to a directory (``trace.json`` + ``tensors.safetensors``); reopen with :meth:`load`."""
-        from safetensors.torch import save_file
+    def save(self, path: str | Path, *, weights: bool = False) -> Path:
+        """Save to a directory (``trace.json`` + ``tensors.safetensors``); reopen with :meth:`load`.
+
+        By default no model weights are stored: per layer the attention ``a [H,T,T]``, the values
+        ``v [H,T,d]`` and the three per-token head-space quantities every metric is computed from
+        (``‖ṽ_j^h‖ [H,T]``, ``u_i^h G^h [H,T,d]`` and ``p_i^h = o_i W_O^{hᵀ} [H,T,d]``), so a trace of
+        a few tokens is a few hundred kB and every map, norm, share and factor of a loaded trace
+        equals the original. ``weights=True`` stores ``G [H,d,d]`` and ``w_o [D,H*d]`` instead
+        (the layer's output projection, as ``LayerTrace.G``/``.w_o``; a weight-less trace has None
+        there). ``trace.json`` is written last and records the tensor file's SHA-256."""
+        import hashlib
+
+        from safetensors.torch import save as save_bytes
+
+        from .io import atomic_write_bytes
 
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        if weights and any(lt.w_o is None or lt.G is None for lt in self.layers):
+            raise InputError("this trace was saved without weights; it cannot be saved with weights=True")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create the trace directory {path}: {e.strerror or e}") from None
         tensors = {}
         for lt in self.layers:
-            for k in ("a", "v", "G", "w_o"):
-                tensors[f"{lt.index}.{k}"] = getattr(lt, k).contiguous()
-        save_file(tensors, str(path / "tensors.safetensors"))
-        meta = {"ids": self.ids, "tokens": self.tokens, "model_name": self.model_name,
-                "layers": [lt.index for lt in self.layers], "format": "attngeom-trace-1"}
-        (path / "trace.json").write_text(json.dumps(meta))
+            for k, x in _layer_tensors(lt, weights).items():
+                tensors[f"{lt.index}.{k}"] = x.detach().to("cpu", torch.float32).contiguous()
+        data = save_bytes(tensors)
+        atomic_write_bytes(path / TRACE_TENSORS, data)
+        meta = {"format": TRACE_FORMAT, "ids": [int(i) for i in self.ids], "tokens": list(self.tokens),
+                "model_name": self.model_name, "layers": [int(lt.index) for lt in self.layers],
+                "weights": bool(weights), "tensors_sha256": hashlib.sha256(data).hexdigest()}
+        atomic_write_bytes(path / TRACE_META, json.dumps(meta).encode("utf-8"))
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        from safetensors.torch import load_file
+        """Reopen a trace written by :meth:`save`. Everything is checked before use: the format
+        version, the token list against the ids and the tensors, every tensor's name, shape, dtype
+        and finiteness, the attention rows (non-negative, nothing above the diagonal, each summing
+        to one) and the tensor file's checksum. Anything wrong raises :class:`TraceFormatError`
+        with a one-line message."""
+        return _load_trace(cls, Path(path))
 
-        path = Path(path)
-        meta = json.loads((path / "trace.json").read_text())
-        t = load_file(str(path / "tensors.safetensors"))
-        layers = [LayerTrace(i, t[f"{i}.a"], t[f"{i}.v"], t[f"{i}.G"], t[f"{i}.w_o"]) for i in meta["layers"]]
-        return cls(ids=meta["ids"], tokens=meta["tokens"], layers=layers, model_name=meta["model_name"])
+
+# --------------------------------------------------------------------------------------------
+# Saved traces (Trace.save / Trace.load)
+# --------------------------------------------------------------------------------------------
+
+TRACE_FORMAT = "attngeom-trace-2"
+"""Version 2: weight-less by default, checksum in ``trace.json``. Version 1 (always with weights,
+no checksum) is still read."""
+TRACE_META, TRACE_TENSORS = "trace.json", "tensors.safetensors"
+_PIECES = ("a", "v", "value_norm", "uG", "p")      # weight-less
+_WEIGHTED = ("a", "v", "G", "w_o")                 # weights=True, and format 1
+_ROW_TOL = 1e-2                                    # attention row sums (bf16 models stay well inside)
+
+
+def _layer_tensors(lt: LayerTrace, weights: bool) -> dict[str, torch.Tensor]:
+    if weights:
+        return {"a": lt.a, "v": lt.v, "G": lt.G, "w_o": lt.w_o}
+    blk = lt.block
+    return {"a": lt.a, "v": lt.v, "value_norm": blk.value_norm[0], "uG": blk.uG[0], "p": blk.pulled_back[0]}
+
+
+def _frozen_layer(index: int, t: dict[str, torch.Tensor]) -> LayerTrace:
+    """A :class:`LayerTrace` of a weight-less trace: its block is seeded with the saved per-token
+    quantities, so every metric is computed by the same :class:`Block` code as before saving."""
+    a, v = t["a"], t["v"]
+    H, T = a.shape[0], a.shape[-1]
+    lt = LayerTrace(index=index, a=a, v=v, G=None, w_o=None)
+    state = LayerState(layer=index, module=None, v=v[None], w_o=None, G=None, G_full=None,
+                       kv_head=torch.arange(H), lengths=torch.tensor([T]))
+    state.__dict__["value_norm"] = t["value_norm"][None]        # LayerState.value_norm is cached
+    block = Block(state=state, a=a[None], q_start=0, k_start=0)
+    block._cache.update(uG=t["uG"][None], p=t["p"][None])
+    lt.__dict__["block"] = block                                  # LayerTrace.block is cached
+    return lt
+
+
+def _load_trace(cls, path: Path) -> "Trace":
+    import hashlib
+
+    def bad(msg: str) -> TraceFormatError:
+        return TraceFormatError(f"{path}: {msg}")
+
+    if not path.is_dir():
+        raise bad("not a saved trace (no such directory)" if not path.exists() else "not a directory")
+    meta_file, tensor_file = path / TRACE_META, path / TRACE_TENSORS
+    for f in (meta_file, tensor_file):
+        if not f.is_file():
+            raise bad(f"{f.name} is missing; a saved trace holds {TRACE_META} and {TRACE_TENSORS}")
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad(f"{TRACE_META} is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise bad(f"{TRACE_META} does not hold a JSON object")
+    fmt = meta.get("format")
+    if fmt not in ("attngeom-trace-1", TRACE_FORMAT):
+        raise bad(f"unknown trace format {fmt!r} (this attngeom reads attngeom-trace-1 and {TRACE_FORMAT})")
+    ids, tokens, layers = meta.get("ids"), meta.get("tokens"), meta.get("layers")
+    name = meta.get("model_name", "")
+    weights = True if fmt == "attngeom-trace-1" else meta.get("weights")
+    checksum = meta.get("tensors_sha256") if fmt == TRACE_FORMAT else None
+
+    def int_list(x) -> bool:
+        return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
+
+    if not int_list(ids) or not ids:
+        raise bad(f"{TRACE_META}: 'ids' must be a non-empty list of token ids")
+    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+        raise bad(f"{TRACE_META}: 'tokens' must be a list of strings")
+    if len(tokens) != len(ids):
+        raise bad(f"{TRACE_META} has {len(ids)} ids but {len(tokens)} tokens")
+    if not int_list(layers) or len(set(layers)) != len(layers):
+        raise bad(f"{TRACE_META}: 'layers' must be a list of distinct layer numbers")
+    if not isinstance(name, str) or not isinstance(weights, bool):
+        raise bad(f"{TRACE_META}: 'model_name' must be a string and 'weights' true or false")
+    if fmt == TRACE_FORMAT and not isinstance(checksum, str):
+        raise bad(f"{TRACE_META}: 'tensors_sha256' is missing")
+
+    from safetensors.torch import load as load_bytes
+
+    data = tensor_file.read_bytes()
+    try:
+        t = load_bytes(data)
+    except Exception as e:  # safetensors raises its own errors (and others) on damaged headers
+        raise bad(f"{TRACE_TENSORS} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+                  ) from None
+    kinds = _WEIGHTED if weights else _PIECES
+    expected = {f"{i}.{k}" for i in layers for k in kinds}
+    if set(t) - expected:
+        raise bad(f"{TRACE_TENSORS} holds an unexpected tensor {sorted(set(t) - expected)[0]!r}")
+    T = len(ids)
+    out = []
+    for i in layers:
+        lt = {}
+        for k in kinds:
+            x = t.get(f"{i}.{k}")
+            if x is None:
+                raise bad(f"layer {i} has no {k!r} tensor")
+            if x.dtype != torch.float32:
+                raise bad(f"layer {i}: {k!r} is {str(x.dtype).replace('torch.', '')}, expected float32")
+            lt[k] = x
+        a, v = lt["a"], lt["v"]
+        if a.ndim != 3 or a.shape[1] != a.shape[2]:
+            raise bad(f"layer {i}: attention has shape {list(a.shape)}, expected [heads, T, T]")
+        if a.shape[-1] != T:
+            raise bad(f"layer {i}: attention covers {a.shape[-1]} tokens but {TRACE_META} has {T}")
+        H = a.shape[0]
+        if v.ndim != 3 or tuple(v.shape[:2]) != (H, T):
+            raise bad(f"layer {i}: 'v' has shape {list(v.shape)}, expected [{H}, {T}, head_dim]")
+        d = v.shape[2]
+        shapes = ({"G": (H, d, d)} if weights else {"value_norm": (H, T), "uG": (H, T, d), "p": (H, T, d)})
+        for k, shape in shapes.items():
+            if tuple(lt[k].shape) != shape:
+                raise bad(f"layer {i}: {k!r} has shape {list(lt[k].shape)}, expected {list(shape)}")
+        if weights and (lt["w_o"].ndim != 2 or lt["w_o"].shape[1] != H * d):
+            raise bad(f"layer {i}: 'w_o' has shape {list(lt['w_o'].shape)}, expected [D, {H * d}]")
+        for k, x in lt.items():
+            if not bool(torch.isfinite(x).all()):
+                raise bad(f"layer {i}: {k!r} holds non-finite values (NaN or inf)")
+        above = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        if bool((a < -_ROW_TOL).any()) or bool((a[:, above].abs() > _ROW_TOL).any()):
+            raise bad(f"layer {i}: attention is not causal probabilities (negative, or weight on later tokens)")
+        err = (a.double().sum(-1) - 1).abs()
+        if bool((err > _ROW_TOL).any()):
+            h, q = divmod(int(err.argmax()), T)
+            raise bad(f"layer {i}: attention row (head {h}, query {q}) sums to {float(a[h, q].double().sum()):.6g}, not 1")
+        if not weights and bool((lt["value_norm"] < 0).any()):
+            raise bad(f"layer {i}: 'value_norm' holds negative norms")
+        out.append(LayerTrace(index=i, a=a, v=v, G=lt["G"], w_o=lt["w_o"]) if weights else _frozen_layer(i, lt))
+    if checksum is not None and hashlib.sha256(data).hexdigest() != checksum:
+        raise bad(f"{TRACE_TENSORS} does not match the checksum in {TRACE_META} (changed or damaged)")
+    return cls(ids=ids, tokens=tokens, layers=out, model_name=name)
 
 
 def analyze_batch(handle, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,

@@ -26,12 +26,14 @@ token (it may be shorter). ``tokens.parquet`` then has one row per (window, laye
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_model_args, add_out_arg, check_at_least, load, prepare_out, write_json, write_parquet
+from .common import (add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list, load,
+                     model_identity, open_run, write_json, write_parquet)
 
 DEFAULT_OUT = "out/analyze"
 TOP_K = 5
@@ -86,7 +88,7 @@ def _read_file(path: str) -> str:
     if p.is_dir():
         raise InputError(f"{p} is a directory; give a text file")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_bytes().decode("utf-8")  # as written: a \r stays a \r
     except UnicodeDecodeError:
         raise InputError(f"{p} is not a UTF-8 text file") from None
     except OSError as e:
@@ -122,46 +124,20 @@ def _pick_figure_layers(layers: list[int]) -> list[int]:
     return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
 
 
-class _LayerProgress:
-    """A progress bar with one step per (window, analysed layer); an observer of the stream."""
-
-    def __init__(self, total: int, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, desc="analyse", unit="layer", disable=not enabled, file=sys.stderr)
-        self._seen: set[int] = set()
-
-    def begin(self, batch) -> None:
-        self._seen = set()
-
-    def observe(self, block) -> None:
-        if block.layer not in self._seen:
-            self._seen.add(block.layer)
-            self.bar.update(1)
-
-    def end(self, batch) -> None:
-        pass
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 # --------------------------------------------------------------------------------------------
 # The command
 # --------------------------------------------------------------------------------------------
 
 
 def run(args) -> int:
-    from ..data import SAMPLE_TEXT, check_layers, parse_int_list
+    from ..data import SAMPLE_TEXT, parse_int_list
 
     t_start = time.perf_counter()
     # ---- everything that needs no model, before loading it ---------------------------------
     if args.text is not None and not args.text.strip():
         raise InputError("--text is empty (or only whitespace); give some text to analyse")
-    layers = parse_int_list(args.layers, "--layers")
-    if layers is not None and not layers:
-        raise InputError("--layers names no layer")
-    fig_layers = parse_int_list(args.figure_layers, "--figure-layers") if args.figure_layers else None
+    layers = check_layer_list(args.layers)
+    fig_layers = check_layer_list(args.figure_layers, "--figure-layers") if args.figure_layers else None
     heads = parse_int_list(args.heads, "--heads")
     if heads is not None and not heads:
         raise InputError("--heads names no head")
@@ -175,13 +151,25 @@ def run(args) -> int:
         raise InputError(f"--sink must be a position >= 0, got {args.sink}")
     if args.max_map_tokens < 0:
         raise InputError(f"--max-map-tokens must be >= 0, got {args.max_map_tokens}")
-    out = prepare_out(args.out)
     if args.file is not None:
         text, source = _read_file(args.file), str(Path(args.file))
     elif args.text is not None:
         text, source = args.text, "--text"
     else:
         text, source = SAMPLE_TEXT, "built-in sample text (attngeom.data.SAMPLE_TEXT)"
+    settings = {**model_identity(args), "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                "source": source, "layers": "all" if layers is None else sorted(set(layers)),
+                "figure_layers": fig_layers, "heads": "all" if heads is None else sorted(set(heads)),
+                "window": args.window, "stride": args.stride, "sink": args.sink,
+                "max_map_tokens": args.max_map_tokens}
+    with open_run(args, "analyze", settings) as run:
+        if already_complete(run, "analyze"):
+            return 0
+        return _run(args, run, settings, text, source, layers, fig_layers, heads, t_start)
+
+
+def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) -> int:
+    from ..data import check_layers
 
     # ---- the model and the input ------------------------------------------------------------
     t0 = time.perf_counter()
@@ -210,23 +198,14 @@ def run(args) -> int:
     if args.sink >= min(len(w) for _, w in windows):
         raise InputError(f"--sink {args.sink} is beyond the input ({min(len(w) for _, w in windows)} tokens)")
 
-    # ---- 1. streaming pass: per-head and per-token summaries ---------------------------------
-    from .. import trace as tr
-    from ..reducers import HeadStats, TokenStats
+    if min(len(w) for _, w in windows) < 2:
+        raise InputError(f"the input has {len(ids)} token(s) after encoding; give a text of at least 2 tokens "
+                         "(a single token has no source to attend to but itself)")
 
-    n_tokens = sum(len(w) for _, w in windows)
-    show = not args.no_progress and (n_tokens * len(layers) >= 4096 or len(windows) > 1)
-    progress = _LayerProgress(len(windows) * len(layers), show)
-    head_stats, token_stats = HeadStats(sink=args.sink), TokenStats(sink=args.sink)
-    t0 = time.perf_counter()
-    try:
-        tr.stream(handle, [w for _, w in windows], [head_stats, token_stats, progress], layers=layers,
-                  progress=False)
-    finally:
-        progress.close()
-    t_stream = time.perf_counter() - t0
-    heads_df = head_stats.result()
-    tokens_df = token_stats.result()
+    # ---- 1. streaming pass: per-head and per-token summaries ---------------------------------
+    from ..trace import summaries
+
+    heads_df, tokens_df = summaries(handle, run, [w for _, w in windows], layers=layers, sink=args.sink)
     offsets = {i: off for i, (off, _) in enumerate(windows)}
     uniq = sorted(set(ids))
     strings = dict(zip(uniq, handle.tokens(uniq)))
@@ -235,45 +214,46 @@ def run(args) -> int:
     off = tokens_df["text"].map(offsets).to_numpy()
     tokens_df.insert(tokens_df.columns.get_loc("position") + 1, "input_position",
                      ((pos + off) * (pos > 0)) if has_bos else (pos + off))
-
-    files = []
-    write_parquet(tokens_df, out / "tokens.parquet")
-    files.append("tokens.parquet")
-    write_parquet(heads_df, out / "heads.parquet")
-    files.append("heads.parquet")
-
-    # ---- 2. maps of the figure layers (full trace, first window only) -------------------------
-    from ..reports import analyze as rep
-
-    t0 = time.perf_counter()
-    first = windows[0][1]
-    maps_note = None
-    if len(first) <= args.max_map_tokens and fig_layers:
-        trace = tr.analyze(handle, first, layers=fig_layers)
-        title = f"{handle.name}" + (" (first window)" if len(windows) > 1 else "")
-        for k, lt in enumerate(trace.layers):
-            files.append(rep.draw_token_maps(lt, trace.tokens, out / f"maps_layer{lt.index}.png", title=title))
-            files.append(rep.draw_head_grid(lt, trace.tokens, out / f"heads_layer{lt.index}.png",
-                                            heads=heads, title=title))
-            trace.layers[k] = None  # free this layer's maps before the next one
-        del trace
-    elif fig_layers:
-        maps_note = (f"maps not drawn: the input window has {len(first)} tokens, more than --max-map-tokens "
-                     f"{args.max_map_tokens}")
-        print(f"attngeom analyze: {maps_note}", file=sys.stderr)
-    files.append(rep.draw_sinks(heads_df, out / "sinks_per_layer.png", title=handle.name))
-    t_figures = time.perf_counter() - t0
-
-    # ---- summary ---------------------------------------------------------------------------------
     summary = build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df)
-    summary["maps"] = maps_note or f"drawn for layers {fig_layers}"
-    summary["runtime_s"] = {"total": round(time.perf_counter() - t_start, 3), "load_model": round(t_load, 3),
-                            "stream": round(t_stream, 3), "maps_and_figures": round(t_figures, 3)}
-    files += ["summary.json", "report.md"]
-    summary["files"] = [str(f) for f in files]
-    write_json(out / "summary.json", summary)
-    (out / "report.md").write_text(rep.report_markdown(summary), encoding="utf-8")
-    print(f"attngeom analyze: {len(ids)} tokens, {len(layers)} layer(s) -> {out}/ ({', '.join(map(str, files))})",
+    summary["settings"] = settings
+    first = windows[0][1]
+    draw_maps = len(first) <= args.max_map_tokens and bool(fig_layers)
+    summary["maps"] = (f"drawn for layers {fig_layers}" if draw_maps else
+                       f"maps not drawn: the input window has {len(first)} tokens, more than --max-map-tokens "
+                       f"{args.max_map_tokens}" if fig_layers else "no figure layers")
+    if fig_layers and not draw_maps:
+        print(f"attngeom analyze: {summary['maps']}", file=sys.stderr)
+
+    def write(staging: Path) -> list[str]:
+        from .. import trace as tr
+        from ..reports import analyze as rep
+
+        files = ["tokens.parquet", "heads.parquet"]
+        write_parquet(tokens_df, staging / "tokens.parquet")
+        write_parquet(heads_df, staging / "heads.parquet")
+        # ---- 2. maps of the figure layers (full trace, first window only) -------------------------
+        t0 = time.perf_counter()
+        if draw_maps:
+            trace = tr.analyze(handle, first, layers=fig_layers)
+            title = f"{handle.name}" + (" (first window)" if len(windows) > 1 else "")
+            for k, lt in enumerate(trace.layers):
+                files.append(rep.draw_token_maps(lt, trace.tokens, staging / f"maps_layer{lt.index}.png", title=title))
+                files.append(rep.draw_head_grid(lt, trace.tokens, staging / f"heads_layer{lt.index}.png",
+                                                heads=heads, title=title))
+                trace.layers[k] = None  # free this layer's maps before the next one
+            del trace
+        files.append(rep.draw_sinks(heads_df, staging / "sinks_per_layer.png", title=handle.name))
+        files = [Path(f).name for f in files]
+        summary["runtime_s"] = {"total": round(time.perf_counter() - t_start, 3), "load_model": round(t_load, 3),
+                                "maps_and_figures": round(time.perf_counter() - t0, 3)}
+        files += ["summary.json", "report.md"]
+        summary["files"] = list(files)
+        write_json(staging / "summary.json", summary)
+        (staging / "report.md").write_text(rep.report_markdown(summary), encoding="utf-8")
+        return files
+
+    files = run.finish(write)
+    print(f"attngeom analyze: {len(ids)} tokens, {len(layers)} layer(s) -> {run.out}/ ({', '.join(files)})",
           file=sys.stderr)
     return 0
 

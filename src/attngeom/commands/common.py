@@ -1,22 +1,27 @@
-"""Pieces shared by the commands: common options, output directory, model loading, atomic writes."""
+"""Pieces shared by the commands: common options, the run (output directory), model loading.
+
+A command is thin: it checks its arguments (everything that needs no model, before any compute),
+opens its :class:`~attngeom.runner.Run` (which claims the output directory), loads the model, calls
+an experiment of the core and writes its outputs through :meth:`Run.finish`.
+"""
 
 from __future__ import annotations
 
-import json
-import os
+import hashlib
 import sys
-import tempfile
 from pathlib import Path
 
-from ..errors import InputError, OutputError
+from ..errors import InputError
+from ..io import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
 
 
 def add_model_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="model spec: 'smollm2-135m' (bundled, default), a .gguf file, a local HF model "
-                        "directory, or a hub id (needs the network)")
+                   help="model spec: 'smollm2-135m' (bundled, default), 'gemma3-270m' (bundled, optional), "
+                        "a .gguf file, a local HF model directory, or a hub id (needs the network)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present; "
+                                                   "under torchrun each process takes its local GPU)")
 
 
 def add_data_args(p, required: bool = True, repeat: bool = False) -> None:
@@ -29,7 +34,15 @@ def add_data_args(p, required: bool = True, repeat: bool = False) -> None:
 
 
 def add_out_arg(p, default: str | None = None) -> None:
-    p.add_argument("--out", required=default is None, default=default, help="output directory")
+    p.add_argument("--out", required=default is None, default=default,
+                   help="output directory" + (f" (default {default})" if default else ""))
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the attngeom run already in --out (another command's, or one with other "
+                        "settings) instead of refusing; a run with the same settings always resumes")
+
+
+def add_progress_arg(p) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def fields_of(args) -> list[str] | None:
@@ -45,50 +58,80 @@ def check_at_least(args, **minimums: int) -> None:
             raise InputError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
 
 
-def prepare_out(path: str | os.PathLike) -> Path:
-    """Create the output directory and prove it is writable, before any compute."""
-    out = Path(path)
+def check_layer_list(spec, option: str = "--layers") -> list[int] | None:
+    """``all``/None -> None, else a non-empty list of layer numbers (``","`` is refused)."""
+    from ..data import parse_int_list
+
+    layers = parse_int_list(spec, option)
+    if layers is not None and not layers:
+        raise InputError(f"{option} names no layer")
+    return layers
+
+
+def data_identity(spec: str) -> dict:
+    """What identifies a corpus in a run's settings: the resolved path and its content's sha256
+    (a changed file is another run), or the ``hf:`` spec as given."""
+    if spec.startswith("hf:"):
+        return {"data": spec}
+    p = Path(spec)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-", delete=True):
-            pass
-    except OSError as e:
-        raise OutputError(f"cannot write to output directory {out}: {e.strerror or e}") from None
-    return out
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+    except OSError:
+        digest = None
+    return {"data": str(p.resolve()), "data_sha256": digest}
+
+
+def model_identity(args) -> dict:
+    """``--model``, ``--dtype`` and ``--device`` normalised without loading anything: an explicit
+    ``--dtype float32`` on CPU is the same run as the default. Bad devices fail here (exit 2)."""
+    from ..distributed import local_device
+    from ..model.device import check_device, resolve_dtype
+
+    device = check_device(getattr(args, "device", None) or local_device())
+    dtype = resolve_dtype(getattr(args, "dtype", None), device)
+    return {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_type": device.type}
+
+
+def open_run(args, command: str, settings: dict):
+    """The :class:`~attngeom.runner.Run` of this command in ``--out`` (claimed before any compute),
+    shared among the processes of a ``torchrun`` launch when there is one."""
+    from ..distributed import comm_from_env
+    from ..runner import Run
+
+    comm = comm_from_env(getattr(args, "device", None))
+    try:
+        return Run(args.out, command, settings, overwrite=getattr(args, "overwrite", False),
+                   progress=not getattr(args, "no_progress", False), comm=comm)
+    except BaseException:
+        comm.close()
+        raise
+
+
+def already_complete(run, command: str) -> bool:
+    """Say so when ``--out`` already holds this complete run (nothing is recomputed or rewritten)."""
+    if run.complete:
+        if run.comm.rank == 0:
+            print(f"attngeom {command}: {run.out} already holds this complete run (run.json); nothing to do "
+                  "(--overwrite recomputes it)", file=sys.stderr)
+        return True
+    return False
 
 
 def load(args):
-    """Load the model named by ``--model`` (with a note on stderr: the first load of the bundled model
-    dequantises it once, ~35 s)."""
+    """Load the model named by ``--model`` (with a note on stderr: the first load of a bundled model
+    dequantises it once)."""
+    from ..distributed import local_device, rank
     from ..model import load_model
 
-    print(f"attngeom: loading {args.model} ...", file=sys.stderr)
-    return load_model(args.model, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, default=_json_default) + "\n").encode())
-
-
-def write_parquet(df, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def _json_default(x):
-    import numpy as np
-
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, Path):
-        return str(x)
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+    quiet = getattr(args, "no_progress", False) or rank() != 0
+    if not quiet:
+        print(f"attngeom: loading {args.model} ...", file=sys.stderr)
+    device = getattr(args, "device", None) or local_device()
+    try:
+        return load_model(args.model, dtype=getattr(args, "dtype", None), device=device, progress=not quiet)
+    except TypeError:  # a load_model without the progress option
+        return load_model(args.model, dtype=getattr(args, "dtype", None), device=device)

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_data_args, add_model_args, add_out_arg, check_at_least, fields_of, load, prepare_out
+from .common import (add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list,
+                     data_identity, fields_of, load, model_identity, open_run, write_json, write_parquet)
 
 
 def add_parser(subparsers) -> None:
@@ -17,7 +18,7 @@ def add_parser(subparsers) -> None:
         description="Comprehensiveness (mask the k_i = floor(r(i+1)) highest-ranked sources of every query) "
                     "and sufficiency (mask the lowest-ranked) at every intervened layer, for each ranking "
                     "metric and removal ratio r; writes table.parquet, summary.json and faithfulness.png to "
-                    "--out, and resumes from checkpoint.jsonl there when rerun.")
+                    "--out, and resumes from the records in --out/checkpoint when rerun.")
     add_model_args(p)
     add_data_args(p, required=True)
     p.add_argument("--task", choices=["mmlu", "winogrande", "boolq"], default=None,
@@ -40,14 +41,14 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..data import check_layers, parse_float_list, parse_int_list, resolve_texts
-    from ..faithfulness import DEFAULT_SEEDS, Checkpoint, build_variants, experiment, task_units, window_units
+    from ..faithfulness import DEFAULT_SEEDS, build_variants, experiment, task_units, window_units
 
     # ---- everything that needs no model, before loading it ---------------------------------
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     ratios = parse_float_list(args.ratios, "--ratios")
     seeds = parse_int_list(args.seeds, "--seeds") or list(DEFAULT_SEEDS)
     variants = build_variants(metrics, ratios, seeds, per_head=args.per_head, absolute=args.absolute)
-    layers = parse_int_list(args.layers, "--layers")
+    layers = check_layer_list(args.layers)
     check_at_least(args, window=2, max_windows=1, stride=1, batch_rows=1)
     fields = fields_of(args)
     examples = None
@@ -59,37 +60,50 @@ def run(args) -> int:
         examples = load_task(args.data, args.task, limit=args.max_examples)
     else:
         resolve_texts(args.data, fields)  # missing file / field / offline dataset: fail now
-    data_id = args.data if args.data.startswith("hf:") else str(Path(args.data).resolve())
-    meta = {"model": args.model, "dtype": args.dtype, "data": data_id, "fields": fields, "task": args.task,
-            "window": None if args.task else args.window, "stride": None if args.task else args.stride,
-            "layers": "all" if layers is None else sorted(set(layers)), "per_head": bool(args.per_head),
-            "absolute": bool(args.absolute)}
-    out = prepare_out(args.out)
-    ckpt = Checkpoint(out)
-    ckpt.check_meta(meta)
+    settings = {**model_identity(args), **data_identity(args.data), "fields": fields, "task": args.task,
+                "max_examples": args.max_examples if args.task else None,
+                "window": None if args.task else args.window, "stride": None if args.task else args.stride,
+                "max_windows": None if args.task else args.max_windows,
+                "layers": "all" if layers is None else sorted(set(layers)), "per_head": bool(args.per_head),
+                "absolute": bool(args.absolute), "metrics": metrics, "ratios": sorted(ratios), "seeds": seeds}
+    with open_run(args, "faithfulness", settings) as run:
+        if already_complete(run, "faithfulness"):
+            return 0
+        # ---- the model --------------------------------------------------------------------------
+        handle = load(args)
+        layers = check_layers(layers, handle.num_layers)
+        if examples is not None:
+            units = task_units(handle, examples)
+        else:
+            from ..data import load_windows
 
-    # ---- the model --------------------------------------------------------------------------
-    handle = load(args)
-    layers = check_layers(layers, handle.num_layers)
-    if examples is not None:
-        units = task_units(handle, examples)
-    else:
-        from ..data import load_windows
+            wins = load_windows(handle, args.data, window=args.window, stride=args.stride,
+                                max_windows=args.max_windows, fields=fields)
+            units = window_units(wins)
+        info = {"model_name": getattr(handle, "name", args.model), **settings}
+        table, summary = experiment(handle, run, units=units, variants=variants, layers=layers,
+                                    rows=args.batch_rows, progress=not args.no_progress, examples=examples,
+                                    meta=info)
 
-        wins = load_windows(handle, args.data, window=args.window, stride=args.stride,
-                            max_windows=args.max_windows, fields=fields)
-        units = window_units(wins)
-    info = {"model_name": getattr(handle, "name", args.model), "metrics": metrics,
-            "ratios": sorted(ratios), "seeds": seeds, **meta}
-    table, summary = experiment(handle, units=units, variants=variants, out=out, layers=layers,
-                                rows=args.batch_rows, progress=not args.no_progress, examples=examples,
-                                meta=info, partial_every=1 if examples is None else max(1, len(units) // 10),
-                                figure_every=1 if examples is None else max(1, len(units) // 10))
-    _print_summary(summary, out)
+        def write(staging: Path) -> list[str]:
+            write_parquet(table, staging / "table.parquet")
+            write_json(staging / "summary.json", summary)
+            files = ["table.parquet", "summary.json"]
+            if not table.empty:
+                from ..reports.faithfulness import plot
+
+                plot(table, staging / "faithfulness.png", measure=summary.get("measure", "ppl"),
+                     title=summary.get("title"))
+                files.append("faithfulness.png")
+            return files
+
+        files = run.finish(write)
+        if run.comm.rank == 0:
+            _print_summary(summary, run.out, files)
     return 0
 
 
-def _print_summary(summary: dict, out: Path) -> None:
+def _print_summary(summary: dict, out: Path, files) -> None:
     measure = summary.get("measure", "ppl")
     what = "ΔPPL" if measure == "ppl" else "Δacc"
     print(f"clean {measure}: {summary.get('clean', float('nan')):.4f}  "
@@ -99,4 +113,4 @@ def _print_summary(summary: dict, out: Path) -> None:
         print(f"{m:<20} {d['comprehensiveness_aoc']:>24.4f} {d['sufficiency_aoc']:>20.4f}")
     print("most faithful first — comprehensiveness:", ", ".join(summary.get("order_comprehensiveness", [])))
     print("most faithful first — sufficiency:     ", ", ".join(summary.get("order_sufficiency", [])))
-    print(f"wrote {out / 'table.parquet'}, {out / 'summary.json'}, {out / 'faithfulness.png'}", file=sys.stderr)
+    print(f"wrote {', '.join(str(out / f) for f in files)} and {out / 'run.json'}", file=sys.stderr)

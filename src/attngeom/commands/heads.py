@@ -20,15 +20,12 @@ norm, single-removal ΔPPL, critical flag), ``removal.parquet``, ``order_search.
 
 from __future__ import annotations
 
-import math
 import sys
-import time
-
-import numpy as np
-import pandas as pd
 
 from ..errors import InputError
 from . import common
+
+TABLES = ("heads", "removal", "order_search", "regimes_by_layer")
 
 
 def add_parser(subparsers) -> None:
@@ -52,7 +49,7 @@ def add_parser(subparsers) -> None:
                    help="critical head: single-removal dPPL > mean + k*std of the other heads of its regime (default 3)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
     p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
 
@@ -65,7 +62,7 @@ def check_args(args) -> list[float]:
     data = args.data or []
     if len(data) > 2:
         raise InputError(f"--data may be given at most twice (two corpora to compare), got {len(data)}")
-    common.check_at_least(args, window=3, calib_windows=1, batch_size=1)
+    common.check_at_least(args, window=3, calib_windows=1, batch_size=1, stride=1, max_windows=2)
     if args.max_windows is not None and args.max_windows <= args.calib_windows:
         raise InputError(f"--max-windows {args.max_windows} leaves no held-out window after "
                          f"--calib-windows {args.calib_windows}")
@@ -78,144 +75,52 @@ def check_args(args) -> list[float]:
     return retentions
 
 
-def _taxonomy_pass(handle, windows, reducer, batch_size, desc, progress):
-    """Stream ``windows`` through ``reducer``; returns the summed NLL and token count."""
-    from tqdm.auto import tqdm
-
-    from ..capture import Session
-    from ..trace import forward, make_batches, token_nll
-
-    session = Session(observers=[reducer])
-    total, count = 0.0, 0
-    bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress)
-    for batch in make_batches(handle, windows, batch_size):
-        reducer.begin(batch)
-        logits = forward(handle, batch, session, logits=True)
-        reducer.end(batch)
-        total += float(token_nll(logits, batch).double().sum())
-        count += int((batch.lengths - 1).clamp_min(0).sum())
-        bar.update(len(batch.index))
-    bar.close()
-    return total, count
-
-
 def run(args) -> int:
     from ..data import load_windows
-    from ..heads import (ORDERS, build_orders, choose_regime_order, critical_heads, removal_curves,
-                         single_head_sensitivity, weight_norms)
-    from ..taxonomy import (REGIMES, TaxonomyStats, corpus_agreement, regime_alignment, regime_shares,
-                            shares_by_depth, shares_by_layer)
+    from ..heads import experiment
+    from ..taxonomy import REGIMES
 
     retentions = check_args(args)
-    out = common.prepare_out(args.out)
-    progress = not args.no_progress
-    t0 = time.time()
-    handle = common.load(args)
     fields = common.fields_of(args)
-    corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
-    windows = corpora[0]
-    if len(windows) <= args.calib_windows:
-        raise InputError(f"{args.data[0]} gives {len(windows)} window(s) of {args.window} tokens: not enough for "
-                         f"{args.calib_windows} calibration window(s) and at least one held-out window")
-    calib, held = windows[: args.calib_windows], windows[args.calib_windows:]
-    model_name = getattr(handle, "name", args.model)
-    L, H = handle.num_layers, handle.num_heads
+    settings = {**common.model_identity(args), "data": [common.data_identity(d) for d in args.data],
+                "fields": fields, "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
+                "calib_windows": args.calib_windows, "retentions": retentions, "winner_norm": args.winner_norm,
+                "sink": args.sink, "seed": args.seed, "critical_k": args.critical_k}
+    with common.open_run(args, "heads", settings) as run:
+        if common.already_complete(run, "heads"):
+            return 0
+        handle = common.load(args)
+        corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
+        if len(corpora[0]) <= args.calib_windows:
+            raise InputError(f"{args.data[0]} gives {len(corpora[0])} window(s) of {args.window} tokens: not enough "
+                             f"for {args.calib_windows} calibration window(s) and at least one held-out window")
+        res = experiment(handle, run, corpora, calib_windows=args.calib_windows, retentions=retentions,
+                         winner_norm=args.winner_norm, sink=args.sink, seed=args.seed, critical_k=args.critical_k,
+                         batch_size=args.batch_size, names=args.data)
+        model_name = getattr(handle, "name", args.model)
+        summary = {"command": "heads", "model": model_name, "data": args.data, "window": args.window,
+                   **res["summary"], "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}
 
-    # 1. taxonomy + unedited perplexity
-    tax_cal = TaxonomyStats(sink=args.sink, winner_norm=args.winner_norm)
-    tax_held = TaxonomyStats(sink=args.sink, winner_norm=args.winner_norm)
-    nll_cal, n_cal = _taxonomy_pass(handle, calib, tax_cal, args.batch_size, "taxonomy: calibration", progress)
-    nll_held, n_held = _taxonomy_pass(handle, held, tax_held, args.batch_size, "taxonomy: held-out", progress)
-    cal_df = tax_cal.result()
-    all_df = TaxonomyStats(sink=args.sink).merge(tax_cal).merge(tax_held).result()
-    base_cal = math.exp(nll_cal / max(1, n_cal))
-    base_held = math.exp(nll_held / max(1, n_held))
-    second = None
-    if len(corpora) > 1:
-        tax2 = TaxonomyStats(sink=args.sink, winner_norm=args.winner_norm)
-        _taxonomy_pass(handle, corpora[1], tax2, args.batch_size, "taxonomy: second corpus", progress)
-        second = tax2.result()
+        def write(staging) -> list[str]:
+            for t in TABLES:
+                df = res[t].copy()
+                df.insert(0, "model", model_name)
+                res[t] = df
+                common.write_parquet(df, staging / f"{t}.parquet")
+            files = [f"{t}.parquet" for t in TABLES]
+            if not args.no_figures:
+                from ..reports.heads import render
 
-    # 2-4. sensitivity, regime order, removal curves
-    sens = single_head_sensitivity(handle, calib, batch_size=args.batch_size, base_ppl=base_cal, progress=progress)
-    regime_order, search = choose_regime_order(handle, calib, cal_df, retentions, args.batch_size, progress)
-    weights = weight_norms(handle)
-    orders = build_orders(cal_df, weights, sens, regime_order, seed=args.seed)
-    curves = removal_curves(handle, held, orders, retentions, args.batch_size, progress)
-    crit = critical_heads(sens, cal_df, k=args.critical_k)
+                summary["figures"] = [p.name for p in render(staging, res["heads"], res["removal"],
+                                                             res["regimes_by_layer"])]
+                files += summary["figures"]
+            common.write_json(staging / "summary.json", summary)
+            return files + ["summary.json"]
 
-    # tables
-    heads = all_df.copy()
-    heads.insert(0, "model", model_name)
-    heads["regime_calibration"] = cal_df["regime"].to_numpy()
-    heads["entropy_calibration"] = cal_df["entropy"].to_numpy()
-    if second is not None:
-        heads["regime_corpus2"] = second["regime"].to_numpy()
-        for c in ("winner_self", "winner_sink", "winner_other"):
-            heads[f"{c}_corpus2"] = second[c].to_numpy()
-    heads["weight_norm"] = [weights[l, h] for l, h in zip(heads["layer"], heads["head"])]
-    heads["single_delta_ppl"] = [sens[l, h] for l, h in zip(heads["layer"], heads["head"])]
-    crit_set = {(c["layer"], c["head"]) for c in crit}
-    heads["critical"] = [(int(l), int(h)) in crit_set for l, h in zip(heads["layer"], heads["head"])]
-    rank = {name: {lh: i for i, lh in enumerate(order)} for name, order in orders.items()}
-    for name in ORDERS:
-        heads[f"removal_rank_{name}"] = [rank[name][(int(l), int(h))] for l, h in zip(heads["layer"], heads["head"])]
-    by_layer = shares_by_layer(all_df)
-    by_layer.insert(0, "corpus", args.data[0])
-    if second is not None:
-        b2 = shares_by_layer(second)
-        b2.insert(0, "corpus", args.data[1])
-        by_layer = pd.concat([by_layer, b2], ignore_index=True)
-    by_layer.insert(0, "model", model_name)
-    curves.insert(0, "model", model_name)
-    search.insert(0, "model", model_name)
-    common.write_parquet(heads, out / "heads.parquet")
-    common.write_parquet(curves, out / "removal.parquet")
-    common.write_parquet(search, out / "order_search.parquet")
-    common.write_parquet(by_layer, out / "regimes_by_layer.parquet")
-
-    ppl = {name: {f"{r:g}": float(curves[(curves["order"] == name) & (curves["retention"] == r)]["ppl"].iloc[0])
-                  for r in retentions} for name in orders}
-    summary = {
-        "command": "heads",
-        "model": model_name,
-        "data": args.data,
-        "window": args.window,
-        "windows": [len(c) for c in corpora],
-        "calibration_windows": len(calib),
-        "heldout_windows": len(held),
-        "winner_norm": args.winner_norm,
-        "sink_position": args.sink,
-        "regime_share": {args.data[0]: regime_shares(all_df),
-                         **({args.data[1]: regime_shares(second)} if second is not None else {})},
-        "regime_share_calibration": regime_shares(cal_df),
-        "regime_share_by_depth": shares_by_depth(all_df, L),
-        "regime_share_by_layer": {int(r.layer): {g: float(getattr(r, g)) for g in REGIMES}
-                                  for r in shares_by_layer(all_df).itertuples()},
-        "corpus_agreement": corpus_agreement(all_df, second) if second is not None else None,
-        "calibration_heldout_agreement": corpus_agreement(
-            cal_df, tax_held.result() if tax_held.sums else cal_df),
-        "regime_alignment": regime_alignment(all_df),
-        "taxonomy_regime_order": regime_order,
-        "perplexity_base": {"calibration": base_cal, "heldout": base_held},
-        "perplexity": ppl,
-        "retentions": retentions,
-        "critical_rule": f"single-removal dPPL > mean + {args.critical_k:g} std of the other heads of the regime "
-                         "(leave-one-out; calibration split)",
-        "critical_heads": crit,
-        "single_delta_ppl": {"mean": float(sens.mean()), "max": float(sens.max()),
-                             "argmax": [int(x) for x in np.unravel_index(sens.argmax(), sens.shape)]},
-        "seconds": None,
-        "files": ["heads.parquet", "removal.parquet", "order_search.parquet", "regimes_by_layer.parquet"],
-    }
-    if not args.no_figures:
-        from ..reports.heads import render
-
-        summary["figures"] = [p.name for p in render(out, heads, curves, by_layer)]
-    summary["seconds"] = round(time.time() - t0, 1)
-    common.write_json(out / "summary.json", summary)
-    sh = summary["regime_share"][args.data[0]]
-    msg = ", ".join(f"{r} {sh[r]:.0%}" for r in REGIMES)
-    print(f"attngeom heads: {model_name}: {msg}; regime order {' > '.join(regime_order)}; "
-          f"{len(crit)} critical head(s); written to {out}", file=sys.stderr)
+        run.finish(write)
+    if run.comm.rank == 0:
+        sh = summary["regime_share"][args.data[0]]
+        msg = ", ".join(f"{r} {sh[r]:.0%}" for r in REGIMES)
+        print(f"attngeom heads: {model_name}: {msg}; regime order {' > '.join(summary['taxonomy_regime_order'])}; "
+              f"{len(summary['critical_heads'])} critical head(s); written to {run.out}", file=sys.stderr)
     return 0

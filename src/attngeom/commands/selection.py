@@ -18,7 +18,6 @@ layer, query and head: the sink-aware parameters and the measured and predicted 
 from __future__ import annotations
 
 import sys
-import time
 
 from ..errors import InputError
 from . import common
@@ -51,7 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--small-n-max", type=int, default=16, help="largest N considered for the best small N (default 16)")
     p.add_argument("--batch-size", type=int, default=2, help="windows per forward pass (default 2)")
     p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
 
@@ -61,7 +60,8 @@ def parse_args_checked(args):
     from ..data import parse_int_list
     from ..selection import DISTANCES, POWERS, check_ns
 
-    common.check_at_least(args, window=3, max_windows=1, batch_size=1, repeats=0, max_lag=1)
+    common.check_at_least(args, window=3, max_windows=1, batch_size=1, repeats=0, max_lag=1, stride=1,
+                          small_n_max=1)
     if args.sink < 0 or args.sink >= args.window - 1:
         raise InputError(f"--sink must be a position in 0..{args.window - 2}, got {args.sink}")
     if args.ns is None:
@@ -82,7 +82,7 @@ def parse_args_checked(args):
             raise InputError(f"--queries must be last, all or a number, got {args.queries!r}") from None
         if queries < 1:
             raise InputError(f"--queries must be at least 1, got {queries}")
-    layers = parse_int_list(args.layers, "--layers")
+    layers = common.check_layer_list(args.layers)
     check_corpus(args.data, args)
     return ns, distances, queries, layers
 
@@ -98,60 +98,66 @@ def check_corpus(spec: str, args) -> None:
 
 def run(args) -> int:
     from ..data import check_layers, load_windows
-    from ..selection import SelectionStats, summarize
-    from ..trace import stream
+    from ..selection import experiment
 
     ns, distances, queries, layers = parse_args_checked(args)
-    out = common.prepare_out(args.out)
-    t0 = time.time()
-    handle = common.load(args)
-    layers = check_layers(layers, handle.num_layers)
-    windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, common.fields_of(args))
-    reducer = SelectionStats(ns=ns, distances=distances, repeats=args.repeats, seed=args.seed, queries=queries,
-                             sink=args.sink, predict=not args.no_predict, max_lag=args.max_lag,
-                             small_n_max=args.small_n_max, random_without_sink=not args.no_random_nosink)
-    stream(handle, windows, [reducer], layers=layers, batch_size=args.batch_size,
-           progress=False if args.no_progress else "selection")
-    sel, reg = reducer.result()
-    if not len(sel):
-        raise InputError("no query had at least 2 candidate sources; use longer windows")
-    model_name = getattr(handle, "name", args.model)
-    sel.insert(0, "model", model_name)
-    reg.insert(0, "model", model_name)
-    common.write_parquet(sel, out / "selection.parquet")
-    common.write_parquet(reg, out / "regime.parquet")
-    summary = {
-        "command": "selection",
-        "model": model_name,
-        "data": args.data,
-        "window": args.window,
-        "windows": len(windows),
-        "tokens": int(sum(len(w) for w in windows)),
-        "queries": queries,
-        "ns": ns,
-        "distances": distances,
-        "repeats": args.repeats,
-        "seed": args.seed,
-        "sink_position": args.sink,
-        "layers": layers if layers is not None else "all",
-        **summarize(sel, reg, reducer.violations, reducer.selections, args.small_n_max),
-        "seconds": None,
-        "files": ["selection.parquet", "regime.parquet"],
-    }
-    if not args.no_figures:
-        from ..reports.selection import render
+    fields = common.fields_of(args)
+    options = {"ns": ns, "distances": distances, "repeats": args.repeats, "seed": args.seed, "queries": queries,
+               "sink": args.sink, "predict": not args.no_predict, "max_lag": args.max_lag,
+               "small_n_max": args.small_n_max, "random_without_sink": not args.no_random_nosink}
+    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
+                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
+                "layers": "all" if layers is None else sorted(set(layers)), **options}
+    with common.open_run(args, "selection", settings) as run:
+        if common.already_complete(run, "selection"):
+            return 0
+        handle = common.load(args)
+        layers = check_layers(layers, handle.num_layers)
+        windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
+        sel, reg, summary_part = experiment(handle, run, windows, layers=layers, batch_size=args.batch_size, **options)
+        model_name = getattr(handle, "name", args.model)
+        sel.insert(0, "model", model_name)
+        reg.insert(0, "model", model_name)
+        summary = {
+            "command": "selection",
+            "model": model_name,
+            "data": args.data,
+            "window": args.window,
+            "windows": len(windows),
+            "tokens": int(sum(len(w) for w in windows)),
+            "queries": queries,
+            "ns": ns,
+            "distances": distances,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "sink_position": args.sink,
+            "layers": layers if layers is not None else "all",
+            **summary_part,
+            "settings": settings,
+            "files": ["selection.parquet", "regime.parquet"],
+        }
 
-        summary["figures"] = [p.name for p in render(out, sel, reg)]
-    summary["seconds"] = round(time.time() - t0, 1)
-    common.write_json(out / "summary.json", summary)
-    d0 = distances[0]
-    small = [n for n in ns if n <= 4]
-    parts = []
-    for n in small:
-        ft = summary[d0]["with_sink"]["f_topn"].get(n)
-        fr = summary[d0]["with_sink"]["f_random"].get(n)
-        if ft is not None and fr is not None:
-            parts.append(f"N={n}: top {ft:.3f} / random {fr:.3f}")
-    print(f"attngeom selection: {model_name}: F ({d0}, with sink) " + "; ".join(parts)
-          + f"; bound violations {summary['bound_violations']}; written to {out}", file=sys.stderr)
+        def write(staging) -> list[str]:
+            common.write_parquet(sel, staging / "selection.parquet")
+            common.write_parquet(reg, staging / "regime.parquet")
+            files = ["selection.parquet", "regime.parquet"]
+            if not args.no_figures:
+                from ..reports.selection import render
+
+                summary["figures"] = [p.name for p in render(staging, sel, reg)]
+                files += summary["figures"]
+            common.write_json(staging / "summary.json", summary)
+            return files + ["summary.json"]
+
+        run.finish(write)
+    if run.comm.rank == 0:
+        d0 = distances[0]
+        parts = []
+        for n in [n for n in ns if n <= 4]:
+            ft = summary[d0]["with_sink"]["f_topn"].get(n)
+            fr = summary[d0]["with_sink"]["f_random"].get(n)
+            if ft is not None and fr is not None:
+                parts.append(f"N={n}: top {ft:.3f} / random {fr:.3f}")
+        print(f"attngeom selection: {model_name}: F ({d0}, with sink) " + "; ".join(parts)
+              + f"; bound violations {summary['bound_violations']}; written to {run.out}", file=sys.stderr)
     return 0

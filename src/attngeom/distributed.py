@@ -1,0 +1,141 @@
+"""Data-parallel runs on ``torch.distributed``: the communication :class:`~attngeom.runner.Run` uses.
+
+Launch any corpus command under ``torchrun`` (or ``accelerate launch``, which sets the same
+environment)::
+
+    torchrun --nproc_per_node 2 -m attngeom sinks --data corpus.txt --out runs/sinks
+
+Every process loads the model (on GPU: its local device ``cuda:$LOCAL_RANK``), the runner shares out
+the units not yet recorded by unit index (process ``r`` of ``n`` takes every ``n``-th), each process
+appends its own records to the run's checkpoint, and after each stage the records are exchanged
+(``all_gather_object``) so every process continues with all of them; process 0 alone writes the
+outputs. Backend: ``nccl`` when the processes use CUDA devices, ``gloo`` otherwise; the records
+always travel through a gloo group (they are Python objects). Multi-node runs use torchrun's own
+rendezvous (``--nnodes``, ``--rdzv-backend c10d``, ``--rdzv-endpoint``); the output directory must
+then be on a filesystem every node sees.
+
+A process that dies makes the others fail at their next exchange (the connection to it closes) or,
+at the latest, after ``ATTNGEOM_DIST_TIMEOUT`` seconds (default 1800); torchrun then stops them all.
+Finished units stay in the checkpoint: rerunning the same command, with any number of processes,
+resumes.
+
+What belongs here: process groups and object exchange. Nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from .errors import AttngeomError, InputError
+
+
+class DistributedError(AttngeomError):
+    """Another process of a multi-process run stopped or could not be reached."""
+
+
+def world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def local_rank() -> int:
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def local_device() -> str | None:
+    """The device this process uses by default: its local GPU under a multi-process launch on a
+    CUDA machine, else None (the model's own default)."""
+    if world_size() <= 1:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{local_rank() % torch.cuda.device_count()}"
+    return "cpu"
+
+
+class TorchComm:
+    """Exchange between the processes of a ``torch.distributed`` launch (see the module docstring)."""
+
+    def __init__(self, backend: str, timeout_s: float):
+        import torch.distributed as dist
+
+        self.dist = dist
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
+
+    def _call(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # gloo/nccl errors: a peer died, a timeout
+            raise DistributedError(
+                f"rank {self.rank}: another process of this run stopped or did not answer "
+                f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); finished units are kept in the "
+                "checkpoint and rerunning the same command resumes") from None
+
+    def barrier(self) -> None:
+        self._call(self.dist.barrier, group=self.group)
+
+    def all_gather(self, obj) -> list:
+        out = [None] * self.world
+        self._call(self.dist.all_gather_object, out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj):
+        box = [obj]
+        self._call(self.dist.broadcast_object_list, box, src=0, group=self.group)
+        return box[0]
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            try:
+                self.dist.destroy_process_group()
+            except Exception:  # pragma: no cover - teardown after a failure
+                pass
+
+
+def comm_from_env(device: str | None = None):
+    """:class:`TorchComm` under a multi-process launch (``WORLD_SIZE > 1``), else the one-process
+    :class:`~attngeom.runner.Solo`. ``device``: the ``--device`` given, to choose the backend
+    (``nccl`` needs CUDA: asking for it without a GPU is an :class:`InputError`)."""
+    from .runner import Solo
+
+    if world_size() <= 1:
+        return Solo()
+    import torch
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+        if var not in os.environ:
+            raise InputError(f"WORLD_SIZE is {world_size()} but {var} is not set: launch with torchrun "
+                             "(or accelerate launch), which sets them")
+    wants_cuda = (device or local_device() or "cpu").startswith("cuda")
+    backend = os.environ.get("ATTNGEOM_DIST_BACKEND") or ("nccl" if wants_cuda else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise InputError("the nccl backend needs CUDA GPUs and none is available; run on CPU (gloo) or on a GPU machine")
+    if backend not in ("gloo", "nccl"):
+        raise InputError(f"ATTNGEOM_DIST_BACKEND must be gloo or nccl, got {backend!r}")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank() % torch.cuda.device_count())
+    timeout = float(os.environ.get("ATTNGEOM_DIST_TIMEOUT", "1800"))
+    try:
+        return TorchComm(backend, timeout)
+    except DistributedError:
+        raise
+    except Exception as e:
+        raise DistributedError(f"could not join the process group ({str(e).splitlines()[0][:200]})") from None
