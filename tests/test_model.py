@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from attngeom import model as model_mod
+from attngeom.model import gguf_cache, loading
 from attngeom.errors import InputError, ModelLoadError, UnsupportedArchitectureError
 from attngeom.model import (
     DEFAULT_MODEL,
@@ -152,7 +153,7 @@ def test_offline_hub_id_fails_fast(monkeypatch):
 def test_unreachable_hub_fails_fast(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(model_mod, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
     start = time.monotonic()
     with pytest.raises(ModelLoadError, match="network"):
         load_model("some-org/another-uncached-model")
@@ -163,12 +164,12 @@ def test_hub_reachability_probe_is_bounded(monkeypatch):
     # An unroutable endpoint: the probe must give up within its timeout, not hang.
     monkeypatch.setenv("HF_ENDPOINT", "https://10.255.255.1:9")
     start = time.monotonic()
-    assert model_mod._hub_reachable(timeout=1.0) is False
+    assert loading._hub_reachable(timeout=1.0) is False
     assert time.monotonic() - start < 5
 
 
 def test_bad_dtype(tiny_dir):
-    with pytest.raises(ModelLoadError, match="dtype"):
+    with pytest.raises(InputError, match="dtype"):
         load_model(str(tiny_dir), dtype="float8")
 
 
@@ -304,13 +305,13 @@ def test_save_cache_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(handle.tokenizer, "save_pretrained", boom)
     with pytest.raises(OSError):
-        model_mod._save_cache(handle.model, handle.tokenizer, target, source)
+        gguf_cache.save_cache(handle.model, handle.tokenizer, target, source)
     assert not target.exists()
     assert list((tmp_path / "cache").iterdir()) == []  # no temp folder left behind
 
     monkeypatch.undo()
-    assert model_mod._save_cache(handle.model, handle.tokenizer, target, source) == target
-    assert model_mod._cache_complete(target)
+    assert gguf_cache.save_cache(handle.model, handle.tokenizer, target, source) == target
+    assert gguf_cache.cache_complete(target)
     assert (target / "model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]
 
@@ -319,11 +320,11 @@ def test_gguf_cache_key_changes_with_file(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF" + b"\0" * 10)
-    first = model_mod._gguf_cache_path(f)
+    first = gguf_cache.gguf_cache_path(f)
     assert first.parent == tmp_path / "cache" / "gguf"
-    assert first == model_mod._gguf_cache_path(f)
+    assert first == gguf_cache.gguf_cache_path(f)
     f.write_bytes(b"GGUF" + b"\0" * 20)
-    assert model_mod._gguf_cache_path(f) != first
+    assert gguf_cache.gguf_cache_path(f) != first
 
 
 # ---- the bundled model (slow) ---------------------------------------------------------------------
@@ -364,7 +365,7 @@ def test_smollm2_first_load_caches_exactly(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
     text = "The capital of France is"
     seen = {}
-    real = model_mod._dequantise_gguf
+    real = gguf_cache.dequantise_gguf
 
     def spy(*args, **kwargs):
         model, tokenizer = real(*args, **kwargs)
@@ -373,7 +374,7 @@ def test_smollm2_first_load_caches_exactly(tmp_path, monkeypatch):
             seen["logits"] = model(ids).logits.float()
         return model, tokenizer
 
-    monkeypatch.setattr(model_mod, "_dequantise_gguf", spy)
+    monkeypatch.setattr(gguf_cache, "dequantise_gguf", spy)
     start = time.monotonic()
     first = load_model("SmolLM2-135M-Instruct", device="cpu")
     t_first = time.monotonic() - start

@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import metrics as M
+from .model.adapter import attention_w_o
 
 ATTN_NAME = "attngeom"
 
@@ -317,8 +318,8 @@ _GRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDic
 
 def output_grams(module: torch.nn.Module, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w_o [D, H*d], G [H, d, d], G_full [H*d, H*d])`` in float32 for an attention module's
-    ``o_proj``; cached per module until its weight changes."""
-    weight = module.o_proj.weight
+    ``o_proj`` (found by the architecture adapter); cached per module until its weight changes."""
+    weight = attention_w_o(module)
     key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
     hit = _GRAMS.get(module)
     if hit is not None and hit[0] == key:

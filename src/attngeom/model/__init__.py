@@ -1,0 +1,67 @@
+"""Model access: loading, the handle, the architecture adapter, device/dtype policy, the GGUF cache.
+
+* :mod:`.loading` — :func:`load_model` and the spec forms it accepts.
+* :mod:`.handle` — :class:`ModelHandle` (model, tokenizer, ``adapter``, readable tokens).
+* :mod:`.adapter` — :class:`ArchitectureAdapter`: attention modules, decoder layers, ``W_O``, ``W_V``
+  and head geometry by layer; :data:`SUPPORTED_ARCHITECTURES`.
+* :mod:`.bundled` — :data:`BUNDLED_MODELS` (``smollm2-135m``, ``gemma3-270m``).
+* :mod:`.gguf_cache` — GGUF dequantisation and the float safetensors cache.
+* :mod:`.device` — :func:`resolve_device` / :func:`check_device` and :func:`resolve_dtype`; imports
+  torch only, so commands can check ``--device`` and ``--dtype`` before anything heavy is imported.
+
+Names are imported on first use, so ``from attngeom.model import check_device`` does not import
+transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    # loading
+    "load_model": "loading",
+    "DEFAULT_MODEL": "loading",
+    "ACCEPTED_SPECS": "loading",
+    # handle
+    "ModelHandle": "handle",
+    "_byte_decoder": "handle",
+    "_unbyte": "handle",
+    "_unsentencepiece": "handle",
+    # adapter
+    "ArchitectureAdapter": "adapter",
+    "SeparateQKVAdapter": "adapter",
+    "FusedQKVAdapter": "adapter",
+    "HeadGeometry": "adapter",
+    "ADAPTERS": "adapter",
+    "SUPPORTED_ARCHITECTURES": "adapter",
+    "adapter_for": "adapter",
+    "attention_w_o": "adapter",
+    "check_supported": "adapter",
+    # bundled models
+    "BUNDLED_MODELS": "bundled",
+    "BundledModel": "bundled",
+    "find_bundled": "bundled",
+    # the float cache
+    "cache_dir": "gguf_cache",
+    # device and dtype policy
+    "resolve_device": "device",
+    "check_device": "device",
+    "resolve_dtype": "device",
+    "dtype_name": "device",
+    "DTYPE_NAMES": "device",
+}
+
+__all__ = sorted(name for name in _EXPORTS if not name.startswith("_"))
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
