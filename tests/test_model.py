@@ -392,3 +392,123 @@ def test_smollm2_first_load_caches_exactly(tmp_path, monkeypatch):
     a, b = _logits(first, text), _logits(second, text)
     torch.testing.assert_close(a, reference, rtol=0, atol=0)
     torch.testing.assert_close(b, reference, rtol=0, atol=0)
+
+
+# ---- device and dtype policy ----------------------------------------------------------------------
+
+from attngeom.model import check_device, resolve_device, resolve_dtype  # noqa: E402
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:1", "mps", torch.device("cuda")])
+def test_absent_device_is_one_line_input_error(no_gpu, spec):
+    with pytest.raises(InputError) as info:
+        check_device(spec)
+    msg = str(info.value)
+    assert "\n" not in msg and "not available" in msg and "'cpu'" in msg
+
+
+def test_unknown_device_name(no_gpu):
+    for spec in ("gpu", "cuda:x", "banana"):
+        with pytest.raises(InputError, match="unknown device"):
+            resolve_device(spec)
+
+
+def test_cuda_index_beyond_the_gpu_count(two_gpus):
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device(None) == torch.device("cuda", 0)
+    with pytest.raises(InputError, match=r"'cuda:2' does not exist.*2 CUDA GPUs") as info:
+        resolve_device("cuda:2")
+    assert "\n" not in str(info.value)
+
+
+def test_default_device_and_cpu(no_gpu):
+    assert resolve_device(None) == resolve_device("auto") == resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(" CPU ".strip().lower()) == torch.device("cpu")
+
+
+def test_load_model_checks_the_device_before_loading(no_gpu, tiny_dir, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("loaded something before checking the device")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", boom)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    for spec in ("cuda", "cuda:3", "mps"):
+        with pytest.raises(InputError, match="not available"):
+            load_model(str(tiny_dir), device=spec)
+        with pytest.raises(InputError, match="not available"):
+            load_model(DEFAULT_MODEL, device=spec)
+
+
+def test_dtype_policy(no_gpu):
+    assert resolve_dtype(None, "cpu") is torch.float32
+    assert resolve_dtype(None, None) is torch.float32
+    for explicit in ("float32", "fp32", "FLOAT32", "torch.float32", torch.float32):
+        assert resolve_dtype(explicit, "cpu") == resolve_dtype(None, "cpu")
+    assert resolve_dtype("bf16", "cpu") is torch.bfloat16
+    assert resolve_dtype("half", "cpu") is torch.float16
+    assert resolve_dtype("auto", "cpu") == "auto"
+    for bad in ("float8", "int8", torch.int64, 3):
+        with pytest.raises(InputError, match="dtype"):
+            resolve_dtype(bad, "cpu")
+
+
+def test_dtype_policy_on_gpu(two_gpus, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype(None, "cuda") is torch.bfloat16
+    assert resolve_dtype(None, None) is torch.bfloat16
+    assert resolve_dtype("bfloat16", "cuda:1") == resolve_dtype(None, "cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype(None, "cuda") is torch.float16
+
+
+def test_device_and_dtype_checks_import_torch_only():
+    import subprocess
+    import sys
+
+    code = ("import sys; from attngeom.model import check_device, resolve_dtype; "
+            "check_device('cpu'); resolve_dtype(None, 'cpu'); "
+            "print(sorted(m for m in ('transformers', 'pandas', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---- progress bars --------------------------------------------------------------------------------
+
+
+def test_progress_false_silences_loading_bars(tiny_dir, capfd):
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    load_model(str(tiny_dir), device="cpu", progress=False)
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err
+    assert hf_logging.is_progress_bar_enabled() == was  # restored
+    if was:
+        load_model(str(tiny_dir), device="cpu")
+        assert "Loading weights" in capfd.readouterr().err
+
+
+def test_quiet_progress_silences_the_gguf_reader_and_restores_it():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    real = gguf_utils.tqdm
+    with gguf_cache.quiet_progress(False):
+        assert gguf_utils.tqdm is not real
+        assert gguf_utils.tqdm(range(3)).disable
+    assert gguf_utils.tqdm is real
+    with gguf_cache.quiet_progress(True):
+        assert gguf_utils.tqdm is real

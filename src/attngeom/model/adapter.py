@@ -166,7 +166,15 @@ class ArchitectureAdapter:
         the model's weight."""
         return self.attention_w_v(self.attention(layer))
 
+    def b_v(self, layer: int) -> torch.Tensor | None:
+        """The value bias of ``layer`` (``[H_kv·d]``), or None (most architectures have none; Qwen2
+        has one)."""
+        return self.attention_b_v(self.attention(layer))
+
     def attention_w_v(self, attn: torch.nn.Module) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def attention_b_v(self, attn: torch.nn.Module) -> torch.Tensor | None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def w_o_heads(self, layer: int) -> torch.Tensor:
@@ -188,20 +196,29 @@ class SeparateQKVAdapter(ArchitectureAdapter):
     def attention_w_v(self, attn: torch.nn.Module) -> torch.Tensor:
         return attn.v_proj.weight
 
+    def attention_b_v(self, attn: torch.nn.Module) -> torch.Tensor | None:
+        return attn.v_proj.bias
+
 
 class FusedQKVAdapter(ArchitectureAdapter):
     """One ``qkv_proj`` with rows ``[q (H·d) | k (H_kv·d) | v (H_kv·d)]``, and ``o_proj`` (Phi-3)."""
 
     layout = "fused_qkv"
 
-    def attention_w_v(self, attn: torch.nn.Module) -> torch.Tensor:
+    def _value_rows(self, attn: torch.nn.Module) -> slice:
         g = self.geometry
         start = (g.num_heads + g.num_kv_heads) * g.head_dim
-        weight = attn.qkv_proj.weight
-        if weight.shape[0] != start + g.num_kv_heads * g.head_dim:
-            raise ValueError(f"qkv_proj has {weight.shape[0]} rows; expected "
-                             f"{start + g.num_kv_heads * g.head_dim} for {g}")
-        return weight[start:]
+        rows = attn.qkv_proj.weight.shape[0]
+        if rows != start + g.num_kv_heads * g.head_dim:
+            raise ValueError(f"qkv_proj has {rows} rows; expected {start + g.num_kv_heads * g.head_dim} for {g}")
+        return slice(start, rows)
+
+    def attention_w_v(self, attn: torch.nn.Module) -> torch.Tensor:
+        return attn.qkv_proj.weight[self._value_rows(attn)]
+
+    def attention_b_v(self, attn: torch.nn.Module) -> torch.Tensor | None:
+        bias = attn.qkv_proj.bias
+        return None if bias is None else bias[self._value_rows(attn)]
 
 
 ADAPTERS: dict[str, type[ArchitectureAdapter]] = {

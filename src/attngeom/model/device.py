@@ -45,7 +45,7 @@ def resolve_device(spec=None) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-            raise InputError(f"device {str(device)!r} was asked for, but no CUDA GPU is available "
+            raise InputError(f"device {str(device)!r} is not available: torch sees no CUDA GPU "
                              f"(torch {torch.__version__}, {build}); use device 'cpu'")
         count = torch.cuda.device_count()
         if device.index is None:
@@ -57,8 +57,8 @@ def resolve_device(spec=None) -> torch.device:
     if device.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise InputError(f"device {str(device)!r} was asked for, but MPS (Apple GPU) is not available "
-                             "on this machine; use device 'cpu'")
+            raise InputError(f"device {str(device)!r} is not available: this machine has no MPS (Apple GPU); "
+                             "use device 'cpu'")
         return device
     if device.type == "cpu":
         return torch.device("cpu")
