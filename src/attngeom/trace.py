@@ -429,6 +429,9 @@ def _load_trace(cls, path: Path) -> "Trace":
                   ) from None
     kinds = _WEIGHTED if weights else _PIECES
     expected = {f"{i}.{k}" for i in layers for k in kinds}
+    missing = [(i, k) for i in layers for k in kinds if f"{i}.{k}" not in t]
+    if missing:
+        raise bad(f"layer {missing[0][0]} has no {missing[0][1]!r} tensor")
     if set(t) - expected:
         raise bad(f"{TRACE_TENSORS} holds an unexpected tensor {sorted(set(t) - expected)[0]!r}")
     T = len(ids)
@@ -436,9 +439,7 @@ def _load_trace(cls, path: Path) -> "Trace":
     for i in layers:
         lt = {}
         for k in kinds:
-            x = t.get(f"{i}.{k}")
-            if x is None:
-                raise bad(f"layer {i} has no {k!r} tensor")
+            x = t[f"{i}.{k}"]
             if x.dtype != torch.float32:
                 raise bad(f"layer {i}: {k!r} is {str(x.dtype).replace('torch.', '')}, expected float32")
             lt[k] = x
