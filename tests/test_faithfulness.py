@@ -12,10 +12,12 @@ import torch
 from attngeom.capture import Session
 from attngeom.cli import main
 from attngeom.errors import InputError
-from attngeom.faithfulness import (CLEAN, Checkpoint, build_variants, experiment, run_units, summarize,
-                                   task_units, window_units)
+from attngeom import faithfulness as F
+from attngeom.faithfulness import (CLEAN, build_variants, experiment, run_units, summarize, task_units,
+                                   window_units)
 from attngeom.interventions import RankIntervention, Variant
 from attngeom.reducers import Batch
+from attngeom.runner import Run
 from attngeom.tasks import load_task
 from attngeom.trace import forward
 from tiny_models import tiny_model
@@ -39,6 +41,10 @@ def _variants():
     return build_variants(["attention", "contribution", "random"], [0.3, 0.7], seeds=[0, 1])
 
 
+def _run(out, **settings):
+    return Run(out, "faithfulness", {"test": True, **settings}, progress=False)
+
+
 # --------------------------------------------------------------------------------------------
 # Perplexity
 # --------------------------------------------------------------------------------------------
@@ -46,7 +52,7 @@ def _variants():
 
 def test_clean_ppl_equals_plain_model(llama, tmp_path):
     wins = _windows(llama)
-    table, summary = experiment(llama, units=window_units(wins), variants=_variants(), out=tmp_path,
+    table, summary = experiment(llama, _run(tmp_path), units=window_units(wins), variants=_variants(),
                                 progress=False)
     nll, n = 0.0, 0
     with torch.no_grad():
@@ -70,9 +76,8 @@ def test_clean_ppl_equals_plain_model(llama, tmp_path):
     row = table[(table.metric == "contribution") & (table["mode"] == "sufficiency") & (table.ratio == 0.7)].iloc[0]
     assert row["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-4)
     assert row["change"] == pytest.approx(row["ppl"] - summary["clean"], rel=1e-9)
-    for f in ("table.parquet", "summary.json", "faithfulness.png", "checkpoint.jsonl"):
-        assert (tmp_path / f).exists()
-    s = json.loads((tmp_path / "summary.json").read_text())
+    assert list((tmp_path / "checkpoint").glob("records-*.jsonl"))
+    s = summary
     for m in ("attention", "contribution", "random"):
         d = s["metrics"][m]
         g = table[(table.metric == m)]
@@ -93,52 +98,56 @@ def test_batched_rows_equal_one_variant_per_forward(llama):
         assert many[k]["nll"] == pytest.approx(one[k]["nll"], rel=1e-5, abs=1e-4)
 
 
-def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path):
+def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
     units = window_units(_windows(llama, n=4))
     variants = _variants()
-    full, full_s = experiment(llama, units=units, variants=variants, out=tmp_path / "full", progress=False, rows=5)
+    full, full_s = experiment(llama, _run(tmp_path / "full"), units=units, variants=variants, progress=False, rows=5)
 
     class Killed(Exception):
         pass
 
-    def die_after_two(u):
-        if u == 1:
-            raise Killed
+    real = F._pair_nll
+    calls = []
 
+    def dies_after(n):
+        def pair_nll(handle, unit, chunk, layers):
+            if len(calls) == n:
+                raise Killed
+            calls.append(unit.salt)
+            return real(handle, unit, chunk, layers)
+        return pair_nll
+
+    monkeypatch.setattr(F, "_pair_nll", dies_after(5))  # 4 forwards per window (17 variants, 5 rows)
     with pytest.raises(Killed):
-        experiment(llama, units=units, variants=variants, out=tmp_path / "part", progress=False, rows=5,
-                   after_unit=die_after_two)
-    done = Checkpoint(tmp_path / "part").load()
-    assert {u for u, _ in done} == {0, 1}
+        experiment(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False, rows=5)
     # a kill in the middle of a write leaves a cut line: it is ignored and redone
-    with (tmp_path / "part" / "checkpoint.jsonl").open("a") as f:
-        f.write('{"unit": 2, "variant": "clean", "nl')
-    counted = []
-    part, part_s = experiment(llama, units=units, variants=variants, out=tmp_path / "part", progress=False, rows=5,
-                              after_unit=counted.append)
-    assert counted == [2, 3]  # finished windows were skipped
+    log = next((tmp_path / "part" / "checkpoint").glob("records-*.jsonl"))
+    assert len(log.read_text().splitlines()) == 5
+    with log.open("a") as f:
+        f.write('{"stage": "faithfulness", "units": [15, 16], "da')
+    calls.clear()
+    monkeypatch.setattr(F, "_pair_nll", dies_after(10**9))
+    part, part_s = experiment(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False, rows=5)
+    assert len(calls) == 4 * 4 - 5  # finished forwards were skipped
     pd.testing.assert_frame_equal(part, full)
     for k in ("clean", "metrics", "order_comprehensiveness", "order_sufficiency", "units_done"):
         assert part_s[k] == full_s[k]
     # a rerun of a finished run computes nothing
-    again, _ = experiment(llama, units=units, variants=variants, out=tmp_path / "part", progress=False,
-                          after_unit=counted.append)
-    assert counted == [2, 3]
+    calls.clear()
+    again, _ = experiment(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False)
+    assert calls == []
     pd.testing.assert_frame_equal(again, full)
 
 
-def test_partial_summary_uses_only_finished_windows(llama, tmp_path):
+def test_partial_results_use_only_finished_windows(llama, tmp_path, monkeypatch):
     units = window_units(_windows(llama, n=3))
     variants = _variants()
-
-    def stop(u):
-        if u == 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        experiment(llama, units=units, variants=variants, out=tmp_path, progress=False, after_unit=stop)
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["units_done"] == 2 and s["units_total"] == 3 and not s["complete"]
+    run = _run(tmp_path)
+    run_units(llama, units[:2], variants, rows=len(variants), progress=False, run=run)  # windows 0 and 1 only
+    results = run_units(llama, units, variants, rows=len(variants), progress=False, run=_run(tmp_path))
+    assert F.complete_units(results, 3, variants) == [0, 1, 2]
+    table = F.ppl_table(results, [0, 1], variants)
+    assert (table["units"] == 2).all() and (table["tokens"] == sum(u.n_scored for u in units[:2])).all()
 
 
 def test_summary_orders_and_random_seeds():
@@ -199,10 +208,10 @@ def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
     assert [ex.answer for ex in examples] == {"mmlu": [1, 0, 2], "winogrande": [0, 1], "boolq": [1, 0]}[task]
     units = task_units(llama, examples)
     variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
-    table, summary = experiment(llama, units=units, variants=variants, out=tmp_path / "out", examples=examples,
+    table, summary = experiment(llama, _run(tmp_path / "out"), units=units, variants=variants, examples=examples,
                                 progress=False, rows=3)
     slow = _slow_logliks(llama, examples)
-    results = Checkpoint(tmp_path / "out").load()
+    results = run_units(llama, units, variants, rows=3, progress=False, run=_run(tmp_path / "out"))
     for i, tu in enumerate(units):
         assert -results[(i, "clean")]["nll"] == pytest.approx(slow[(tu.example, tu.option)], rel=1e-4, abs=1e-4)
     pred = [max(range(len(ex.options)), key=lambda k: (slow[(e, k)], -k)) for e, ex in enumerate(examples)]
@@ -269,11 +278,16 @@ def test_cli_runs_and_resumes(tiny_llama_dir, tmp_path, capsys):
     assert len(table) == 2 * 2 + 2 * 2 * 2
     s = json.loads((out / "summary.json").read_text())
     assert s["units_done"] == 2 and set(s["metrics"]) == {"attention", "random"}
-    n_lines = len((out / "checkpoint.jsonl").read_text().splitlines())
-    # more windows: the first two are reused
-    assert _cli(tiny_llama_dir, out, *args[:4], "--max-windows", "3", *args[6:]) == 0
-    lines = (out / "checkpoint.jsonl").read_text().splitlines()
-    assert len(lines) == n_lines + n_lines // 2
+    man = json.loads((out / "run.json").read_text())
+    assert man["command"] == "faithfulness" and man["complete"] and set(man["files"]) == {
+        "table.parquet", "summary.json", "faithfulness.png"}
+    # the same command again: the run is complete, nothing is recomputed or rewritten
+    before = {f: (out / f).stat().st_mtime_ns for f in man["files"]}
+    assert _cli(tiny_llama_dir, out, *args) == 0
+    assert "already holds this complete run" in capsys.readouterr().err
+    assert before == {f: (out / f).stat().st_mtime_ns for f in man["files"]}
+    # an explicit --dtype float32 is the default on CPU: the same run
+    assert _cli(tiny_llama_dir, out, *args, "--dtype", "float32") == 0
     # JSONL with fields joined
     jl = tmp_path / "gsm.jsonl"
     _write(jl, [{"question": "How many legs has a cat?", "answer": "Four legs. " * 5}] * 3)
@@ -300,14 +314,19 @@ def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, extra, msg):
     data = tmp_path / "data.jsonl"
     _write(data, [{"question": "q", "choices": ["a", "b"], "answer": 3, "text": TEXT}])
     out = tmp_path / "out"
+    rc = _cli(tiny_llama_dir, out, "--data", str(data), *extra)
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err, err
+    assert not out.exists()  # a failed run leaves no directory behind
+    # a directory that holds other files is refused before anything else, and left as it was
     out.mkdir()
     keep = out / "previous.txt"
     keep.write_text("earlier results")
     rc = _cli(tiny_llama_dir, out, "--data", str(data), *extra)
     err = capsys.readouterr().err
-    assert rc == 2 and msg in err, err
+    assert rc == 2 and (msg in err or "not empty" in err), err
     assert keep.read_text() == "earlier results"
-    assert not (out / "checkpoint.jsonl").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["previous.txt"]
 
 
 def test_cli_refuses_to_mix_settings(tiny_llama_dir, tmp_path, capsys):
@@ -316,10 +335,17 @@ def test_cli_refuses_to_mix_settings(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "out"
     base = ["--data", str(data), "--window", "32", "--max-windows", "1", "--metrics", "attention", "--ratios", "0.5"]
     assert _cli(tiny_llama_dir, out, *base) == 0
-    before = (out / "checkpoint.jsonl").read_text()
-    assert _cli(tiny_llama_dir, out, *base, "--layers", "0") == 2
-    assert "other settings (layers)" in capsys.readouterr().err
-    assert (out / "checkpoint.jsonl").read_text() == before
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for other in (["--layers", "0"], ["--ratios", "0.4"], ["--metrics", "contribution"], ["--seeds", "3"]):
+        assert _cli(tiny_llama_dir, out, *base[:-4], *(other if other[0] == "--metrics" else base[6:8]),
+                    *(other if other[0] != "--metrics" else base[8:])) == 2
+        err = capsys.readouterr().err
+        assert "other settings" in err and other[0].lstrip("-") in err, err
+    assert before == {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # --overwrite replaces the run whole
+    assert _cli(tiny_llama_dir, out, *base, "--layers", "0", "--overwrite") == 0
+    assert json.loads((out / "run.json").read_text())["settings"]["layers"] == [0]
+    assert len(list((out / "checkpoint").glob("records-*.jsonl"))) == 1
 
 
 def test_missing_data_file_and_offline_dataset(tiny_llama_dir, tmp_path, capsys, monkeypatch):
@@ -338,7 +364,7 @@ def test_default_model_one_short_window(tmp_path):
     h = load_model("smollm2-135m")
     units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
     variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
-    table, s = experiment(h, units=units, variants=variants, out=tmp_path, progress=False)
+    table, s = experiment(h, units=units, variants=variants, progress=False)
     assert s["clean"] < 1e4 and len(table) == 4
     # masking the most important half hurts more than masking the least important half
     c = table[table.metric == "contribution"].set_index("mode")["change"]

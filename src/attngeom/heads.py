@@ -123,14 +123,21 @@ def weight_norms(handle) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+def window_nll(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Summed next-token NLL and token count of each window with ``removed`` heads zeroed:
+    float64 ``[W]``, int ``[W]`` (per window, so that intervals can resample windows)."""
+    session = Session(intervention=HeadRemoval(removed) if removed else None)
+    nll, count = [], []
+    for batch in make_batches(handle, windows, batch_size):
+        nll += batch_nll(handle, batch, session).tolist()
+        count += (batch.lengths - 1).clamp_min(0).tolist()
+    return np.asarray(nll, dtype=np.float64), np.asarray(count, dtype=np.int64)
+
+
 def nll_sum(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[float, int]:
     """Summed next-token NLL and token count of ``windows`` with ``removed`` heads zeroed."""
-    session = Session(intervention=HeadRemoval(removed) if removed else None)
-    total, count = 0.0, 0
-    for batch in make_batches(handle, windows, batch_size):
-        total += float(batch_nll(handle, batch, session).sum())
-        count += scored_tokens(batch)
-    return total, count
+    nll, count = window_nll(handle, windows, removed, batch_size)
+    return float(nll.sum()), int(count.sum())
 
 
 def perplexity(handle, windows: Sequence, removed=(), batch_size: int = 4) -> float:
@@ -141,16 +148,20 @@ def perplexity(handle, windows: Sequence, removed=(), batch_size: int = 4) -> fl
 def _removal_stage(handle, run, name: str, windows: Sequence, removals: Sequence[Sequence[tuple[int, int]]],
                    batch_size: int, desc: str) -> list[float]:
     """Perplexity of ``windows`` under each removal (a list of heads), as stage ``name`` of ``run``
-    (one unit per removal)."""
+    (one unit per removal; each record keeps the NLL and token count per window)."""
     from .runner import Memory, fingerprint
 
     def work(units: list[int]) -> dict:
-        return {"nll": [nll_sum(handle, windows, removals[u], batch_size) for u in units]}
+        parts = [window_nll(handle, windows, removals[u], batch_size) for u in units]
+        return {"nll": [p[0] for p in parts], "tokens": [p[1] for p in parts]}
 
     recs = (run or Memory()).stage(name, len(removals), work, desc=desc, unit="removal",
                                    fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
-    nll = {u: tuple(x) for key, d in recs.items() for u, x in zip(key, d["nll"])}
-    return [math.exp(nll[u][0] / max(1, nll[u][1])) for u in range(len(removals))]
+    ppl = {}
+    for key, d in recs.items():
+        for u, nll, tok in zip(key, d["nll"], d["tokens"]):
+            ppl[u] = math.exp(float(np.sum(nll)) / max(1, int(np.sum(tok))))
+    return [ppl[u] for u in range(len(removals))]
 
 
 def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base_ppl: float | None = None,
@@ -174,15 +185,15 @@ def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base
         assign = [lh for lh in group for _ in windows]
         session = Session(intervention=PerExampleHeadRemoval(assign))
         batch = next(make_batches(handle, items, len(items)))
-        x = batch_nll(handle, batch, session)
-        return {"nll": [float(x[k * len(windows):(k + 1) * len(windows)].sum()) for k in range(len(group))]}
+        x = batch_nll(handle, batch, session).numpy()
+        return {"nll": [x[k * len(windows):(k + 1) * len(windows)] for k in range(len(group))]}
 
     recs = (run or Memory()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
                                    desc="single-head removal", unit="head")
     out = np.zeros((L, H))
     for key, d in recs.items():
         for u, v in zip(key, d["nll"]):
-            out[u // H, u % H] = math.exp(v / max(1, count)) - base_ppl
+            out[u // H, u % H] = math.exp(float(np.sum(v)) / max(1, count)) - base_ppl
     return out
 
 
