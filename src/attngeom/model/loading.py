@@ -304,7 +304,8 @@ def _load_bundled(bundle: BundledModel, opts: _Options):
     """A bundled model: its GGUF file (located or assembled only when the cache is missing)."""
     bundle.check_installed()
     return _load_cached_gguf(bundle.open_gguf, cache_dir() / bundle.cache_name, opts,
-                             marker={"bundled": bundle.alias, "packages": list(bundle.distributions)})
+                             marker={"source": f"bundled model {bundle.alias}", "bundled": bundle.alias,
+                                     "packages": list(bundle.distributions)})
 
 
 def _load_cached_gguf(open_gguf, target: pathlib.Path, opts: _Options, marker: dict | None = None):
