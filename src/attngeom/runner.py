@@ -428,6 +428,14 @@ class Run:
                 out[key] = decode(have[key]["data"])
         return out
 
+    def units(self) -> dict[str, dict[str, int]]:
+        """Units recorded per stage (``done``) and asked for in this process (``total``)."""
+        out = {}
+        for name, recs in sorted(self._records.items()):
+            done = len({u for key in recs for u in key})
+            out[name] = {"done": self.units_done.get(name, done), "total": self.units_total.get(name, done)}
+        return out
+
     # -- finishing ---------------------------------------------------------------------------------
     def finish(self, write: Callable[[Path], Sequence[str]], extra: dict | None = None) -> list[str]:
         """Write the outputs: ``write(staging)`` puts files (names relative to ``staging``) into a
@@ -458,7 +466,7 @@ class Run:
                 "complete": True,
                 "versions": versions(),
                 "world_size": self.comm.world,
-                "units": {k: {"done": self.units_done[k], "total": self.units_total[k]} for k in self.units_total},
+                "units": self.units(),
                 "started": _now(self.started),
                 "finished": _now(),
                 "seconds": round(time.time() - self.started, 1),
