@@ -10,7 +10,7 @@ import sys
 
 from .errors import AttngeomError
 
-COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads")
+COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads", "explore")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -297,6 +297,21 @@ class Trace:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def to_html(self, path: str | Path, **options) -> Path:
+        """Write the interactive explorer of this trace (one offline HTML file, see docs/explore.md);
+        ``options`` go to :func:`attngeom.explore.from_trace` (``top_k``, ``exact_max_tokens``, ``sink``)."""
+        from .explore import from_trace
+        from .reports.explore import write
+
+        return write(from_trace(self, **options), path)
+
+    def _repr_html_(self) -> str:
+        """The explorer inline in Jupyter (an ``<iframe srcdoc>``)."""
+        from .explore import from_trace
+        from .reports.explore import iframe
+
+        return iframe(from_trace(self))
+
     def save(self, path: str | Path, *, weights: bool = False) -> Path:
         """Save to a directory (``trace.json`` + ``tensors.safetensors``); reopen with :meth:`load`.
 

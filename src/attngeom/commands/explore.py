@@ -1,0 +1,122 @@
+"""``attngeom explore``: one self-contained, offline HTML page to explore attention against
+contribution for one text (``explore.html`` in ``--out``; see docs/explore.md).
+
+With no ``--text``/``--file`` it explores the built-in sample text (``make demo``). Bad input (empty
+text, a missing or unreadable file, bad layers or options, an output directory holding another run)
+fails with one line and exit status 2 before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+from ..errors import InputError
+from .common import add_model_args, add_out_arg, already_complete, check_layer_list, load, model_identity, open_run
+
+DEFAULT_OUT = "out/explore"
+PAGE = "explore.html"
+
+
+def add_parser(subparsers) -> None:
+    from ..explore import DEFAULT_EXACT_MAX_TOKENS, DEFAULT_TOP_K
+
+    p = subparsers.add_parser(
+        "explore",
+        help="write an interactive, offline HTML explorer of attention vs contribution for one text",
+        description="Run one text (default: the built-in sample) through the model and write explore.html "
+                    "into --out: the text as tokens (hover or click one to see its sources by attention "
+                    "beside contribution, per head or for the whole layer), a layers x heads grid, the "
+                    "per-layer sink attention vs sink contribution and a contribution-flow graph. One file, "
+                    "no network; open it from disk.")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="the text to explore (default: the built-in sample text)")
+    src.add_argument("--file", default=None, help="read the text from this UTF-8 file")
+    p.add_argument("--layers", default="all", help="layers to include: all (default) or a list, e.g. 0,5,29")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                   help=f"sources kept per (layer, head, query) beyond --exact-max-tokens (default {DEFAULT_TOP_K})")
+    p.add_argument("--exact-max-tokens", type=int, default=DEFAULT_EXACT_MAX_TOKENS,
+                   help=f"keep every source (exact maps) up to this many tokens (default {DEFAULT_EXACT_MAX_TOKENS})")
+    p.add_argument("--sink", type=int, default=0, help="position of the sink token (default 0)")
+    add_out_arg(p, default=DEFAULT_OUT)
+    p.set_defaults(func=run)
+
+
+def read_text_file(path: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"input file not found: {p}")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory; give a text file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{p} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
+    if not text.strip():
+        raise InputError(f"{p} is empty (or only whitespace); give some text to explore")
+    return text
+
+
+def run(args) -> int:
+    from ..data import SAMPLE_TEXT
+
+    t_start = time.perf_counter()
+    # ---- everything that needs no model ----------------------------------------------------------
+    if args.text is not None and not args.text.strip():
+        raise InputError("--text is empty (or only whitespace); give some text to explore")
+    layers = check_layer_list(args.layers)
+    if layers is not None and any(l < 0 for l in layers):
+        raise InputError(f"--layers: layer {min(layers)} does not exist (layers count from 0)")
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.exact_max_tokens < 0:
+        raise InputError(f"--exact-max-tokens must be >= 0, got {args.exact_max_tokens}")
+    if args.sink < 0:
+        raise InputError(f"--sink must be a position >= 0, got {args.sink}")
+    if args.file is not None:
+        text, source = read_text_file(args.file), str(Path(args.file))
+    elif args.text is not None:
+        text, source = args.text, "--text"
+    else:
+        text, source = SAMPLE_TEXT, "built-in sample text"
+    settings = {**model_identity(args), "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                "source": source, "layers": "all" if layers is None else sorted(set(layers)),
+                "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink}
+    with open_run(args, "explore", settings) as run:
+        if already_complete(run, "explore"):
+            return 0
+        # ---- the model, the data, the page ---------------------------------------------------------
+        from ..explore import build
+        from ..reports import explore as rep
+
+        handle = load(args)
+        L = handle.num_layers
+        if layers is not None:
+            bad = [l for l in layers if l >= L]
+            if bad:
+                raise InputError(f"layer {bad[0]} does not exist: the model has layers 0..{L - 1}")
+        ids = handle.encode(text)
+        limit = handle.max_positions
+        if limit and len(ids) > limit:
+            raise InputError(f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}")
+        if args.sink >= len(ids):
+            raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
+        data = build(handle, ids, layers=layers, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
+                     sink=args.sink)
+        page = rep.render(data)
+
+        def write(staging: Path) -> list[str]:
+            (staging / PAGE).write_text(page, encoding="utf-8", newline="\n")
+            return [PAGE]
+
+        run.finish(write)
+    size = len(page.encode("utf-8"))
+    mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
+    print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
+          f"in {time.perf_counter() - t_start:.1f} s -> {run.out / PAGE}", file=sys.stderr)
+    return 0

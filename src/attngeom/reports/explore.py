@@ -1,0 +1,117 @@
+"""HTML of the explorer: one self-contained page (inline JS and CSS, no network) from an
+:class:`attngeom.explore.ExploreData`.
+
+The data travels as JSON in ``<script type="application/json">`` with ``<``, ``>``, ``&``, U+2028
+and U+2029 escaped, so no token text can close the script element or be read as markup; the page
+puts every token into the document with ``textContent`` only. The maps are one binary block
+(float16 values, uint16 source offsets ``i - j``), zlib-compressed and base64-encoded inside that
+JSON; the page inflates it with the browser's ``DecompressionStream``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import zlib
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from ..explore import METRICS, PAD, ExploreData
+
+TEMPLATE = "explore_template.html"
+PLACEHOLDER = "__EXPLORE_DATA__"
+
+
+def _tri(x: np.ndarray) -> np.ndarray:
+    """``[V, T, T]`` -> the lower triangles (``j <= i``) of each view, row by row: ``[V * T(T+1)/2]``."""
+    V, T, _ = x.shape
+    i, j = np.tril_indices(T)
+    return x[:, i, j].reshape(-1)
+
+
+def pack(data: ExploreData) -> tuple[bytes, dict]:
+    """The binary block (uint16 words) and, per metric and layer, the word offsets of its parts."""
+    parts: list[np.ndarray] = []
+    blocks: dict[str, list[dict]] = {m: [] for m in METRICS}
+    off = 0
+    T = data.T
+    for m in METRICS:
+        for entry in data.rows[m]:
+            where = {}
+            if data.exact:
+                arrs = {"val": _tri(entry).astype(np.float16).view(np.uint16)}
+            else:
+                idx, val = entry
+                pos = idx.astype(np.int64)
+                dist = np.where(pos == PAD, PAD, np.arange(T)[None, :, None] - pos).astype(np.uint16)
+                arrs = {"idx": dist.reshape(-1), "val": val.astype(np.float16).view(np.uint16).reshape(-1)}
+            for name, a in arrs.items():
+                where[name] = off
+                parts.append(a.astype("<u2"))
+                off += a.size
+            blocks[m].append(where)
+    raw = np.concatenate(parts).tobytes() if parts else b""
+    return raw, blocks
+
+
+def _escape_json(text: str) -> str:
+    return (text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def payload(data: ExploreData, level: int = 6) -> dict:
+    """The JSON object the page reads."""
+    from ..taxonomy import REGIMES
+
+    raw, blocks = pack(data)
+    L = data.meta.get("num_layers")
+    contiguous = data.layers == list(range(data.layers[0], data.layers[-1] + 1))
+    default_query = data.T - 1
+    return {
+        "format": "attngeom-explore-1",
+        "model": data.model_name,
+        "T": data.T,
+        "H": data.num_heads,
+        "layers": data.layers,
+        "num_layers": L,
+        "layers_contiguous": bool(contiguous),
+        "sink": data.sink,
+        "exact": data.exact,
+        "k": data.top_k,
+        "tokens": list(data.tokens),
+        "initial_query": default_query,
+        "regimes": list(REGIMES),
+        "head_stats": {k: np.asarray(v).tolist() if k != "regime" else np.asarray(v).astype(int).tolist()
+                       for k, v in data.head_stats.items()},
+        "layer_sink": {k: [float(x) for x in v] for k, v in data.layer_sink.items()},
+        "residual": None if data.residual_share is None else np.round(data.residual_share.astype(np.float64), 6).tolist(),
+        "blocks": blocks,
+        "bin": base64.b64encode(zlib.compress(raw, level)).decode("ascii"),
+    }
+
+
+def render(data: ExploreData) -> str:
+    """The whole page as a string."""
+    template = resources.files("attngeom.reports").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    head, sep, tail = template.partition(PLACEHOLDER)
+    if not sep:  # pragma: no cover - a broken install
+        raise RuntimeError(f"{TEMPLATE} has no {PLACEHOLDER}")
+    body = json.dumps(payload(data), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return head + _escape_json(body) + tail
+
+
+def write(data: ExploreData, path: str | Path) -> Path:
+    """Write the page to ``path`` (UTF-8). Returns the path."""
+    path = Path(path)
+    path.write_text(render(data), encoding="utf-8", newline="\n")
+    return path
+
+
+def iframe(data: ExploreData, height: int = 760) -> str:
+    """The page inside an ``<iframe srcdoc>``, for Jupyter (scripts in notebook output run isolated)."""
+    return (f'<iframe srcdoc="{html.escape(render(data), quote=True)}" '
+            f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
+            'sandbox="allow-scripts"></iframe>')
