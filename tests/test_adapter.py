@@ -13,6 +13,7 @@ from attngeom.model import (
     ArchitectureAdapter,
     FusedQKVAdapter,
     HeadGeometry,
+    SandwichNormAdapter,
     SeparateQKVAdapter,
     adapter_for,
     attention_w_o,
@@ -34,7 +35,9 @@ def _ids(handle, seed=0):
 def test_every_supported_architecture_has_an_adapter():
     assert set(ADAPTERS) == set(SUPPORTED_ARCHITECTURES)
     assert ADAPTERS["phi3"] is FusedQKVAdapter
-    assert all(ADAPTERS[a] is SeparateQKVAdapter for a in SUPPORTED_ARCHITECTURES if a != "phi3")
+    assert ADAPTERS["gemma2"] is ADAPTERS["gemma3_text"] is SandwichNormAdapter
+    assert all(ADAPTERS[a] is SeparateQKVAdapter for a in SUPPORTED_ARCHITECTURES
+               if a not in ("phi3", "gemma2", "gemma3_text"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -206,3 +209,30 @@ def test_no_forward_is_replaced():
     ad.decoder_layers
     after = {name: m.__dict__.get("forward") for name, m in handle.model.named_modules()}
     assert before == after and all(f is None for f in after.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_delta_is_what_attention_adds_to_the_residual(arch):
+    """Decoder-layer input + the delta module's output = the residual stream the MLP side reads
+    (the input of Gemma 2/3's ``pre_feedforward_layernorm``, else of ``post_attention_layernorm``)."""
+    handle = tiny_model(arch)
+    ad = handle.adapter
+    seen, hooks = {}, []
+    for l, layer in enumerate(ad.decoder_layers):
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+        hooks += [
+            layer.register_forward_pre_hook(
+                lambda m, a, kw, l=l: seen.__setitem__(("x", l), (a[0] if a else kw["hidden_states"]).clone()),
+                with_kwargs=True),
+            ad.attention_delta_module(l).register_forward_hook(
+                lambda m, a, out, l=l: seen.__setitem__(("d", l), (out[0] if isinstance(out, tuple) else out).clone())),
+            mlp_norm.register_forward_pre_hook(lambda m, a, l=l: seen.__setitem__(("r", l), a[0].clone())),
+        ]
+    try:
+        with torch.no_grad():
+            handle.model(_ids(handle)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    for l in range(ad.num_layers):
+        torch.testing.assert_close(seen["x", l] + seen["d", l], seen["r", l])

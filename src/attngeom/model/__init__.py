@@ -30,6 +30,7 @@ _EXPORTS = {
     # adapter
     "ArchitectureAdapter": "adapter",
     "SeparateQKVAdapter": "adapter",
+    "SandwichNormAdapter": "adapter",
     "FusedQKVAdapter": "adapter",
     "HeadGeometry": "adapter",
     "ADAPTERS": "adapter",

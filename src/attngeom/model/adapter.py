@@ -7,7 +7,8 @@ head geometry (:class:`HeadGeometry`). Nothing here wraps or replaces a module's
 adapter only reads the model's structure.
 
 Layouts are classes: :class:`SeparateQKVAdapter` (``q_proj``/``k_proj``/``v_proj``/``o_proj``:
-LLaMA, Mistral, Qwen2/3, Gemma 1/2/3) and :class:`FusedQKVAdapter` (``qkv_proj`` + ``o_proj``: Phi-3).
+LLaMA, Mistral, Qwen2/3, Gemma), its :class:`SandwichNormAdapter` (Gemma 2/3: a norm between attention
+and the residual add) and :class:`FusedQKVAdapter` (``qkv_proj`` + ``o_proj``: Phi-3).
 :data:`ADAPTERS` maps ``config.model_type`` to its class; a model type not listed (e.g. remote code)
 gets the layout its attention modules show. The attention function, which sees only the attention
 module, reads ``W_O`` through :func:`attention_w_o`.
@@ -150,6 +151,12 @@ class ArchitectureAdapter:
                 return list(obj)
         return None
 
+    def attention_delta_module(self, layer: int) -> torch.nn.Module:
+        """The module whose output (first element, if a tuple) is what ``layer``'s attention adds to
+        the residual stream: the attention module itself, or the norm that follows it where the
+        architecture has one (Gemma 2/3's ``post_attention_layernorm``)."""
+        return self.attention(layer)
+
     # ---- weights -------------------------------------------------------------------------------
 
     def o_proj(self, layer: int) -> torch.nn.Linear:
@@ -200,6 +207,19 @@ class SeparateQKVAdapter(ArchitectureAdapter):
         return attn.v_proj.bias
 
 
+class SandwichNormAdapter(SeparateQKVAdapter):
+    """Separate projections, and a norm after attention before the residual add (Gemma 2/3:
+    ``post_attention_layernorm``, then ``pre_feedforward_layernorm`` before the MLP)."""
+
+    layout = "separate_sandwich_norm"
+
+    def attention_delta_module(self, layer: int) -> torch.nn.Module:
+        layers = self.decoder_layers
+        if layers is None:
+            raise ValueError(f"{self.architecture}: decoder layers not found")
+        return layers[int(layer)].post_attention_layernorm
+
+
 class FusedQKVAdapter(ArchitectureAdapter):
     """One ``qkv_proj`` with rows ``[q (H·d) | k (H_kv·d) | v (H_kv·d)]``, and ``o_proj`` (Phi-3)."""
 
@@ -227,8 +247,8 @@ ADAPTERS: dict[str, type[ArchitectureAdapter]] = {
     "qwen2": SeparateQKVAdapter,
     "qwen3": SeparateQKVAdapter,
     "gemma": SeparateQKVAdapter,
-    "gemma2": SeparateQKVAdapter,
-    "gemma3_text": SeparateQKVAdapter,
+    "gemma2": SandwichNormAdapter,
+    "gemma3_text": SandwichNormAdapter,
     "phi3": FusedQKVAdapter,
 }
 """``config.model_type`` -> adapter class, for every supported architecture."""
