@@ -1,8 +1,23 @@
 """Fixtures shared by the test modules."""
 
+import os
+
 import pytest
+import torch
 
 from tiny_models import tiny_model
+
+TEST_DEVICE_ENV = "ATTNGEOM_TEST_DEVICE"
+
+
+@pytest.fixture(scope="session")
+def test_device() -> torch.device:
+    """Where the device-agnostic tests run: ``$ATTNGEOM_TEST_DEVICE`` (default cpu; benchmarks/gpu_check.sh
+    sets cuda). Asking for cuda on a machine without one fails the test with a clear message."""
+    dev = torch.device(os.environ.get(TEST_DEVICE_ENV) or "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail(f"{TEST_DEVICE_ENV}={dev} but torch sees no CUDA device", pytrace=False)
+    return dev
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Streaming analysis against the SDPA forward on the papers' seed architectures at full width.
+
+For each configuration of ``tests/seed_configs.py`` (LLaMA-3.1-8B, Mistral-7B-v0.1, Qwen3-8B,
+DeepSeek-LLM-7B, Gemma-7B, Gemma-2-9B: random weights, cut to 2 decoder layers, vocabulary reduced to
+8192 rows, bf16, CPU), two methods are measured side by side in one run:
+
+``sdpa``
+    a plain forward pass with ``attn_implementation="sdpa"`` (for Gemma-2, whose soft-capping SDPA
+    cannot express, transformers' SDPA path runs without it: the fastest forward a user has);
+``analyze``
+    :func:`attngeom.trace.stream` with :class:`~attngeom.reducers.HeadStats` and
+    :class:`~attngeom.reducers.TokenStats` on both layers (all five metric maps of SPEC §2 on every
+    block), exact attention including soft-capping and windows.
+
+Both compute the last position's logits only (``logits_to_keep=1``), as ``stream`` does. Every
+measurement runs in a fresh process (``--worker``): it builds the model, runs a short warm-up, resets
+the peak-RSS mark (``/proc/self/clear_refs``), runs the measured call and reads ``VmHWM`` (the whole
+process, weights included) and the RSS before the call (the baseline: weights + runtime). The two
+methods alternate within every repeat, so load from other jobs hits both alike. One torch thread per
+process by default.
+
+The longest input analysable in 16 GiB: the peak RSS of ``analyze`` is measured at ``--memory-sizes``
+(default 1024 and 2048, plus the timed size) and fitted with ``peak(T) = a + b·T`` (streaming keeps no
+T x T map: blocks of queries are bounded, the rest is linear in T); the fit is solved for 16 GiB. The
+output says which figures are measured and which extrapolated.
+
+Usage::
+
+    python benchmarks/bench_seed_architectures.py                     # all six, T=2048, 1 repeat
+    python benchmarks/bench_seed_architectures.py --configs llama3.1-8b --T 512 --repeats 1 --json out/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+METHODS = ("sdpa", "analyze")
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def worker(args) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    from attngeom.capture import Session
+    from attngeom.reducers import HeadStats, TokenStats
+    from attngeom.trace import stream
+    from seed_configs import random_ids, seed_model
+
+    device = args.device
+    t0 = time.perf_counter()
+    handle = seed_model(args.config, attn_implementation="sdpa", device=device)
+    build_s = time.perf_counter() - t0
+    model = handle.model
+    ids = random_ids(model.config.vocab_size, args.T).to(device)
+
+    def run(x):
+        if args.method == "sdpa":
+            model(input_ids=x[None], use_cache=False, logits_to_keep=1)
+        else:
+            stream(handle, [x.cpu()], [HeadStats(), TokenStats()], progress=False)
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    run(ids[:64])  # warm-up: kernels, caches, the plug-in's output Grams
+    sync()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        _reset_peak()
+        base = _rss("VmRSS")
+    t = time.perf_counter()
+    run(ids)
+    sync()
+    seconds = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else _rss("VmHWM")
+    print(json.dumps({"config": args.config, "method": args.method, "T": args.T, "seconds": seconds,
+                      "peak_bytes": peak, "base_bytes": base, "build_s": build_s, "device": device}))
+
+
+def measure(config: str, method: str, T: int, threads: int, device: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--config", config, "--method", method, "--T", str(T),
+           "--threads", str(threads), "--device", device]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"{config} {method} T={T} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fit_line(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """Least-squares ``peak = a + b·T``."""
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(p for _, p in points) / n
+    sxx = sum((t - mx) ** 2 for t, _ in points)
+    b = sum((t - mx) * (p - my) for t, p in points) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def _names() -> tuple[str, ...]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from seed_configs import SEED_NAMES
+
+    return SEED_NAMES
+
+
+def run_all(args) -> dict:
+    configs = args.configs.split(",") if args.configs else list(_names())
+    results: dict = {"T": args.T, "threads": args.threads, "repeats": args.repeats, "device": args.device,
+                     "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.python_version()}",
+                     "configs": {}}
+    for c in configs:
+        runs = {m: [] for m in METHODS}
+        for r in range(args.repeats):
+            order = METHODS if r % 2 == 0 else METHODS[::-1]
+            for m in order:
+                res = measure(c, m, args.T, args.threads, args.device)
+                runs[m].append(res)
+                print(f"  {c:16s} {m:8s} T={args.T}: {res['seconds']:8.2f} s  peak {res['peak_bytes'] / GiB:6.2f} GiB"
+                      f"  (base {res['base_bytes'] / GiB:5.2f} GiB)", flush=True)
+        med = {m: statistics.median(x["seconds"] for x in runs[m]) for m in METHODS}
+        peak = {m: max(x["peak_bytes"] for x in runs[m]) for m in METHODS}
+        base = {m: min(x["base_bytes"] for x in runs[m]) for m in METHODS}
+        entry = {"seconds": med, "peak_bytes": peak, "base_bytes": base,
+                 "time_ratio": med["analyze"] / med["sdpa"], "peak_ratio": peak["analyze"] / peak["sdpa"],
+                 "above_base_ratio": (peak["analyze"] - base["analyze"]) / max(1, peak["sdpa"] - base["sdpa"])}
+        # longest T in 16 GiB: analyse at further sizes (peak memory only), fit a + b·T
+        points = [(args.T, peak["analyze"])]
+        for T in args.memory_sizes:
+            if T != args.T:
+                res = measure(c, "analyze", T, args.threads, args.device)
+                points.append((T, res["peak_bytes"]))
+                print(f"  {c:16s} analyze  T={T}: peak {res['peak_bytes'] / GiB:6.2f} GiB (memory point)", flush=True)
+        a, b = fit_line(points)
+        entry["memory_points"] = sorted(points)
+        entry["fit_bytes"] = {"a": a, "b_per_token": b}
+        entry["longest_T_16GiB"] = int((16 * GiB - a) / b) if b > 0 else None
+        results["configs"][c] = entry
+        print(f"{c}: analyze/sdpa time {entry['time_ratio']:.2f}x, peak {entry['peak_ratio']:.2f}x "
+              f"(above baseline {entry['above_base_ratio']:.2f}x); longest T in 16 GiB ~{entry['longest_T_16GiB']} "
+              f"(extrapolated from {len(points)} measured sizes)", flush=True)
+    return results
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="llama3.1-8b", help=argparse.SUPPRESS)
+    ap.add_argument("--method", default="sdpa", choices=METHODS, help=argparse.SUPPRESS)
+    ap.add_argument("--configs", default=None, help="comma-separated names (default: all six)")
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--memory-sizes", default="1024", help="further sizes for the memory fit (comma-separated, '' for none)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    args.memory_sizes = [int(x) for x in args.memory_sizes.split(",") if x.strip()]
+    results = run_all(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    cli()
