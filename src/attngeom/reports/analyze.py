@@ -18,14 +18,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import markdown as md
 from .common import DPI  # sets the Agg backend first
 
 import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib import colors
 
 MAX_LABELLED_TOKENS = 64
+MAP_DPI = DPI            # token-level maps with token labels (small fonts need the resolution)
+MAP_DPI_UNLABELLED = 100 # token-level maps of long inputs: >= 2 pixels per token up to ~200 tokens
+GRID_DPI = 110           # per-head grids: no labels inside, 2-inch maps
+PNG_COMPRESSION = 3
 MASK_COLOR = "#e6e6e6"
 SEQ_CMAP = "magma_r"
 DIV_CMAP = "RdBu_r"
@@ -92,7 +96,7 @@ def _cmap(name: str):
 
 
 def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, fig, title: str,
-              colorbar: bool = True, norm=None, ticks: bool = True):
+              colorbar: bool = True, norm=None, ticks: bool = True, cax=None):
     T = m.shape[0]
     shown = np.where(_causal_mask(T), np.nan, m)
     extend = "neither"
@@ -104,8 +108,9 @@ def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, f
         else:
             norm = _seq_norm(shown)
     im = ax.imshow(shown, cmap=_cmap(DIV_CMAP if diverging else SEQ_CMAP), norm=norm,
-                   interpolation="auto", aspect="equal")
-    ax.set_title(title, fontsize=10)
+                   interpolation="nearest", aspect="equal")
+    # a plain text above the axes: set_title re-measures the tick labels to place itself
+    ax.text(0.5, 1.015, title, transform=ax.transAxes, fontsize=10, ha="center", va="bottom")
     # a small margin left of column 0, so that the sink column is not hidden under the frame
     if T > MAX_LABELLED_TOKENS:
         ax.set_xlim(-0.5 - 0.012 * T, T - 0.5)
@@ -129,9 +134,33 @@ def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, f
         ax.set_xticks([])
         ax.set_yticks([])
     if colorbar:
-        cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, extend=extend)
+        cb = fig.colorbar(im, cax=cax, extend=extend) if cax is not None else \
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, extend=extend)
         cb.ax.tick_params(labelsize=7)
     return im
+
+
+def _figure(width: float, height: float, dpi: float):
+    """A figure on the Agg canvas, made at the resolution it is saved at (so text is laid out once)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> None:
+    """PNG at the figure's own resolution; fast zlib level (the maps are flat colour areas)."""
+    fig.savefig(path, dpi=fig.dpi, pil_kwargs={"compress_level": PNG_COMPRESSION})
+
+
+def _axes_at(fig, x: float, y: float, w: float, h: float):
+    """Axes at a fixed place given in inches from the bottom left. The analyze figures are laid out
+    by hand: constrained/tight layout measured every tick label of every panel again and took most
+    of the drawing time (issue 8)."""
+    W, H = fig.get_size_inches()
+    return fig.add_axes((x / W, y / H, w / W, h / H))
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,23 +174,34 @@ def draw_token_maps(layer_trace, tokens: list[str], path: str | Path, title: str
     path = Path(path)
     T = len(tokens)
     labelled = T <= MAX_LABELLED_TOKENS
-    side = 6.4 if labelled else 5.2
-    fig, axes = plt.subplots(2, 2, figsize=(2 * side, 2 * side - 0.4), constrained_layout=True)
-    for ax, (name, label, formula) in zip(axes.flat, TOKEN_LEVEL):
+    # inches: room for tick labels left of / below each map, the map, its colour bar, its title
+    left, bottom, box = (1.05, 1.0, 4.6) if labelled else (0.7, 0.6, 4.2)
+    right, title_h, top = 0.85, 0.45, 0.8
+    panel_w, panel_h = left + box + right, bottom + box + title_h
+    fig = _figure(2 * panel_w, 2 * panel_h + top, MAP_DPI if labelled else MAP_DPI_UNLABELLED)
+    for k, (name, label, formula) in enumerate(TOKEN_LEVEL):
+        x0, y0 = (k % 2) * panel_w + left, (1 - k // 2) * panel_h + bottom
+        ax, cax = _axes_at(fig, x0, y0, box, box), _axes_at(fig, x0 + box + 0.12, y0, 0.17, box)
         m = layer_trace.token_score(name)
-        _draw_map(ax, m, diverging=name == "contribution", tokens=tokens, fig=fig, title=f"{label}: {formula}")
+        _draw_map(ax, m, diverging=name == "contribution", tokens=tokens, fig=fig, title=f"{label}: {formula}",
+                  cax=cax)
     fig.suptitle(f"{title} — layer {layer_trace.index}, all {layer_trace.num_heads} heads, T = {T} tokens\n"
                  "rows: queries $i$; columns: sources $j$; grey: not visible (causal mask); "
-                 "colour scales: square root (signed for the contribution)", fontsize=11)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+                 "colour scales: square root (signed for the contribution)", fontsize=11,
+                 y=1 - 0.12 / fig.get_figheight(), va="top")
+    _save(fig, path)
     return path.name
 
 
 def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list[int] | None = None,
                    title: str = "") -> str:
     """``heads_layer{L}.png``: for each head, attention ``a_ij^h`` beside the intra-head contribution
-    ``c_ij^h``, with shared colour scales across heads."""
+    ``c_ij^h``, with shared colour scales across heads.
+
+    All maps are images placed in one canvas axes measured in inches (an axes per map, each with
+    its own ticks and layout, cost most of the drawing time)."""
+    from matplotlib.patches import Rectangle
+
     path = Path(path)
     heads = list(range(layer_trace.num_heads)) if heads is None else list(heads)
     att = layer_trace.attention[heads]
@@ -170,41 +210,54 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
     n = len(heads)
     per_row = 3 if n > 4 else min(n, 2) if n > 1 else 1
     rows = int(np.ceil(n / per_row))
-    cell = 2.3
-    fig, axes = plt.subplots(rows, 2 * per_row, figsize=(2 * per_row * cell + 1.4, rows * cell + 1.0),
-                             squeeze=False, constrained_layout=True)
+    # inches: square maps of side ``box`` in pairs, a title above each, two colour bars on the right
+    box, pair_gap, group_gap, title_h, left, bottom, top, right = 2.0, 0.1, 0.3, 0.3, 0.15, 0.15, 0.8, 2.0
+    grid_w = per_row * (2 * box + pair_gap) + (per_row - 1) * group_gap
+    grid_h = rows * (box + title_h) - title_h
+    fig = _figure(left + grid_w + right, bottom + grid_h + title_h + top, GRID_DPI)
+    canvas = _axes_at(fig, left, bottom, grid_w, grid_h + title_h)
+    canvas.set_xlim(0, grid_w)
+    canvas.set_ylim(0, grid_h + title_h)
+    canvas.set_axis_off()
     mask = _causal_mask(T)
     att_norm = _seq_norm(np.where(mask, np.nan, att))
     lim, clips = _robust_abs_max(np.where(mask[None], np.nan, con))
     con_norm = _div_norm(lim)
+    att_cmap, con_cmap = _cmap(SEQ_CMAP), _cmap(DIV_CMAP)
+    pad = 0.03  # the frame sits just outside the map, so that the sink column is not hidden under it
     im_a = im_c = None
-    for k in range(rows * per_row):
-        ax_a, ax_c = axes[k // per_row, 2 * (k % per_row)], axes[k // per_row, 2 * (k % per_row) + 1]
-        if k >= n:
-            ax_a.axis("off")
-            ax_c.axis("off")
-            continue
-        h = heads[k]
+    for k, h in enumerate(heads):
+        r, c = divmod(k, per_row)
+        x, y = c * (2 * box + pair_gap + group_gap), (rows - 1 - r) * (box + title_h)
         sink_a = float(att[k][1:, 0].mean()) if T > 1 else float("nan")
         sink_c = float(con[k][1:, 0].mean()) if T > 1 else float("nan")
-        im_a = _draw_map(ax_a, att[k], diverging=False, tokens=None, fig=fig,
-                         title=f"head {h}: attention (sink {sink_a:.2f})", colorbar=False, norm=att_norm, ticks=False)
-        im_c = _draw_map(ax_c, con[k], diverging=True, tokens=None, fig=fig,
-                         title=f"head {h}: contribution (sink {sink_c:.2f})", colorbar=False, norm=con_norm,
-                         ticks=False)
-        for ax in (ax_a, ax_c):
-            ax.title.set_fontsize(8)
-    cb = fig.colorbar(im_a, ax=axes, fraction=0.02, pad=0.01, location="right")
-    cb.set_label(r"attention $a_{ij}^h$ (square-root scale)", fontsize=8)
+        for x0, m, cmap, norm, label in ((x, att[k], att_cmap, att_norm, f"head {h}: attention (sink {sink_a:.2f})"),
+                                         (x + box + pair_gap, con[k], con_cmap, con_norm,
+                                          f"head {h}: contribution (sink {sink_c:.2f})")):
+            im = canvas.imshow(np.where(mask, np.nan, m), cmap=cmap, norm=norm, interpolation="nearest",
+                               extent=(x0, x0 + box, y, y + box), aspect="auto")
+            canvas.add_patch(Rectangle((x0 - pad, y - pad), box + 2 * pad, box + 2 * pad, fill=False, lw=0.6,
+                                       clip_on=False))
+            canvas.text(x0 + box / 2, y + box + 0.06, label, fontsize=8, ha="center", va="bottom")
+            if cmap is att_cmap:
+                im_a = im
+            else:
+                im_c = im
+    canvas.set_xlim(0, grid_w)          # imshow moved the limits; the canvas is measured in inches
+    canvas.set_ylim(0, grid_h + title_h)
+    x_cb = left + grid_w + 0.2
+    cb = fig.colorbar(im_a, cax=_axes_at(fig, x_cb, bottom, 0.14, grid_h))
+    cb.set_label("attention $a_{ij}^h$\n(square-root scale)", fontsize=8)
     cb.ax.tick_params(labelsize=7)
-    cb2 = fig.colorbar(im_c, ax=axes, fraction=0.02, pad=0.01, location="right", extend="both" if clips else "neither")
-    cb2.set_label(r"contribution $c_{ij}^h$ (intra-head; signed square-root scale)", fontsize=8)
+    cb2 = fig.colorbar(im_c, cax=_axes_at(fig, x_cb + 0.95, bottom, 0.14, grid_h),
+                       extend="both" if clips else "neither")
+    cb2.set_label("contribution $c_{ij}^h$ (intra-head;\nsigned square-root scale)", fontsize=8)
     cb2.ax.tick_params(labelsize=7)
-    fig.suptitle(f"{title} — layer {layer_trace.index}, per head: attention beside contribution "
+    fig.suptitle(f"{title} — layer {layer_trace.index}, per head: attention beside contribution\n"
                  f"(T = {T}; rows $i$ = queries, columns $j$ = sources; "
-                 r"sink = mean over queries $i>0$ of the sink column $j=0$)", fontsize=10)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+                 r"sink = mean over queries $i>0$ of the sink column $j=0$)", fontsize=10,
+                 y=1 - 0.1 / fig.get_figheight(), va="top")
+    _save(fig, path)
     return path.name
 
 
@@ -216,7 +269,9 @@ def draw_sinks(heads_df, path: str | Path, title: str = "") -> str:
     layers = sorted(heads_df["layer"].unique())
     g = heads_df.groupby("layer")
     x = np.array(layers)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), constrained_layout=True)
+    fig = _figure(12, 4.4, DPI)
+    ax1, ax2 = fig.subplots(1, 2)
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.12, top=0.86, wspace=0.18)
     series = (("sink_rate", "C0", r"sink attention $a_{i0}^h$"),
               ("sink_contribution", "C3", r"sink contribution $c_{i0}^h$ (intra-head)"))
     rng = np.random.default_rng(0)
@@ -253,8 +308,7 @@ def draw_sinks(heads_df, path: str | Path, title: str = "") -> str:
     n_q = int(heads_df["queries"].iloc[0]) if len(heads_df) else 0
     fig.suptitle(f"{title} — attention to the sink (position 0) vs its contribution, per layer "
                  f"({n_q} queries)", fontsize=11)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save(fig, path)
     return path.name
 
 
@@ -274,36 +328,40 @@ FILE_NOTES = {
 }
 
 
-def _tok(t: str) -> str:
-    return "`" + t.replace("`", "'").replace("\n", "\\n") + "`"
-
-
 def report_markdown(summary: dict) -> str:
+    """``report.md``. Every string that comes from the user, the model or the tokenizer (model name
+    and spec, input file name, tokens, file names) and every table cell is escaped by
+    :mod:`attngeom.reports.markdown`."""
     m, inp = summary["model"], summary["input"]
-    lines = [f"# attngeom analyze — {m['name']}", ""]
-    lines.append(f"- model: {m['name']} (`{m['spec']}`, {m['architecture']}, {m['layers']} layers, "
-                 f"{m['heads']} heads, {m['kv_heads']} KV heads, {m['dtype']} on {m['device']})")
+    t = md.text
+    lines = [f"# attngeom analyze — {t(m['name'])}", ""]
+    lines.append(f"- model: {t(m['name'])} ({t(m['spec'])}, {t(m['architecture'])}, {m['layers']} layers, "
+                 f"{m['heads']} heads, {m['kv_heads']} KV heads, {t(m['dtype'])} on {t(m['device'])})")
     win = (f", in {inp['windows']} windows of {inp['window']} tokens (stride {inp['stride'] or inp['window'] - 1})"
            if inp["windows"] > 1 or inp["window"] else "")
-    lines.append(f"- input: {inp['source']} — {inp['tokens']} tokens{win}")
-    lines.append(f"- layers analysed: {_ranges(summary['layers'])}; maps: {summary['maps']}")
-    lines.append(f"- attngeom {summary['attngeom_version']}, {summary['runtime_s']['total']:.1f} s in all")
+    lines.append(f"- input: {t(inp['source'])} — {inp['tokens']} tokens{win}")
+    lines.append(f"- layers analysed: {_ranges(summary['layers'])}; maps: {t(summary['maps'])}")
+    lines.append(f"- attngeom {t(summary['attngeom_version'])}, {summary['runtime_s']['total']:.1f} s in all")
     lines += ["", "## Headline numbers", ""]
     lines.append(f"Mean over layers and heads: sink attention **{summary['mean_sink_attention']:.3f}**, "
                  f"sink contribution (intra-head) **{summary['mean_sink_contribution']:.3f}**.")
-    lines += ["", "| layer | sink attention | sink contribution (intra) | sink share of layer output |",
-              "|---:|---:|---:|---:|"]
-    for r in summary["per_layer"]:
-        lines.append(f"| {r['layer']} | {r['sink_attention']:.3f} | {r['sink_contribution']:.3f} | "
-                     f"{r['sink_contribution_to_layer_output']:.3f} |")
+    lines.append("")
+    lines += md.table(["layer", "sink attention", "sink contribution (intra)", "sink share of layer output"],
+                      ([r["layer"], f"{r['sink_attention']:.3f}", f"{r['sink_contribution']:.3f}",
+                        f"{r['sink_contribution_to_layer_output']:.3f}"] for r in summary["per_layer"]),
+                      align="rrrr")
     top = summary["top_tokens"]
     lines += ["", f"Top {len(top['by_contribution_received'])} tokens at layer {top['layer']} "
-                  f"({top['ranked_over']}):", "",
-              "| rank | by contribution received | score | by attention received | score |",
-              "|---:|---|---:|---|---:|"]
-    for k, (c, a) in enumerate(zip(top["by_contribution_received"], top["by_attention_received"]), 1):
-        lines.append(f"| {k} | {_tok(c['token'])} @{c['position']} | {c['score']:.4f} | "
-                     f"{_tok(a['token'])} @{a['position']} | {a['score']:.4f} |")
+                  f"({t(top['ranked_over'])}):", ""]
+
+    def tok(c: dict) -> md.Raw:
+        return md.Raw(f"{md.token(c['token'])} @{c['position']}")
+
+    lines += md.table(["rank", "by contribution received", "score", "by attention received", "score"],
+                      ([k, tok(c), f"{c['score']:.4f}", tok(a), f"{a['score']:.4f}"]
+                       for k, (c, a) in enumerate(zip(top["by_contribution_received"],
+                                                      top["by_attention_received"]), 1)),
+                      align="rlrlr")
     lines += ["", "## Files", ""]
     for f in summary["files"]:
         if f.startswith("maps_layer"):
@@ -312,7 +370,7 @@ def report_markdown(summary: dict) -> str:
             note = "per head: attention beside intra-head contribution"
         else:
             note = FILE_NOTES.get(f, "")
-        lines.append(f"- [`{f}`]({f}) — {note}")
+        lines.append(f"- {md.link(f, f)} — {md.text(note)}")
     return "\n".join(lines) + "\n"
 
 
