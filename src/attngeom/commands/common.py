@@ -89,11 +89,14 @@ def model_identity(args) -> dict:
     """``--model``, ``--dtype`` and ``--device`` normalised without loading anything: an explicit
     ``--dtype float32`` on CPU is the same run as the default. Bad devices fail here (exit 2)."""
     from ..distributed import local_device
-    from ..model.device import check_device, resolve_dtype
+    from ..model import check_device, dtype_name, resolve_dtype
 
     device = check_device(getattr(args, "device", None) or local_device())
     dtype = resolve_dtype(getattr(args, "dtype", None), device)
-    return {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device_type": device.type}
+    spec = args.model
+    if Path(spec).exists():  # a local file or directory: the same run from any working directory
+        spec = str(Path(spec).resolve())
+    return {"model": spec, "dtype": dtype_name(dtype), "device_type": device.type}
 
 
 def open_run(args, command: str, settings: dict):
@@ -131,7 +134,4 @@ def load(args):
     if not quiet:
         print(f"attngeom: loading {args.model} ...", file=sys.stderr)
     device = getattr(args, "device", None) or local_device()
-    try:
-        return load_model(args.model, dtype=getattr(args, "dtype", None), device=device, progress=not quiet)
-    except TypeError:  # a load_model without the progress option
-        return load_model(args.model, dtype=getattr(args, "dtype", None), device=device)
+    return load_model(args.model, dtype=getattr(args, "dtype", None), device=device, progress=not quiet)
