@@ -130,3 +130,15 @@ def test_two_heads_inter_contribution_by_hand():
     expected = torch.tensor([[9.0, 0.0], [-2.0 * 1.0, -2.0 * -3.0]]) / 13
     assert torch.allclose(C, expected)
     assert torch.allclose(M.head_share_from(u, p, M.output_sq_norm(u, p))[0, :, 0], torch.tensor([9.0, 4.0]) / 13)
+
+
+def test_entropy_from_logits_equals_entropy_of_probabilities():
+    """The block's entropy from the logits (no logarithm per element) equals -Σ a log a, with
+    masked sources (additive minimum of the dtype, as eager masks) and peaked rows."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 3, 7, 9, generator=g) * torch.tensor([0.1, 3.0, 30.0]).view(1, 3, 1, 1)
+    mask = torch.zeros(7, 9).masked_fill(torch.arange(9)[None, :] > torch.arange(7)[:, None] + 2,
+                                         torch.finfo(torch.float32).min)
+    s = s + mask
+    a = torch.softmax(s, -1)
+    assert torch.allclose(M.entropy_from_logits(a, s), M.entropy(a), atol=1e-5)

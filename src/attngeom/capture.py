@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import metrics as M
+from . import registry as R
 from .model.adapter import attention_w_o
 
 ATTN_NAME = "attngeom"
@@ -83,14 +84,18 @@ class LayerState:
 class Block:
     """Queries ``q_start .. q_start+Q-1`` of one layer, with sources ``k_start .. k_start+S-1``.
 
-    ``a [B, H, Q, S]`` holds the attention probabilities (float32) exactly as the model used them.
-    Metric maps are computed on first access and cached for the other observers."""
+    ``a [B, H, Q, S]`` holds the attention probabilities (float32) exactly as the model used them;
+    ``scores`` the logits they came from, when the capture keeps them (float32 models). Every
+    quantity (:data:`attngeom.registry.QUANTITIES`) and metric map (``block.metric(name)``, or
+    ``block.<name>`` for any metric of :mod:`attngeom.registry`) is computed on first access and
+    cached for the other observers, so a block computes only what its observers read."""
 
     state: LayerState
     a: torch.Tensor
     q_start: int
     k_start: int
     allowed: torch.Tensor | None = None  # [B, 1, Q, S] bool, None = causal
+    scores: torch.Tensor | None = field(default=None, repr=False)  # [B, H, Q, S] float32 logits (masked), if kept
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ---- geometry -------------------------------------------------------------------------
@@ -192,32 +197,35 @@ class Block:
 
     @property
     def entropy(self) -> torch.Tensor:
-        """Entropy (nats) of each attention row: ``[B, H, Q]``."""
+        """Entropy (nats) of each attention row: ``[B, H, Q]``. From the logits when the block has
+        them (``lse·Σ_j a_ij − Σ_j a_ij s_ij``: two row maxima and one fused product instead of a
+        logarithm per element), else ``−Σ_j a_ij log a_ij``."""
+        if self.scores is not None:
+            return self._memo("entropy", lambda: M.entropy_from_logits(self.a, self.scores))
         return self._memo("entropy", lambda: M.entropy(self.a))
 
-    # ---- maps [B, H, Q, S] --------------------------------------------------------------------
+    # ---- maps [B, H, Q, S]: the metrics of attngeom.registry ----------------------------------
     @property
     def attention(self) -> torch.Tensor:
         return self.a
 
-    @property
-    def value_weighted(self) -> torch.Tensor:
-        return self._memo("value_weighted", lambda: M.value_weighted(self.a, self.value_norm))
+    def map_value_weighted(self) -> torch.Tensor:
+        return M.value_weighted(self.a, self.value_norm)
 
-    @property
-    def output_normalized(self) -> torch.Tensor:
-        return self._memo(
-            "output_normalized", lambda: M.output_normalized(self.a, self.value_norm, self.head_output_norm)
-        )
+    def map_output_normalized(self) -> torch.Tensor:
+        return M.output_normalized(self.a, self.value_norm, self.head_output_norm)
 
-    @property
-    def contribution(self) -> torch.Tensor:
-        return self._memo("contribution", lambda: M.contribution_from(self.a, self.uG, self.v, self.head_output_sq))
+    def map_contribution(self) -> torch.Tensor:
+        return M.contribution_from(self.a, self.uG, self.v, self.head_output_sq)
 
-    @property
-    def contribution_inter(self) -> torch.Tensor:
-        return self._memo("contribution_inter",
-                          lambda: M.contribution_inter_from(self.a, self.pulled_back, self.v, self.output_sq))
+    def map_contribution_inter(self) -> torch.Tensor:
+        return M.contribution_inter_from(self.a, self.pulled_back, self.v, self.output_sq)
+
+    def __getattr__(self, name: str):
+        """``block.<metric>`` for every metric of :mod:`attngeom.registry` (e.g. ``block.contribution``)."""
+        if not name.startswith("_") and name in R.METRICS:
+            return self.metric(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def factors(self) -> dict[str, torch.Tensor]:
         """The three factors of the intra-head contribution, each ``[B, H, Q, S]``."""
@@ -235,23 +243,42 @@ class Block:
             return self._cache["contribution_inter"][..., col]
         return M.contribution_inter_column(self.a[..., col], self.pulled_back, self.v[:, :, col], self.output_sq)
 
-    def received(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``Σ_i weight_i s_ij`` for the token-level scores of every metric: ``{name: [B, S]}``."""
-        return M.received(self.a, self.v, self.value_norm, self.head_output_norm, self.pulled_back,
-                          self.output_sq, weight)
+    def received(self, weight: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """``Σ_i weight_i s_ij`` for the token-level scores ``s`` of the metrics ``names`` (default:
+        those :func:`attngeom.metrics.received` sums without maps): ``{name: [B, S]}``.
+
+        ``weight [B, Q]``. The built-in metrics are one ``Xᵀa`` product for all of them, computing
+        only the pieces they need (``attention`` alone: one ``wᵀa``); any other registered metric
+        sums its token-level score map."""
+        names = tuple(M.RECEIVED if names is None else names)
+        fast = [n for n in names if n in M.RECEIVED]
+        out: dict[str, torch.Tensor] = {}
+        if fast:
+            need_norm = "value_weighted" in fast or "output_normalized" in fast
+            out.update(M.received(
+                self.a, weight, fast,
+                v=self.v if "contribution" in fast else None,
+                value_norm=self.value_norm if need_norm else None,
+                head_out_norm=self.head_output_norm if "output_normalized" in fast else None,
+                p=self.pulled_back if "contribution" in fast else None,
+                out_sq=self.output_sq if "contribution" in fast else None))
+        for n in names:
+            if n not in out:
+                out[n] = (weight.unsqueeze(1) @ self.token_score(n)).squeeze(1)
+        return {n: out[n] for n in names}
 
     def metric(self, name: str) -> torch.Tensor:
-        """A per-head map of SPEC §2 by name: ``[B, H, Q, S]``."""
-        if name not in M.METRICS:
-            raise KeyError(f"unknown metric {name!r}; known: {', '.join(M.METRICS)}")
-        return getattr(self, name)
+        """A per-head map of :mod:`attngeom.registry` (SPEC §2) by name: ``[B, H, Q, S]``."""
+        m = R.get(name)
+        return self._memo(name, lambda: m.per_head(self))
 
     def token_score(self, name: str) -> torch.Tensor:
         """Token-level score of SPEC §2 (all heads of the layer): ``[B, Q, S]``.
 
-        ``contribution`` at token level is ``C_ij = Σ_h C_ij^h`` (the inter-head map)."""
-        per_head = self.contribution_inter if name == "contribution" else self.metric(name)
-        return M.token_scores(name, per_head)
+        Each registry entry says which per-head map it combines and how (``contribution`` at token
+        level is ``C_ij = Σ_h C_ij^h``, the inter-head map; ``attention`` is the mean over heads)."""
+        m = R.get(name)
+        return M.token_scores(self.metric(m.token_map or name), m.heads)
 
 
 class Observer(Protocol):
@@ -440,8 +467,11 @@ def exact_attention(
         probs = probs.to(query.dtype)
         mixed = None
         if observing:
+            # float32 logits let the block compute row entropies without a logarithm per element
+            keep = sinks is None and scores.dtype == torch.float32
             block = Block(state=state, a=probs.float(), q_start=i0, k_start=k0,
-                          allowed=None if allowed is None else allowed[..., k0:k1])
+                          allowed=None if allowed is None else allowed[..., k0:k1],
+                          scores=scores if keep else None)
             if query.dtype == torch.float32:
                 # in float32 the head outputs the metrics use are the module's own output: share them
                 mixed = block.head_output

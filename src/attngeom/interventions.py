@@ -44,6 +44,7 @@ together, and each row's scores are computed from its own (intervened) hidden st
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -51,13 +52,35 @@ from typing import Sequence
 
 import torch
 
-from . import metrics as M
+from . import registry as R
 from .capture import Block, LayerState
 from .errors import InputError
 
 MODES = ("comprehensiveness", "sufficiency")
-RANK_METRICS = tuple(M.METRICS) + ("random",)
-"""Names a ranking may use: the metrics of SPEC §2 and ``random``."""
+
+
+class _RankNames(collections.abc.Sequence):
+    """The ranking names, read from :mod:`attngeom.registry` on every use (so a metric registered
+    later is a ranking too): every metric with ``rank=True``, then ``random``."""
+
+    def _names(self) -> tuple[str, ...]:
+        return R.rank_names() + ("random",)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+RANK_METRICS: Sequence[str] = _RankNames()
+"""Names a ranking may use: the metrics of :mod:`attngeom.registry` (SPEC §2) and ``random``."""
 
 _EPS = 1e-9
 

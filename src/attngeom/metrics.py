@@ -16,10 +16,13 @@ The identities used (SPEC §2): with ``u_i^h = Σ_j a_ij^h v_j^h`` (head output 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
-"""Per-head importance maps of SPEC §2, in the order the papers rank them."""
+"""The five per-head importance maps of SPEC §2. The table every part of attngeom reads (with
+labels, needs and token-level rules, and any metric added later) is :mod:`attngeom.registry`."""
 
 
 def head_blocks(w_o: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -167,38 +170,65 @@ def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Ten
     return head_share_from(u, pulled_back_output(o, w_o, u.shape[1]), (o * o).sum(-1))
 
 
-def received(a: torch.Tensor, v: torch.Tensor, value_norm: torch.Tensor, head_out_norm: torch.Tensor,
-             p: torch.Tensor, out_sq: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2,
-    without forming any score map: -> ``{metric: [B, S]}``.
+RECEIVED = ("attention", "value_weighted", "output_normalized", "contribution")
+"""Token-level scores whose sums over queries :func:`received` computes without a score map."""
 
-    ``weight [B, Q]`` weighs the queries (e.g. 0 for padding). Every sum over queries is one
-    ``aᵀ X`` product: ``Σ_i w_i a_ij^h (p_i^h·v_j^h)/‖o_i‖² = v_j^h · (aᵀ (w p/‖o‖²))_j``,
-    and likewise for the attention and output-normalised sums."""
+
+def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.Tensor | None = None,
+             value_norm: torch.Tensor | None = None, head_out_norm: torch.Tensor | None = None,
+             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2
+    named in ``names`` (a subset of :data:`RECEIVED`), without forming any score map:
+    -> ``{metric: [B, S]}``. Only the pieces those metrics use need be given.
+
+    ``weight [B, Q]`` weighs the queries (e.g. 0 for padding). Every sum over queries is a row of one
+    ``Xᵀa`` product: ``Σ_i w_i a_ij^h (p_i^h·v_j^h)/‖o_i‖² = v_j^h · (Xᵀ a)_j`` with
+    ``X = w p/‖o‖²``, and likewise ``w`` (attention, value-weighted) and ``w/‖o_i^h‖``
+    (output-normalised)."""
     B, H, Q, S = a.shape
-    inv_out = safe_div(torch.ones_like(head_out_norm), head_out_norm)      # [B, H, Q]
-    X = torch.cat([
-        weight[:, None, :, None].expand(B, H, Q, 1),
-        (weight[:, None, :] * inv_out).unsqueeze(-1),
-        p * safe_div(weight, out_sq)[:, None, :, None],
-    ], dim=-1)                                                                # [B, H, Q, 2+d]
-    R = a.transpose(-1, -2) @ X                                               # [B, H, S, 2+d]
-    att = R[..., 0]
-    return {
-        "attention": att.mean(1),
-        "value_weighted": (att * value_norm).sum(1),
-        "output_normalized": (R[..., 1] * value_norm).sum(1),
-        "contribution": (R[..., 2:] * v).sum(-1).sum(1),
-    }
+    names = tuple(names)
+    rows = []                                                                # pieces of Xᵀ: [B, H, k, Q]
+    plain = "attention" in names or "value_weighted" in names
+    if plain:
+        rows.append(weight[:, None, None, :].expand(B, H, 1, Q))
+    if "output_normalized" in names:
+        rows.append((weight[:, None, :] * safe_div(torch.ones_like(head_out_norm), head_out_norm)).unsqueeze(2))
+    if "contribution" in names:
+        rows.append((p * safe_div(weight, out_sq)[:, None, :, None]).transpose(-1, -2))
+    Rt = (rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)) @ a         # [B, H, k, S]
+    out: dict[str, torch.Tensor] = {}
+    k = 0
+    if plain:
+        att = Rt[:, :, 0]
+        if "attention" in names:
+            out["attention"] = att.mean(1)
+        if "value_weighted" in names:
+            out["value_weighted"] = (att * value_norm).sum(1)
+        k += 1
+    if "output_normalized" in names:
+        out["output_normalized"] = (Rt[:, :, k] * value_norm).sum(1)
+        k += 1
+    if "contribution" in names:
+        out["contribution"] = (Rt[:, :, k:] * v.transpose(-1, -2)).sum(2).sum(1)
+    return out
 
 
-def token_scores(name: str, per_head: torch.Tensor) -> torch.Tensor:
-    """Token-level score of SPEC §2 from a per-head map ``[B, H, Q, S]`` -> ``[B, Q, S]``.
+def token_scores(per_head: torch.Tensor, heads: str = "sum") -> torch.Tensor:
+    """Token-level score of SPEC §2 from a per-head map ``[B, H, Q, S]`` -> ``[B, Q, S]``:
+    the sum over heads, or the mean (``heads="mean"``, the ``attention`` score)."""
+    return per_head.mean(1) if heads == "mean" else per_head.sum(1)
 
-    ``attention`` is the mean over heads; the other metrics are summed over heads."""
-    if name == "attention":
-        return per_head.mean(1)
-    return per_head.sum(1)
+
+def entropy_from_logits(a: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row of ``a = softmax(scores)`` from the logits: ``[..., S]`` -> ``[...]``.
+
+    ``log a_ij = s_ij − lse_i`` and the row maximum of ``a`` is ``exp(max_j s_ij − lse_i)``, so
+    ``−Σ_j a_ij log a_ij = lse_i Σ_j a_ij − Σ_j a_ij s_ij`` with ``lse_i = max_j s_ij − log max_j a_ij``.
+    Masked sources hold ``a = 0`` and a finite (very negative) logit. Clamped to ``[0, log S]``,
+    the range of an entropy over ``S`` sources (a row with no visible source has no meaning)."""
+    lse = scores.amax(-1) - torch.log(a.amax(-1))
+    h = lse * a.sum(-1) - torch.linalg.vecdot(a, scores)
+    return h.clamp(0.0, math.log(a.shape[-1]))
 
 
 def entropy(a: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from . import registry as R
 from .capture import Block
 
 
@@ -117,19 +118,38 @@ class HeadStats(Reducer):
     ``sink_contribution_inter`` (``C_i0^h``), ``self_attention`` (``a_ii``), ``entropy`` (nats),
     ``head_output_norm`` (``‖o_i^h‖``), ``head_share`` (``Σ_j C_ij^h``), and the source-winner
     shares ``winner_self`` / ``winner_sink`` / ``winner_other`` of SPEC §6 (``argmax_j a_ij‖v_j‖``;
-    ``winner_norm="projected"`` uses ``‖ṽ_j‖`` instead)."""
+    ``winner_norm="projected"`` uses ``‖ṽ_j‖`` instead). ``fields`` picks some of the columns
+    (default all); only what they need is computed (:attr:`needs`): e.g.
+    ``HeadStats(fields=("sink_rate", "self_attention", "entropy"))`` reads attention only."""
 
     STATE = ("sums", "counts")
     FIELDS = ("sink_rate", "sink_contribution", "sink_contribution_inter", "self_attention", "entropy",
               "head_output_norm", "head_share", "winner_self", "winner_sink", "winner_other")
 
-    def __init__(self, sink: int = 0, winner_norm: str = "raw"):
+    FIELD_NEEDS = {"sink_rate": ("attention",), "self_attention": ("attention",), "entropy": ("entropy",),
+                   "sink_contribution": ("uG", "head_output_sq"),
+                   "sink_contribution_inter": ("pulled_back", "output_sq"),
+                   "head_output_norm": ("head_output_norm",), "head_share": ("head_share",)}
+    """Block quantities each column reads (the winner columns: the value norm of ``winner_norm``)."""
+
+    def __init__(self, sink: int = 0, winner_norm: str = "raw", fields=None):
         if winner_norm not in ("raw", "projected"):
             raise ValueError(f"winner_norm must be 'raw' (‖v_j‖) or 'projected' (‖ṽ_j‖), got {winner_norm!r}")
+        self.fields = self.FIELDS if fields is None else tuple(fields)
+        bad = [f for f in self.fields if f not in self.FIELDS]
+        if bad:
+            raise ValueError(f"unknown HeadStats field {bad[0]!r}; known: {', '.join(self.FIELDS)}")
         self.sink = sink
         self.winner_norm = winner_norm
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, torch.Tensor] = {}
+
+    @property
+    def needs(self) -> frozenset[str]:
+        out = {q for f in self.fields for q in self.FIELD_NEEDS.get(f, ())}
+        if any(f.startswith("winner_") for f in self.fields):
+            out |= {"attention", "value_norm" if self.winner_norm == "projected" else "raw_value_norm"}
+        return frozenset(out)
 
     def observe(self, block: Block) -> None:
         w = _query_weights(block)                                  # [B, Q]
@@ -139,26 +159,30 @@ class HeadStats(Reducer):
         sink_col = self.sink - block.k_start
         has_sink = 0 <= sink_col < S
         zeros = torch.zeros(B, H, Q, device=a.device)
-        self_idx = (qpos - block.k_start).clamp(0, S - 1)
-        self_att = a.gather(-1, self_idx.view(1, 1, Q, 1).expand(B, H, Q, 1)).squeeze(-1)
-        norms = block.state.value_norm if self.winner_norm == "projected" else block.state.raw_value_norm
-        winner = (a * norms[:, :, block.k_start:block.k_start + S].unsqueeze(-2)).argmax(-1)
-        winner = kpos[winner]                                      # [B, H, Q] absolute positions
+
+        def self_attention():
+            self_idx = (qpos - block.k_start).clamp(0, S - 1)
+            return a.gather(-1, self_idx.view(1, 1, Q, 1).expand(B, H, Q, 1)).squeeze(-1)
+
         per_query = {
-            "sink_rate": a[..., sink_col] if has_sink else zeros,
-            "sink_contribution": block.contribution_column(sink_col) if has_sink else zeros,
-            "sink_contribution_inter": block.contribution_inter_column(sink_col) if has_sink else zeros,
-            "self_attention": self_att,
-            "entropy": block.entropy,
-            "head_output_norm": block.head_output_norm,
-            "head_share": block.head_share,
-            "winner_self": (winner == qpos.view(1, 1, Q)).float(),
-            "winner_sink": (winner == self.sink).float(),
+            "sink_rate": lambda: a[..., sink_col] if has_sink else zeros,
+            "sink_contribution": lambda: block.contribution_column(sink_col) if has_sink else zeros,
+            "sink_contribution_inter": lambda: block.contribution_inter_column(sink_col) if has_sink else zeros,
+            "self_attention": self_attention,
+            "entropy": lambda: block.entropy,
+            "head_output_norm": lambda: block.head_output_norm,
+            "head_share": lambda: block.head_share,
         }
-        per_query["winner_other"] = 1.0 - per_query["winner_self"] - per_query["winner_sink"]
-        sums = self.sums.setdefault(block.layer, {k: torch.zeros(H, dtype=torch.float64) for k in self.FIELDS})
-        for k, x in per_query.items():
-            sums[k] += (x * w[:, None, :]).sum((0, 2)).double().cpu()
+        if any(f.startswith("winner_") for f in self.fields):
+            norms = block.state.value_norm if self.winner_norm == "projected" else block.state.raw_value_norm
+            winner = (a * norms[:, :, block.k_start:block.k_start + S].unsqueeze(-2)).argmax(-1)
+            winner = kpos[winner]                                  # [B, H, Q] absolute positions
+            w_self, w_sink = (winner == qpos.view(1, 1, Q)).float(), (winner == self.sink).float()
+            per_query.update(winner_self=lambda: w_self, winner_sink=lambda: w_sink,
+                             winner_other=lambda: 1.0 - w_self - w_sink)
+        sums = self.sums.setdefault(block.layer, {k: torch.zeros(H, dtype=torch.float64) for k in self.fields})
+        for k in self.fields:
+            sums[k] += (per_query[k]() * w[:, None, :]).sum((0, 2)).double().cpu()
         self.counts[block.layer] = self.counts.get(block.layer, torch.zeros((), dtype=torch.float64)) + w.sum().double().cpu()
 
     def result(self) -> pd.DataFrame:
@@ -168,7 +192,7 @@ class HeadStats(Reducer):
             H = len(next(iter(self.sums[layer].values())))
             for h in range(H):
                 row = {"layer": layer, "head": h, "queries": int(n)}
-                for k in self.FIELDS:
+                for k in self.fields:
                     row[k] = float(self.sums[layer][k][h]) / n if n else float("nan")
                 rows.append(row)
         return pd.DataFrame(rows)
@@ -181,12 +205,23 @@ class TokenStats(Reducer):
     scores of SPEC §2): ``attention_received``, ``value_weighted_received``,
     ``output_normalized_received``, ``contribution_received``, and ``value_norm`` (mean over heads
     of ``‖ṽ_j^h‖``). Query side: ``sink_rate`` (mean over heads of ``a_i0``), ``entropy`` (mean over
-    heads), ``output_norm`` (``‖o_i‖``)."""
+    heads), ``output_norm`` (``‖o_i‖``). ``metrics`` and ``columns`` pick some of them (default
+    all); only what they need is computed (:attr:`needs`): e.g.
+    ``TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))`` reads attention only."""
 
     SOURCE = ("attention", "value_weighted", "output_normalized", "contribution")
+    COLUMNS = ("value_norm", "sink_rate", "entropy", "output_norm")
+    COLUMN_NEEDS = {"value_norm": ("value_norm",), "sink_rate": ("attention",), "entropy": ("entropy",),
+                    "output_norm": ("output_norm",)}
     STATE = ("frames",)
 
-    def __init__(self, sink: int = 0):
+    def __init__(self, sink: int = 0, metrics=None, columns=None):
+        self.metrics = self.SOURCE if metrics is None else tuple(metrics)
+        self.columns = self.COLUMNS if columns is None else tuple(columns)
+        bad = [c for c in self.columns if c not in self.COLUMNS]
+        if bad:
+            raise ValueError(f"unknown TokenStats column {bad[0]!r}; known: {', '.join(self.COLUMNS)}")
+        R.closure(self.metrics)                                    # unknown metric names raise here
         self.sink = sink
         self.frames: list[pd.DataFrame] = []
         self._acc: dict[int, dict[str, torch.Tensor]] = {}
@@ -195,28 +230,35 @@ class TokenStats(Reducer):
         super().begin(batch)
         self._acc = {}
 
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({"attention", *self.metrics, *(q for c in self.columns for q in self.COLUMN_NEEDS[c])})
+
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
         T = self.batch.ids.shape[1]
-        acc = self._acc.setdefault(block.layer, {
-            **{f"{m}_received": torch.zeros(B, T, dtype=torch.float64) for m in self.SOURCE},
-            "seen_by": torch.zeros(B, T, dtype=torch.float64),
-            "value_norm": block.state.value_norm.mean(1).double().cpu(),
-            "sink_rate": torch.zeros(B, T, dtype=torch.float64),
-            "entropy": torch.zeros(B, T, dtype=torch.float64),
-            "output_norm": torch.zeros(B, T, dtype=torch.float64),
-        })
+        acc = self._acc.get(block.layer)
+        if acc is None:
+            acc = self._acc[block.layer] = {
+                **{f"{m}_received": torch.zeros(B, T, dtype=torch.float64) for m in self.metrics},
+                "seen_by": torch.zeros(B, T, dtype=torch.float64),
+                **{c: torch.zeros(B, T, dtype=torch.float64) for c in self.columns if c != "value_norm"}}
+            if "value_norm" in self.columns:
+                acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()
         w = block.query_valid.float()                              # [B, Q]
         ks = slice(block.k_start, block.k_start + S)
         qs = slice(block.q_start, block.q_start + Q)
         acc["seen_by"][:, ks] += _seen_by(block, w).double().cpu()
-        for m, x in block.received(w).items():
-            acc[f"{m}_received"][:, ks] += x.double().cpu()
+        if self.metrics:
+            for m, x in block.received(w, self.metrics).items():
+                acc[f"{m}_received"][:, ks] += x.double().cpu()
         sink_col = self.sink - block.k_start
-        if 0 <= sink_col < S:
+        if "sink_rate" in self.columns and 0 <= sink_col < S:
             acc["sink_rate"][:, qs] = block.a[..., sink_col].mean(1).double().cpu()
-        acc["entropy"][:, qs] = block.entropy.mean(1).double().cpu()
-        acc["output_norm"][:, qs] = block.layer_output.norm(dim=-1).double().cpu()
+        if "entropy" in self.columns:
+            acc["entropy"][:, qs] = block.entropy.mean(1).double().cpu()
+        if "output_norm" in self.columns:
+            acc["output_norm"][:, qs] = block.output_norm.double().cpu()
 
     def end(self, batch: Batch) -> None:
         for layer, acc in sorted(self._acc.items()):
@@ -225,9 +267,9 @@ class TokenStats(Reducer):
                 L = int(batch.lengths[b])
                 cols = {"text": np.full(L, text), "layer": np.full(L, layer), "position": np.arange(L),
                         "token_id": batch.ids[b, :L].numpy()}
-                for m in self.SOURCE:
+                for m in self.metrics:
                     cols[f"{m}_received"] = (acc[f"{m}_received"][b, :L] / seen[b, :L]).numpy()
-                for k in ("value_norm", "sink_rate", "entropy", "output_norm"):
+                for k in self.columns:
                     cols[k] = acc[k][b, :L].numpy()
                 self.frames.append(pd.DataFrame(cols))
         self._acc = {}

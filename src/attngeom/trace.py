@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import metrics as M
+from . import registry as R
 from .capture import Block, Intervention, LayerState, Session, attngeom_attention_implementation
 from .errors import InputError, OutputError, TraceFormatError
 from .reducers import Batch, FullCapture, Reducer
@@ -205,7 +206,8 @@ def summaries(handle, run, items: Sequence, *, layers: Iterable[int] | None = No
 @dataclass
 class LayerTrace:
     """One attention layer of one text. Maps are numpy float32 ``[heads, T, T]`` (queries x
-    sources), computed on first access from the stored head-space pieces (the same
+    sources), one per metric of :mod:`attngeom.registry` (``layer.contribution``,
+    ``layer.metric(name)``), computed on first access from the stored head-space pieces (the same
     :class:`~attngeom.capture.Block` code the streaming path runs)."""
 
     index: int
@@ -230,59 +232,40 @@ class LayerTrace:
     def _np(self, x: torch.Tensor) -> np.ndarray:
         return x[0].numpy()
 
-    @cached_property
-    def attention(self) -> np.ndarray:
-        return self.a.numpy()
+    QUANTITIES = ("value_norm", "head_output_norm", "output_norm", "head_share", "entropy")
+    """Per-token quantities offered as numpy arrays: ``value_norm`` ``‖ṽ_j^h‖ [heads, T]``,
+    ``head_output_norm`` ``‖o_i^h‖ [heads, T]``, ``output_norm`` ``‖o_i‖ [T]`` (layer attention
+    output before the o_proj bias), ``head_share`` ``Σ_j C_ij^h [heads, T]``, ``entropy`` (nats)
+    ``[heads, T]``."""
 
-    @cached_property
-    def value_weighted(self) -> np.ndarray:
-        return self._np(self.block.value_weighted)
-
-    @cached_property
-    def output_normalized(self) -> np.ndarray:
-        return self._np(self.block.output_normalized)
-
-    @cached_property
-    def contribution(self) -> np.ndarray:
-        return self._np(self.block.contribution)
-
-    @cached_property
-    def contribution_inter(self) -> np.ndarray:
-        return self._np(self.block.contribution_inter)
-
-    @cached_property
-    def value_norm(self) -> np.ndarray:
-        """``‖ṽ_j^h‖``: ``[heads, T]``."""
-        return self._np(self.block.value_norm)
-
-    @cached_property
-    def head_output_norm(self) -> np.ndarray:
-        """``‖o_i^h‖``: ``[heads, T]``."""
-        return self._np(self.block.head_output_norm)
-
-    @cached_property
-    def output_norm(self) -> np.ndarray:
-        """``‖o_i‖`` (layer attention output before the o_proj bias): ``[T]``."""
-        return self._np(self.block.output_norm)
-
-    @cached_property
-    def head_share(self) -> np.ndarray:
-        """``Σ_j C_ij^h``: ``[heads, T]``."""
-        return self._np(self.block.head_share)
+    def __getattr__(self, name: str):
+        """``layer.<metric>`` for every metric of :mod:`attngeom.registry` (numpy float32
+        ``[heads, T, T]``, queries x sources) and ``layer.<quantity>`` for :attr:`QUANTITIES`;
+        computed on first access by the layer's :class:`~attngeom.capture.Block` and kept."""
+        if name.startswith("_") or (name not in R.METRICS and name not in LayerTrace.QUANTITIES):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        block = self.block
+        x = self._np(block.metric(name) if name in R.METRICS else getattr(block, name))
+        self.__dict__[name] = x
+        return x
 
     def factors(self) -> dict[str, np.ndarray]:
         """The three factors of the intra-head contribution, each ``[heads, T, T]``."""
         return {k: self._np(x) for k, x in self.block.factors().items()}
 
     def metric(self, name: str) -> np.ndarray:
-        if name not in M.METRICS:
-            raise InputError(f"unknown metric {name!r}; known: {', '.join(M.METRICS)}")
+        """A per-head map of :mod:`attngeom.registry` by name: ``[heads, T, T]``."""
+        if name not in R.METRICS:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(R.METRICS)}")
         return getattr(self, name)
 
     def token_score(self, name: str) -> np.ndarray:
-        """Token-level score of SPEC §2 (all heads): ``[T, T]``."""
-        per_head = self.contribution_inter if name == "contribution" else self.metric(name)
-        return M.token_scores(name, torch.from_numpy(per_head)[None])[0].numpy()
+        """Token-level score of SPEC §2 (all heads), as the registry defines it: ``[T, T]``."""
+        m = R.METRICS.get(name)
+        if m is None:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(R.METRICS)}")
+        per_head = self.metric(m.token_map or name)
+        return M.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
 
 
 @dataclass
