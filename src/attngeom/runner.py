@@ -24,8 +24,8 @@ Rules of an output directory (checked by :class:`Run` before any compute):
   complete, says so and does nothing);
 - a directory holding another command's run, a run with other settings, or files that are not an
   attngeom run is refused with one line (:class:`~attngeom.errors.InputError`) and left untouched,
-  unless ``overwrite`` — which replaces an attngeom run whole (files that are not an attngeom run
-  are never deleted);
+  unless ``overwrite`` — which replaces an attngeom run whole, whatever its settings, and starts
+  afresh (files that are not an attngeom run are never deleted);
 - outputs are written into ``OUT/.staging-*`` and moved into place, then ``run.json`` is written:
   a kill at any moment leaves either the previous complete state or a directory without ``run.json``
   whose rerun finishes the job. Nothing of an older run is ever mixed with a newer one.
@@ -287,11 +287,11 @@ class Run:
             raise OutputError(f"--out {out} is a file, not a directory")
         owner = self._owner() if out.is_dir() else None
         if owner is not None:
-            if owner == self.identity:
+            if self.overwrite:
+                self._remove_run()
+            elif owner == self.identity:
                 self.resumed = True
                 self.complete = read_manifest(out) is not None and not verify(out)
-            elif self.overwrite:
-                self._remove_run()
             else:
                 if owner.get("command") != self.command:
                     what = f"an attngeom {owner.get('command')} run"
