@@ -301,3 +301,23 @@ def test_too_long_input_refused(handle):
 def test_token_id_outside_vocab_refused(handle):
     with pytest.raises(InputError, match="vocabulary"):
         analyze(handle, [1, 2, 10**6])
+
+
+def test_save_into_a_file_path_is_an_output_error(handle, tmp_path):
+    from attngeom.errors import OutputError
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="cannot create the trace directory"):
+        analyze(handle, TEXTS[2]).save(tmp_path / "f")
+
+
+@pytest.mark.slow
+def test_bundled_model_trace_of_ten_tokens_is_small(tmp_path):
+    """Issue 8: a 10-token trace of SmolLM2-135M was 45 MB (every layer's W_O and G)."""
+    from attngeom import load_model
+
+    tr = analyze(load_model("smollm2-135m"), list(range(100, 110)))
+    small = tr.save(tmp_path / "small") / "tensors.safetensors"
+    big = tr.save(tmp_path / "big", weights=True) / "tensors.safetensors"
+    assert small.stat().st_size < 2.5e6 < 40e6 < big.stat().st_size
+    assert_same_trace(tr, Trace.load(small.parent))
