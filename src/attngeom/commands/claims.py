@@ -1,0 +1,122 @@
+"""``attngeom claims``: every claim of the two papers scored on one model, with bootstrap intervals.
+
+Reduced runs of the faithfulness, sinks, selection and heads experiments on the same windows
+(:mod:`attngeom.claims`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
+resamples, default 1000) gives a 95 % interval for every number. Resumable from ``--out/checkpoint``.
+Writes to ``--out``: ``claims.md`` (one row per claim: measured value, interval, verdict; the rules;
+the numbers behind each verdict) and ``claims.json`` (the same rows and every interval).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ..errors import InputError
+from . import common
+
+
+def add_parser(subparsers) -> None:
+    from ..claims import DEFAULTS
+
+    p = subparsers.add_parser(
+        "claims", help="score every claim of the two papers on a model, with bootstrap intervals",
+        description="Run reduced versions of all analyses (faithfulness, sinks, selection, head taxonomy and "
+                    "removal) on the same windows and score each claim of the two papers: measured value, 95% "
+                    "bootstrap interval over windows, and a verdict (holds / refuted / inconclusive; rules in "
+                    "docs/claims.md).")
+    common.add_model_args(p)
+    common.add_data_args(p)
+    p.set_defaults(window=DEFAULTS["window"], max_windows=DEFAULTS["max_windows"])
+    p.add_argument("--calib-windows", type=int, default=DEFAULTS["calib_windows"],
+                   help=f"first windows used as the head-removal calibration split (default {DEFAULTS['calib_windows']})")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS["ratios"]),
+                   help="faithfulness removal ratios (default %(default)s)")
+    p.add_argument("--seeds", default=",".join(str(s) for s in DEFAULTS["seeds"]),
+                   help="seeds of the random ranking (default %(default)s)")
+    p.add_argument("--ns", default=",".join(str(n) for n in DEFAULTS["ns"]),
+                   help="selection sizes N (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"],
+                   help=f"random subsets per N (default {DEFAULTS['repeats']})")
+    p.add_argument("--retentions", default=",".join(f"{r:g}" for r in DEFAULTS["retentions"]),
+                   help="percent of heads kept (default %(default)s)")
+    p.add_argument("--fixed-order", default=",".join(DEFAULTS["fixed_order"]),
+                   help="the a-priori regime removal order compared with the calibrated one (default %(default)s)")
+    p.add_argument("--bootstrap", type=int, default=DEFAULTS["bootstrap"],
+                   help=f"bootstrap resamples (at least 100; default {DEFAULTS['bootstrap']})")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the bootstrap and the random controls")
+    common.add_progress_arg(p)
+    common.add_out_arg(p)
+    p.set_defaults(func=run)
+
+
+def check_args(args) -> dict:
+    """Everything that needs no model; returns the parsed lists."""
+    from ..data import parse_float_list, parse_int_list, read_texts
+    from ..faithfulness import check_ratios
+    from ..heads import check_retentions
+    from ..taxonomy import REGIMES
+
+    common.check_at_least(args, window=8, max_windows=4, calib_windows=2, stride=1, repeats=1, bootstrap=100)
+    if args.max_windows <= args.calib_windows + 1:
+        raise InputError(f"--max-windows {args.max_windows} leaves fewer than 2 held-out windows after "
+                         f"--calib-windows {args.calib_windows}")
+    ratios = check_ratios(parse_float_list(args.ratios, "--ratios"))
+    seeds = parse_int_list(args.seeds, "--seeds")
+    if not seeds:
+        raise InputError("--seeds names no seed")
+    ns = parse_int_list(args.ns, "--ns")
+    if not ns or any(n < 1 or n >= args.window - 1 for n in ns):
+        raise InputError(f"--ns must be sizes in 1..{args.window - 2}")
+    retentions = check_retentions(parse_float_list(args.retentions, "--retentions"))
+    order = [x.strip() for x in args.fixed_order.split(",") if x.strip()]
+    if sorted(order) != sorted(REGIMES):
+        raise InputError(f"--fixed-order must list {', '.join(REGIMES)} once each, got {args.fixed_order!r}")
+    if not args.data.startswith("hf:"):
+        read_texts(args.data, common.fields_of(args))
+    return {"ratios": ratios, "seeds": sorted(set(seeds)), "ns": sorted(set(ns)), "retentions": retentions,
+            "fixed_order": order}
+
+
+def run(args) -> int:
+    from ..claims import experiment
+    from ..data import load_windows
+    from ..io import clean_json
+    from ..reports.claims import render
+
+    opts = check_args(args)
+    fields = common.fields_of(args)
+    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
+                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
+                "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
+                "bootstrap": args.bootstrap, "seed": args.seed}
+    t0 = time.time()
+    with common.open_run(args, "claims", settings) as run:
+        if common.already_complete(run, "claims"):
+            return 0
+        handle = common.load(args)
+        windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
+        if len(windows) <= args.calib_windows + 1:
+            raise InputError(f"{args.data} gives {len(windows)} window(s) of {args.window} tokens: not enough for "
+                             f"{args.calib_windows} calibration and 2 held-out windows")
+        res = experiment(handle, run, windows, calib_windows=args.calib_windows, ratios=opts["ratios"],
+                         seeds=opts["seeds"], ns=opts["ns"], repeats=args.repeats, retentions=opts["retentions"],
+                         fixed_order=opts["fixed_order"], B=args.bootstrap, seed=args.seed)
+        model_name = getattr(handle, "name", args.model)
+        seconds = time.time() - t0
+        out = {"command": "claims", "model": model_name, "data": args.data, "window": args.window,
+               "seconds_this_invocation": round(seconds, 1), **res, "settings_run": settings}
+
+        def write(staging) -> list[str]:
+            (staging / "claims.md").write_text(render(res, model_name, args.data, seconds), encoding="utf-8")
+            common.write_json(staging / "claims.json", clean_json(out))
+            return ["claims.md", "claims.json"]
+
+        run.finish(write)
+    if run.comm.rank == 0:
+        counts = {}
+        for r in res["rows"]:
+            counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+        print(f"attngeom claims: {model_name}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+              + f"; {seconds:.0f} s; written to {run.out}", file=sys.stderr)
+    return 0

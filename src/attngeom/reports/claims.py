@@ -1,0 +1,81 @@
+"""``claims.md``: the claims table of :mod:`attngeom.claims` as Markdown (cells escaped)."""
+
+from __future__ import annotations
+
+import re
+
+_SPECIAL = re.compile(r"([\\`*_{}\[\]<>|#~])")
+
+
+def escape(text) -> str:
+    """One Markdown table cell: special characters backslash-escaped, newlines as spaces."""
+    s = "" if text is None else str(text)
+    s = s.replace("\r", " ").replace("\n", " ")
+    return _SPECIAL.sub(r"\\\1", s)
+
+
+VERDICT_MARK = {"holds": "**holds**", "refuted": "**refuted**", "inconclusive": "inconclusive"}
+
+
+def render(result: dict, model: str, data: str, seconds: float | None = None) -> str:
+    """The whole ``claims.md``: a header (model, data, windows, bootstrap), one table row per claim
+    (claim, measured value, 95 % interval, verdict), then the rules and the numbers behind each
+    verdict."""
+    s = result.get("settings", {})
+    w = result.get("windows", {})
+    lines = [f"# Claims of the papers on {escape(model)}", ""]
+    lines.append(f"Data: {escape(data)}; {w.get('windows', '?')} windows ({w.get('tokens_scored', '?')} predicted "
+                 f"tokens)" + (f", head removal: {w['calibration_windows']} calibration / {w['heldout_windows']} "
+                               "held-out windows" if "calibration_windows" in w else "") + ".")
+    lines.append(f"Intervals: 95 % percentile bootstrap over windows, B = {s.get('bootstrap')}, seed "
+                 f"{s.get('seed')}." + (f" Run time {seconds:.0f} s." if seconds is not None else ""))
+    lines.append("Verdict: **holds** when the whole interval is on the claim's side, **refuted** when it is "
+                 "all on the other side, otherwise inconclusive (rules below and in docs/claims.md).")
+    lines += ["", "| # | claim | paper | measured | 95 % interval | verdict |", "|--:|---|---|---|---|---|"]
+    for k, r in enumerate(result["rows"], 1):
+        paper = "CW" if r["paper"].startswith("Contribution") else "TS"
+        lines.append(f"| {k} | {escape(r['claim'])} | {paper} | {escape(r['value'])} | {escape(r['interval'])} | "
+                     f"{VERDICT_MARK.get(r['verdict'], escape(r['verdict']))} |")
+    lines += ["", "CW: *Contribution Weights* (Cunningham & Muca Cirone); TS: *Geometric Analysis of Token "
+              "Selection in Multi-Head Attention* (Mudarisov et al.).", "", "## Measures, rules and numbers", ""]
+    for k, r in enumerate(result["rows"], 1):
+        lines.append(f"**{k}. {escape(r['id'])}** — measured: {escape(r['measure'])}. Rule: {escape(r['rule'])}.")
+        if r.get("note"):
+            lines.append(f"Note: {escape(r['note'])}.")
+        for name, d in (r.get("numbers") or {}).items():
+            if isinstance(d, dict) and "value" in d:
+                extra = f", beats in {d['beats_share']:.0%} of resamples" if "beats_share" in d else ""
+                lines.append(f"- {escape(name)}: {_num(d['value'])} [{_num(d['low'])}, {_num(d['high'])}]{extra}")
+        lines.append("")
+    heads = result.get("detail", {}).get("heads")
+    if heads:
+        lines += ["## Head removal: held-out perplexity (95 % intervals)", ""]
+        curves = heads["removal_curves"]
+        rets = list(next(iter(curves.values())))
+        lines.append("| order | " + " | ".join(f"{escape(r)} %" for r in rets) + " |")
+        lines.append("|---|" + "---:|" * len(rets))
+        for name, c in curves.items():
+            lines.append(f"| {escape(name)} | " + " | ".join(f"{_num(c[r]['value'])} [{_num(c[r]['low'])}, "
+                                                             f"{_num(c[r]['high'])}]" for r in rets) + " |")
+        lines.append("")
+    faith = result.get("detail", {}).get("faithfulness")
+    if faith:
+        lines += ["## Faithfulness AOC (mean ΔPPL over ratios; 95 % intervals)", "",
+                  f"Clean PPL {_num(faith['clean_ppl']['value'])}.", "",
+                  "| metric | comprehensiveness (↑) | sufficiency (↓) |", "|---|---:|---:|"]
+        for m in faith["aoc"].get("comprehensiveness", {}):
+            c = faith["aoc"]["comprehensiveness"][m]
+            u = faith["aoc"].get("sufficiency", {}).get(m)
+            lines.append(f"| {escape(m)} | {_num(c['value'])} [{_num(c['low'])}, {_num(c['high'])}] | "
+                         + (f"{_num(u['value'])} [{_num(u['low'])}, {_num(u['high'])}]" if u else "") + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _num(x) -> str:
+    if x is None:
+        return "n/a"
+    a = abs(x)
+    if a >= 1e5:
+        return f"{x:,.0f}"
+    return f"{x:.4g}"
