@@ -318,14 +318,10 @@ _MEANS = ("rho", "sink_contribution", "sink_contribution_inter", "output_norm", 
           "sink_value_norm", "cos_v0_m", "sink_relative_norm", "sink_cosine", "cancel_length", "tail_entropy")
 
 
-class SinkStats(Reducer):
-    """Per (layer, head) sink statistics over a corpus (see the module docstring for definitions).
-
-    Queries counted: real tokens at positions ``i > sink``. ``layers``: the layers to reduce (None:
-    every observed layer). :meth:`result` returns a dict of DataFrames: ``heads`` (one row per
-    layer and head), ``curve`` (queries binned by sink rate), ``drift`` (queries binned by the
-    normalised non-sink entropy) and ``hist`` (histograms of ``cos_v0_m``, ``cos_v0_vj``,
-    ``rho_star``)."""
+class _SinkPart(Reducer):
+    """One focused part of the sink statistics. Queries counted: real tokens at positions
+    ``i > sink`` of the ``layers`` reduced (None: every observed layer). The parts share the sink
+    terms of each block (:func:`block_terms`, computed once per block whatever the parts)."""
 
     STATE = ("acc",)
 
@@ -333,25 +329,93 @@ class SinkStats(Reducer):
         self.sink = int(sink)
         self.layers = None if layers is None else set(int(x) for x in layers)
         self.acc: dict[int, dict[str, torch.Tensor]] = {}
-        self._seen_values: set[int] = set()
-
-    def begin(self, batch: Batch) -> None:
-        super().begin(batch)
-        self._seen_values = set()
-
-    # -- accumulation helpers -------------------------------------------------------------------
-    def _get(self, layer: int, key: str, shape) -> torch.Tensor:
-        d = self.acc.setdefault(layer, {})
-        if key not in d:
-            d[key] = torch.zeros(shape, dtype=torch.float64)
-        return d[key]
 
     def _add(self, layer: int, key: str, x: torch.Tensor) -> None:
         x = x.detach().double().cpu()
-        self._get(layer, key, x.shape).add_(x)
+        d = self.acc.setdefault(layer, {})
+        if key not in d:
+            d[key] = torch.zeros(x.shape, dtype=torch.float64)
+        d[key].add_(x)
 
-    def _values(self, block: Block) -> None:
-        """Once per text and layer: value-norm ratios and cos(ṽ_0, ṽ_j) over the text's sources."""
+    def _binned(self, layer: int, name: str, bins: torch.Tensor, nb: int, w: torch.Tensor,
+                values: dict[str, torch.Tensor]) -> None:
+        """Per head, sums and counts of ``values`` over the queries in each of ``nb`` bins."""
+        B, H, Q = bins.shape
+        head = torch.arange(H).view(1, H, 1).expand(B, H, Q)
+        flat = (head * nb + bins.cpu()).reshape(-1)
+        wc = w.cpu().reshape(-1)
+        self._add(layer, f"{name}_n", torch.bincount(flat, weights=wc, minlength=H * nb).view(H, nb))
+        for k, x in values.items():
+            x = x.cpu()
+            ok = torch.isfinite(x).reshape(-1) & (wc > 0)
+            xv = torch.where(ok, x.reshape(-1), torch.zeros_like(wc)) * wc
+            self._add(layer, f"{name}_{k}_n", torch.bincount(flat, weights=ok.double() * wc, minlength=H * nb).view(H, nb))
+            self._add(layer, f"{name}_{k}_sum", torch.bincount(flat, weights=xv, minlength=H * nb).view(H, nb))
+            if k == "output_norm":
+                self._add(layer, f"{name}_{k}_sq", torch.bincount(flat, weights=xv * x.reshape(-1).nan_to_num(),
+                                                                  minlength=H * nb).view(H, nb))
+
+    def observe(self, block: Block) -> None:
+        if self.layers is not None and block.layer not in self.layers:
+            return
+        if self.sink >= block.state.v.shape[2]:
+            return
+        t = block_terms(block, self.sink)
+        if t is not None:
+            self.add_terms(block, t)
+
+    def add_terms(self, block: Block, t: dict) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def head_columns(self, A: dict[str, np.ndarray], h: int) -> dict:
+        """Columns of head ``h``'s row from this part's sums ``A`` of one layer."""
+        return {}
+
+    def head_tables(self, layer: int, A: dict[str, np.ndarray], h: int) -> dict[str, list[dict]]:
+        """Rows of the other tables (``curve``, ``drift``, ``hist``) for head ``h``."""
+        return {}
+
+
+def block_terms(block: Block, sink: int) -> dict | None:
+    """The per-query sink terms of ``block`` (:func:`sink_terms` plus the query weights and the
+    inter-head sink contribution), computed once per block and sink position and kept on the block
+    for every part that asks. None when the block has no query after the sink."""
+    memo = block.__dict__.setdefault("_sink_terms", {})
+    if sink in memo:
+        return memo[sink]
+    B, H, Q, S = block.shape
+    st = block.state
+    qw = (block.query_valid & (block.q_positions[None, :] > sink)).float()   # [B,Q]
+    if qw.sum() == 0:
+        memo[sink] = None
+        return None
+    sink_col = sink - block.k_start
+    sink_col = sink_col if 0 <= sink_col < S else None
+    v0 = st.v[:, :, sink]
+    t = sink_terms(block.a, block.v, st.G, v0, sink_col, block.visible)
+    # inter-head sink contribution C_i0^h = ρ ⟨o_i, ṽ_0^h⟩ / ‖o_i‖²
+    t["sink_contribution_inter"] = _safe_div(t["rho"] * (block.pulled_back * v0.unsqueeze(2)).sum(-1),
+                                             block.output_sq[:, None, :])
+    w = qw[:, None, :].expand(B, H, Q)                                       # [B,H,Q]
+    t.update(qw=qw, w=w, wd=w.double(), sink_col=sink_col)
+    memo[sink] = t
+    return t
+
+
+class SinkValues(_SinkPart):
+    """Once per text and layer: the sink's value norm against the other sources' (projected and
+    raw), and the histogram and mean of ``cos(ṽ_0, ṽ_j)`` over the text's sources ``j ≠ sink``."""
+
+    def begin(self, batch: Batch) -> None:
+        super().begin(batch)
+        self._seen: set[int] = set()
+
+    def observe(self, block: Block) -> None:
+        if self.layers is not None and block.layer not in self.layers:
+            return
+        if self.sink >= block.state.v.shape[2] or block.layer in self._seen:
+            return
+        self._seen.add(block.layer)
         st = block.state
         v = st.v                                                   # [B,H,T,d]
         B, H, T, _ = v.shape
@@ -376,32 +440,28 @@ class SinkStats(Reducer):
         self._add(layer, "hist_cos_v0_vj", histogram_counts(cos, wt.float(), lo, hi, bins))
         self._add(layer, "cos_v0_vj_sum", (cos.double() * wt).sum((0, 2)))
 
-    def observe(self, block: Block) -> None:
-        layer = block.layer
-        if self.layers is not None and layer not in self.layers:
-            return
-        st = block.state
-        if self.sink >= st.v.shape[2]:
-            return
-        if layer not in self._seen_values:
-            self._seen_values.add(layer)
-            self._values(block)
-        B, H, Q, S = block.shape
-        qw = (block.query_valid & (block.q_positions[None, :] > self.sink)).float()   # [B,Q]
-        if qw.sum() == 0:
-            return
-        sink_col = self.sink - block.k_start
-        sink_col = sink_col if 0 <= sink_col < S else None
-        vis = block.visible
-        G = st.G
-        v0 = st.v[:, :, self.sink]
-        t = sink_terms(block.a, block.v, G, v0, sink_col, vis)
-        w = qw[:, None, :].expand(B, H, Q)                          # [B,H,Q]
-        # inter-head sink contribution C_i0^h = ρ ⟨o_i, ṽ_0^h⟩ / ‖o_i‖²
-        pulled = block.pulled_back                                  # o_i W_O^hᵀ [B,H,Q,d]
-        c_inter = _safe_div(t["rho"] * (pulled * v0.unsqueeze(2)).sum(-1), block.output_sq[:, None, :])
-        t["sink_contribution_inter"] = c_inter
-        wd = w.double()
+    def head_columns(self, A, h) -> dict:
+        nt, ns = A["n_texts"][h], A["n_sources"][h]
+        row = {
+            "value_norm_ratio": (A["vj_norm_sum"][h] / ns) / (A["v0_norm_sum"][h] / nt) if ns and nt else np.nan,
+            "raw_value_norm_ratio": (A["vj_raw_norm_sum"][h] / ns) / (A["v0_raw_norm_sum"][h] / nt) if ns and nt else np.nan,
+            "cos_v0_vj": A["cos_v0_vj_sum"][h] / ns if ns else np.nan,
+        }
+        row.update(_quantiles("cos_v0_vj", A["hist_cos_v0_vj"][h]))
+        return row
+
+    def head_tables(self, layer, A, h) -> dict[str, list[dict]]:
+        return {"hist": _hist_rows(layer, h, "cos_v0_vj", A["hist_cos_v0_vj"][h])}
+
+
+class SinkQueries(_SinkPart):
+    """Per query ``i > sink``: the means of the sink terms (sink rate, contributions, norms,
+    anti-alignment ``cos(ṽ_0, m_i)``, ...), ``ρ*`` and its interior share, the histograms of
+    ``cos(ṽ_0, m_i)`` and ``ρ*``, and the convexity of the output norm in the sink rate: exact
+    least-squares sums of the quadratic fit and the sink-rate bins (``curve``)."""
+
+    def add_terms(self, block: Block, t: dict) -> None:
+        layer, w, wd = block.layer, t["w"], t["wd"]
         self._add(layer, "n", wd.sum((0, 2)))
         for k in _MEANS:
             x = t[k].double()
@@ -415,9 +475,8 @@ class SinkStats(Reducer):
         for name in ("cos_v0_m", "rho_star"):
             lo, hi, bins = HISTOGRAMS[name]
             self._add(layer, f"hist_{name}", histogram_counts(t[name], w, lo, hi, bins))
-        # convexity: exact least-squares sums and sink-rate bins
-        rho = t["rho"].double()
-        y = t["output_norm"].double()
+        self._add(layer, "sink_negative", ((t["sink_contribution"] < 0).double() * wd).sum((0, 2)))
+        rho, y = t["rho"].double(), t["output_norm"].double()
         pw = [wd * rho**k for k in range(5)]
         fit = torch.stack([p.sum((0, 2)) for p in pw]
                           + [(y * pw[k]).sum((0, 2)) for k in range(3)] + [(y * y * wd).sum((0, 2))], -1)
@@ -426,7 +485,53 @@ class SinkStats(Reducer):
         self._binned(layer, "curve", rbin, SINK_RATE_BINS, wd,
                      {"output_norm": y, "semantic_norm": t["semantic_norm"].double(),
                       "tail_entropy": t["tail_entropy"].double(), "cancel_length": t["cancel_length"].double()})
-        # drift: binned by normalised non-sink entropy; correlation sums
+
+    def head_columns(self, A, h) -> dict:
+        n = A["n"][h]
+        row = {"queries": int(n)}
+        for k in _MEANS:
+            cnt = A[f"n_{k}"][h]
+            row[k if k != "rho" else "sink_rate"] = A[f"sum_{k}"][h] / cnt if cnt else np.nan
+        row["cancel"] = _ratio(A["sum_cancel_length"][h], A["sum_semantic_norm"][h])
+        row["norm_reduction"] = 1.0 - _ratio(A["sum_output_norm"][h], A["sum_semantic_norm"][h])
+        row["sink_negative_share"] = A["sink_negative"][h] / n if n else np.nan
+        for name in ("cos_v0_m", "rho_star"):
+            row.update(_quantiles(name, A[f"hist_{name}"][h]))
+        row["anti_aligned"] = bool(row["cos_v0_m_median"] < 0)
+        nrs = A["n_rho_star"][h]
+        row["rho_star_interior_share"] = A["rho_star_interior"][h] / nrs if nrs else np.nan
+        row["rho_star_median_interior"] = bool(0 < row["rho_star_median"] < 1)
+        fit = quadratic_fit(A["fit"][h])
+        row.update({f"fit_{k}": v for k, v in fit.items()})
+        row["fit_vertex_interior"] = bool(fit["convex"] and 0 < fit["vertex"] < 1)
+        row["rho_min"], row["rho_max"] = _bin_range(A["curve_n"][h])
+        return row
+
+    def head_tables(self, layer, A, h) -> dict[str, list[dict]]:
+        curve = []
+        for b in range(SINK_RATE_BINS):
+            r = {"layer": layer, "head": h, "bin_lo": b / SINK_RATE_BINS, "bin_hi": (b + 1) / SINK_RATE_BINS,
+                 "queries": int(A["curve_n"][h, b])}
+            for k in ("output_norm", "semantic_norm", "tail_entropy", "cancel_length"):
+                c = A[f"curve_{k}_n"][h, b]
+                r[k] = A[f"curve_{k}_sum"][h, b] / c if c else np.nan
+            r["cancel"] = _ratio(A["curve_cancel_length_sum"][h, b], A["curve_semantic_norm_sum"][h, b])
+            r["norm_reduction"] = 1.0 - _ratio(A["curve_output_norm_sum"][h, b], A["curve_semantic_norm_sum"][h, b])
+            c = A["curve_output_norm_n"][h, b]
+            r["output_norm_std"] = (np.sqrt(max(A["curve_output_norm_sq"][h, b] / c - r["output_norm"] ** 2, 0))
+                                    if c else np.nan)
+            curve.append(r)
+        hist = [row for name in ("cos_v0_m", "rho_star") for row in _hist_rows(layer, h, name, A[f"hist_{name}"][h])]
+        return {"curve": curve, "hist": hist}
+
+
+class SinkDrift(_SinkPart):
+    """Semantic drift: queries binned by the normalised entropy of their non-sink attention (sink
+    rate, cancellation and norms per bin), and the correlation of the sink rate with that entropy."""
+
+    def add_terms(self, block: Block, t: dict) -> None:
+        layer, wd = block.layer, t["wd"]
+        rho, y = t["rho"].double(), t["output_norm"].double()
         te = t["tail_entropy"].double()
         okd = torch.isfinite(te) & (wd > 0)
         ebin = (torch.where(okd, te, torch.zeros_like(te)) * ENTROPY_BINS).floor().clamp(0, ENTROPY_BINS - 1).long()
@@ -438,13 +543,36 @@ class SinkStats(Reducer):
         self._add(layer, "corr_rho_entropy", torch.stack([
             dw.sum((0, 2)), (rho * dw).sum((0, 2)), (te0 * dw).sum((0, 2)), (rho * rho * dw).sum((0, 2)),
             (te0 * te0 * dw).sum((0, 2)), (rho * te0 * dw).sum((0, 2))], -1))
-        # sink vs tail factor decomposition
+
+    def head_columns(self, A, h) -> dict:
+        return {"corr_rho_entropy": _pearson(*A["corr_rho_entropy"][h])}
+
+    def head_tables(self, layer, A, h) -> dict[str, list[dict]]:
+        drift = []
+        for b in range(ENTROPY_BINS):
+            r = {"layer": layer, "head": h, "bin_lo": b / ENTROPY_BINS, "bin_hi": (b + 1) / ENTROPY_BINS,
+                 "queries": int(A["drift_n"][h, b])}
+            for k in ("rho", "semantic_norm", "output_norm"):
+                c = A[f"drift_{k}_n"][h, b]
+                r[k if k != "rho" else "sink_rate"] = A[f"drift_{k}_sum"][h, b] / c if c else np.nan
+            r["cancel"] = _ratio(A["drift_cancel_length_sum"][h, b], A["drift_semantic_norm_sum"][h, b])
+            r["norm_reduction"] = 1.0 - _ratio(A["drift_output_norm_sum"][h, b], A["drift_semantic_norm_sum"][h, b])
+            drift.append(r)
+        return {"drift": drift}
+
+
+class SinkDecomposition(_SinkPart):
+    """The factor decomposition ``c = attention · relative norm · cosine`` for the sink (per query)
+    and the tail (per visible (query, source ≠ sink) pair): factor levels and variance shares."""
+
+    def add_terms(self, block: Block, t: dict) -> None:
+        layer, w, qw, sink_col = block.layer, t["w"], t["qw"], t["sink_col"]
+        B, H, Q, S = block.shape
         sink_f = {"attention": t["rho"], "relative_norm": t["sink_relative_norm"], "cosine": t["sink_cosine"]}
         for k, x in log_share_sums(sink_f, w > 0, (0, 2)).items():
             self._add(layer, f"sinklog_{k}", x)
-        self._add(layer, "sink_negative", ((t["sink_contribution"] < 0).double() * wd).sum((0, 2)))
-        f = pair_factors(block.a, t["u"], block.v, G)
-        pair = vis.expand(B, 1, Q, S) & (qw[:, None, :, None] > 0)
+        f = pair_factors(block.a, t["u"], block.v, block.state.G)
+        pair = block.visible.expand(B, 1, Q, S) & (qw[:, None, :, None] > 0)
         if sink_col is not None:
             pair = pair.clone()
             pair[..., sink_col] = False
@@ -458,109 +586,97 @@ class SinkStats(Reducer):
         for k, x in log_share_sums(f, pair, (0, 2, 3)).items():
             self._add(layer, f"taillog_{k}", x)
 
-    def _binned(self, layer: int, name: str, bins: torch.Tensor, nb: int, w: torch.Tensor,
-                values: dict[str, torch.Tensor]) -> None:
-        B, H, Q = bins.shape
-        head = torch.arange(H).view(1, H, 1).expand(B, H, Q)
-        flat = (head * nb + bins.cpu()).reshape(-1)
-        wc = w.cpu().reshape(-1)
-        self._add(layer, f"{name}_n", torch.bincount(flat, weights=wc, minlength=H * nb).view(H, nb))
-        for k, x in values.items():
-            x = x.cpu()
-            ok = torch.isfinite(x).reshape(-1) & (wc > 0)
-            xv = torch.where(ok, x.reshape(-1), torch.zeros_like(wc)) * wc
-            self._add(layer, f"{name}_{k}_n", torch.bincount(flat, weights=ok.double() * wc, minlength=H * nb).view(H, nb))
-            self._add(layer, f"{name}_{k}_sum", torch.bincount(flat, weights=xv, minlength=H * nb).view(H, nb))
-            if k == "output_norm":
-                self._add(layer, f"{name}_{k}_sq", torch.bincount(flat, weights=xv * x.reshape(-1).nan_to_num(),
-                                                                  minlength=H * nb).view(H, nb))
+    def head_columns(self, A, h) -> dict:
+        share_sink = variance_shares({k[len("sinklog_"):]: x for k, x in A.items() if k.startswith("sinklog_")})
+        share_tail = variance_shares({k[len("taillog_"):]: x for k, x in A.items() if k.startswith("taillog_")})
+        row = {f"sink_share_{k}": share_sink[k][h] for k in ("attention", "relative_norm", "cosine")}
+        np_ = A["n_pairs"][h]
+        for k in ("attention", "relative_norm", "cosine", "contribution"):
+            row[f"tail_{k}"] = A[f"tail_{k}_sum"][h] / np_ if np_ else np.nan
+        for k in ("attention", "relative_norm", "cosine"):
+            row[f"tail_share_{k}"] = share_tail[k][h]
+        row["tail_negative_share"] = A["tail_negative"][h] / np_ if np_ else np.nan
+        row["tail_pairs"] = int(np_)
+        return row
 
-    # -- results ------------------------------------------------------------------------------
+
+class SinkStats(Reducer):
+    """Per (layer, head) sink statistics over a corpus (see the module docstring for definitions):
+    the four focused parts :class:`SinkValues`, :class:`SinkQueries`, :class:`SinkDrift` and
+    :class:`SinkDecomposition` together, one row per head.
+
+    Queries counted: real tokens at positions ``i > sink``. ``layers``: the layers to reduce (None:
+    every observed layer). :meth:`result` returns a dict of DataFrames: ``heads`` (one row per
+    layer and head), ``curve`` (queries binned by sink rate), ``drift`` (queries binned by the
+    normalised non-sink entropy) and ``hist`` (histograms of ``cos_v0_m``, ``cos_v0_vj``,
+    ``rho_star``)."""
+
+    PARTS = (SinkValues, SinkQueries, SinkDrift, SinkDecomposition)
+
+    def __init__(self, sink: int = 0, layers=None):
+        self.sink = int(sink)
+        self.parts = [P(sink, layers) for P in self.PARTS]
+
+    def state(self) -> dict:
+        return {type(p).__name__: p.state() for p in self.parts}
+
+    def load_state(self, state: dict) -> "SinkStats":
+        for p in self.parts:
+            p.load_state(state[type(p).__name__])
+        return self
+
+    def begin(self, batch: Batch) -> None:
+        super().begin(batch)
+        for p in self.parts:
+            p.begin(batch)
+
+    def observe(self, block: Block) -> None:
+        for p in self.parts:
+            p.observe(block)
+
     def result(self) -> dict[str, pd.DataFrame]:
-        heads, curve, drift, hist = [], [], [], []
-        for layer in sorted(self.acc):
-            A = {k: x.numpy() for k, x in self.acc[layer].items()}
-            if "n" not in A:
+        tables: dict[str, list[dict]] = {"heads": [], "curve": [], "drift": [], "hist": []}
+        queries = self.parts[1]
+        for layer in sorted(queries.acc):
+            A = [{k: x.numpy() for k, x in p.acc.get(layer, {}).items()} for p in self.parts]
+            if "n" not in A[1]:
                 continue
-            H = len(A["n"])
-            share_sink = variance_shares({k[len("sinklog_"):]: x for k, x in A.items() if k.startswith("sinklog_")})
-            share_tail = variance_shares({k[len("taillog_"):]: x for k, x in A.items() if k.startswith("taillog_")})
-            for h in range(H):
-                n = A["n"][h]
-                row = {"layer": layer, "head": h, "queries": int(n)}
-                for k in _MEANS:
-                    cnt = A[f"n_{k}"][h]
-                    row[k if k != "rho" else "sink_rate"] = A[f"sum_{k}"][h] / cnt if cnt else np.nan
-                row["cancel"] = _ratio(A["sum_cancel_length"][h], A["sum_semantic_norm"][h])
-                row["norm_reduction"] = 1.0 - _ratio(A["sum_output_norm"][h], A["sum_semantic_norm"][h])
-                row["sink_negative_share"] = A["sink_negative"][h] / n if n else np.nan
-                nt = A["n_texts"][h]
-                ns = A["n_sources"][h]
-                row["value_norm_ratio"] = (A["vj_norm_sum"][h] / ns) / (A["v0_norm_sum"][h] / nt) if ns and nt else np.nan
-                row["raw_value_norm_ratio"] = (A["vj_raw_norm_sum"][h] / ns) / (A["v0_raw_norm_sum"][h] / nt) if ns and nt else np.nan
-                row["cos_v0_vj"] = A["cos_v0_vj_sum"][h] / ns if ns else np.nan
-                for name in ("cos_v0_m", "cos_v0_vj", "rho_star"):
-                    lo, hi, bins = HISTOGRAMS[name]
-                    c = A[f"hist_{name}"][h]
-                    for q, lab in ((0.1, "q10"), (0.25, "q25"), (0.5, "median"), (0.75, "q75"), (0.9, "q90")):
-                        row[f"{name}_{lab}"] = histogram_quantile(c, lo, hi, q)
-                row["anti_aligned"] = bool(row["cos_v0_m_median"] < 0)
-                nrs = A["n_rho_star"][h]
-                row["rho_star_interior_share"] = A["rho_star_interior"][h] / nrs if nrs else np.nan
-                row["rho_star_median_interior"] = bool(0 < row["rho_star_median"] < 1)
-                fit = quadratic_fit(A["fit"][h])
-                row.update({f"fit_{k}": v for k, v in fit.items()})
-                row["fit_vertex_interior"] = bool(fit["convex"] and 0 < fit["vertex"] < 1)
-                row["rho_min"], row["rho_max"] = _bin_range(A["curve_n"][h])
-                row["corr_rho_entropy"] = _pearson(*A["corr_rho_entropy"][h])
+            for h in range(len(A[1]["n"])):
+                row = {"layer": layer, "head": h}
+                for p, a in zip(self.parts, A):
+                    if a:
+                        row.update(p.head_columns(a, h))
                 for k in ("attention", "relative_norm", "cosine"):
                     row[f"sink_{k}"] = {"attention": row["sink_rate"], "relative_norm": row["sink_relative_norm"],
                                         "cosine": row["sink_cosine"]}[k]
-                    row[f"sink_share_{k}"] = share_sink[k][h]
-                np_ = A["n_pairs"][h]
-                for k in ("attention", "relative_norm", "cosine", "contribution"):
-                    row[f"tail_{k}"] = A[f"tail_{k}_sum"][h] / np_ if np_ else np.nan
-                for k in ("attention", "relative_norm", "cosine"):
-                    row[f"tail_share_{k}"] = share_tail[k][h]
-                row["tail_negative_share"] = A["tail_negative"][h] / np_ if np_ else np.nan
-                row["tail_pairs"] = int(np_)
-                heads.append(row)
-                for b in range(SINK_RATE_BINS):
-                    cnt = A["curve_n"][h, b]
-                    r = {"layer": layer, "head": h, "bin_lo": b / SINK_RATE_BINS, "bin_hi": (b + 1) / SINK_RATE_BINS,
-                         "queries": int(cnt)}
-                    for k in ("output_norm", "semantic_norm", "tail_entropy", "cancel_length"):
-                        c = A[f"curve_{k}_n"][h, b]
-                        r[k] = A[f"curve_{k}_sum"][h, b] / c if c else np.nan
-                    r["cancel"] = _ratio(A["curve_cancel_length_sum"][h, b], A["curve_semantic_norm_sum"][h, b])
-                    r["norm_reduction"] = 1.0 - _ratio(A["curve_output_norm_sum"][h, b], A["curve_semantic_norm_sum"][h, b])
-                    c = A["curve_output_norm_n"][h, b]
-                    r["output_norm_std"] = (np.sqrt(max(A["curve_output_norm_sq"][h, b] / c - r["output_norm"] ** 2, 0))
-                                            if c else np.nan)
-                    curve.append(r)
-                for b in range(ENTROPY_BINS):
-                    cnt = A["drift_n"][h, b]
-                    r = {"layer": layer, "head": h, "bin_lo": b / ENTROPY_BINS, "bin_hi": (b + 1) / ENTROPY_BINS,
-                         "queries": int(cnt)}
-                    for k in ("rho", "semantic_norm", "output_norm"):
-                        c = A[f"drift_{k}_n"][h, b]
-                        r[k if k != "rho" else "sink_rate"] = A[f"drift_{k}_sum"][h, b] / c if c else np.nan
-                    r["cancel"] = _ratio(A["drift_cancel_length_sum"][h, b], A["drift_semantic_norm_sum"][h, b])
-                    r["norm_reduction"] = 1.0 - _ratio(A["drift_output_norm_sum"][h, b], A["drift_semantic_norm_sum"][h, b])
-                    drift.append(r)
-                for name in ("cos_v0_m", "cos_v0_vj", "rho_star"):
-                    lo, hi, bins = HISTOGRAMS[name]
-                    c = A[f"hist_{name}"][h]
-                    width = (hi - lo) / bins
-                    edges_lo = np.concatenate([[-np.inf], lo + width * np.arange(bins), [hi]])
-                    edges_hi = np.concatenate([[lo], lo + width * np.arange(1, bins + 1), [np.inf]])
-                    nz = np.nonzero(c)[0]
-                    for b in nz:
-                        hist.append({"layer": layer, "head": h, "quantity": name, "bin_lo": edges_lo[b],
-                                     "bin_hi": edges_hi[b], "count": float(c[b])})
+                tables["heads"].append(row)
+                for p, a in zip(self.parts, A):
+                    if a:
+                        for name, rows in p.head_tables(layer, a, h).items():
+                            tables[name] += rows
         cols_h = ["layer", "head", "quantity", "bin_lo", "bin_hi", "count"]
-        return {"heads": pd.DataFrame(heads), "curve": pd.DataFrame(curve), "drift": pd.DataFrame(drift),
-                "hist": pd.DataFrame(hist, columns=cols_h)}
+        hist = pd.DataFrame(tables["hist"], columns=cols_h)
+        if len(hist):  # one order whatever part a histogram comes from
+            order = {q: i for i, q in enumerate(HISTOGRAMS)}
+            hist = hist.iloc[np.lexsort((hist["quantity"].map(order).to_numpy(), hist["head"].to_numpy(),
+                                         hist["layer"].to_numpy()))].reset_index(drop=True)
+        return {"heads": pd.DataFrame(tables["heads"]), "curve": pd.DataFrame(tables["curve"]),
+                "drift": pd.DataFrame(tables["drift"]), "hist": hist}
+
+
+def _quantiles(name: str, counts: np.ndarray) -> dict:
+    lo, hi, bins = HISTOGRAMS[name]
+    return {f"{name}_{lab}": histogram_quantile(counts, lo, hi, q)
+            for q, lab in ((0.1, "q10"), (0.25, "q25"), (0.5, "median"), (0.75, "q75"), (0.9, "q90"))}
+
+
+def _hist_rows(layer: int, h: int, name: str, c: np.ndarray) -> list[dict]:
+    lo, hi, bins = HISTOGRAMS[name]
+    width = (hi - lo) / bins
+    edges_lo = np.concatenate([[-np.inf], lo + width * np.arange(bins), [hi]])
+    edges_hi = np.concatenate([[lo], lo + width * np.arange(1, bins + 1), [np.inf]])
+    return [{"layer": layer, "head": h, "quantity": name, "bin_lo": edges_lo[b], "bin_hi": edges_hi[b],
+             "count": float(c[b])} for b in np.nonzero(c)[0]]
 
 
 def _ratio(x: float, y: float) -> float:
