@@ -324,13 +324,29 @@ def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[l
 # --------------------------------------------------------------------------------------------
 
 
+def _sink_acc(stats: dict) -> dict:
+    """The per-layer sums of a :class:`~attngeom.sinks.SinkStats` state: ``{layer: {key: array}}``
+    (a state of one ``acc``, or of several parts each with its own ``acc``: merged, the first part
+    holding a key wins)."""
+    if "acc" in stats:
+        return stats["acc"]
+    out: dict = {}
+    for part in stats.values():
+        for layer, d in (part.get("acc") or {}).items():
+            mine = out.setdefault(layer, {})
+            for k, x in d.items():
+                mine.setdefault(k, x)
+    return out
+
+
 def sink_arrays(records: Sequence[dict]) -> dict[str, np.ndarray]:
     """Per-window arrays from the sinks stage's records (one window each): ``[W, L, H, ...]``."""
     keys = ("n_texts", "n_sources", "v0_norm_sum", "vj_norm_sum", "v0_raw_norm_sum", "vj_raw_norm_sum",
             "hist_cos_v0_m", "hist_rho_star", "fit", "n")
     out = {}
+    accs = [_sink_acc(r["stats"]) for r in records]
     for k in keys:
-        out[k] = _stack(records, lambda r: [r["stats"]["acc"][l][k] for l in _layers(r["stats"]["acc"])])
+        out[k] = _stack(accs, lambda a: [a[l][k] for l in _layers(a)])
     for mode in ("none", "sink", "control"):
         for k in ("n", "output_norm", "cone", "heavy_n", "heavy_output_norm", "heavy_cone"):
             out[f"{mode}_{k}"] = _stack(records, lambda r: [r["removal"][mode]["acc"][l][k]

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
-_SPECIAL = re.compile(r"([\\`*_{}\[\]<>|#~])")
+from .markdown import text as _text
 
 
-def escape(text) -> str:
-    """One Markdown table cell: special characters backslash-escaped, newlines as spaces."""
-    s = "" if text is None else str(text)
-    s = s.replace("\r", " ").replace("\n", " ")
-    return _SPECIAL.sub(r"\\\1", s)
+def escape(value) -> str:
+    """One inert, one-line Markdown cell (:func:`attngeom.reports.markdown.text`; None -> "")."""
+    return "" if value is None else _text(value)
 
 
 VERDICT_MARK = {"holds": "**holds**", "refuted": "**refuted**", "inconclusive": "inconclusive"}
