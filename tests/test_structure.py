@@ -1,0 +1,58 @@
+"""The placement rule: core modules never import the command line or the presentation layer.
+
+Core is every module of ``attngeom`` outside ``commands/``, ``reports/``, ``cli.py`` and
+``__main__.py``. The one exception is documented and checked here: ``Trace.to_html`` and
+``Trace._repr_html_`` (the explorer's entry points on a trace) import ``attngeom.reports.explore``
+lazily, inside the methods."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import attngeom
+
+PKG = Path(attngeom.__file__).parent
+PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_")}
+
+
+def _core_modules():
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG)
+        if rel.parts[0] in ("commands", "reports") or rel.name in ("cli.py", "__main__.py"):
+            continue
+        yield rel, ast.parse(p.read_text(encoding="utf-8"))
+
+
+def _imported(node) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        return [("." * node.level) + (node.module or "")]
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return []
+
+
+def test_core_never_imports_commands_cli_or_reports():
+    bad = []
+    for rel, tree in _core_modules():
+        funcs = {}
+        for f in ast.walk(tree):
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(f):
+                    funcs[id(n)] = f.name
+        for node in ast.walk(tree):
+            for name in _imported(node):
+                parts = name.lstrip(".").split(".")
+                if {"commands", "cli", "reports"} & set(parts[:2]) or (name.startswith(".") and parts[0] in (
+                        "commands", "cli", "reports")):
+                    if (rel.name, funcs.get(id(node))) not in PRESENTATION_ENTRY_POINTS:
+                        bad.append(f"{rel}:{node.lineno} imports {name}")
+    assert not bad, bad
+
+
+def test_commands_are_thin_modules():
+    """A command module parses, opens a run, calls the core and writes: none holds a forward loop."""
+    for p in sorted((PKG / "commands").glob("*.py")):
+        src = p.read_text(encoding="utf-8")
+        for forbidden in ("token_nll(", "batch_nll(", "make_batches(", "Session("):
+            assert forbidden not in src, f"{p.name} runs the model itself ({forbidden})"
