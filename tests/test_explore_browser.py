@@ -6,7 +6,6 @@ console error fails a test. Screenshots are kept in ``out/test-artifacts/``."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -37,18 +36,26 @@ def _find(*names: str) -> str | None:
     return None
 
 
+def _unavailable(reason: str):
+    """Skip, or fail where the browser must be there (``make test`` as root on Debian sets
+    ATTNGEOM_REQUIRE_BROWSER=1)."""
+    if os.environ.get("ATTNGEOM_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{reason}, but ATTNGEOM_REQUIRE_BROWSER=1 (make test could have installed it)")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[test]')")
+        _unavailable("selenium is not installed (pip install -e '.[test]')")
     chrome = _find("chromium", "chromium-browser", "google-chrome")
     chromedriver = _find("chromedriver")
     if not chrome or not chromedriver:
-        pytest.skip("no Chromium/chromedriver on PATH: `make test` installs them as root on Debian "
-                    "(apt-get install chromium chromium-driver)")
+        _unavailable("no Chromium/chromedriver on PATH: `make test` installs them as root on Debian "
+                     "(apt-get install chromium chromium-driver)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = chrome
     for a in CHROME_ARGS:

@@ -12,7 +12,7 @@ sink figures and the contribution-flow graph. :mod:`attngeom.reports.explore` re
 **Exact or top-k.** Up to ``exact_max_tokens`` (default 512) every visible source of every
 (layer, view, query) row is kept (*exact maps*). Beyond, each row keeps its ``k`` (default 8)
 largest sources: by value for attention, by absolute value for contribution (so strong negative
-contributions stay visible). Values are stored as float16.
+contributions stay visible). Values are stored as float16 (top-k: rounded to 7 significant bits).
 
 **Contribution flow** (docs/explore.md). With ``x_i^l`` the residual stream entering layer ``l`` at
 position ``i`` and ``Δ_i^l`` the attention update added to it (``y_i^l = x_i^l + Δ_i^l``), the
@@ -40,6 +40,10 @@ DEFAULT_EXACT_MAX_TOKENS = 512
 METRICS = ("attention", "contribution")
 HEAD_STATS = ("sink_rate", "sink_contribution", "head_share", "regime")
 PAD = 0xFFFF  # index padding in top-k rows (a query with fewer than k visible sources)
+RESIDUAL_DECIMALS = 4  # residual shares are kept to 4 decimals (the page gets the same numbers)
+TOPK_MANTISSA_BITS = 6
+"""Top-k values keep 6 of float16's 10 mantissa bits (7 significant bits, relative rounding error
+at most 2^-7 < 0.8%): what keeps T = 2048 on the bundled model under 25 MB. Exact maps keep float16."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,7 +60,8 @@ class ExploreData:
     - exact (``top_k is None``): float16 ``[H+1, T, T]``, entry ``[v, i, j]`` for ``j <= i`` (zero above
       the diagonal); view ``v < H`` is head ``v``, view ``H`` the whole layer;
     - top-k: ``(idx uint16 [H+1, T, k], val float16 [H+1, T, k])``, ``idx`` the source position
-      (``PAD`` where a query sees fewer than ``k`` sources).
+      (nearest first; ``PAD`` where a query sees fewer than ``k`` sources), ``val`` rounded to
+      :data:`TOPK_MANTISSA_BITS` mantissa bits.
 
     ``head_stats[name]``: float ``[len(layers), H]`` (``regime``: 0 Retriever, 1 Mixer, 2 Reset).
     ``layer_sink``: ``{"sink_attention", "sink_contribution", "sink_share"}`` each ``[len(layers)]``.
@@ -173,7 +178,19 @@ def _topk_rows(x: torch.Tensor, k: int, q_pos: torch.Tensor, k_pos: torch.Tensor
     if kk < k:
         pos = torch.cat([pos, torch.full((V, Q, k - kk), PAD, dtype=pos.dtype, device=pos.device)], -1)
         vals = torch.cat([vals, vals.new_zeros(V, Q, k - kk)], -1)
-    return pos, vals
+    order = torch.where(pos == PAD, -1, pos).argsort(dim=-1, descending=True, stable=True)  # nearest first
+    return pos.gather(-1, order), vals.gather(-1, order)
+
+
+def round_float16(x: np.ndarray, bits: int = 7) -> np.ndarray:
+    """float16 rounded to nearest with ``bits`` explicit mantissa bits (of 10): relative error at most
+    ``2^-(bits+1)``; the dropped low bits are zero, which compresses far better."""
+    drop = 10 - int(bits)
+    if drop <= 0:
+        return x.astype(np.float16)
+    u = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    u = (u + (1 << (drop - 1))) & (0xFFFF ^ ((1 << drop) - 1))
+    return u.astype(np.uint16).view(np.float16)
 
 
 class RowCollector(Reducer):
@@ -207,7 +224,7 @@ class RowCollector(Reducer):
                                        by_abs=(m == "contribution"))
                 idx, val = store[block.layer]
                 idx[:, q0:q0 + Q] = pos.cpu().numpy().astype(np.uint16)
-                val[:, q0:q0 + Q] = vals.cpu().numpy().astype(np.float16)
+                val[:, q0:q0 + Q] = round_float16(vals.cpu().numpy(), TOPK_MANTISSA_BITS)
 
 
 class ResidualShares:
@@ -318,7 +335,8 @@ def build(handle, text, *, layers=None, top_k: int | None = None,
     finally:
         res.close()
     head, sink_fig = _head_tables(stats.result(), layers, H)
-    share = np.stack([res.shares[l] for l in layers]) if all(l in res.shares for l in layers) else None
+    share = (np.round(np.stack([res.shares[l] for l in layers]).astype(np.float64), RESIDUAL_DECIMALS)
+             if all(l in res.shares for l in layers) else None)
     return ExploreData(
         tokens=handle.tokens(ids), ids=list(ids), layers=layers, num_heads=H,
         rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},

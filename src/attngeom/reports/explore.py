@@ -4,7 +4,8 @@
 The data travels as JSON in ``<script type="application/json">`` with ``<``, ``>``, ``&``, U+2028
 and U+2029 escaped, so no token text can close the script element or be read as markup; the page
 puts every token into the document with ``textContent`` only. The maps are one binary block
-(float16 values, uint16 source offsets ``i - j``), zlib-compressed and base64-encoded inside that
+(float16 values; top-k source positions as uint16 gaps, :func:`encode_sources`; as low and high
+byte planes), zlib-compressed and base64-encoded inside that
 JSON; the page inflates it with the browser's ``DecompressionStream``.
 """
 
@@ -23,6 +24,7 @@ from ..explore import METRICS, PAD, ExploreData
 
 TEMPLATE = "explore_template.html"
 PLACEHOLDER = "__EXPLORE_DATA__"
+ZERO = 0xFFFE  # source code of position 0 in top-k rows
 
 
 def _tri(x: np.ndarray) -> np.ndarray:
@@ -33,7 +35,9 @@ def _tri(x: np.ndarray) -> np.ndarray:
 
 
 def pack(data: ExploreData) -> tuple[bytes, dict]:
-    """The binary block (uint16 words) and, per metric and layer, the word offsets of its parts."""
+    """The binary block and, per metric and layer, the word offsets of its parts. The block holds
+    ``N`` uint16 words as two byte planes (all low bytes, then all high bytes), which deflate
+    compresses better than interleaved words."""
     parts: list[np.ndarray] = []
     blocks: dict[str, list[dict]] = {m: [] for m in METRICS}
     off = 0
@@ -45,16 +49,26 @@ def pack(data: ExploreData) -> tuple[bytes, dict]:
                 arrs = {"val": _tri(entry).astype(np.float16).view(np.uint16)}
             else:
                 idx, val = entry
-                pos = idx.astype(np.int64)
-                dist = np.where(pos == PAD, PAD, np.arange(T)[None, :, None] - pos).astype(np.uint16)
-                arrs = {"idx": dist.reshape(-1), "val": val.astype(np.float16).view(np.uint16).reshape(-1)}
+                arrs = {"idx": encode_sources(idx), "val": val.astype(np.float16).view(np.uint16).reshape(-1)}
             for name, a in arrs.items():
                 where[name] = off
                 parts.append(a.astype("<u2"))
                 off += a.size
             blocks[m].append(where)
-    raw = np.concatenate(parts).tobytes() if parts else b""
+    words = np.concatenate(parts) if parts else np.zeros(0, dtype="<u2")
+    raw = (words & 0xFF).astype(np.uint8).tobytes() + (words >> 8).astype(np.uint8).tobytes()
     return raw, blocks
+
+
+def encode_sources(idx: np.ndarray) -> np.ndarray:
+    """Top-k source positions ``[V, T, k]`` (nearest first, ``PAD`` last) -> uint16 codes: the first
+    is ``i - j``, each next one the gap to the previous source, position 0 is ``ZERO`` and ``PAD``
+    stays; small numbers that deflate well."""
+    pos = idx.astype(np.int64)
+    V, T, k = pos.shape
+    prev = np.concatenate([np.broadcast_to(np.arange(T)[None, :, None], (V, T, 1)), pos[..., :-1]], -1)
+    code = np.where(pos == PAD, PAD, np.where(pos == 0, ZERO, prev - pos))
+    return code.astype(np.uint16).reshape(-1)
 
 
 def _escape_json(text: str) -> str:
@@ -62,7 +76,7 @@ def _escape_json(text: str) -> str:
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
-def payload(data: ExploreData, level: int = 6) -> dict:
+def payload(data: ExploreData, level: int = 9) -> dict:
     """The JSON object the page reads."""
     from ..taxonomy import REGIMES
 
@@ -87,7 +101,7 @@ def payload(data: ExploreData, level: int = 6) -> dict:
         "head_stats": {k: np.asarray(v).tolist() if k != "regime" else np.asarray(v).astype(int).tolist()
                        for k, v in data.head_stats.items()},
         "layer_sink": {k: [float(x) for x in v] for k, v in data.layer_sink.items()},
-        "residual": None if data.residual_share is None else np.round(data.residual_share.astype(np.float64), 6).tolist(),
+        "residual": None if data.residual_share is None else np.asarray(data.residual_share, dtype=np.float64).tolist(),
         "blocks": blocks,
         "bin": base64.b64encode(zlib.compress(raw, level)).decode("ascii"),
     }
