@@ -83,6 +83,18 @@ def test_argument_errors_import_nothing_heavy(command):
     assert heavy == [], f"{command} --help imported {heavy}"
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_parser_is_light(command):
+    """Names the culprit when the tests above fail: a command module (or its ``add_parser``) that
+    imports torch/transformers/pandas/matplotlib at import time instead of inside ``run``."""
+    code = (f"import argparse, sys, attngeom.commands.{command} as m; "
+            "m.add_parser(argparse.ArgumentParser().add_subparsers()); "
+            f"print(','.join(x for x in {HEAVY!r} if x in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", f"attngeom.commands.{command} imports {r.stdout.strip()} before run()"
+
+
 def test_help_time_budget():
     """Issue 8: < 1.5 s. Measured on the shared 2-core machine: ``python -c pass`` ~0.02 s,
     ``python -m attngeom --help`` ~0.1 s (importing torch alone takes ~2.2 s). Best of 3, minus the
