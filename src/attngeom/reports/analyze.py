@@ -108,7 +108,8 @@ def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, f
         else:
             norm = _seq_norm(shown)
     im = ax.imshow(shown, cmap=_cmap(DIV_CMAP if diverging else SEQ_CMAP), norm=norm,
-                   interpolation="nearest", aspect="equal")
+                   interpolation=_interpolation(T, ax.get_position().width * fig.get_figwidth() * fig.dpi),
+                   aspect="equal")
     # a plain text above the axes: set_title re-measures the tick labels to place itself
     ax.text(0.5, 1.015, title, transform=ax.transAxes, fontsize=10, ha="center", va="bottom")
     # a small margin left of column 0, so that the sink column is not hidden under the frame
@@ -153,6 +154,20 @@ def _figure(width: float, height: float, dpi: float):
 def _save(fig, path: Path) -> None:
     """PNG at the figure's own resolution; fast zlib level (the maps are flat colour areas)."""
     fig.savefig(path, dpi=fig.dpi, pil_kwargs={"compress_level": PNG_COMPRESSION})
+
+
+def _interpolation(T: int, pixels: float) -> str:
+    """Each token a sharp cell when the map is drawn larger than ``T`` pixels; smoothed (antialiased)
+    when smaller, so that one-token features such as the sink column are not dropped."""
+    return "nearest" if pixels >= T else "antialiased"
+
+
+def _wrapped(text: str, width_in: float, fontsize: float) -> str:
+    """``text`` broken at spaces into lines that fit ``width_in`` inches (existing breaks kept)."""
+    import textwrap
+
+    chars = max(20, int(width_in * 72 / (0.55 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
 
 def _axes_at(fig, x: float, y: float, w: float, h: float):
@@ -211,7 +226,7 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
     per_row = 3 if n > 4 else min(n, 2) if n > 1 else 1
     rows = int(np.ceil(n / per_row))
     # inches: square maps of side ``box`` in pairs, a title above each, two colour bars on the right
-    box, pair_gap, group_gap, title_h, left, bottom, top, right = 2.0, 0.1, 0.3, 0.3, 0.15, 0.15, 0.8, 2.0
+    box, pair_gap, group_gap, title_h, left, bottom, top, right = 2.0, 0.1, 0.3, 0.3, 0.15, 0.15, 0.8, 2.35
     grid_w = per_row * (2 * box + pair_gap) + (per_row - 1) * group_gap
     grid_h = rows * (box + title_h) - title_h
     fig = _figure(left + grid_w + right, bottom + grid_h + title_h + top, GRID_DPI)
@@ -234,7 +249,8 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
         for x0, m, cmap, norm, label in ((x, att[k], att_cmap, att_norm, f"head {h}: attention (sink {sink_a:.2f})"),
                                          (x + box + pair_gap, con[k], con_cmap, con_norm,
                                           f"head {h}: contribution (sink {sink_c:.2f})")):
-            im = canvas.imshow(np.where(mask, np.nan, m), cmap=cmap, norm=norm, interpolation="nearest",
+            im = canvas.imshow(np.where(mask, np.nan, m), cmap=cmap, norm=norm,
+                               interpolation=_interpolation(T, box * fig.dpi),
                                extent=(x0, x0 + box, y, y + box), aspect="auto")
             canvas.add_patch(Rectangle((x0 - pad, y - pad), box + 2 * pad, box + 2 * pad, fill=False, lw=0.6,
                                        clip_on=False))
@@ -253,10 +269,10 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
                        extend="both" if clips else "neither")
     cb2.set_label("contribution $c_{ij}^h$ (intra-head;\nsigned square-root scale)", fontsize=8)
     cb2.ax.tick_params(labelsize=7)
-    fig.suptitle(f"{title} — layer {layer_trace.index}, per head: attention beside contribution\n"
-                 f"(T = {T}; rows $i$ = queries, columns $j$ = sources; "
-                 r"sink = mean over queries $i>0$ of the sink column $j=0$)", fontsize=10,
-                 y=1 - 0.1 / fig.get_figheight(), va="top")
+    fig.suptitle(_wrapped(f"{title} — layer {layer_trace.index}, per head: attention beside contribution\n"
+                          f"(T = {T}; rows $i$ = queries, columns $j$ = sources; "
+                          r"sink = mean over queries $i>0$ of the sink column $j=0$)", fig.get_figwidth(), 10),
+                 fontsize=10, y=1 - 0.1 / fig.get_figheight(), va="top")
     _save(fig, path)
     return path.name
 
