@@ -6,8 +6,8 @@ DeepSeek-LLM-7B, Gemma-7B, Gemma-2-9B: random weights, cut to 2 decoder layers, 
 8192 rows, bf16, CPU), two methods are measured side by side in one run:
 
 ``sdpa``
-    a plain forward pass with ``attn_implementation="sdpa"`` (for Gemma-2, whose soft-capping SDPA
-    cannot express, transformers' SDPA path runs without it: the fastest forward a user has);
+    a plain forward pass with ``attn_implementation="sdpa"``; for Gemma-2, which transformers does
+    not run on SDPA (soft-capping), its eager attention (the JSON records which);
 ``analyze``
     :func:`attngeom.trace.stream` with :class:`~attngeom.reducers.HeadStats` and
     :class:`~attngeom.reducers.TokenStats` on both layers (all five metric maps of SPEC §2 on every
@@ -74,11 +74,14 @@ def worker(args) -> None:
     from attngeom.capture import Session
     from attngeom.reducers import HeadStats, TokenStats
     from attngeom.trace import stream
-    from seed_configs import random_ids, seed_model
+    from seed_configs import random_ids, seed_config, seed_model
 
     device = args.device
     t0 = time.perf_counter()
-    handle = seed_model(args.config, attn_implementation="sdpa", device=device)
+    # the reference forward: SDPA; Gemma-2 (soft-capping), which transformers refuses to run on SDPA,
+    # gets its own eager attention
+    impl = "eager" if seed_config(args.config).model_type == "gemma2" else "sdpa"
+    handle = seed_model(args.config, attn_implementation=impl, device=device)
     build_s = time.perf_counter() - t0
     model = handle.model
     ids = random_ids(model.config.vocab_size, args.T).to(device)
@@ -107,7 +110,8 @@ def worker(args) -> None:
     seconds = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else _rss("VmHWM")
     print(json.dumps({"config": args.config, "method": args.method, "T": args.T, "seconds": seconds,
-                      "peak_bytes": peak, "base_bytes": base, "build_s": build_s, "device": device}))
+                      "peak_bytes": peak, "base_bytes": base, "build_s": build_s, "device": device,
+                      "reference": impl}))
 
 
 def measure(config: str, method: str, T: int, threads: int, device: str) -> dict:
@@ -154,7 +158,8 @@ def run_all(args) -> dict:
         med = {m: statistics.median(x["seconds"] for x in runs[m]) for m in METHODS}
         peak = {m: max(x["peak_bytes"] for x in runs[m]) for m in METHODS}
         base = {m: min(x["base_bytes"] for x in runs[m]) for m in METHODS}
-        entry = {"seconds": med, "peak_bytes": peak, "base_bytes": base,
+        entry = {"seconds": med, "peak_bytes": peak, "base_bytes": base, "reference": runs["sdpa"][0]["reference"],
+                 "all_seconds": {m: [x["seconds"] for x in runs[m]] for m in METHODS},
                  "time_ratio": med["analyze"] / med["sdpa"], "peak_ratio": peak["analyze"] / peak["sdpa"],
                  "above_base_ratio": (peak["analyze"] - base["analyze"]) / max(1, peak["sdpa"] - base["sdpa"])}
         # longest T in 16 GiB: analyse at further sizes (peak memory only), fit a + b·T
@@ -169,6 +174,9 @@ def run_all(args) -> dict:
         entry["fit_bytes"] = {"a": a, "b_per_token": b}
         entry["longest_T_16GiB"] = int((16 * GiB - a) / b) if b > 0 else None
         results["configs"][c] = entry
+        if args.json:  # after every configuration, so a failure later keeps what was measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"{c}: analyze/sdpa time {entry['time_ratio']:.2f}x, peak {entry['peak_ratio']:.2f}x "
               f"(above baseline {entry['above_base_ratio']:.2f}x); longest T in 16 GiB ~{entry['longest_T_16GiB']} "
               f"(extrapolated from {len(points)} measured sizes)", flush=True)
@@ -192,10 +200,7 @@ def cli() -> None:
         worker(args)
         return
     args.memory_sizes = [int(x) for x in args.memory_sizes.split(",") if x.strip()]
-    results = run_all(args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    run_all(args)
 
 
 if __name__ == "__main__":
