@@ -63,6 +63,8 @@ def test_lazy_names_resolve():
     assert attngeom.InputError.__module__ == "attngeom.errors"
     with pytest.raises(AttributeError):
         attngeom.no_such_name  # noqa: B018
+    # submodules resolve as attributes too, as when the package imported them eagerly
+    assert attngeom.data.SAMPLE_TEXT and attngeom.errors.TraceFormatError is attngeom.TraceFormatError
 
 
 def test_python_m_attngeom_help_imports_nothing_heavy():

@@ -12,6 +12,7 @@ line's ``--help`` do not import torch, transformers, pandas or matplotlib.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 from .errors import AttngeomError, InputError, ModelLoadError, OutputError, TraceFormatError, UnsupportedArchitectureError
@@ -48,6 +49,8 @@ def __getattr__(name: str):
     elif name in _LAZY:
         module = importlib.import_module(_LAZY[name], __name__)
         value = module if name == "metrics" else getattr(module, name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)        # attngeom.trace, attngeom.data, ...
     else:
         raise AttributeError(f"module 'attngeom' has no attribute {name!r}")
     globals()[name] = value
