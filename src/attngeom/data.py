@@ -125,10 +125,13 @@ def resolve_texts(spec: str, fields: Sequence[str] | None = None) -> list[str]:
 
 
 def windows(ids: Sequence[int], window: int, stride: int | None = None, bos: int | None = None,
-            max_windows: int | None = None) -> list[list[int]]:
-    """Cut token ids into windows of ``window`` tokens (BOS included when ``bos`` is given).
+            max_windows: int | None = None, keep_last: bool = False) -> list[list[int]]:
+    """Cut token ids into windows of ``window`` tokens (BOS included when ``bos`` is given); window
+    ``k`` starts at ``ids[k·stride]`` (default stride: the window without its BOS, no overlap).
 
-    A text shorter than a window gives one shorter window (when it has at least 2 tokens)."""
+    A text shorter than a window gives one shorter window (when it has at least 2 tokens). A
+    shorter last window is dropped (corpora: windows of one length), or kept with ``keep_last`` (a
+    single text analysed whole: every token is in a window)."""
     if window < 2:
         raise InputError(f"window must be at least 2 tokens, got {window}")
     body = window - (1 if bos is not None else 0)
@@ -141,7 +144,7 @@ def windows(ids: Sequence[int], window: int, stride: int | None = None, bos: int
         chunk = list(ids[start:start + body])
         if bos is not None:
             chunk = [bos] + chunk
-        if len(chunk) >= 2 and (len(chunk) == window or not out):
+        if len(chunk) >= 2 and (len(chunk) == window or not out or keep_last):
             out.append(chunk)
         if max_windows is not None and len(out) >= max_windows:
             break

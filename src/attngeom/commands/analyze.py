@@ -99,23 +99,16 @@ def _read_file(path: str) -> str:
 
 
 def cut_windows(ids: list[int], window: int, stride: int | None, bos: int | None) -> tuple[list[tuple[int, list[int]]], bool]:
-    """Windows covering every token of ``ids`` and whether they start with BOS.
-
-    When ``ids`` starts with ``bos``, each window is ``bos`` + up to ``window-1`` of the other tokens,
-    else up to ``window`` tokens. Returns ``([(offset, window_ids), ...], has_bos)``: window position
+    """Windows covering every token of ``ids`` (:func:`attngeom.data.windows` with ``keep_last``)
+    and whether they start with BOS: ``([(offset, window_ids), ...], has_bos)``; window position
     ``p`` is input position ``offset + p`` (the BOS of a window is input position 0)."""
+    from ..data import windows as cut
+
     has_bos = bool(bos is not None and ids and ids[0] == bos)
     body = ids[1:] if has_bos else list(ids)
-    span = window - 1 if has_bos else window
-    stride = stride or span
-    out = []
-    start = 0
-    while True:
-        out.append((start, ([bos] if has_bos else []) + body[start:start + span]))
-        if start + span >= len(body):
-            break
-        start += stride
-    return out, has_bos
+    step = stride or (window - 1 if has_bos else window)
+    wins = cut(body, window, step, bos=bos if has_bos else None, keep_last=True)
+    return [(k * step, w) for k, w in enumerate(wins)], has_bos
 
 
 def _pick_figure_layers(layers: list[int]) -> list[int]:
@@ -195,12 +188,12 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
                 f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}; "
                 f"analyse it in windows with --window {limit} (and optionally --stride)")
         windows, has_bos = [(0, ids)], False
+    if not windows or min(len(w) for _, w in windows) < 2:
+        raise InputError(f"the input has {len(ids)} token(s) after encoding; give a text of at least 2 tokens "
+                         "(a single token has no source to attend to but itself)")
     if args.sink >= min(len(w) for _, w in windows):
         raise InputError(f"--sink {args.sink} is beyond the input ({min(len(w) for _, w in windows)} tokens)")
 
-    if min(len(w) for _, w in windows) < 2:
-        raise InputError(f"the input has {len(ids)} token(s) after encoding; give a text of at least 2 tokens "
-                         "(a single token has no source to attend to but itself)")
 
     # ---- 1. streaming pass: per-head and per-token summaries ---------------------------------
     from ..trace import summaries
