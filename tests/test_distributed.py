@@ -132,3 +132,25 @@ def test_a_killed_rank_stops_the_run_and_a_rerun_resumes(tiny_llama_dir, tmp_pat
     assert r.returncode == 0, r.stderr
     assert n >= 1 and _records(part) == 4  # 4 windows, one record each: only the missing were computed
     _same(_tables(full), _tables(part), 1e-9)
+
+
+def test_nccl_without_a_gpu_is_one_line(monkeypatch, tiny_llama_dir, tmp_path, capsys):
+    import torch
+
+    from attngeom.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29999", "ATTNGEOM_DIST_BACKEND": "nccl"}.items():
+        monkeypatch.setenv(k, v)
+    data = tmp_path / "c.txt"
+    data.write_text(TEXT)
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "nccl backend needs CUDA" in err[0]
+    assert not (tmp_path / "o").exists()
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("ATTNGEOM_DIST_BACKEND")
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "launch with torchrun" in capsys.readouterr().err
