@@ -154,3 +154,21 @@ def test_nccl_without_a_gpu_is_one_line(monkeypatch, tiny_llama_dir, tmp_path, c
     monkeypatch.delenv("ATTNGEOM_DIST_BACKEND")
     rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "o")])
     assert rc == 2 and "launch with torchrun" in capsys.readouterr().err
+
+
+def test_accelerate_launch_sets_the_same_environment(tiny_llama_dir, tmp_path):
+    acc = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    if acc is None:
+        pytest.skip("accelerate is not installed beside this Python")
+    data = tmp_path / "corpus.txt"
+    data.write_text(TEXT)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert subprocess.run([sys.executable, "-m", "attngeom", *_argv("sinks", tiny_llama_dir, data, one)],
+                          capture_output=True, env=ENV, timeout=600).returncode == 0
+    r = subprocess.run([acc, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                        "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "attngeom",
+                        *_argv("sinks", tiny_llama_dir, data, two)], capture_output=True, text=True, env=ENV,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((two / MANIFEST).read_text())["world_size"] == 2
+    _same(_tables(one), _tables(two), 1e-9)
