@@ -180,6 +180,11 @@ def test_layers_subset_and_bad_layers(handle, ids):
         d.sources(0, None, 1, "attention")
 
 
+def test_one_token_is_refused(handle):
+    with pytest.raises(Exception, match="at least 2"):
+        E.build(handle, [handle.tokenizer.bos_token_id])
+
+
 def test_from_trace_equals_build(exact, trace):
     d = E.from_trace(trace)
     assert d.residual_share is None

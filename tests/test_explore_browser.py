@@ -168,6 +168,34 @@ def test_click_token_grid_metric_layer(driver, page):
     assert console_errors(driver) == []
 
 
+def test_hover_and_jupyter_iframe(driver, page, tiny, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    data, path = page
+    open_page(driver, path)
+    q = 5
+    ActionChains(driver).move_to_element(driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]')).perform()
+    check_view(driver, data, data.layers[-1], None, q)          # hover shows the sources, unpinned
+    assert console_errors(driver) == []
+    # the Jupyter view: the same page inside <iframe srcdoc sandbox="allow-scripts">
+    from attngeom import analyze
+
+    trace = analyze(tiny, TEXT)
+    frame_page = tmp_path / "notebook.html"
+    frame_page.write_text(f"<!DOCTYPE html><html><body>{trace._repr_html_()}</body></html>", encoding="utf-8")
+    driver.get(frame_page.resolve().as_uri())
+    driver.switch_to.frame(driver.find_element("tag name", "iframe"))
+    t0 = time.time()
+    while driver.execute_script("return document.body && document.body.dataset.ready") != "1":
+        assert time.time() - t0 < 20, "the iframe page did not get ready"
+        time.sleep(0.05)
+    d2 = E.from_trace(trace)
+    check_view(driver, d2, d2.layers[-1], None, d2.T - 1)
+    assert "Not available" in driver.find_element("id", "flownote").text   # no residual stream in a Trace
+    driver.switch_to.default_content()
+    assert console_errors(driver) == []
+
+
 def test_topk_page(driver, tiny, tmp_path):
     data = E.build(tiny, TEXT, top_k=4, exact_max_tokens=8)
     assert not data.exact

@@ -320,6 +320,8 @@ def build(handle, text, *, layers=None, top_k: int | None = None,
     ids = tr.to_ids(handle, text)
     tr.check_length(handle, len(ids))
     T, H, L = len(ids), handle.num_heads, handle.num_layers
+    if T < 2:
+        raise InputError(f"the input has {T} token(s) after encoding; the explorer needs at least 2")
     layers = sorted(set(range(L) if layers is None else (int(l) for l in layers)))
     bad = [l for l in layers if not 0 <= l < L]
     if bad:
@@ -351,6 +353,8 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
     from .reducers import Batch, HeadStats
 
     T = len(trace.ids)
+    if T < 2:
+        raise InputError(f"the trace has {T} token(s); the explorer needs at least 2")
     layers = [lt.index for lt in trace.layers]
     if not layers:
         raise InputError("the trace holds no layers")

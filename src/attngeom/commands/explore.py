@@ -119,4 +119,7 @@ def run(args) -> int:
     mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
     print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
           f"in {time.perf_counter() - t_start:.1f} s -> {run.out / PAGE}", file=sys.stderr)
+    if data.exact and size > 50e6:
+        print("attngeom explore: note: exact maps grow with layers x heads x T^2; for a smaller page use "
+              "--exact-max-tokens 0 (top-k sources) or fewer --layers", file=sys.stderr)
     return 0
