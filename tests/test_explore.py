@@ -323,3 +323,17 @@ def test_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT + " more", "--out", str(out),
                  "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3_text", "phi3"])
+def test_every_architecture(arch):
+    """Rows, residual shares (Gemma 2/3: after the post-attention norm) and the flow on other
+    architectures (sliding windows, soft-capping, biases, fused qkv)."""
+    from tiny_models import tiny_model as tm
+
+    h = tm(arch)
+    d = E.build(h, h.encode(TEXT))
+    assert d.residual_share is not None and np.isfinite(d.residual_share).all()
+    f = E.flow([d.transfer_rows(l) for l in d.layers], d.T - 1, d.T)
+    np.testing.assert_allclose(f.sum(1), 1.0, atol=5e-3)
+    assert json.loads(_data_block(R.render(d)))["T"] == d.T

@@ -136,6 +136,12 @@ def test_click_token_grid_metric_layer(driver, page):
     driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()
     check_view(driver, data, last, None, q)
     assert "query" in driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').get_attribute("class")
+    # the highlight metric colours the visible tokens by attention instead of contribution
+    src_tok = driver.find_element("css selector", f'#tokens .tok[data-pos="{data.top_source(last, None, q, "attention")}"]')
+    assert "contribution" in src_tok.get_attribute("title")
+    select(driver, "hl", "attention")
+    assert "attention" in src_tok.get_attribute("title") and src_tok.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
+    assert "invisible" in driver.find_element("css selector", f'#tokens .tok[data-pos="{q + 1}"]').get_attribute("class")
     # a grid cell picks the layer and the head
     layer_k, head = 0, H - 1
     driver.find_element("css selector", f'#grid td.cell[data-layer="{layer_k}"][data-head="{head}"]').click()
