@@ -153,6 +153,15 @@ class HeadStats(Reducer):
 
     def observe(self, block: Block) -> None:
         w = _query_weights(block)                                  # [B, Q]
+        H = block.shape[1]
+        per_query = self.per_query(block)
+        sums = self.sums.setdefault(block.layer, {k: torch.zeros(H, dtype=torch.float64) for k in self.fields})
+        for k in self.fields:
+            sums[k] += (per_query[k]() * w[:, None, :]).sum((0, 2)).double().cpu()
+        self.counts[block.layer] = self.counts.get(block.layer, torch.zeros((), dtype=torch.float64)) + w.sum().double().cpu()
+
+    def per_query(self, block: Block) -> dict:
+        """``{field: () -> [B, H, Q] per-query value}``: each computed only when its field is asked."""
         B, H, Q, S = block.shape
         qpos, kpos = block.q_positions, block.k_positions
         a = block.a
@@ -180,10 +189,7 @@ class HeadStats(Reducer):
             w_self, w_sink = (winner == qpos.view(1, 1, Q)).float(), (winner == self.sink).float()
             per_query.update(winner_self=lambda: w_self, winner_sink=lambda: w_sink,
                              winner_other=lambda: 1.0 - w_self - w_sink)
-        sums = self.sums.setdefault(block.layer, {k: torch.zeros(H, dtype=torch.float64) for k in self.fields})
-        for k in self.fields:
-            sums[k] += (per_query[k]() * w[:, None, :]).sum((0, 2)).double().cpu()
-        self.counts[block.layer] = self.counts.get(block.layer, torch.zeros((), dtype=torch.float64)) + w.sum().double().cpu()
+        return per_query
 
     def result(self) -> pd.DataFrame:
         rows = []

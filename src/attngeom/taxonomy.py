@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 
 from .capture import Block
+from .metrics import safe_div
 from .reducers import HeadStats, _query_weights
 
 REGIMES = ("Retriever", "Mixer", "Reset")
@@ -33,8 +34,8 @@ SHARE_COLUMNS = ("winner_self", "winner_sink", "winner_other")
 
 
 def _safe_cos(dot: torch.Tensor, n1: torch.Tensor, n2: torch.Tensor) -> torch.Tensor:
-    den = n1 * n2
-    return torch.where(den > 0, dot / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(dot))
+    """``dot / (n1·n2)``, 0 where a norm is 0 (:func:`attngeom.metrics.safe_div`)."""
+    return safe_div(dot, n1 * n2)
 
 
 class TaxonomyStats(HeadStats):
@@ -44,24 +45,27 @@ class TaxonomyStats(HeadStats):
 
     FIELDS = HeadStats.FIELDS + ("align_sink", "align_self")
 
-    def observe(self, block: Block) -> None:
-        super().observe(block)
-        B, H, Q, S = block.shape
-        w = _query_weights(block)                                          # [B, Q]
+    FIELD_NEEDS = {**HeadStats.FIELD_NEEDS, "align_sink": ("uG", "head_output_norm", "value_norm"),
+                   "align_self": ("uG", "head_output_norm", "value_norm")}
+
+    def per_query(self, block: Block) -> dict:
+        out = super().per_query(block)
         st = block.state
-        uG = block.head_output @ st.G                                      # [B, H, Q, d]
-        on = block.head_output_norm                                        # [B, H, Q]
-        qpos = block.q_positions.clamp_max(st.v.shape[2] - 1)
-        v_self = st.v[:, :, qpos]                                          # [B, H, Q, d]
-        align_self = _safe_cos((uG * v_self).sum(-1), on, st.value_norm[:, :, qpos])
-        if self.sink < st.v.shape[2]:
+
+        def align_self():
+            qpos = block.q_positions.clamp_max(st.v.shape[2] - 1)
+            v_self = st.v[:, :, qpos]                                      # [B, H, Q, d]
+            return _safe_cos((block.uG * v_self).sum(-1), block.head_output_norm, st.value_norm[:, :, qpos])
+
+        def align_sink():
+            if self.sink >= st.v.shape[2]:
+                return torch.zeros(block.shape[:3])
             v0 = st.v[:, :, self.sink]                                     # [B, H, d]
-            align_sink = _safe_cos((uG * v0[:, :, None]).sum(-1), on, st.value_norm[:, :, self.sink][..., None])
-        else:
-            align_sink = torch.zeros(B, H, Q)
-        sums = self.sums[block.layer]
-        sums["align_sink"] += (align_sink * w[:, None, :]).sum((0, 2)).double().cpu()
-        sums["align_self"] += (align_self * w[:, None, :]).sum((0, 2)).double().cpu()
+            return _safe_cos((block.uG * v0[:, :, None]).sum(-1), block.head_output_norm,
+                             st.value_norm[:, :, self.sink][..., None])
+
+        out.update(align_self=align_self, align_sink=align_sink)
+        return out
 
     def merge(self, other: "HeadStats") -> "TaxonomyStats":
         """Add another reducer's sums (e.g. a calibration and a held-out pass of one corpus)."""
