@@ -224,6 +224,8 @@ def test_page_is_self_contained_and_escaped(handle):
     assert parsed["tokens"] == NASTY
     assert page.count("<script") == 2 and page.count("</script>") == 2
     assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page)   # no network
+    d.tokens[3] = "half \ud83d surrogate"
+    assert json.loads(_data_block(R.render(d)))["tokens"][3] == "half \ud83d surrogate"
     assert "textContent" in page and "innerHTML" not in page and "insertAdjacentHTML" not in page
     assert "default-src 'none'" in page
 

@@ -113,7 +113,8 @@ def render(data: ExploreData) -> str:
     head, sep, tail = template.partition(PLACEHOLDER)
     if not sep:  # pragma: no cover - a broken install
         raise RuntimeError(f"{TEMPLATE} has no {PLACEHOLDER}")
-    body = json.dumps(payload(data), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    # ensure_ascii: non-ASCII text (and any lone surrogate a tokenizer leaves) as \u escapes
+    body = json.dumps(payload(data), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return head + _escape_json(body) + tail
 
 
