@@ -369,3 +369,17 @@ def test_default_model_one_short_window(tmp_path):
     # masking the most important half hurts more than masking the least important half
     c = table[table.metric == "contribution"].set_index("mode")["change"]
     assert c["comprehensiveness"] > c["sufficiency"]
+
+
+@pytest.mark.parametrize("content,msg", [
+    (b'{"question": "q", "choices": ["a", "b"], "answer": 0}\n[1, 2]\n', ":2: expected a JSON object, got an array"),
+    (b'{"question": "q", "choices": ["a", "b"], "answer": 0}\n7\n', ":2: expected a JSON object, got a number"),
+    (b'{"question": "q\x01"}\n', ":1: not valid JSON at column"),
+    (b'{"question": "\xff"}\n', ":1: not UTF-8 text"),
+])
+def test_task_file_lines_are_checked(tmp_path, content, msg):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(InputError, match=msg) as e:
+        load_task(p, "mmlu")
+    assert not str(e.value).endswith(" at") and not str(e.value).endswith("at)")

@@ -19,7 +19,6 @@ Under an intervention the masking applies to the whole input (context and contin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -123,18 +122,17 @@ def load_task(path: str | Path, task: str, limit: int | None = None) -> list[Exa
     if p.is_dir():
         raise InputError(f"{p} is a directory; give a .jsonl task file")
     out = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    from .data import json_object
+
+    try:
+        lines = p.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        n = p.read_bytes()[:e.start].count(b"\n") + 1
+        raise InputError(f"{p}:{n}: not UTF-8 text") from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
             where = f"{p}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object")
-            out.append(_PARSERS[task](obj, where))
+            out.append(_PARSERS[task](json_object(line, where), where))
     if not out:
         raise InputError(f"{p} holds no examples")
     return out[:limit] if limit else out
