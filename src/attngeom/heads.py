@@ -61,37 +61,30 @@ def check_retentions(values: Iterable[float]) -> list[float]:
     return sorted(set(out), reverse=True)
 
 
+def _by_layer(removed) -> dict[int, list[int]]:
+    pairs = ([(int(l), int(h)) for l, hs in removed.items() for h in hs] if isinstance(removed, dict)
+             else [(int(l), int(h)) for l, h in removed])
+    out: dict[int, list[int]] = {}
+    for l, h in pairs:
+        out.setdefault(l, []).append(h)
+    return out
+
+
 class HeadRemoval:
-    """Intervention zeroing the mixing weights of removed heads. ``removed``: ``{layer: heads}``."""
+    """Intervention zeroing the mixing weights of removed heads: ``removed`` (``{layer: heads}`` or
+    ``[(layer, head), ...]``) in every row of the batch, or with ``rows`` one such removal per batch
+    row (several removals measured in one batched forward over copies of the same windows)."""
 
-    def __init__(self, removed: dict[int, Iterable[int]] | Iterable[tuple[int, int]]):
-        if isinstance(removed, dict):
-            pairs = [(int(l), int(h)) for l, hs in removed.items() for h in hs]
+    def __init__(self, removed: dict[int, Iterable[int]] | Iterable[tuple[int, int]] = (),
+                 rows: Sequence[dict | Iterable[tuple[int, int]]] | None = None):
+        self.by_layer = _by_layer(removed)
+        self.by_row = None if rows is None else [_by_layer(r) for r in rows]
+
+    def __call__(self, block: Block) -> torch.Tensor | None:
+        if self.by_row is None:
+            hits = [(slice(None), h) for h in self.by_layer.get(block.layer, ())]
         else:
-            pairs = [(int(l), int(h)) for l, h in removed]
-        self.by_layer: dict[int, list[int]] = {}
-        for l, h in pairs:
-            self.by_layer.setdefault(l, []).append(h)
-
-    def __call__(self, block: Block) -> torch.Tensor | None:
-        heads = self.by_layer.get(block.layer)
-        if not heads:
-            return None
-        w = block.a.clone()
-        w[:, heads] = 0
-        return w
-
-
-class PerExampleHeadRemoval:
-    """Intervention removing one head per batch element: ``assign[b] = (layer, head)`` or None. Used
-    to measure several single-head removals in one batched forward pass (the batch holds copies of
-    the same windows)."""
-
-    def __init__(self, assign: Sequence[tuple[int, int] | None]):
-        self.assign = list(assign)
-
-    def __call__(self, block: Block) -> torch.Tensor | None:
-        hits = [(b, lh[1]) for b, lh in enumerate(self.assign) if lh is not None and lh[0] == block.layer]
+            hits = [(b, h) for b, r in enumerate(self.by_row) for h in r.get(block.layer, ())]
         if not hits:
             return None
         w = block.a.clone()
@@ -169,7 +162,8 @@ def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base
     """ΔPPL of removing each head alone on ``windows``: ``[L, H]``.
 
     Several removals of the same layer share one forward pass: the batch holds one copy of the
-    windows per removal (:class:`PerExampleHeadRemoval`), about ``batch_size`` windows per pass.
+    windows per removal (:class:`HeadRemoval` with one removal per row), about ``batch_size``
+    windows per pass.
     One unit per head of stage ``sensitivity`` of ``run`` (resumable)."""
     from .runner import Memory
 
@@ -183,7 +177,7 @@ def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base
         group = [(u // H, u % H) for u in units]
         items = [w for _ in group for w in windows]
         assign = [lh for lh in group for _ in windows]
-        session = Session(intervention=PerExampleHeadRemoval(assign))
+        session = Session(intervention=HeadRemoval(rows=[[lh] for lh in assign]))
         batch = next(make_batches(handle, items, len(items)))
         x = batch_nll(handle, batch, session).numpy()
         return {"nll": [x[k * len(windows):(k + 1) * len(windows)] for k in range(len(group))]}
