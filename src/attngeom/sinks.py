@@ -258,19 +258,6 @@ def histogram_quantile(counts: np.ndarray, lo: float, hi: float, q: float) -> fl
     return lo + (k - 1 + frac) * width
 
 
-def histogram_share_inside(counts: np.ndarray, lo: float, hi: float, a: float, b: float) -> float:
-    """Share of the mass in bins fully inside ``(a, b)`` (``a, b`` must be bin edges)."""
-    counts = np.asarray(counts, dtype=float)
-    total = counts.sum()
-    if total <= 0:
-        return float("nan")
-    bins = len(counts) - 2
-    width = (hi - lo) / bins
-    i0 = int(round((a - lo) / width)) + 1
-    i1 = int(round((b - lo) / width)) + 1
-    return float(counts[i0:i1].sum() / total)
-
-
 def quadratic_fit(sums: np.ndarray) -> dict[str, float]:
     """Least-squares fit ``‖o‖ ≈ α ρ² + β ρ + γ`` over the queries, from the sums
     ``[n, Σρ, Σρ², Σρ³, Σρ⁴, Σy, Σyρ, Σyρ², Σy²]``. Returns ``alpha, beta, gamma, vertex`` (the
