@@ -233,21 +233,21 @@ class Run:
         self.units_done: dict[str, int] = {}
         self.units_total: dict[str, int] = {}
         self._check_agreement()
+        # the first process claims the directory; the others learn what it found
+        error = None
         if self.comm.rank == 0:
-            error = None
             try:
                 self._claim()
             except (InputError, OutputError) as e:
                 error = e
-            self.comm.broadcast([type(error).__name__, str(error)] if error else None)
-            if error:
-                raise error
-        else:
-            err = self.comm.broadcast(None)
-            if err:
-                raise (InputError if err[0] == "InputError" else OutputError)(err[1])
-            self.complete = read_manifest(self.out) is not None
-            self.resumed = (self.checkpoint / SETTINGS).exists()
+        found = self.comm.broadcast({"error": [type(error).__name__, str(error)] if error else None,
+                                     "complete": self.complete, "resumed": self.resumed})
+        if error:
+            raise error
+        if found["error"]:
+            kind, msg = found["error"]
+            raise (InputError if kind == "InputError" else OutputError)(msg)
+        self.complete, self.resumed = found["complete"], found["resumed"]
         self.comm.barrier()
         self._load_records()
 
