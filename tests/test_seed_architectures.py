@@ -8,8 +8,8 @@ soft-capping) and one under analysis, both with hooks on every ``o_proj`` input.
   (``Σ_j a_ij^h v_j^h``, float32) to bf16 rounding (relative error below one bf16 ulp, 2^-8);
 - at layer 0 (where both forwards see the same input) the o_proj input of the module's own
   attention is rebuilt to within a few bf16 ulps (SDPA and eager round at other places);
-- logits with analysis on are bit-identical to the plugin's exact path with no observer (the
-  observers change nothing) and agree with the module's own forward to bf16 rounding;
+- logits with analysis on are bit-identical (on CPU) to the plugin's exact path with no observer
+  (the observers change nothing) and agree with the module's own forward to bf16 rounding;
 - ``Σ_j c_ij^h = 1`` and ``Σ_h Σ_j C_ij^h = 1`` on every block (float32 metric math);
 - with a sliding window, no query attends to a source ``window`` or more positions back, and
   blocks of late queries do not even compute the sources before their window.
@@ -134,7 +134,10 @@ def check_architecture(name: str, T: int, *, bitwise: bool = False, threads: int
     assert torch.isfinite(got).all()
     if bitwise:
         plain = forward(handle, batch, Session(block_elements=block_elements), logits=True).cpu()
-        assert torch.equal(plain, got), "observers changed the forward pass"
+        if torch.device(device).type == "cpu":
+            assert torch.equal(plain, got), "observers changed the forward pass"
+        else:  # GPU kernels need not be bitwise reproducible from one call to the next
+            assert torch.allclose(plain, got, rtol=1e-3, atol=1e-3), "observers changed the forward pass"
     figures.update(sum_c=checker.max_sum_c, sum_C=checker.max_sum_C, outside=checker.max_outside,
                    row_sum=checker.max_row_sum_dev, blocks=checker.blocks,
                    late_blocks_skipping=checker.late_blocks_skipping)
