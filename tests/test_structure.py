@@ -56,3 +56,11 @@ def test_commands_are_thin_modules():
         src = p.read_text(encoding="utf-8")
         for forbidden in ("token_nll(", "batch_nll(", "make_batches(", "Session("):
             assert forbidden not in src, f"{p.name} runs the model itself ({forbidden})"
+
+
+def test_explore_defaults_of_the_command_match_the_core():
+    """The command keeps its defaults light (no torch at --help); they must equal the core's."""
+    from attngeom import explore
+    from attngeom.commands import explore as cmd
+
+    assert (cmd.DEFAULT_TOP_K, cmd.DEFAULT_EXACT_MAX_TOKENS) == (explore.DEFAULT_TOP_K, explore.DEFAULT_EXACT_MAX_TOKENS)

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from .errors import InputError, OutputError
-from .io import atomic_write_bytes, clean_json, decode, dumps, encode, fsync_dir, sha256_file, write_json
+from .io import clean_json, decode, dumps, encode, fsync_dir, sha256_file, write_json
 
 FORMAT = 1
 MANIFEST = "run.json"

@@ -26,14 +26,13 @@ token (it may be shorter). ``tokens.parquet`` then has one row per (window, laye
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import (add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list, load,
-                     model_identity, open_run, write_json, write_parquet)
+from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
+                     load, model_identity, open_run, text_identity, text_input, write_json, write_parquet)
 
 DEFAULT_OUT = "out/analyze"
 TOP_K = 5
@@ -53,9 +52,7 @@ def add_parser(subparsers) -> None:
                     "attention vs sink contribution. Writes summary.json and report.md too, all in --out "
                     f"(default {DEFAULT_OUT}). With no --text/--file: the built-in sample text (make demo).")
     add_model_args(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", default=None, help="the text to analyse (default: the built-in sample text)")
-    src.add_argument("--file", default=None, help="read the text to analyse from this UTF-8 file")
+    add_text_args(p, "analyse")
     p.add_argument("--layers", default="all",
                    help="layers to analyse: all (default) or a comma-separated list, e.g. 0,5,29")
     p.add_argument("--figure-layers", default=None,
@@ -79,23 +76,6 @@ def add_parser(subparsers) -> None:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _read_file(path: str) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"input file not found: {p}")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory; give a text file")
-    try:
-        text = p.read_bytes().decode("utf-8")  # as written: a \r stays a \r
-    except UnicodeDecodeError:
-        raise InputError(f"{p} is not a UTF-8 text file") from None
-    except OSError as e:
-        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
-    if not text.strip():
-        raise InputError(f"{p} is empty (or only whitespace); give some text to analyse")
-    return text
 
 
 def cut_windows(ids: list[int], window: int, stride: int | None, bos: int | None) -> tuple[list[tuple[int, list[int]]], bool]:
@@ -123,12 +103,10 @@ def _pick_figure_layers(layers: list[int]) -> list[int]:
 
 
 def run(args) -> int:
-    from ..data import SAMPLE_TEXT, parse_int_list
+    from ..data import parse_int_list
 
     t_start = time.perf_counter()
     # ---- everything that needs no model, before loading it ---------------------------------
-    if args.text is not None and not args.text.strip():
-        raise InputError("--text is empty (or only whitespace); give some text to analyse")
     layers = check_layer_list(args.layers)
     fig_layers = check_layer_list(args.figure_layers, "--figure-layers") if args.figure_layers else None
     heads = parse_int_list(args.heads, "--heads")
@@ -144,14 +122,8 @@ def run(args) -> int:
         raise InputError(f"--sink must be a position >= 0, got {args.sink}")
     if args.max_map_tokens < 0:
         raise InputError(f"--max-map-tokens must be >= 0, got {args.max_map_tokens}")
-    if args.file is not None:
-        text, source = _read_file(args.file), str(Path(args.file))
-    elif args.text is not None:
-        text, source = args.text, "--text"
-    else:
-        text, source = SAMPLE_TEXT, "built-in sample text (attngeom.data.SAMPLE_TEXT)"
-    settings = {**model_identity(args), "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                "source": source, "layers": "all" if layers is None else sorted(set(layers)),
+    text, source = text_input(args, "analyse")
+    settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
                 "figure_layers": fig_layers, "heads": "all" if heads is None else sorted(set(heads)),
                 "window": args.window, "stride": args.stride, "sink": args.sink,
                 "max_map_tokens": args.max_map_tokens}

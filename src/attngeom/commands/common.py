@@ -41,6 +41,45 @@ def add_out_arg(p, default: str | None = None) -> None:
                         "settings) instead of refusing; a run with the same settings always resumes")
 
 
+def add_text_args(p, verb: str) -> None:
+    """``--text`` / ``--file`` (default: the built-in sample text) for the one-text commands."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help=f"the text to {verb} (default: the built-in sample text)")
+    src.add_argument("--file", default=None, help=f"read the text to {verb} from this UTF-8 file (kept as written)")
+
+
+def text_input(args, verb: str) -> tuple[str, str]:
+    """``(text, source)`` of ``--text`` / ``--file`` / the built-in sample, checked before any
+    compute: an empty text, a missing, unreadable, non-UTF-8 or empty file are one-line errors. A
+    file is read as written (``\r`` stays ``\r``)."""
+    from ..data import SAMPLE_TEXT
+
+    if args.text is not None:
+        if not args.text.strip():
+            raise InputError(f"--text is empty (or only whitespace); give some text to {verb}")
+        return args.text, "--text"
+    if args.file is None:
+        return SAMPLE_TEXT, "built-in sample text (attngeom.data.SAMPLE_TEXT)"
+    p = Path(args.file)
+    if not p.exists():
+        raise InputError(f"input file not found: {p}")
+    if p.is_dir():
+        raise InputError(f"{p} is a directory; give a text file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{p} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
+    if not text.strip():
+        raise InputError(f"{p} is empty (or only whitespace); give some text to {verb}")
+    return text, str(p)
+
+
+def text_identity(text: str, source: str) -> dict:
+    return {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "source": source}
+
+
 def add_progress_arg(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 

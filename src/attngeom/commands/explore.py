@@ -8,21 +8,24 @@ fails with one line and exit status 2 before the model is loaded.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import add_model_args, add_out_arg, already_complete, check_layer_list, load, model_identity, open_run
+from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_layer_list, load,
+                     model_identity, open_run, text_identity, text_input)
+
+DEFAULT_TOP_K = 8
+"""Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explore.DEFAULT_TOP_K``)."""
+DEFAULT_EXACT_MAX_TOKENS = 512
+"""Every source kept up to this many tokens (``attngeom.explore.DEFAULT_EXACT_MAX_TOKENS``)."""
 
 DEFAULT_OUT = "out/explore"
 PAGE = "explore.html"
 
 
 def add_parser(subparsers) -> None:
-    from ..explore import DEFAULT_EXACT_MAX_TOKENS, DEFAULT_TOP_K
-
     p = subparsers.add_parser(
         "explore",
         help="write an interactive, offline HTML explorer of attention vs contribution for one text",
@@ -32,9 +35,7 @@ def add_parser(subparsers) -> None:
                     "per-layer sink attention vs sink contribution and a contribution-flow graph. One file, "
                     "no network; open it from disk.")
     add_model_args(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", default=None, help="the text to explore (default: the built-in sample text)")
-    src.add_argument("--file", default=None, help="read the text from this UTF-8 file")
+    add_text_args(p, "explore")
     p.add_argument("--layers", default="all", help="layers to include: all (default) or a list, e.g. 0,5,29")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
                    help=f"sources kept per (layer, head, query) beyond --exact-max-tokens (default {DEFAULT_TOP_K})")
@@ -45,30 +46,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def read_text_file(path: str) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"input file not found: {p}")
-    if p.is_dir():
-        raise InputError(f"{p} is a directory; give a text file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{p} is not a UTF-8 text file") from None
-    except OSError as e:
-        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
-    if not text.strip():
-        raise InputError(f"{p} is empty (or only whitespace); give some text to explore")
-    return text
-
-
 def run(args) -> int:
-    from ..data import SAMPLE_TEXT
-
     t_start = time.perf_counter()
     # ---- everything that needs no model ----------------------------------------------------------
-    if args.text is not None and not args.text.strip():
-        raise InputError("--text is empty (or only whitespace); give some text to explore")
     layers = check_layer_list(args.layers)
     if layers is not None and any(l < 0 for l in layers):
         raise InputError(f"--layers: layer {min(layers)} does not exist (layers count from 0)")
@@ -78,14 +58,8 @@ def run(args) -> int:
         raise InputError(f"--exact-max-tokens must be >= 0, got {args.exact_max_tokens}")
     if args.sink < 0:
         raise InputError(f"--sink must be a position >= 0, got {args.sink}")
-    if args.file is not None:
-        text, source = read_text_file(args.file), str(Path(args.file))
-    elif args.text is not None:
-        text, source = args.text, "--text"
-    else:
-        text, source = SAMPLE_TEXT, "built-in sample text"
-    settings = {**model_identity(args), "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                "source": source, "layers": "all" if layers is None else sorted(set(layers)),
+    text, source = text_input(args, "explore")
+    settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
                 "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink}
     with open_run(args, "explore", settings) as run:
         if already_complete(run, "explore"):
