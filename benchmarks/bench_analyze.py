@@ -59,7 +59,9 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("eager", "eager_attn", "analyze", "naive")
+METHODS = ("sdpa", "eager", "eager_attn", "capture", "attention_stats", "analyze", "naive")
+DEFAULT_METHODS = "sdpa,eager,capture,attention_stats,analyze"
+ATTENTION_FIELDS = ("sink_rate", "self_attention", "entropy")
 GiB = 1024**3
 
 
@@ -177,10 +179,20 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
 
     if method in ("eager", "eager_attn", "naive"):
         model.set_attn_implementation("eager")
-    if method == "analyze":
+    if method == "sdpa":
+        model.set_attn_implementation("sdpa")
+    if method in ("analyze", "attention_stats", "capture"):
+        def make():
+            if method == "analyze":
+                return [HeadStats(), TokenStats()]
+            if method == "attention_stats":
+                return [HeadStats(fields=ATTENTION_FIELDS),
+                        TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]
+            return []
+
         def run():
             batch = Batch(ids=x, lengths=torch.tensor([T]), index=[0])
-            reducers = [HeadStats(), TokenStats()]
+            reducers = make()
             session = Session(observers=reducers)
             for r in reducers:
                 r.begin(batch)
@@ -190,11 +202,11 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
             return [r.result() for r in reducers]
         # warm-up through the same path, on a short input
         wb = Batch(ids=warm, lengths=torch.tensor([warm.shape[1]]), index=[0])
-        wr = [HeadStats(), TokenStats()]
+        wr = make()
         for r in wr:
             r.begin(wb)
         tr.forward(handle, wb, Session(observers=wr))
-    elif method in ("eager", "eager_attn"):
+    elif method in ("eager", "eager_attn", "sdpa"):
         def run():
             with torch.no_grad():
                 return model(input_ids=x, use_cache=False, logits_to_keep=1,
@@ -237,10 +249,10 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
 
     base = _rss_bytes("VmRSS")
     reset = _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = run()
-    elapsed = time.perf_counter() - t0
-    result.update(seconds=elapsed, peak_bytes=_peak_bytes(), base_bytes=base, peak_reset=reset)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    result.update(seconds=elapsed, cpu_seconds=cpu, peak_bytes=_peak_bytes(), base_bytes=base, peak_reset=reset)
     if method == "naive":
         per = out["per_layer_s"]
         result["naive_layers_measured"] = len(per)
@@ -300,7 +312,7 @@ def main(argv=None) -> int:
                    help="comma-separated input lengths for the timing table (default 512,2048; 'none' to skip it)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per method and size (default 3; --quick 1)")
     p.add_argument("--naive-layers", type=int, default=2, help="layers the naive method computes (default 2)")
-    p.add_argument("--memory-sizes", default="4096,8192,16384",
+    p.add_argument("--memory-sizes", default="",
                    help="lengths for the longest-input probe (default 4096,8192,16384; '' to skip)")
     p.add_argument("--memory-layers", default="1,2",
                    help="two layer counts for the per-layer memory slope (default 1,2); the longest size runs "
@@ -311,9 +323,18 @@ def main(argv=None) -> int:
     p.add_argument("--memory-fast", action="store_true",
                    help="run the longest probe size on the first layer count only (slope extrapolated)")
     p.add_argument("--json", default=None, help="also write every measurement to this JSON file")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per measurement (default 1: on a shared machine several threads per "
-                        "process oversubscribe the cores and the timings become erratic; 0 = torch's default)")
+    p.add_argument("--threads", default="0,1",
+                   help="torch threads per measurement, comma-separated; 0 = torch's default, all cores "
+                        "(default 0,1: all cores, what a user has, and 1 thread, the steadiest on a shared machine)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"methods to time (default {DEFAULT_METHODS}; also eager_attn, naive)")
+    p.add_argument("--big-from", type=int, default=8192,
+                   help="from this length on, run --big-methods with --big-repeats (default 8192)")
+    p.add_argument("--big-methods", default=None, help="methods at long lengths (default: --methods)")
+    p.add_argument("--big-repeats", type=int, default=1, help="repeats at long lengths (default 1)")
+    p.add_argument("--long", default="",
+                   help="after the table, measure streaming analyze on ALL layers at these lengths (e.g. 32768): "
+                        "peak memory and duration, measured")
     # worker mode (internal)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--T", type=int, default=None, help=argparse.SUPPRESS)
@@ -321,77 +342,119 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.worker:
-        print(json.dumps(worker(args.worker, args.T, args.layers, args.naive_layers, args.threads)))
+        print(json.dumps(worker(args.worker, args.T, args.layers, args.naive_layers, int(args.threads))))
         return 0
     global THREADS
-    THREADS = args.threads
+    threads_list = [int(t) for t in str(args.threads).split(",") if t.strip()]
 
-    size_text = args.sizes or ("512" if args.quick else "512,2048")
+    size_text = args.sizes or ("512" if args.quick else "512,2048,8192")
     sizes = [] if size_text.strip().lower() == "none" else [int(s) for s in size_text.split(",") if s.strip()]
     repeats = args.repeats or (1 if args.quick else 3)
     mem_sizes = [] if args.quick else [int(s) for s in args.memory_sizes.split(",") if s.strip()]
     mem_layers = [int(s) for s in args.memory_layers.split(",") if s.strip()]
+    methods = [m for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown method {bad[0]!r}; known: {', '.join(METHODS)}")
+    big_methods = [m for m in (args.big_methods or args.methods).split(",") if m.strip()]
 
     import torch
 
     print(f"attngeom analyze benchmark — {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__} "
-          f"({THREADS or torch.get_num_threads()} thread(s) per measurement), "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads per measurement "
+          f"{', '.join('all cores' if t == 0 else str(t) for t in threads_list)}, "
           f"Python {platform.python_version()}")
     print("model: smollm2-135m (SmolLM2-135M-Instruct, 30 layers, 9 heads, 3 KV heads), float32, CPU")
     if sizes:
-        print(f"sizes {sizes}, {repeats} repeat(s), methods alternate within each repeat; absolute times are "
-              "noisy on a shared machine, the ratios are the result\n", flush=True)
+        print(f"sizes {sizes}, {repeats} repeat(s), methods {methods} alternate within each repeat; absolute "
+              "times are noisy on a shared machine, the ratios are the result (wall time, and the process's "
+              "CPU time, which waiting for a busy core does not inflate)\n", flush=True)
 
     records: list[dict] = []
-    for T in sizes:
-        methods = ["eager", "eager_attn", "analyze"] + (["naive"] if T == sizes[0] else [])
-        for r in range(repeats):
-            order = methods[r % len(methods):] + methods[:r % len(methods)]
-            for m in order:
-                res = measure(m, T, naive_layers=args.naive_layers)
-                res["repeat"] = r
-                records.append(res)
-                extra = (f"  (forward {res['naive_forward_s']:.1f} s + {res['naive_per_layer_s']:.1f} s/layer "
-                         f"measured on {res['naive_layers_measured']} layer(s), x{res['layers']} layers)"
-                         if m == "naive" else "")
-                print(f"  T={T:5d} repeat {r + 1}/{repeats} {m:10s} {fmt_s(res['seconds'])} "
-                      f"peak {fmt_gb(res['peak_bytes'])}{extra}", flush=True)
+    for th in threads_list:
+        THREADS = th
+        for T in sizes:
+            ms = [m for m in (methods if T < args.big_from else big_methods) if m != "naive" or T == sizes[0]]
+            for r in range(repeats if T < args.big_from else args.big_repeats):
+                order = ms[r % len(ms):] + ms[:r % len(ms)]
+                for m in order:
+                    res = measure(m, T, naive_layers=args.naive_layers)
+                    res.update(repeat=r, threads_setting=th)
+                    records.append(res)
+                    extra = (f"  (forward {res['naive_forward_s']:.1f} s + {res['naive_per_layer_s']:.1f} s/layer "
+                             f"measured on {res['naive_layers_measured']} layer(s), x{res['layers']} layers)"
+                             if m == "naive" else "")
+                    print(f"  threads {res['threads']} T={T:5d} repeat {r + 1} {m:16s} {fmt_s(res['seconds'])} "
+                          f"cpu {fmt_s(res['cpu_seconds'])} peak {fmt_gb(res['peak_bytes'])}{extra}", flush=True)
 
     # ---- ratio table -------------------------------------------------------------------------
-    def stat(T, m, key):
-        xs = [r[key] for r in records if r["T"] == T and r["method"] == m and r.get("layers_probe") is None]
+    def stat(th, T, m, key):
+        xs = [r[key] for r in records if r["T"] == T and r["method"] == m and r.get("threads_setting") == th
+              and r.get("layers_probe") is None]
         return statistics.median(xs) if xs else None
 
+    def ratio(x, y):
+        return None if x is None or y is None else x / y
+
+    def fr(x):
+        return f"{x:6.2f}x" if x is not None else "     —"
+
+    table = []
     if sizes:
-        print("\nMedians over repeats (time of the measured call; peak RSS of the whole process):")
-        header = f"{'T':>6} {'method':<11} {'time':>10} {'x eager':>8} {'peak RSS':>10} {'x eager':>8}"
+        print("\nMedians over repeats (time of the measured call; peak RSS of the whole process). "
+              "Ratios to the SDPA forward and to the eager forward, by wall time and by CPU time:")
+        header = (f"{'threads':>7} {'T':>6} {'method':<16} {'wall':>10} {'cpu':>10} {'xSDPA':>7} {'xeager':>7} "
+                  f"{'cpu xSDPA':>9} {'cpu xeager':>10} {'peak RSS':>10} {'mem xSDPA':>9}")
         print(header)
         print("-" * len(header))
-    table = []
-    for T in sizes:
-        te, me = stat(T, "eager", "seconds"), stat(T, "eager", "peak_bytes")
-        for m in METHODS:
-            t, mem = stat(T, m, "seconds"), stat(T, m, "peak_bytes")
-            if t is None:
-                continue
-            row = {"T": T, "method": m, "seconds": t, "peak_bytes": mem,
-                   "time_vs_eager": t / te, "peak_vs_eager": mem / me}
-            table.append(row)
-            note = " (extrapolated, see above)" if m == "naive" else ""
-            print(f"{T:>6} {m:<11} {t:>8.2f} s {t / te:>7.2f}x {mem / GiB:>6.2f} GiB {mem / me:>7.2f}x{note}")
+    for th in threads_list:
+        for T in sizes:
+            ts, te = stat(th, T, "sdpa", "seconds"), stat(th, T, "eager", "seconds")
+            cs, ce = stat(th, T, "sdpa", "cpu_seconds"), stat(th, T, "eager", "cpu_seconds")
+            ms_ = stat(th, T, "sdpa", "peak_bytes")
+            for m in METHODS:
+                t, c, mem = stat(th, T, m, "seconds"), stat(th, T, m, "cpu_seconds"), stat(th, T, m, "peak_bytes")
+                if t is None:
+                    continue
+                row = {"threads": th, "T": T, "method": m, "seconds": t, "cpu_seconds": c, "peak_bytes": mem,
+                       "time_vs_sdpa": ratio(t, ts), "time_vs_eager": ratio(t, te),
+                       "cpu_vs_sdpa": ratio(c, cs), "cpu_vs_eager": ratio(c, ce), "peak_vs_sdpa": ratio(mem, ms_)}
+                table.append(row)
+                note = " (extrapolated)" if m == "naive" else ""
+                print(f"{'all' if th == 0 else th:>7} {T:>6} {m:<16} {t:>8.2f} s {c:>8.2f} s {fr(row['time_vs_sdpa'])} "
+                      f"{fr(row['time_vs_eager'])} {fr(row['cpu_vs_sdpa']):>9} {fr(row['cpu_vs_eager']):>10} "
+                      f"{mem / GiB:>6.2f} GiB {fr(row['peak_vs_sdpa']):>9}{note}")
     print()
 
     targets = []
+    th_all = 0 if 0 in threads_list else threads_list[0]
     if 2048 in sizes:
-        ta, te = stat(2048, "analyze", "seconds"), stat(2048, "eager", "seconds")
-        ma, me = stat(2048, "analyze", "peak_bytes"), stat(2048, "eager", "peak_bytes")
-        targets.append(("analyze time <= 1.3x eager at T=2048", ta / te, ta / te <= 1.3))
-        targets.append(("analyze peak memory <= 1.2x eager at T=2048", ma / me, ma / me <= 1.2))
+        for m, limit in (("analyze", 1.5), ("attention_stats", 1.2)):
+            r_ = ratio(stat(th_all, 2048, m, "seconds"), stat(th_all, 2048, "sdpa", "seconds"))
+            if r_ is not None:
+                targets.append((f"{m} time <= {limit}x SDPA at T=2048 ({'all cores' if th_all == 0 else th_all})",
+                                r_, r_ <= limit))
     if 512 in sizes:
-        tn, ta = stat(512, "naive", "seconds"), stat(512, "analyze", "seconds")
-        if tn is not None:
+        tn = stat(threads_list[0], 512, "naive", "seconds")
+        ta = stat(threads_list[0], 512, "analyze", "seconds")
+        if tn is not None and ta is not None:
             targets.append(("analyze >= 50x faster than naive at T=512", tn / ta, tn / ta >= 50))
+
+    for T in [int(x) for x in args.long.split(",") if x.strip()]:
+        THREADS = threads_list[0]
+        print(f"Long input: streaming analyze (all metrics) on all layers at T={T}", flush=True)
+        try:
+            res = measure("analyze", T)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"  T={T} failed: {str(e).splitlines()[0]}")
+            continue
+        res["long"] = True
+        records.append(res)
+        ok = res["peak_bytes"] <= 16 * GiB
+        print(f"  T={T}: peak {fmt_gb(res['peak_bytes'])} (MEASURED, all {res['layers']} layers, "
+              f"{'within' if ok else 'OVER'} 16 GiB); {res['seconds']:.0f} s wall, {res['cpu_seconds']:.0f} s CPU, "
+              f"{res['threads']} thread(s)", flush=True)
+        targets.append((f"T={T} all layers peak memory within 16 GiB (GiB)", res["peak_bytes"] / GiB, ok))
 
     # ---- longest input ------------------------------------------------------------------------
     probe = []

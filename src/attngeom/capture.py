@@ -38,9 +38,11 @@ ATTN_NAME = "attngeom"
 
 _SESSION: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("attngeom_session", default=None)
 
-DEFAULT_BLOCK_ELEMENTS = 1 << 22
-"""Upper bound on ``B*H*Q*S`` for one block of queries (16 MiB per float32 map; larger blocks
-pay more in page faults than they save, measured in benchmarks/bench_analyze.py)."""
+DEFAULT_BLOCK_ELEMENTS = 1 << 21
+"""Upper bound on ``B*H*Q*S`` for one block of queries (8 MiB per float32 map). Measured by CPU
+time at T=2048 on the bundled model (docs/benchmark-analyze.md): 2^20 and 2^21 beat 2^22 and 2^23
+(the element-wise passes over a block stay in the cache); smaller blocks pay more per-block
+Python overhead."""
 
 
 # --------------------------------------------------------------------------------------------
