@@ -280,8 +280,8 @@ def measure(method: str, T: int, *, layers: int | None = None, naive_layers: int
     if layers is not None:
         cmd += ["--layers", str(layers)]
     env = dict(os.environ, TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
+    cmd += ["--threads", str(THREADS)]          # 0: torch's default (all cores)
     if THREADS:
-        cmd += ["--threads", str(THREADS)]
         env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
