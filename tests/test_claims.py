@@ -221,3 +221,13 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert main(args[:-5] + ["--bootstrap", "10", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
     assert main(args[:-5] + ["--fixed-order", "Mixer,Reset", "--out", str(tmp_path / "y"), "--no-progress"]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_side_by_side_table():
+    from attngeom.reports.claims import side_by_side
+
+    row = {"id": "sink_value_small", "claim": "values | small", "value": "3.5×", "interval": "[3, 4]", "verdict": "holds"}
+    md = side_by_side({"A": {"rows": [row]}, "B": {"rows": [{**row, "verdict": "refuted", "value": "1×"}]}})
+    lines = md.strip().split("\n")
+    assert len(lines) == 3 and "values \\| small" in lines[2]
+    assert "**holds**" in lines[2] and "**refuted**" in lines[2]

@@ -28,7 +28,7 @@ import math
 from typing import Sequence
 
 import numpy as np
-import pandas as pd
+
 
 from . import bootstrap as bs
 
@@ -452,7 +452,7 @@ def _sink_claims(point: dict, samples: dict) -> tuple[list[dict], dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def selection_arrays(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str = "euclidean") -> dict:
+def selection_arrays(sel: "pandas.DataFrame", n_windows: int, ns: Sequence[int], distance: str = "euclidean") -> dict:
     """Per-window sums of F and row counts: ``{kind: (sum [W, N], count [W, N])}`` for the kinds of
     :data:`attngeom.selection.KINDS`."""
     d = sel[sel["distance"] == distance]

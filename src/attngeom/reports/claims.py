@@ -75,3 +75,30 @@ def _num(x) -> str:
     if a >= 1e5:
         return f"{x:,.0f}"
     return f"{x:.4g}"
+
+
+def side_by_side(results: dict[str, dict]) -> str:
+    """One Markdown table comparing several models' ``claims.json`` contents (``{model label:
+    result}``): one row per claim, per model the measured value, its 95 % interval and the verdict."""
+    names = list(results)
+    ids: list[str] = []
+    wording: dict[str, str] = {}
+    by = {n: {r["id"]: r for r in results[n]["rows"]} for n in names}
+    for n in names:
+        for r in results[n]["rows"]:
+            if r["id"] not in ids:
+                ids.append(r["id"])
+                wording[r["id"]] = r["claim"]
+    head = "| # | claim | " + " | ".join(f"{escape(n)}: measured [95 % interval] | verdict" for n in names) + " |"
+    lines = [head, "|--:|---|" + "---|---|" * len(names)]
+    for k, i in enumerate(ids, 1):
+        cells = []
+        for n in names:
+            r = by[n].get(i)
+            if r is None:
+                cells += ["not run", ""]
+                continue
+            iv = "" if r["interval"] in (None, "n/a") else f" {r['interval']}"
+            cells += [escape(f"{r['value']}{iv}"), VERDICT_MARK.get(r["verdict"], escape(r["verdict"]))]
+        lines.append(f"| {k} | {escape(wording[i])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
