@@ -5,8 +5,17 @@ Measured side by side in one run on the default model (``load_model("smollm2-135
 CPU), with the methods alternating within every repeat (the order rotates from one repeat to the
 next), so that load from other jobs on a shared machine hits every method alike:
 
+``sdpa``
+    a plain forward pass with ``attn_implementation="sdpa"``, transformers' default: the forward
+    users compare with (issue 10's targets are ratios to it).
 ``eager``
     a plain forward pass with ``attn_implementation="eager"``.
+``capture``
+    the attngeom forward (blocked exact attention) with no observer: the floor of every analysis.
+``attention_stats``
+    streaming attention-level statistics only: ``HeadStats(fields=("sink_rate", "self_attention",
+    "entropy"))`` and ``TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))``;
+    these never touch a head-space product (tests/test_registry.py checks it).
 ``eager_attn``
     the same with ``output_attentions=True`` (every layer's ``[H, T, T]`` map is kept).
 ``analyze``
@@ -41,7 +50,8 @@ measure memory (``attngeom analyze`` itself refuses it without ``--window``).
 
 Usage::
 
-    python benchmarks/bench_analyze.py              # T=512 and 2048, 3 repeats, memory sizes
+    python benchmarks/bench_analyze.py              # T=512, 2048, 8192; all cores and 1 thread
+    python benchmarks/bench_analyze.py --sizes none --long 32768 --threads 1   # measured long run
     python benchmarks/bench_analyze.py --quick      # T=512 only, 1 repeat, no long-input sizes
     python benchmarks/bench_analyze.py --sizes 512,1024 --repeats 2 --json out/bench.json
 """

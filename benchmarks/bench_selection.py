@@ -49,10 +49,10 @@ def window_ids(handle, tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def time_eager(handle, ids) -> float:
+def time_eager(handle, ids, impl: str = "eager") -> float:
     model = handle.model
     previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(impl)
     try:
         x = torch.tensor([ids], device=model.device)
         t = time.perf_counter()
@@ -90,10 +90,11 @@ def main(argv=None) -> int:
     print(f"model {handle.name}: {handle.num_layers} layers x {handle.num_heads} heads; window {len(ids)} tokens; "
           f"torch threads {torch.get_num_threads()}")
     time_eager(handle, ids[:64])  # warm-up
-    eager, capture, core, full = [], [], [], []
+    eager, sdpa, capture, core, full = [], [], [], [], []
     red = None
     for r in range(args.repeats):
         eager.append(time_eager(handle, ids))
+        sdpa.append(time_eager(handle, ids, "sdpa"))
         capture.append(time_capture(handle, ids))
         t, red = time_selection(handle, ids, args.random_repeats, predict=False, random_without_sink=False)
         core.append(t)
@@ -111,6 +112,9 @@ def main(argv=None) -> int:
     print(f"median eager forward        {e:8.2f} s")
     print(f"median captured forward     {c:8.2f} s")
     print(f"median selection (total)    {s:8.2f} s   of which geometry ~{max(0.0, s - c):.2f} s")
+    print(f"median SDPA forward         {statistics.median(sdpa):8.2f} s")
+    rs = s / statistics.median(sdpa)
+    print(f"ratio selection / SDPA forward = {rs:.2f}x  (target <= 1.5x: {'met' if rs <= 1.5 else 'NOT met'})")
     ratio = s / e
     print(f"ratio selection / eager forward = {ratio:.2f}x  (target <= 2x: {'met' if ratio <= 2 else 'NOT met'})")
     if full:
