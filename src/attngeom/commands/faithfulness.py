@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .. import registry
 from ..errors import InputError
 from .common import (add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list,
                      data_identity, fields_of, load, model_identity, open_run, write_json, write_parquet)
@@ -25,7 +26,8 @@ def add_parser(subparsers) -> None:
                    help="score a multiple-choice JSONL file (--data) by option log-likelihood instead of perplexity")
     p.add_argument("--max-examples", type=int, default=None, help="task examples to use (default: all)")
     p.add_argument("--metrics", default="attention,value_weighted,output_normalized,contribution,random",
-                   help="ranking metrics, comma-separated (also: contribution_inter)")
+                   help="ranking metrics, comma-separated (known: "
+                        f"{', '.join((*registry.rank_names(), 'random'))}; attngeom.registry)")
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
                    help="removal ratios in (0, 1), comma-separated")
     p.add_argument("--seeds", default="0,1,2", help="seeds of the random ranking (default 0,1,2)")
