@@ -44,6 +44,11 @@ time at T=2048 on the bundled model (docs/benchmark-analyze.md): 2^20 and 2^21 b
 (the element-wise passes over a block stay in the cache); smaller blocks pay more per-block
 Python overhead."""
 
+MIN_BLOCK_QUERIES = 64
+"""With the default budget, a block holds at least this many queries (at T=8192 and 9 heads the
+2^21 budget alone gives 28 queries per block, ~300 blocks per layer, and per-block overhead and
+thin matrix products cost more than the larger maps: 2.9x SDPA CPU time against 1.7x at T=2048)."""
+
 
 # --------------------------------------------------------------------------------------------
 # The block handed to observers and interventions
@@ -319,6 +324,9 @@ class Session:
         self.intervention = intervention
         self.layers = None if layers is None else set(int(x) for x in layers)
         self.block_elements = DEFAULT_BLOCK_ELEMENTS if block_elements is None else int(block_elements)
+        # the default budget keeps at least MIN_BLOCK_QUERIES queries per block: at long inputs a
+        # fixed budget would leave a handful of queries per block and per-block overhead would dominate
+        self.min_queries = MIN_BLOCK_QUERIES if block_elements is None else 1
         self.lengths: torch.Tensor | None = None
         self.layers_seen: list[int] = []
 
@@ -359,8 +367,8 @@ def output_grams(module: torch.nn.Module, num_heads: int) -> tuple[torch.Tensor,
     return value
 
 
-def _query_blocks(B: int, H: int, Tq: int, S: int, budget: int) -> list[tuple[int, int]]:
-    step = max(1, min(Tq, budget // max(1, B * H * S)))
+def _query_blocks(B: int, H: int, Tq: int, S: int, budget: int, min_queries: int = 1) -> list[tuple[int, int]]:
+    step = max(1, min(Tq, max(min_queries, budget // max(1, B * H * S))))
     return [(i, min(Tq, i + step)) for i in range(0, Tq, step)]
 
 
@@ -454,7 +462,8 @@ def exact_attention(
                            kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device))
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])
-    for i0, i1 in _query_blocks(B, H, Tq, S, session.block_elements if session else DEFAULT_BLOCK_ELEMENTS):
+    budget = session.block_elements if session else DEFAULT_BLOCK_ELEMENTS
+    for i0, i1 in _query_blocks(B, H, Tq, S, budget, session.min_queries if session else MIN_BLOCK_QUERIES):
         allowed = _block_allowed(attention_mask, i0, i1)
         k0, k1 = _source_range(allowed, i1, S, Tq)
         scores = _scores(query[:, :, i0:i1], k[:, :, k0:k1], scaling, softcap,
