@@ -170,7 +170,8 @@ def test_finish_is_atomic_and_the_manifest_is_written_last(tmp_path, monkeypatch
 
 # Runs the CLI with a pause after every appended record, so that a kill lands mid-run.
 SLOW = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background parent may have ignored SIGINT
 import attngeom.runner as R
 real = R.Run._append
 def slow(self, rec):
