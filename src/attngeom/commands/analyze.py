@@ -112,16 +112,9 @@ def run(args) -> int:
     heads = parse_int_list(args.heads, "--heads")
     if heads is not None and not heads:
         raise InputError("--heads names no head")
-    check_at_least(args, window=3)
-    if args.stride is not None:
-        if args.window is None:
-            raise InputError("--stride needs --window")
-        if args.stride < 1:
-            raise InputError(f"--stride must be positive, got {args.stride}")
-    if args.sink < 0:
-        raise InputError(f"--sink must be a position >= 0, got {args.sink}")
-    if args.max_map_tokens < 0:
-        raise InputError(f"--max-map-tokens must be >= 0, got {args.max_map_tokens}")
+    check_at_least(args, window=3, stride=1, sink=0, max_map_tokens=0)
+    if args.stride is not None and args.window is None:
+        raise InputError("--stride needs --window")
     text, source = text_input(args, "analyse")
     settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
                 "figure_layers": fig_layers, "heads": "all" if heads is None else sorted(set(heads)),

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_layer_list, load,
+from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, load,
                      model_identity, open_run, text_identity, text_input)
 
 DEFAULT_TOP_K = 8
@@ -52,12 +52,7 @@ def run(args) -> int:
     layers = check_layer_list(args.layers)
     if layers is not None and any(l < 0 for l in layers):
         raise InputError(f"--layers: layer {min(layers)} does not exist (layers count from 0)")
-    if args.top_k < 1:
-        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.exact_max_tokens < 0:
-        raise InputError(f"--exact-max-tokens must be >= 0, got {args.exact_max_tokens}")
-    if args.sink < 0:
-        raise InputError(f"--sink must be a position >= 0, got {args.sink}")
+    check_at_least(args, top_k=1, exact_max_tokens=0, sink=0)
     text, source = text_input(args, "explore")
     settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
                 "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink}
