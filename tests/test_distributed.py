@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from attngeom.runner import MANIFEST, verify
-from test_runner import SLOW, TEXT, VOLATILE, _argv, _records
+from test_runner import SLOW, TEXT, _argv, _outputs as _tables, _records
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed beside this Python")
@@ -27,16 +27,6 @@ def _torchrun(*args, nproc=2, timeout=600, script=None):
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc)]
     cmd += ([script] if script else ["-m", "attngeom"]) + list(args)
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
-
-
-def _tables(out: Path) -> dict:
-    res = {}
-    for p in sorted(out.iterdir()):
-        if p.suffix == ".parquet":
-            res[p.name] = pd.read_parquet(p)
-        elif p.name == "summary.json":
-            res[p.name] = {k: v for k, v in json.loads(p.read_text()).items() if k not in VOLATILE}
-    return res
 
 
 def _same(a: dict, b: dict, rtol: float) -> None:
