@@ -28,6 +28,7 @@ from attngeom.capture import Session
 from attngeom.reducers import Batch, Reducer
 from attngeom.trace import forward
 from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_model
+from test_capture import _o_proj_inputs as capture_o_proj_inputs
 
 BF16_ULP = 2.0**-8
 
@@ -77,17 +78,9 @@ class CheckBlocks(Reducer):
 
 
 def _o_proj_inputs(model, run):
-    seen, hooks = {}, []
-    for name, mod in model.named_modules():
-        if name.endswith("self_attn"):
-            hooks.append(mod.o_proj.register_forward_pre_hook(
-                lambda m, args, i=mod.layer_idx: seen.__setitem__(i, args[0].detach()[0].float().cpu())))
-    try:
-        out = run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen, out
+    """Every layer's o_proj input of the first row, float32 on the CPU (:func:`test_capture._o_proj_inputs`)."""
+    seen, out = capture_o_proj_inputs(model, run)
+    return {layer: x[0].float().cpu() for layer, x in seen.items()}, out
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
