@@ -43,26 +43,15 @@ import sys
 import time
 from pathlib import Path
 
+from bench_analyze import _reset_peak, _rss_bytes  # noqa: E402  (same folder: the one reading of /proc)
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 METHODS = ("sdpa", "analyze")
 
 
 def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return _rss_bytes(field) or 0
 
 
 def worker(args) -> None:
