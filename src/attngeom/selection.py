@@ -722,20 +722,10 @@ def experiment(handle, run, windows, *, layers=None, batch_size: int = 2, **opti
     """Selection geometry over ``windows`` as one stage of ``run`` (resumable, shareable): each
     record is the :class:`SelectionStats` state of its windows (``options`` are its arguments);
     returns ``(selection rows, regime rows, summary)`` (:func:`summarize`)."""
-    from .runner import fingerprint, merge_sums
-    from .trace import stream, to_ids
+    from .trace import reduce_stage
 
-    ids = [to_ids(handle, w) for w in windows]
-
-    def work(units: list[int]) -> dict:
-        reducer = SelectionStats(**options)
-        stream(handle, [ids[u] for u in units], [reducer], layers=layers, batch_size=batch_size,
-               progress=False, index=units)
-        return reducer.state()
-
-    records = run.stage("selection", len(ids), work, group=batch_size, desc="selection", unit="window",
-                        fingerprints=[fingerprint(w) for w in ids])
-    reducer = SelectionStats(**options).load_state(merge_sums(records.values()))
+    (reducer,) = reduce_stage(handle, run, "selection", windows, lambda: [SelectionStats(**options)], layers=layers,
+                              batch_size=batch_size)
     sel, reg = reducer.result()
     if not len(sel):
         raise InputError("no query had at least 2 candidate sources; use longer windows")

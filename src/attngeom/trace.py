@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -171,31 +171,39 @@ def stream(
     return reducers
 
 
-def summaries(handle, run, items: Sequence, *, layers: Iterable[int] | None = None, sink: int = 0,
-              batch_size: int = 1, stage: str = "summaries"):
-    """Per-head (:class:`~attngeom.reducers.HeadStats`) and per-token
-    (:class:`~attngeom.reducers.TokenStats`) summaries of ``items`` as one stage of ``run`` (an
-    :class:`attngeom.runner.Run`: resumable, shareable among processes; None: in memory).
-    Returns ``(heads, tokens)`` DataFrames; ``tokens.text`` is the item's index."""
-    from .reducers import HeadStats, TokenStats
-    from .runner import fingerprint, merge_sums
+def reduce_stage(handle, run, name: str, items: Sequence, make: Callable[[], Sequence[Reducer]], *,
+                 layers: Iterable[int] | None = None, batch_size: int = 1, desc: str | None = None) -> list[Reducer]:
+    """Stream ``items`` through fresh reducers ``make()`` as stage ``name`` of ``run`` (an
+    :class:`attngeom.runner.Run`: one record of reducer states per group of items, resumable and
+    shareable among processes; None: in memory), then return ``make()`` loaded with the merged
+    states of every record: the reducers as if one pass had seen every item. Each item keeps its
+    index in ``items`` as ``batch.index``."""
+    from .runner import Memory, fingerprint, merge_sums
 
     ids = [to_ids(handle, x) for x in items]
 
     def work(units: list[int]) -> dict:
-        hs, ts = HeadStats(sink=sink), TokenStats(sink=sink)
-        stream(handle, [ids[u] for u in units], [hs, ts], layers=layers, batch_size=batch_size, progress=False,
+        reducers = make()
+        stream(handle, [ids[u] for u in units], reducers, layers=layers, batch_size=batch_size, progress=False,
                index=units)
-        return {"heads": hs.state(), "tokens": ts.state()}
+        return {str(k): r.state() for k, r in enumerate(reducers)}
 
-    if run is None:
-        records = [work([u]) for u in range(len(ids))]
-    else:
-        records = run.stage(stage, len(ids), work, group=batch_size, desc="analyse", unit="window",
-                            fingerprints=[fingerprint(x) for x in ids]).values()
-    merged = merge_sums(records)
-    return (HeadStats(sink=sink).load_state(merged["heads"]).result(),
-            TokenStats(sink=sink).load_state(merged["tokens"]).result())
+    records = (run or Memory()).stage(name, len(ids), work, group=batch_size, desc=desc or name, unit="window",
+                                      fingerprints=[fingerprint(x) for x in ids])
+    merged = merge_sums(records.values())
+    return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]
+
+
+def summaries(handle, run, items: Sequence, *, layers: Iterable[int] | None = None, sink: int = 0,
+              batch_size: int = 1, stage: str = "summaries"):
+    """Per-head (:class:`~attngeom.reducers.HeadStats`) and per-token
+    (:class:`~attngeom.reducers.TokenStats`) summaries of ``items`` as one stage of ``run``
+    (:func:`reduce_stage`). Returns ``(heads, tokens)`` DataFrames; ``tokens.text`` is the item's index."""
+    from .reducers import HeadStats, TokenStats
+
+    hs, ts = reduce_stage(handle, run, stage, items, lambda: [HeadStats(sink=sink), TokenStats(sink=sink)],
+                          layers=layers, batch_size=batch_size, desc="analyse")
+    return hs.result(), ts.result()
 
 
 # --------------------------------------------------------------------------------------------
