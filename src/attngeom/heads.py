@@ -354,8 +354,8 @@ def experiment(handle, run, corpora: Sequence[Sequence], *, calib_windows: int =
 
     windows = corpora[0]
     if len(windows) <= calib_windows:
-        raise InputError(f"{names[0]} gives {len(windows)} window(s): not enough for {calib_windows} calibration "
-                         "window(s) and at least one held-out window")
+        raise InputError(f"{names[0]} gives {len(windows)} window(s){f' of {len(windows[0])} tokens' if windows else ''}: "
+                         f"not enough for {calib_windows} calibration window(s) and at least one held-out window")
     calib, held = windows[:calib_windows], windows[calib_windows:]
     L = handle.num_layers
     recs = taxonomy_stage(handle, run, "taxonomy", windows, sink=sink, winner_norm=winner_norm, batch_size=batch_size,

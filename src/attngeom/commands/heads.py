@@ -91,9 +91,6 @@ def run(args) -> int:
             return 0
         handle = common.load(args)
         corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
-        if len(corpora[0]) <= args.calib_windows:
-            raise InputError(f"{args.data[0]} gives {len(corpora[0])} window(s) of {args.window} tokens: not enough "
-                             f"for {args.calib_windows} calibration window(s) and at least one held-out window")
         res = experiment(handle, run, corpora, calib_windows=args.calib_windows, retentions=retentions,
                          winner_norm=args.winner_norm, sink=args.sink, seed=args.seed, critical_k=args.critical_k,
                          batch_size=args.batch_size, names=args.data)
