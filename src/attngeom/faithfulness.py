@@ -29,7 +29,6 @@ the most negative comprehensiveness change and the largest (least negative) suff
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -41,6 +40,7 @@ from .capture import Session
 from .errors import InputError
 from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from .reducers import Batch
+from .runner import fingerprint
 from .trace import batch_nll
 
 DEFAULT_METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "random")
@@ -110,7 +110,7 @@ class Unit:
 
     @property
     def digest(self) -> int:
-        return zlib.crc32(np.asarray(self.ids, dtype=np.int64).tobytes()) ^ self.n_scored
+        return fingerprint(self.ids) ^ self.n_scored
 
 
 def window_units(windows: Sequence[Sequence[int]]) -> list[Unit]:
