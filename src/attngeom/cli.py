@@ -34,11 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except AttngeomError as e:
-        print(f"attngeom {args.command}: error: {e}", file=sys.stderr)
+        say(f"attngeom {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:
-        print(f"attngeom {args.command}: {interrupted_message(getattr(args, 'out', None))}", file=sys.stderr)
+        say(f"attngeom {args.command}: {interrupted_message(getattr(args, 'out', None))}")
         return 130
+
+
+def say(line: str) -> None:
+    """Write one line to stderr in a single write, so that the lines of several ranks sharing a
+    pipe (torchrun) never interleave mid-line (``print`` writes the text and the newline apart)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def interrupted_message(out) -> str:
