@@ -34,7 +34,7 @@ def _no_model(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model was loaded although the input is bad")
 
-    monkeypatch.setattr("attngeom.commands.analyze.load", boom)
+    monkeypatch.setattr("attngeom.commands.common.load", boom)   # every command calls common.load
     monkeypatch.setattr("attngeom.model.load_model", boom)
 
 

@@ -279,7 +279,7 @@ def _no_model(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model was loaded although the input is bad")
 
-    monkeypatch.setattr("attngeom.commands.explore.load", boom)
+    monkeypatch.setattr("attngeom.commands.common.load", boom)
 
 
 @pytest.mark.parametrize("argv, message", [

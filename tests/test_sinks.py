@@ -53,13 +53,16 @@ def test_rho_star_matches_brute_force_scan(seed):
 
 
 def test_rho_star_head_space_equals_model_space():
-    a, v, w_o, G = _random_layer(1)
-    W = M.head_blocks(w_o, v.shape[1])                       # [H, d, D]
-    r = torch.randn(2, 3, 4, 5, dtype=torch.float32)
-    v0 = torch.randn(2, 3, 4, 5, dtype=torch.float32)
-    head = rho_star(r, v0, G)
+    # float64 and seeded: the identity is exact, and ρ* is a ratio that float32 rounding can move
+    # past any fixed tolerance for an unlucky draw (this test used the global RNG: order-dependent)
+    _, v, w_o, _ = _random_layer(1)
+    W = M.head_blocks(w_o.double(), v.shape[1])              # [H, d, D]
+    g = torch.Generator().manual_seed(11)
+    r = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g)
+    v0 = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g)
+    head = rho_star(r, v0, M.gram(w_o.double(), v.shape[1]))
     model = rho_star(torch.einsum("bhnd,hdk->bhnk", r, W), torch.einsum("bhnd,hdk->bhnk", v0, W))
-    assert torch.allclose(head, model, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(head, model, atol=1e-10, rtol=1e-10)
 
 
 def test_decomposition_multiplies_back_to_the_contribution():

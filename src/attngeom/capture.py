@@ -117,17 +117,19 @@ class Block:
     @property
     def q_positions(self) -> torch.Tensor:
         """Positions of the block's queries: ``[Q]``."""
-        return torch.arange(self.q_start, self.q_start + self.a.shape[2], device=self.a.device)
+        return self._memo("qpos", lambda: torch.arange(self.q_start, self.q_start + self.a.shape[2],
+                                                       device=self.a.device))
 
     @property
     def k_positions(self) -> torch.Tensor:
         """Positions of the block's sources: ``[S]``."""
-        return torch.arange(self.k_start, self.k_start + self.a.shape[3], device=self.a.device)
+        return self._memo("kpos", lambda: torch.arange(self.k_start, self.k_start + self.a.shape[3],
+                                                       device=self.a.device))
 
     @property
     def query_valid(self) -> torch.Tensor:
         """``[B, Q]`` bool: the query is a real token (not right padding)."""
-        return self.q_positions[None, :] < self.state.lengths[:, None]
+        return self._memo("valid", lambda: self.q_positions[None, :] < self.state.lengths[:, None])
 
     @property
     def visible(self) -> torch.Tensor:
@@ -306,6 +308,29 @@ class Intervention(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
+class Workspace:
+    """Reusable buffers for the ``[B, H, Q, S]`` maps of successive blocks (logits, weights).
+
+    Every block of every layer takes its maps from here instead of allocating them: fresh 8 MiB
+    maps for each of the hundreds of blocks of a forward cost the kernel a page fault per 4 KiB
+    (measured at T=2048: about 600k faults per forward beyond SDPA's, several tenths of a second).
+    A map is valid until the next block of the session; observers and interventions only read it
+    while their block is current (a reducer that keeps a map copies it, as ``FullCapture`` does)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """A tensor of ``shape`` (uninitialised) backed by the buffer ``name``, grown when too small."""
+        n = 1
+        for x in shape:
+            n *= int(x)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
 class Session:
     """Observers and an intervention active for the forward passes run inside :meth:`active`.
 
@@ -329,6 +354,7 @@ class Session:
         self.min_queries = MIN_BLOCK_QUERIES if block_elements is None else 1
         self.lengths: torch.Tensor | None = None
         self.layers_seen: list[int] = []
+        self.workspace = Workspace()
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -393,40 +419,45 @@ def _source_range(allowed: torch.Tensor | None, i1: int, S: int, Tq: int) -> tup
     return int(cols.min()), int(cols.max()) + 1
 
 
-def _additive_mask(allowed, i0: int, i1: int, k0: int, k1: int, Tq: int, dtype, device) -> torch.Tensor | None:
+def _additive_mask(allowed, k0: int, k1: int, dtype, device) -> torch.Tensor | None:
     """``0`` where a query may attend, the dtype's minimum elsewhere (eager's convention):
-    ``[B|1, 1, Q, S]``, ``[Q, S]`` for causal, or None when nothing is masked."""
+    ``[B|1, 1, Q, S]``, or None for causal blocks (:func:`_scores` masks their diagonal part)."""
     if allowed is None:
-        if Tq == 1:
-            return None
-        return _causal_additive(i0, i1, k0, k1, dtype, str(device))
+        return None
     return torch.zeros(allowed[..., k0:k1].shape, dtype=dtype, device=device).masked_fill_(
         ~allowed[..., k0:k1], torch.finfo(dtype).min)
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_additive(i0: int, i1: int, k0: int, k1: int, dtype, device: str) -> torch.Tensor:
-    """Cached: the same blocks recur in every layer."""
-    q = torch.arange(i0, i1, device=device)[:, None]
-    k = torch.arange(k0, k1, device=device)[None, :]
-    return torch.zeros((i1 - i0, k1 - k0), dtype=dtype, device=device).masked_fill_(k > q, torch.finfo(dtype).min)
+def _future(Q: int, S: int, device: str) -> torch.Tensor:
+    """``[Q, S]`` bool, True where source ``c`` lies after query ``r`` (``c > r``); cached: the same
+    block shapes recur in every layer."""
+    return torch.ones(Q, S, dtype=torch.bool, device=device).triu_(1)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | None,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, diagonal: int | None = None,
+            workspace: Workspace | None = None) -> torch.Tensor:
     """Attention logits as eager computes them: ``(q kᵀ)·scaling``, soft-capped, plus the mask.
 
-    ``q [B, H, Q, d]``, ``k [B, H, S, d]`` -> ``[B, H, Q, S]``. Without soft-capping the scaling
-    and the mask are fused into one ``baddbmm`` (same values up to float rounding)."""
+    ``q [B, H, Q, d]``, ``k [B, H, S, d]`` -> ``[B, H, Q, S]``. ``mask`` is additive (``[B|1, 1, Q, S]``);
+    a causal block passes ``diagonal`` instead, the block column of its first query: only the
+    sources after each query in the ``[Q, Q]`` part from there on are masked (set to the dtype's
+    minimum, which is what eager's ``+ min`` gives in floating point), so no ``[Q, S]`` mask is
+    read or copied. Without soft-capping the scaling is fused into the product (``alpha``), written
+    into the ``workspace``'s buffer when one is given."""
     B, H, Q, d = q.shape
     S = k.shape[2]
-    if softcap is None and mask is not None and mask.dim() == 2:
-        out = torch.baddbmm(mask.expand(B * H, Q, S), q.reshape(B * H, Q, d),
-                            k.reshape(B * H, S, d).transpose(1, 2), alpha=scaling)
-        return out.view(B, H, Q, S)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-    if softcap is not None:
+    if softcap is None:
+        out = (q.new_empty(B * H, Q, S) if workspace is None
+               else workspace.take("scores", (B * H, Q, S), q.dtype, q.device))
+        scores = out.baddbmm_(q.reshape(B * H, Q, d), k.reshape(B * H, S, d).transpose(1, 2),
+                              beta=0, alpha=scaling).view(B, H, Q, S)
+    else:
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling
         scores = torch.tanh(scores / softcap) * softcap
+    if diagonal is not None and diagonal < S:
+        scores[..., diagonal:].masked_fill_(_future(Q, S - diagonal, str(q.device)), torch.finfo(scores.dtype).min)
     return scores if mask is None else scores + mask
 
 
@@ -467,12 +498,17 @@ def exact_attention(
         allowed = _block_allowed(attention_mask, i0, i1)
         k0, k1 = _source_range(allowed, i1, S, Tq)
         scores = _scores(query[:, :, i0:i1], k[:, :, k0:k1], scaling, softcap,
-                         _additive_mask(allowed, i0, i1, k0, k1, Tq, query.dtype, query.device))
+                         _additive_mask(allowed, k0, k1, query.dtype, query.device),
+                         diagonal=i0 - k0 if allowed is None and Tq > 1 else None,
+                         workspace=session.workspace if session else None)
         if sinks is not None:
             sink_logits = sinks.reshape(1, -1, 1, 1).expand(B, -1, i1 - i0, 1).to(scores.dtype)
             scores = torch.cat([scores, sink_logits], dim=-1)
             scores = scores - scores.max(dim=-1, keepdim=True).values
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+        elif session is not None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32,
+                                  out=session.workspace.take("probs", scores.shape, torch.float32, scores.device))
         else:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         probs = probs.to(query.dtype)

@@ -77,7 +77,7 @@ def output_sq_norm(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x / y`` where ``y > 0``, else 0 (a zero output has no direction; every weight on it is 0)."""
-    return torch.where(y > 0, x / torch.where(y > 0, y, torch.ones_like(y)), torch.zeros_like(x))
+    return torch.where(y > 0, x / y, 0.0)   # where() selects: the x / 0 elements are never read
 
 
 def value_weighted(a: torch.Tensor, value_norm: torch.Tensor) -> torch.Tensor:
@@ -227,7 +227,7 @@ def entropy_from_logits(a: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     Masked sources hold ``a = 0`` and a finite (very negative) logit. Clamped to ``[0, log S]``,
     the range of an entropy over ``S`` sources (a row with no visible source has no meaning)."""
     lse = scores.amax(-1) - torch.log(a.amax(-1))
-    h = lse * a.sum(-1) - torch.linalg.vecdot(a, scores)
+    h = lse * a.sum(-1) - torch.einsum("...j,...j->...", a, scores)  # einsum: no [..., S] product formed
     return h.clamp(0.0, math.log(a.shape[-1]))
 
 

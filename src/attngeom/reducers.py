@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from . import registry as R
-from .capture import Block
+from .capture import Block, Workspace
 
 
 @dataclass
@@ -76,7 +76,7 @@ def _export(x):
     if isinstance(x, dict):
         return {str(k): _export(v) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
+        return x.detach().cpu().numpy().copy()   # a snapshot: the reducer adds into its tensors in place
     if isinstance(x, list):
         return pd.concat(x, ignore_index=True) if x else pd.DataFrame()
     return x
@@ -111,6 +111,36 @@ def _seen_by(block: Block, w: torch.Tensor) -> torch.Tensor:
     return padded[:, first.clamp_max(Q)]
 
 
+def _winner_is_self_or_sink(block: Block, norms: torch.Tensor, sink_col: int,
+                            workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether the winner ``argmax_j a_ij n_j`` (SPEC §6; the first maximum, as ``argmax`` breaks
+    ties) is the query itself and whether it is the sink: two ``[B, H, Q]`` float 0/1 tensors.
+
+    ``norms [B, H, T]`` the value norms ``n_j``; ``sink_col`` the sink's column in the block. No
+    ``argmax`` pass: a source is the first maximum iff it equals the row maximum and every earlier
+    source is below it, and "every source before the query" is one row maximum after the sources
+    from the query on are set to ``-inf`` (only the ``[Q, Q]`` part from the block's first query).
+    The ``[B, H, Q, S]`` product is written into ``workspace`` when one is given."""
+    B, H, Q, S = block.shape
+    out = None if workspace is None else workspace.take("winner", block.a.shape, block.a.dtype, block.a.device)
+    x = torch.mul(block.a, norms[:, :, block.k_start:block.k_start + S].unsqueeze(-2), out=out)  # [B, H, Q, S]
+    top = x.amax(-1)                                                                # [B, H, Q]
+    if 0 <= sink_col < S:
+        w_sink = x[..., sink_col] == top
+        if sink_col > 0:
+            w_sink &= x[..., :sink_col].amax(-1) < top
+    else:
+        w_sink = torch.zeros_like(top, dtype=torch.bool)
+    self_col = block.q_positions - block.k_start                                    # [Q]
+    in_block = (self_col >= 0) & (self_col < S)
+    x_self = x.gather(-1, self_col.clamp(0, S - 1).view(1, 1, Q, 1).expand(B, H, Q, 1)).squeeze(-1)
+    c0 = max(0, block.q_start - block.k_start)                                      # earlier columns are before every query
+    if c0 < S:
+        x[..., c0:].masked_fill_(block.k_positions[None, c0:] >= block.q_positions[:, None], float("-inf"))
+    w_self = (x_self == top) & (x.amax(-1) < top) & in_block
+    return w_self.float(), w_sink.float()
+
+
 class HeadStats(Reducer):
     """Per-(layer, head) means over all real queries ``i > 0`` of the stream.
 
@@ -143,6 +173,8 @@ class HeadStats(Reducer):
         self.winner_norm = winner_norm
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, torch.Tensor] = {}
+        self._acc: dict[int, torch.Tensor] = {}   # layer -> [fields, H] float64 (see _accumulator)
+        self._workspace = Workspace()              # the winner product's buffer, reused block to block
 
     @property
     def needs(self) -> frozenset[str]:
@@ -155,15 +187,26 @@ class HeadStats(Reducer):
         w = _query_weights(block)                                  # [B, Q]
         H = block.shape[1]
         per_query = self.per_query(block)
-        sums = self.sums.setdefault(block.layer, {k: torch.zeros(H, dtype=torch.float64) for k in self.fields})
-        for k in self.fields:
-            sums[k] += (per_query[k]() * w[:, None, :]).sum((0, 2)).double().cpu()
+        acc = self._accumulator(block.layer, H)
+        values = torch.stack([per_query[k]() for k in self.fields])             # [fields, B, H, Q]
+        acc += (values * w[None, :, None, :]).sum((1, 3)).double().cpu()
         self.counts[block.layer] = self.counts.get(block.layer, torch.zeros((), dtype=torch.float64)) + w.sum().double().cpu()
+
+    def _accumulator(self, layer: int, H: int) -> torch.Tensor:
+        """The layer's ``[fields, H]`` float64 sums, one tensor (one addition per block), whose rows
+        ``sums[layer][field]`` are views; rebuilt from ``sums`` if those were replaced (``load_state``)."""
+        acc, sums = self._acc.get(layer), self.sums.get(layer)
+        if acc is None or sums is None or sums[self.fields[0]].data_ptr() != acc.data_ptr():
+            acc = (torch.stack([sums[k] for k in self.fields]) if sums
+                   else torch.zeros(len(self.fields), H, dtype=torch.float64))
+            self._acc[layer] = acc
+            self.sums[layer] = {k: acc[i] for i, k in enumerate(self.fields)}
+        return acc
 
     def per_query(self, block: Block) -> dict:
         """``{field: () -> [B, H, Q] per-query value}``: each computed only when its field is asked."""
         B, H, Q, S = block.shape
-        qpos, kpos = block.q_positions, block.k_positions
+        qpos = block.q_positions
         a = block.a
         sink_col = self.sink - block.k_start
         has_sink = 0 <= sink_col < S
@@ -184,9 +227,7 @@ class HeadStats(Reducer):
         }
         if any(f.startswith("winner_") for f in self.fields):
             norms = block.state.value_norm if self.winner_norm == "projected" else block.state.raw_value_norm
-            winner = (a * norms[:, :, block.k_start:block.k_start + S].unsqueeze(-2)).argmax(-1)
-            winner = kpos[winner]                                  # [B, H, Q] absolute positions
-            w_self, w_sink = (winner == qpos.view(1, 1, Q)).float(), (winner == self.sink).float()
+            w_self, w_sink = _winner_is_self_or_sink(block, norms, sink_col, self._workspace)
             per_query.update(winner_self=lambda: w_self, winner_sink=lambda: w_sink,
                              winner_other=lambda: 1.0 - w_self - w_sink)
         return per_query
@@ -242,29 +283,42 @@ class TokenStats(Reducer):
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
-        T = self.batch.ids.shape[1]
         acc = self._acc.get(block.layer)
         if acc is None:
-            acc = self._acc[block.layer] = {
-                **{f"{m}_received": torch.zeros(B, T, dtype=torch.float64) for m in self.metrics},
-                "seen_by": torch.zeros(B, T, dtype=torch.float64),
-                **{c: torch.zeros(B, T, dtype=torch.float64) for c in self.columns if c != "value_norm"}}
-            if "value_norm" in self.columns:
-                acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()
+            acc = self._acc[block.layer] = self._accumulators(block)
         w = block.query_valid.float()                              # [B, Q]
+        received = block.received(w, self.metrics) if self.metrics else {}
         ks = slice(block.k_start, block.k_start + S)
-        qs = slice(block.q_start, block.q_start + Q)
-        acc["seen_by"][:, ks] += _seen_by(block, w).double().cpu()
-        if self.metrics:
-            for m, x in block.received(w, self.metrics).items():
-                acc[f"{m}_received"][:, ks] += x.double().cpu()
+        acc["_source"][:, :, ks] += torch.stack([_seen_by(block, w), *received.values()]).double().cpu()
+        per_query = []                                             # [B, Q] each, in the order of _query
         sink_col = self.sink - block.k_start
-        if "sink_rate" in self.columns and 0 <= sink_col < S:
-            acc["sink_rate"][:, qs] = block.a[..., sink_col].mean(1).double().cpu()
-        if "entropy" in self.columns:
-            acc["entropy"][:, qs] = block.entropy.mean(1).double().cpu()
-        if "output_norm" in self.columns:
-            acc["output_norm"][:, qs] = block.output_norm.double().cpu()
+        for c in self._query:
+            if c == "sink_rate":
+                per_query.append(block.a[..., sink_col].mean(1) if 0 <= sink_col < S else w.new_zeros(B, Q))
+            elif c == "entropy":
+                per_query.append(block.entropy.mean(1))
+            else:
+                per_query.append(block.output_norm)
+        if per_query:
+            acc["_query"][:, :, block.q_start:block.q_start + Q] = torch.stack(per_query).double().cpu()
+
+    @property
+    def _query(self) -> tuple[str, ...]:
+        return tuple(c for c in self.columns if c != "value_norm")
+
+    def _accumulators(self, block: Block) -> dict[str, torch.Tensor]:
+        """A layer's float64 ``[B, T]`` sums and values by name, as views of two tensors (one
+        addition and one copy per block): ``_source`` (``seen_by`` and each ``<metric>_received``)
+        and ``_query`` (the query-side columns)."""
+        B, T = self.batch.ids.shape
+        source = torch.zeros(1 + len(self.metrics), B, T, dtype=torch.float64)
+        query = torch.zeros(len(self._query), B, T, dtype=torch.float64)
+        acc = {"_source": source, "_query": query, "seen_by": source[0],
+               **{f"{m}_received": source[1 + i] for i, m in enumerate(self.metrics)},
+               **{c: query[i] for i, c in enumerate(self._query)}}
+        if "value_norm" in self.columns:
+            acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()
+        return acc
 
     def end(self, batch: Batch) -> None:
         for layer, acc in sorted(self._acc.items()):

@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
+from . import common
 from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
-                     load, model_identity, open_run, text_identity, text_input, write_json, write_parquet)
+                     model_identity, open_run, text_identity, text_input, write_json, write_parquet)
 
 DEFAULT_OUT = "out/analyze"
 TOP_K = 5
@@ -131,7 +132,7 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
 
     # ---- the model and the input ------------------------------------------------------------
     t0 = time.perf_counter()
-    handle = load(args)
+    handle = common.load(args)
     t_load = time.perf_counter() - t0
     L, H = handle.num_layers, handle.num_heads
     layers = sorted(set(check_layers(layers, L) or range(L)))

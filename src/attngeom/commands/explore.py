@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
-from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, load,
+from . import common
+from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
                      model_identity, open_run, text_identity, text_input)
 
 DEFAULT_TOP_K = 8
@@ -63,7 +64,7 @@ def run(args) -> int:
         from ..explore import build
         from ..reports import explore as rep
 
-        handle = load(args)
+        handle = common.load(args)
         L = handle.num_layers
         if layers is not None:
             bad = [l for l in layers if l >= L]

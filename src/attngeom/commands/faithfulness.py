@@ -7,8 +7,9 @@ from pathlib import Path
 
 from .. import registry
 from ..errors import InputError
+from . import common
 from .common import (add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list,
-                     data_identity, fields_of, load, model_identity, open_run, write_json, write_parquet)
+                     data_identity, fields_of, model_identity, open_run, write_json, write_parquet)
 
 
 def add_parser(subparsers) -> None:
@@ -72,7 +73,7 @@ def run(args) -> int:
         if already_complete(run, "faithfulness"):
             return 0
         # ---- the model --------------------------------------------------------------------------
-        handle = load(args)
+        handle = common.load(args)
         layers = check_layers(layers, handle.num_layers)
         if examples is not None:
             units = task_units(handle, examples)
