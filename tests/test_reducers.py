@@ -141,3 +141,30 @@ def test_a_block_that_starts_after_the_sink_and_the_value_norms_weigh_the_winner
     winner = (a * norms.unsqueeze(-2)).argmax(-1) + 2                    # absolute positions
     assert torch.equal(w["winner_self"], (winner == torch.tensor([4, 5])).float())
     assert float(w["winner_sink"].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
+    """``Block.received`` (one product per group of heads sharing values) against the sums of the
+    token-level score maps, on the live blocks of every architecture (grouped-query ones included)."""
+    from attngeom import metrics as M
+
+    handle = tiny_model(arch)
+    cfg = handle.model.config
+    n_rep = cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    seen = []
+
+    class Check:
+        def observe(self, block):
+            assert block.state.n_rep == n_rep
+            w = torch.rand(block.shape[0], block.shape[2], generator=torch.Generator().manual_seed(block.q_start))
+            fast = block.received(w)
+            for name in M.RECEIVED:
+                slow = (w.unsqueeze(1) @ block.token_score(name)).squeeze(1)
+                assert torch.allclose(fast[name], slow, atol=1e-5, rtol=1e-5), (arch, block.layer, name)
+            seen.append(block.layer)
+
+    ids = _ids(handle)
+    forward(handle, Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0]),
+            Session(observers=[Check()], block_elements=300))
+    assert sorted(set(seen)) == list(range(cfg.num_hidden_layers))

@@ -86,6 +86,17 @@ class LayerState:
     def num_heads(self) -> int:
         return self.v.shape[1]
 
+    @cached_property
+    def n_rep(self) -> int:
+        """Query heads per key/value head, when every group is ``n_rep`` consecutive heads (as
+        ``repeat_kv`` lays them out); else 1 (every head on its own)."""
+        H = self.num_heads
+        groups = int(self.kv_head.max()) + 1 if self.kv_head.numel() else H
+        n = H // groups if groups and H % groups == 0 else 1
+        if n > 1 and not torch.equal(self.kv_head.cpu(), torch.arange(H) // n):
+            return 1
+        return n
+
 
 @dataclass
 class Block:
@@ -270,7 +281,8 @@ class Block:
                 value_norm=self.value_norm if need_norm else None,
                 head_out_norm=self.head_output_norm if "output_normalized" in fast else None,
                 p=self.pulled_back if "contribution" in fast else None,
-                out_sq=self.output_sq if "contribution" in fast else None))
+                out_sq=self.output_sq if "contribution" in fast else None,
+                n_rep=self.state.n_rep))
         for n in names:
             if n not in out:
                 out[n] = (weight.unsqueeze(1) @ self.token_score(n)).squeeze(1)

@@ -176,7 +176,8 @@ RECEIVED = ("attention", "value_weighted", "output_normalized", "contribution")
 
 def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.Tensor | None = None,
              value_norm: torch.Tensor | None = None, head_out_norm: torch.Tensor | None = None,
-             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None,
+             n_rep: int = 1) -> dict[str, torch.Tensor]:
     """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2
     named in ``names`` (a subset of :data:`RECEIVED`), without forming any score map:
     -> ``{metric: [B, S]}``. Only the pieces those metrics use need be given.
@@ -184,7 +185,12 @@ def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.
     ``weight [B, Q]`` weighs the queries (e.g. 0 for padding). Every sum over queries is a row of one
     ``Xᵀa`` product: ``Σ_i w_i a_ij^h (p_i^h·v_j^h)/‖o_i‖² = v_j^h · (Xᵀ a)_j`` with
     ``X = w p/‖o‖²``, and likewise ``w`` (attention, value-weighted) and ``w/‖o_i^h‖``
-    (output-normalised)."""
+    (output-normalised).
+
+    ``n_rep``: query heads per key/value head (grouped-query attention; ``v`` holds each group's
+    values repeated). The heads of a group share ``v_j``, so their contribution rows are summed
+    inside one product (``[X^{h1}ᵀ … X^{hr}ᵀ] [a^{h1}; …; a^{hr}]``, the heads stacked along the
+    queries): the same arithmetic, an ``n_rep`` times smaller ``[B, H/n_rep, d, S]`` result."""
     B, H, Q, S = a.shape
     names = tuple(names)
     rows = []                                                                # pieces of Xᵀ: [B, H, k, Q]
@@ -193,24 +199,23 @@ def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.
         rows.append(weight[:, None, None, :].expand(B, H, 1, Q))
     if "output_normalized" in names:
         rows.append((weight[:, None, :] * safe_div(torch.ones_like(head_out_norm), head_out_norm)).unsqueeze(2))
-    if "contribution" in names:
-        rows.append((p * safe_div(weight, out_sq)[:, None, :, None]).transpose(-1, -2))
-    Rt = (rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)) @ a         # [B, H, k, S]
     out: dict[str, torch.Tensor] = {}
-    k = 0
-    if plain:
-        att = Rt[:, :, 0]
-        if "attention" in names:
-            out["attention"] = att.mean(1)
-        if "value_weighted" in names:
-            out["value_weighted"] = (att * value_norm).sum(1)
-        k += 1
-    if "output_normalized" in names:
-        out["output_normalized"] = (Rt[:, :, k] * value_norm).sum(1)
-        k += 1
+    if rows:
+        Rt = (rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)) @ a     # [B, H, k, S]
+        if plain:
+            att = Rt[:, :, 0]
+            if "attention" in names:
+                out["attention"] = att.mean(1)
+            if "value_weighted" in names:
+                out["value_weighted"] = (att * value_norm).sum(1)
+        if "output_normalized" in names:
+            out["output_normalized"] = (Rt[:, :, -1] * value_norm).sum(1)
     if "contribution" in names:
-        out["contribution"] = (Rt[:, :, k:] * v.transpose(-1, -2)).sum(2).sum(1)
-    return out
+        G, d = H // n_rep, p.shape[-1]
+        X = (p * safe_div(weight, out_sq)[:, None, :, None]).reshape(B, G, n_rep * Q, d)
+        Rc = X.transpose(-1, -2) @ a.reshape(B, G, n_rep * Q, S)            # [B, G, d, S]
+        out["contribution"] = (Rc * v[:, ::n_rep].transpose(-1, -2)).sum(2).sum(1)
+    return {n: out[n] for n in names}
 
 
 def token_scores(per_head: torch.Tensor, heads: str = "sum") -> torch.Tensor:
