@@ -10,18 +10,11 @@ import torch
 from attngeom.capture import Block, LayerState, Session
 from attngeom.reducers import Batch, HeadStats
 from attngeom.trace import analyze, forward
+from test_capture import _ids
 from tiny_models import ARCHS, tiny_model
 
 T = 24
 WINNERS = ("winner_self", "winner_sink", "winner_other")
-
-
-def _ids(handle, n=T, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, handle.model.config.vocab_size, (n,), generator=g)
-    if handle.tokenizer.bos_token_id is not None:
-        ids[0] = handle.tokenizer.bos_token_id
-    return ids
 
 
 def _reference_winners(a: torch.Tensor, norms: torch.Tensor, sink: int = 0) -> dict[str, torch.Tensor]:

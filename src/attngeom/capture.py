@@ -18,6 +18,7 @@ the weights that mix the values (no renormalisation, SPEC §3). Blocks only ever
 from __future__ import annotations
 
 import contextlib
+import math
 import functools
 import weakref
 import contextvars
@@ -91,11 +92,8 @@ class LayerState:
         """Query heads per key/value head, when every group is ``n_rep`` consecutive heads (as
         ``repeat_kv`` lays them out); else 1 (every head on its own)."""
         H = self.num_heads
-        groups = int(self.kv_head.max()) + 1 if self.kv_head.numel() else H
-        n = H // groups if groups and H % groups == 0 else 1
-        if n > 1 and not torch.equal(self.kv_head.cpu(), torch.arange(H) // n):
-            return 1
-        return n
+        n = H // (int(self.kv_head.max()) + 1)
+        return n if torch.equal(self.kv_head.cpu(), torch.arange(H) // n) else 1
 
 
 @dataclass
@@ -334,9 +332,7 @@ class Workspace:
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialised) backed by the buffer ``name``, grown when too small."""
-        n = 1
-        for x in shape:
-            n *= int(x)
+        n = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
             buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
@@ -518,11 +514,9 @@ def exact_attention(
             scores = torch.cat([scores, sink_logits], dim=-1)
             scores = scores - scores.max(dim=-1, keepdim=True).values
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
-        elif session is not None:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32,
-                                  out=session.workspace.take("probs", scores.shape, torch.float32, scores.device))
         else:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            buf = session.workspace.take("probs", scores.shape, torch.float32, scores.device) if session else None
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32, out=buf)
         probs = probs.to(query.dtype)
         mixed = None
         if observing:

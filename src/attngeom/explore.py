@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import metrics as M
 from .capture import Block
 from .errors import InputError
 from .reducers import Reducer
@@ -263,8 +264,7 @@ class ResidualShares:
             x, delta = x[0].double(), delta[0].double()                   # [T, D]
             y = x + delta
             yy = (y * y).sum(-1)
-            r = torch.where(yy > 0, (y * x).sum(-1) / torch.where(yy > 0, yy, torch.ones_like(yy)),
-                            torch.ones_like(yy))
+            r = M.safe_div((y * x).sum(-1), yy, fill=1.0)
             self.shares[l] = r.float().cpu().numpy()
         return hook
 

@@ -75,9 +75,10 @@ def output_sq_norm(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (p * u).sum((1, 3)).clamp_min(0.0)
 
 
-def safe_div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x / y`` where ``y > 0``, else 0 (a zero output has no direction; every weight on it is 0)."""
-    return torch.where(y > 0, x / y, 0.0)   # where() selects: the x / 0 elements are never read
+def safe_div(x: torch.Tensor, y: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``x / y`` where ``y > 0``, else ``fill`` (default 0: a zero output has no direction; every
+    weight on it is 0)."""
+    return torch.where(y > 0, x / y, fill)   # where() selects: the x / 0 elements are never read
 
 
 def value_weighted(a: torch.Tensor, value_norm: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ def rho_star_from_dots(r2: torch.Tensor, rv: torch.Tensor, v2: torch.Tensor) -> 
     NaN where ``‖r − ṽ_0‖`` vanishes (every ρ gives the same output)."""
     den = r2 - 2 * rv + v2
     ok = den > EPS * (r2 + v2).clamp_min(1e-30)
-    return torch.where(ok, (r2 - rv) / torch.where(ok, den, torch.ones_like(den)), torch.full_like(den, float("nan")))
+    return torch.where(ok, (r2 - rv) / den, float("nan"))   # where() selects: the ratios at ~0 are never read
 
 
 def rho_star(r: torch.Tensor, v0: torch.Tensor, G: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,8 +158,7 @@ def sink_terms(a: torch.Tensor, v: torch.Tensor, G: torch.Tensor, v0: torch.Tens
             vis[..., sink_col] = False
         n_vis = vis.sum(-1).float()                           # [B|1,1,Q]
     logn = torch.log(n_vis.clamp_min(1.0)).expand(B, H, Q)
-    tail_entropy = torch.where(logn > 0, ent / torch.where(logn > 0, logn, torch.ones_like(logn)),
-                               torch.full_like(ent, float("nan")))
+    tail_entropy = M.safe_div(ent, logn, fill=float("nan"))
     return {
         "rho": rho,
         "output_norm": on,
