@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import registry
 from . import markdown as md
 from .common import DPI  # sets the Agg backend first
 
@@ -34,12 +35,13 @@ MASK_COLOR = "#e6e6e6"
 SEQ_CMAP = "magma_r"
 DIV_CMAP = "RdBu_r"
 
-TOKEN_LEVEL = (
-    ("attention", "Attention", r"mean over heads of $a_{ij}^h$"),
-    ("contribution", "Contribution", r"$C_{ij}=\Sigma_h \langle o_i, a_{ij}^h\tilde v_j^h\rangle/\|o_i\|^2$"),
-    ("value_weighted", "Value-weighted", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|$"),
-    ("output_normalized", "Output-normalised", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|/\|o_i^h\|$"),
-)
+TOKEN_LEVEL = tuple((name, registry.label(name).capitalize(), formula) for name, formula in (
+    ("attention", r"mean over heads of $a_{ij}^h$"),
+    ("contribution", r"$C_{ij}=\Sigma_h \langle o_i, a_{ij}^h\tilde v_j^h\rangle/\|o_i\|^2$"),
+    ("value_weighted", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|$"),
+    ("output_normalized", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|/\|o_i^h\|$"),
+))
+"""The token-level maps drawn: (metric, title from the registry's label, formula)."""
 
 
 # --------------------------------------------------------------------------------------------
