@@ -277,6 +277,18 @@ def test_sink_regime_recovers_constructed_parameters():
     assert float(p["profile_r2"][0]) == pytest.approx(1.0)
 
 
+def test_lag_cosines_equal_a_loop_over_pairs():
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(3, 50, 7, generator=g, dtype=torch.float64)
+    u = u / u.norm(dim=-1, keepdim=True)
+    lags = SEL.default_lags(50, max_lag=40)
+    got = SEL.lag_cosines(u, lags)
+    for h in range(3):
+        for k, lag in enumerate(lags):
+            ref = sum(float(u[h, j] @ u[h, j + lag]) for j in range(50 - lag)) / (50 - lag)
+            assert float(got[h, k]) == pytest.approx(ref, abs=1e-12)
+
+
 def test_model_gram_is_the_gram_of_model_vectors_and_prediction_uses_it():
     n, lam, kappa = 40, 0.2, -0.2
     params = {"lam": torch.tensor([lam]), "sink_cos": torch.tensor([kappa]), "norm_ratio": torch.tensor([5.0]),

@@ -321,3 +321,21 @@ def test_bundled_model_trace_of_ten_tokens_is_small(tmp_path):
     big = tr.save(tmp_path / "big", weights=True) / "tensors.safetensors"
     assert small.stat().st_size < 2.5e6 < 40e6 < big.stat().st_size
     assert_same_trace(tr, Trace.load(small.parent))
+
+
+@pytest.mark.parametrize("chunk", [1, 7 * 50, 1 << 20])
+def test_token_nll_in_chunks_equals_one_log_softmax(monkeypatch, chunk):
+    """The chunked NLL gives exactly the values of one log-softmax over all positions, padding 0."""
+    from attngeom import trace as TR
+    from attngeom.reducers import Batch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 50, generator=g) * 4
+    ids = torch.randint(0, 50, (3, 9), generator=g)
+    batch = Batch(ids=ids, lengths=torch.tensor([9, 5, 1]), index=[0, 1, 2])
+    monkeypatch.setattr(TR, "NLL_CHUNK_ELEMENTS", chunk)
+    got = TR.token_nll(logits, batch)
+    ref = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref[1, 4:] = 0
+    ref[2, :] = 0
+    assert torch.equal(got, ref)

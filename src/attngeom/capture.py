@@ -525,15 +525,16 @@ def exact_attention(
             block = Block(state=state, a=probs.float(), q_start=i0, k_start=k0,
                           allowed=None if allowed is None else allowed[..., k0:k1],
                           scores=scores if keep else None)
-            if query.dtype == torch.float32:
-                # in float32 the head outputs the metrics use are the module's own output: share them
-                mixed = block.head_output
             for obs in session.observers:
                 obs.observe(block)
             if session.intervention is not None:
                 edited = session.intervention(block)
                 if edited is not None:
                     mixed = torch.matmul(edited.to(query.dtype), v[:, :, k0:k1])
+            if mixed is None and query.dtype == torch.float32:
+                # in float32 the head outputs the metrics use are the module's own output: share
+                # them (computed here only when no observer asked for them first)
+                mixed = block.head_output
         if mixed is None:
             mixed = torch.matmul(probs, v[:, :, k0:k1])
         out[:, i0:i1] = mixed.transpose(1, 2)

@@ -129,23 +129,26 @@ def scores(D: torch.Tensor, order: torch.Tensor, ns: torch.Tensor) -> dict[str, 
     """P, R, F, GInv, ρ_max, ρ_min for distances ``D [M, K, S]``; the selection of size ``ns[k]`` is
     the first ``ns[k]`` sources of ``order [M, S]``. Every result is ``[M, K]``.
 
-    One sort per row: with ``U`` the sorted distances of the unselected sources, ``ρ_min = U[0]``,
-    ``|{j∉S : D_j <= ρ_max}|`` and, for each selected ``i``, ``|{j∉S : D_j <= D_i}|`` are binary
-    searches in ``U`` (``R_N`` counts the selected ``i`` for which that number is 0)."""
+    Counting, not sorting all sources: with ``U`` the unselected distances, ``ρ_min = min U``,
+    ``|{j∉S : D_j <= ρ_max}|`` is a comparison over ``U`` and ``R_N`` counts the selected ``i`` with
+    ``D_i < ρ_min``. ``GInv_N = Σ_{j∉S} |{i∈S : D_i >= D_j}|`` (the same pairs ``D_j <= D_i``,
+    counted from the other side) is one binary search of every ``D_j`` among the ``N`` sorted selected
+    distances, so only ``max(N)`` values per row are sorted."""
     M, K, S = D.shape
     top = int(ns.max())
     N = ns.to(D.dtype)[None, :]
     idx = order[:, None, :top].expand(M, K, top)
     d_sel = D.gather(-1, idx)                                               # [M, K, top]
     valid = torch.arange(top, device=D.device)[None, None, :] < ns[None, :, None]
-    unsel = D.scatter(-1, idx, torch.where(valid, torch.full_like(d_sel, math.inf), d_sel))
-    unsel_sorted = unsel.sort(-1).values                                    # selected -> +inf at the end
-    rho_min = unsel_sorted[..., 0]
-    rho_max = d_sel.masked_fill(~valid, -math.inf).amax(-1)
-    false_pos = torch.searchsorted(unsel_sorted, rho_max[..., None].contiguous(), right=True)[..., 0]
-    below = torch.searchsorted(unsel_sorted, d_sel.contiguous(), right=True)  # unselected <= D_i
-    true_pos = ((below == 0) & valid).sum(-1)
-    ginv = (below * valid).sum(-1)
+    unsel = D.scatter(-1, idx, torch.where(valid, torch.full_like(d_sel, math.inf), d_sel))  # selected -> +inf
+    rho_min = unsel.amin(-1)
+    sel_sorted = d_sel.masked_fill(~valid, -math.inf).sort(-1).values      # padding -> -inf, first
+    rho_max = sel_sorted[..., -1]
+    false_pos = (unsel <= rho_max[..., None]).sum(-1)
+    true_pos = ((d_sel < rho_min[..., None]) & valid).sum(-1)
+    ginv = torch.empty(M, K, dtype=torch.long, device=D.device)
+    for k, n in enumerate(ns.tolist()):                                     # |{i∈S : D_i >= D_j}|; 0 at +inf
+        ginv[:, k] = (n - torch.searchsorted(sel_sorted[:, k, top - n:].contiguous(), unsel[:, k].contiguous())).sum(-1)
     P = N / (N + false_pos.to(D.dtype))
     R = true_pos.to(D.dtype) / N
     F = 2 * P * R / (P + R)  # P > 0 always
@@ -277,18 +280,14 @@ def attention_profile(a: torch.Tensor, has_sink: bool = True, max_window: int | 
 
 def lag_cosines(unit: torch.Tensor, lags: Sequence[int]) -> torch.Tensor:
     """Mean cosine between unit vectors ``unit [H, n, d]`` at position distance ``δ`` for each lag:
-    ``[H, L]`` (one matrix product, then the diagonals)."""
+    ``[H, L]`` (one product of the two shifted copies per lag; never the ``n × n`` matrix)."""
     H, n, _ = unit.shape
-    C = (unit @ unit.transpose(1, 2)).reshape(H, n * n)
-    idx, seg = [], []
+    flat = unit.reshape(H, -1)
+    d = unit.shape[-1]
+    out = torch.empty(H, len(lags), dtype=unit.dtype)
     for k, lag in enumerate(lags):
-        j = torch.arange(n - lag)
-        idx.append(j * (n + 1) + lag)
-        seg.append(torch.full((n - lag,), k))
-    idx_t, seg_t = torch.cat(idx), torch.cat(seg)
-    sums = torch.zeros(H, len(lags), dtype=C.dtype).index_add_(1, seg_t, C[:, idx_t])
-    counts = torch.tensor([n - lag for lag in lags], dtype=C.dtype)
-    return sums / counts
+        out[:, k] = (flat[:, lag * d:] * flat[:, : (n - lag) * d]).sum(-1) / (n - lag)
+    return out
 
 
 def sink_regime(a: torch.Tensor, v: torch.Tensor, has_sink: bool = True, max_lag: int = 256,

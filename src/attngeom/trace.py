@@ -103,13 +103,26 @@ def forward(handle, batch: Batch, session: Session, logits: bool = False) -> tor
     return out.logits.float() if logits else None
 
 
+NLL_CHUNK_ELEMENTS = 1 << 20
+"""Logits per log-softmax call in :func:`token_nll` (4 MiB of float32)."""
+
+
 def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Negative log-likelihood of each next token: ``logits [B, T, V]`` -> ``[B, T-1]`` (0 on padding).
 
     Position ``t`` holds ``-log p(x_{t+1} | x_{<=t})``; the first token is never predicted."""
     ids = batch.ids.to(logits.device)
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    B, T, V = logits.shape
+    flat = logits.reshape(B * T, V)
+    target = torch.roll(ids, -1, dims=1).reshape(B * T, 1)           # the last position's is never kept
+    out = torch.empty(B * T, dtype=torch.float32, device=logits.device)
+    rows = max(1, NLL_CHUNK_ELEMENTS // max(1, V))
+    for r0 in range(0, B * T, rows):
+        # a few positions at a time: the log-softmax of a chunk stays in cache instead of a
+        # [B, T, V] copy of the logits (identical values: each position is normalised on its own)
+        lp = torch.log_softmax(flat[r0:r0 + rows].float(), dim=-1)
+        out[r0:r0 + rows] = -lp.gather(-1, target[r0:r0 + rows]).squeeze(-1)
+    nll = out.view(B, T)[:, :-1]
     valid = torch.arange(ids.shape[1] - 1, device=ids.device)[None, :] < (batch.lengths.to(ids.device)[:, None] - 1)
     return nll * valid
 
