@@ -319,11 +319,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="T=512 only, 1 repeat, no long-input probe")
     p.add_argument("--sizes", default=None,
-                   help="comma-separated input lengths for the timing table (default 512,2048; 'none' to skip it)")
+                   help="comma-separated input lengths for the timing table (default 512,2048,8192; 'none' to skip it)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per method and size (default 3; --quick 1)")
     p.add_argument("--naive-layers", type=int, default=2, help="layers the naive method computes (default 2)")
     p.add_argument("--memory-sizes", default="",
-                   help="lengths for the longest-input probe (default 4096,8192,16384; '' to skip)")
+                   help="lengths for the longest-input probe, on the model cut to its first layers (default none; e.g. 4096,8192,16384)")
     p.add_argument("--memory-layers", default="1,2",
                    help="two layer counts for the per-layer memory slope (default 1,2); the longest size runs "
                         "the first count only")

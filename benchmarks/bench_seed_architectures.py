@@ -3,11 +3,13 @@
 
 For each configuration of ``tests/seed_configs.py`` (LLaMA-3.1-8B, Mistral-7B-v0.1, Qwen3-8B,
 DeepSeek-LLM-7B, Gemma-7B, Gemma-2-9B: random weights, cut to 2 decoder layers, vocabulary reduced to
-8192 rows, bf16, CPU), two methods are measured side by side in one run:
+8192 rows, bf16, CPU), three methods are measured side by side in one run:
 
 ``sdpa``
     a plain forward pass with ``attn_implementation="sdpa"``; for Gemma-2, which transformers does
     not run on SDPA (soft-capping), its eager attention (the JSON records which);
+``eager``
+    the same forward with ``attn_implementation="eager"``;
 ``analyze``
     :func:`attngeom.trace.stream` with :class:`~attngeom.reducers.HeadStats` and
     :class:`~attngeom.reducers.TokenStats` on both layers (all five metric maps of SPEC §2 on every
@@ -47,7 +49,7 @@ from bench_analyze import _reset_peak, _rss_bytes  # noqa: E402  (same folder: t
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1024**3
-METHODS = ("sdpa", "analyze")
+METHODS = ("sdpa", "eager", "analyze")
 
 
 def _rss(field: str) -> int:
@@ -69,14 +71,14 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     # the reference forward: SDPA; Gemma-2 (soft-capping), which transformers refuses to run on SDPA,
     # gets its own eager attention
-    impl = "eager" if seed_config(args.config).model_type == "gemma2" else "sdpa"
+    impl = "eager" if args.method == "eager" or seed_config(args.config).model_type == "gemma2" else "sdpa"
     handle = seed_model(args.config, attn_implementation=impl, device=device)
     build_s = time.perf_counter() - t0
     model = handle.model
     ids = random_ids(model.config.vocab_size, args.T).to(device)
 
     def run(x):
-        if args.method == "sdpa":
+        if args.method in ("sdpa", "eager"):
             model(input_ids=x[None], use_cache=False, logits_to_keep=1)
         else:
             stream(handle, [x.cpu()], [HeadStats(), TokenStats()], progress=False)
@@ -149,7 +151,8 @@ def run_all(args) -> dict:
         base = {m: min(x["base_bytes"] for x in runs[m]) for m in METHODS}
         entry = {"seconds": med, "peak_bytes": peak, "base_bytes": base, "reference": runs["sdpa"][0]["reference"],
                  "all_seconds": {m: [x["seconds"] for x in runs[m]] for m in METHODS},
-                 "time_ratio": med["analyze"] / med["sdpa"], "peak_ratio": peak["analyze"] / peak["sdpa"],
+                 "time_ratio": med["analyze"] / med["sdpa"], "eager_ratio": med["analyze"] / med["eager"],
+                 "peak_ratio": peak["analyze"] / peak["sdpa"],
                  "above_base_ratio": (peak["analyze"] - base["analyze"]) / max(1, peak["sdpa"] - base["sdpa"])}
         # longest T in 16 GiB: analyse at further sizes (peak memory only), fit a + b·T
         points = [(args.T, peak["analyze"])]
@@ -166,7 +169,7 @@ def run_all(args) -> dict:
         if args.json:  # after every configuration, so a failure later keeps what was measured
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1))
-        print(f"{c}: analyze/sdpa time {entry['time_ratio']:.2f}x, peak {entry['peak_ratio']:.2f}x "
+        print(f"{c}: analyze/sdpa time {entry['time_ratio']:.2f}x, analyze/eager {entry['eager_ratio']:.2f}x, peak {entry['peak_ratio']:.2f}x "
               f"(above baseline {entry['above_base_ratio']:.2f}x); longest T in 16 GiB ~{entry['longest_T_16GiB']} "
               f"(extrapolated from {len(points)} measured sizes)", flush=True)
     return results
