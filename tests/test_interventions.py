@@ -360,3 +360,53 @@ def test_bad_variants_are_refused():
     with pytest.raises(ValueError, match="variants for a batch"):
         blk = _block(_causal_scores(4))
         RankIntervention([Variant("attention", ratio=0.5)] * 2)(blk)
+
+
+def _rank_reference(scores, visible, k, top):
+    """The ranking by a stable sort (the previous implementation, kept as the reference): ranks in
+    "higher score first, earlier position first" order among the visible sources."""
+    vis = visible.expand_as(scores)
+    s = scores.float().masked_fill(~vis, float("-inf"))
+    s = torch.where(torch.isnan(s), float("-inf"), s)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1]).expand_as(order))
+    # hidden sources tie with visible -inf/NaN scores in the sort: rank the visible ones first
+    ranks = torch.where(vis, ranks, ranks + s.shape[-1])
+    ranks = torch.empty_like(order).scatter_(-1, ranks.argsort(dim=-1, stable=True), torch.arange(s.shape[-1]).expand_as(order))
+    n = vis.sum(-1)
+    extra = scores.dim() - 3
+    kk = torch.minimum(k.view(k.shape[0], *([1] * extra), k.shape[1]), n)
+    tp = top.view(-1, *([1] * (scores.dim() - 1)))
+    first = ranks < kk.unsqueeze(-1)
+    last = (ranks >= (n - kk).unsqueeze(-1)) & (ranks < n.unsqueeze(-1))
+    return torch.where(tp, first, last) & vis
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("per_head", [False, True])
+def test_select_mask_equals_a_stable_sort_reference(seed, per_head):
+    """Heavy ties, ±0.0, ±inf and NaN, causal and sliding-window visibility, k from 0 past n, both
+    modes in one call: the partial-sort selection equals the stable-sort ranking exactly."""
+    g = torch.Generator().manual_seed(seed)
+    R, H, Q, S = 5, 3, 7, 40
+    shape = (R, H, Q, S) if per_head else (R, Q, S)
+    scores = torch.randint(-3, 4, shape, generator=g).float() * 0.5            # many exact ties
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    pick = torch.rand(shape, generator=g) < 0.1
+    scores = torch.where(pick, special[torch.randint(0, 5, shape, generator=g)], scores)
+    if seed % 2:
+        scores = scores + torch.rand(shape, generator=g)                        # mostly distinct
+    q = torch.arange(S - Q, S)[:, None]
+    j = torch.arange(S)[None, :]
+    window = 12 if seed % 3 == 0 else S
+    vis = ((j <= q) & (j > q - window))[None, None]
+    if not per_head:
+        vis = vis[:, 0]
+    k = torch.randint(0, S + 5, (R, Q), generator=g)
+    top = torch.rand(R, generator=g) < 0.5
+    got = select_mask(scores, vis, k, top)
+    assert torch.equal(got, _rank_reference(scores, vis, k, top))
+    # ratio-like counts (every query masks about the same share), where the complement is chosen
+    for r in (0.1, 0.5, 0.9):
+        kr = torch.floor(r * (vis.expand(shape).sum(-1).reshape(R, -1, Q)[:, 0].float() + 1e-9)).long()
+        assert torch.equal(select_mask(scores, vis, kr, top), _rank_reference(scores, vis, kr, top))

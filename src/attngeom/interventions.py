@@ -163,34 +163,57 @@ def random_scores(seed: int, salt: torch.Tensor, layer: int, q_pos: torch.Tensor
     return u.to(torch.float32).to(dev)
 
 
-def rank_desc(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Rank of every source in "higher score first, earlier position first on ties" order, among
-    the ``visible`` sources (hidden ones get ranks after all visible ones). Ranks start at 0.
+_HIDDEN = torch.iinfo(torch.int64).min
 
-    ``scores``/``visible`` ``[..., S]`` -> long ``[..., S]``."""
-    s = scores.float().masked_fill(~visible, float("-inf"))
-    s = torch.nan_to_num(s, nan=float("-inf"), posinf=float("inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
-    return ranks
+
+def order_keys(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Distinct int64 keys whose descending order is the ranking order "higher score first, earlier
+    position first on ties" (NaN ranks as ``-inf``; ``-0.0`` ties with ``0.0``); hidden sources get
+    the smallest key (none are hidden when ``visible`` is None). ``scores``/``visible`` ``[..., S]``
+    -> long ``[..., S]``.
+
+    The high 32 bits are the float32 score's bits mapped to an order-preserving integer, the low 32
+    bits ``S-1-position``: no two sources of a row share a key, so any selection of the largest
+    keys (``topk``) is the tie rule's selection, without a stable sort."""
+    s = scores.float()
+    s = torch.where(torch.isnan(s), float("-inf"), s) + 0.0                   # + 0.0 turns -0.0 into 0.0
+    bits = s.view(torch.int32)
+    high = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()              # negative floats: reversed
+    S = s.shape[-1]
+    low = (S - 1) - torch.arange(S, device=s.device)
+    keys = (high << 32).bitwise_or_(low)
+    return keys if visible is None else keys.masked_fill_(~visible, _HIDDEN)
 
 
 def select_mask(scores: torch.Tensor, visible: torch.Tensor, k: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """Which sources to mask: the ``k`` top-ranked (where ``top``) or bottom-ranked visible sources.
 
     ``scores [R, (H,) Q, S]``, ``visible [R, 1|H.., Q, S]`` bool (broadcastable), ``k [R, Q]`` long,
-    ``top [R]`` bool -> bool mask like ``scores``."""
+    ``top [R]`` bool -> bool mask like ``scores``.
+
+    With ``n`` visible sources and ``kk = min(k, n)``, the top ``kk`` are the complement (among the
+    visible) of the bottom ``n - kk``, and vice versa; each row selects whichever set is smaller, as
+    the largest keys of :func:`order_keys` (keys negated where the bottom set is selected), with one
+    partial sort (``topk``) instead of a full one."""
     vis = visible.expand_as(scores)
-    ranks = rank_desc(scores, vis)
     n = vis.sum(-1)                                           # [R, (H,) Q]
     extra = scores.dim() - 3                                  # 1 when per head
-    kk = k.view(k.shape[0], *([1] * extra), k.shape[1])
-    kk = torch.minimum(kk, n)
-    tp = top.view(-1, *([1] * (scores.dim() - 1)))
-    first = ranks < kk.unsqueeze(-1)
-    last = (ranks >= (n - kk).unsqueeze(-1)) & (ranks < n.unsqueeze(-1))
-    return torch.where(tp, first, last) & vis
+    kk = torch.minimum(k.view(k.shape[0], *([1] * extra), k.shape[1]), n)
+    invert = kk.amax(-1) > (n - kk).amax(-1)                  # [R, (H,)]: select the complement instead
+    need = torch.where(invert[..., None], n - kk, kk)         # how many keys each query selects
+    largest = top.view(-1, *([1] * extra)) != invert          # top-kk directly, or bottom-(n-kk) reversed
+    keys = order_keys(scores)
+    if not bool(largest.all()):
+        keys = keys.bitwise_not_() if not bool(largest.any()) else torch.where(largest[..., None, None], keys, ~keys)
+    keys.masked_fill_(~vis, _HIDDEN)
+    K = int(need.max()) if need.numel() else 0
+    idx = keys.topk(K, dim=-1, largest=True, sorted=True).indices
+    take = torch.arange(K, device=scores.device) < need.unsqueeze(-1)
+    chosen = torch.zeros_like(vis).scatter_(-1, idx, take)
+    if not bool(invert.any()):
+        return chosen
+    rest = vis & ~chosen
+    return rest if bool(invert.all()) else torch.where(invert[..., None, None], rest, chosen)
 
 
 def _sub_state(state: LayerState, rows: torch.Tensor) -> LayerState:
@@ -290,7 +313,7 @@ class RankIntervention:
         m = self.mask(block)
         if m is None:
             return None
-        return block.a.masked_fill(m, 0.0)
+        return block.a * ~m   # = masked_fill(m, 0) for weights >= 0, several times faster with a broadcast mask
 
 
 class SourceMask:
