@@ -189,7 +189,13 @@ def geometry_from_rows(rows: torch.Tensor, diag: torch.Tensor, order: torch.Tens
     """Selection geometry from Gram rows in selection order: ``rows [M, n, S]`` with
     ``rows[m, r] = K[m, order[m, r]]`` for ``r < n`` (``n >= max(ns)``), ``diag [M, S] = K_jj``."""
     nt = torch.as_tensor(list(ns), dtype=torch.long, device=rows.device)
-    dots = rows[:, : int(nt.max())].cumsum(1)[:, nt - 1]         # Σ_{i∈S_N} K_ij: [M, K, S]
+    # Σ_{i∈S_N} K_ij: [M, K, S], as running sums of the segments between consecutive sizes (the
+    # prefix sums at the K sizes only, never all max(N) of them)
+    prefix, total, start = {}, torch.zeros_like(rows[:, 0]), 0
+    for n in sorted(set(nt.tolist())):
+        total = total + rows[:, start:n].sum(1)
+        prefix[n], start = total, n
+    dots = torch.stack([prefix[n] for n in nt.tolist()], 1)
     sel = _selection_masks(order, nt)
     ss = (dots * sel).sum(-1)
     return {dist: scores(_distances(dots, ss, diag, dist), order, nt) for dist in distances}
