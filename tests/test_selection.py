@@ -447,3 +447,30 @@ def test_cli_empty_corpus_before_load(monkeypatch, capsys, tmp_path):
     rc = main(["selection", "--data", str(empty), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "holds no text" in err
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_scores_count_inversions_exactly_on_both_paths(ties):
+    """GInv, the P and R counts and ρ against brute-force pair counts, for sizes below and above the
+    switch from comparing to binary search (N = 32 / 64), with and without tied distances."""
+    g = torch.Generator().manual_seed(4)
+    M, S = 6, 100
+    D = torch.rand(M, 2, S, generator=g, dtype=torch.float64)
+    if ties:
+        D = (D * 8).floor() / 8
+    order = torch.stack([torch.randperm(S, generator=g) for _ in range(M)])
+    ns = torch.tensor([32, 64])
+    D = D[:, :1].expand(M, 2, S).contiguous()
+    got = SEL.scores(D, order, ns)
+    for m in range(M):
+        for k, n in enumerate(ns.tolist()):
+            sel = set(order[m, :n].tolist())
+            d = D[m, k].tolist()
+            ins = [d[i] for i in sel]
+            outs = [d[j] for j in range(S) if j not in sel]
+            ginv = sum(1 for i in ins for j in outs if j <= i)
+            assert int(got["ginv"][m, k]) == ginv
+            rho_max, rho_min = max(ins), min(outs)
+            assert float(got["rho_max"][m, k]) == rho_max and float(got["rho_min"][m, k]) == rho_min
+            assert float(got["P"][m, k]) == pytest.approx(n / (n + sum(1 for j in outs if j <= rho_max)))
+            assert float(got["R"][m, k]) == pytest.approx(sum(1 for i in ins if i < rho_min) / n)

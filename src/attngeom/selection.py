@@ -148,7 +148,11 @@ def scores(D: torch.Tensor, order: torch.Tensor, ns: torch.Tensor) -> dict[str, 
     true_pos = ((d_sel < rho_min[..., None]) & valid).sum(-1)
     ginv = torch.empty(M, K, dtype=torch.long, device=D.device)
     for k, n in enumerate(ns.tolist()):                                     # |{i∈S : D_i >= D_j}|; 0 at +inf
-        ginv[:, k] = (n - torch.searchsorted(sel_sorted[:, k, top - n:].contiguous(), unsel[:, k].contiguous())).sum(-1)
+        sel_k, u = sel_sorted[:, k, top - n:], unsel[:, k]
+        if n <= 32:   # a few selected: comparing is faster than a binary search
+            ginv[:, k] = (u[:, None, :] <= sel_k[:, :, None]).sum((-1, -2))
+        else:
+            ginv[:, k] = (n - torch.searchsorted(sel_k.contiguous(), u.contiguous())).sum(-1)
     P = N / (N + false_pos.to(D.dtype))
     R = true_pos.to(D.dtype) / N
     F = 2 * P * R / (P + R)  # P > 0 always
