@@ -166,11 +166,11 @@ def random_scores(seed: int, salt: torch.Tensor, layer: int, q_pos: torch.Tensor
 _HIDDEN = torch.iinfo(torch.int64).min
 
 
-def order_keys(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
     """Distinct int64 keys whose descending order is the ranking order "higher score first, earlier
-    position first on ties" (NaN ranks as ``-inf``; ``-0.0`` ties with ``0.0``); hidden sources get
-    the smallest key (none are hidden when ``visible`` is None). ``scores``/``visible`` ``[..., S]``
-    -> long ``[..., S]``.
+    position first on ties" (NaN ranks as ``-inf``; ``-0.0`` ties with ``0.0``): ``scores [..., S]``
+    -> long ``[..., S]``. Hiding sources is the caller's (:func:`select_mask` gives them the
+    smallest key).
 
     The high 32 bits are the float32 score's bits mapped to an order-preserving integer, the low 32
     bits ``S-1-position``: no two sources of a row share a key, so any selection of the largest
@@ -181,8 +181,7 @@ def order_keys(scores: torch.Tensor, visible: torch.Tensor | None = None) -> tor
     high = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()              # negative floats: reversed
     S = s.shape[-1]
     low = (S - 1) - torch.arange(S, device=s.device)
-    keys = (high << 32).bitwise_or_(low)
-    return keys if visible is None else keys.masked_fill_(~visible, _HIDDEN)
+    return (high << 32).bitwise_or_(low)
 
 
 def select_mask(scores: torch.Tensor, visible: torch.Tensor, k: torch.Tensor, top: torch.Tensor) -> torch.Tensor:

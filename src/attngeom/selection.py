@@ -291,9 +291,8 @@ def attention_profile(a: torch.Tensor, has_sink: bool = True, max_window: int | 
 def lag_cosines(unit: torch.Tensor, lags: Sequence[int]) -> torch.Tensor:
     """Mean cosine between unit vectors ``unit [H, n, d]`` at position distance ``δ`` for each lag:
     ``[H, L]`` (one product of the two shifted copies per lag; never the ``n × n`` matrix)."""
-    H, n, _ = unit.shape
+    H, n, d = unit.shape
     flat = unit.reshape(H, -1)
-    d = unit.shape[-1]
     out = torch.empty(H, len(lags), dtype=unit.dtype)
     for k, lag in enumerate(lags):
         out[:, k] = (flat[:, lag * d:] * flat[:, : (n - lag) * d]).sum(-1) / (n - lag)
