@@ -6,6 +6,9 @@ of the default model:
 - clean: a plain forward of the window, batch of one, logits of every position, with transformers'
   ``sdpa`` attention (its default: the forward users run anyway) and with ``eager``, alternating
   (median of ``--repeats``);
+- floor: the experiment's own forward with nothing masked (the clean variant, one row): the
+  explicit attention weights every ranking needs, without the ranking, alternating with the two
+  clean forwards;
 - variants: the experiment's own batched forward (``faithfulness.run_units``) over a mix of the
   default variants (every metric, both modes, several ratios), ``rows`` variants per forward (the
   command's automatic choice unless ``--rows``), all layers intervened, the summed NLL included;
@@ -59,10 +62,17 @@ def measure(handle, win: list[int], n_variants: int, rows: int | None, repeats: 
     for impl in clean:
         model.set_attn_implementation(impl)
         model(input_ids=ids[:, :64], use_cache=False)  # warm-up
+    from attngeom.interventions import CLEAN
+
+    units = window_units([win])
+    floor = []   # attngeom's own forward with nothing masked: the explicit attention and the NLL
+    run_units(handle, window_units([win[:64]]), [CLEAN], rows=1, progress=False)  # warm-up
     for _ in range(repeats):
         for impl in clean:
             model.set_attn_implementation(impl)
             clean[impl].append(timed(lambda: model(input_ids=ids, use_cache=False)))
+        model.set_attn_implementation(previous)
+        floor.append(timed(lambda: run_units(handle, units, [CLEAN], rows=1, progress=False)))
     model.set_attn_implementation(previous)
 
     every = build_variants(["attention", "value_weighted", "output_normalized", "contribution", "random"],
@@ -70,13 +80,13 @@ def measure(handle, win: list[int], n_variants: int, rows: int | None, repeats: 
     step = max(1, len(every) // n_variants)
     variants = every[::step][:n_variants]
     rows = rows or auto_rows(handle, len(win))
-    units = window_units([win])
     run_units(handle, window_units([win[:64]]), variants[:2], rows=2, progress=False)  # warm-up
     wall, cpu = timed(lambda: run_units(handle, units, variants, rows=rows, progress=False))
     med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in clean.items()}
     return {"T": len(win), "threads": torch.get_num_threads(), "variants": len(variants), "rows": rows,
             "metrics": len({v.metric for v in variants}), "modes": len({v.mode for v in variants}),
-            "sdpa": med["sdpa"], "eager": med["eager"], "variant": (wall / len(variants), cpu / len(variants))}
+            "sdpa": med["sdpa"], "eager": med["eager"], "variant": (wall / len(variants), cpu / len(variants)),
+            "floor": (statistics.median(x[0] for x in floor), statistics.median(x[1] for x in floor))}
 
 
 def main() -> None:
@@ -112,14 +122,17 @@ def main() -> None:
     print(f"\nmodel {handle.name}; all layers intervened; wall time, and CPU time (not inflated by waiting "
           f"for a busy core); ratios per (variant, window) to one clean forward of the window")
     head = (f"{'threads':>7} {'T':>6} {'variants':>8} {'rows':>4} {'variant s':>10} {'SDPA s':>8} {'eager s':>8} "
-            f"{'xSDPA':>6} {'xeager':>6} {'cpu xSDPA':>9} {'cpu xeager':>10}")
+            f"{'xSDPA':>6} {'xeager':>6} {'cpu xSDPA':>9} {'cpu xeager':>10} {'floor xSDPA':>11}")
     print(head)
     print("-" * len(head))
     for r in results:
         v, s, e = r["variant"], r["sdpa"], r["eager"]
         print(f"{r['threads']:>7} {r['T']:>6} {r['variants']:>8} {r['rows']:>4} {v[0]:>10.3f} {s[0]:>8.3f} "
-              f"{e[0]:>8.3f} {v[0] / s[0]:>5.2f}x {v[0] / e[0]:>5.2f}x {v[1] / s[1]:>8.2f}x {v[1] / e[1]:>9.2f}x")
+              f"{e[0]:>8.3f} {v[0] / s[0]:>5.2f}x {v[0] / e[0]:>5.2f}x {v[1] / s[1]:>8.2f}x {v[1] / e[1]:>9.2f}x"
+              f" {r['floor'][0] / s[0]:>10.2f}x")
     print("target: <= 1.0x SDPA per (variant, window)")
+    print("floor: attngeom's forward of the window with nothing masked (explicit attention weights, the "
+          "summed NLL; batch of 1), which every variant runs plus its ranking and masking")
 
 
 if __name__ == "__main__":

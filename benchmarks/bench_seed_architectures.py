@@ -18,19 +18,26 @@ DeepSeek-LLM-7B, Gemma-7B, Gemma-2-9B: random weights, cut to 2 decoder layers, 
 Both compute the last position's logits only (``logits_to_keep=1``), as ``stream`` does. Every
 measurement runs in a fresh process (``--worker``): it builds the model, runs a short warm-up, resets
 the peak-RSS mark (``/proc/self/clear_refs``), runs the measured call and reads ``VmHWM`` (the whole
-process, weights included) and the RSS before the call (the baseline: weights + runtime). The two
-methods alternate within every repeat, so load from other jobs hits both alike. One torch thread per
-process by default.
+process, weights included) and the RSS before the call (the baseline: weights + runtime). The three
+methods alternate within every repeat (the order reversed every other repeat), so load from other
+jobs hits them alike. Every length of ``--sizes`` is run with every setting of ``--threads``
+(``0``: torch's default, all cores; ``1``: one thread), and one table prints the ratios of analysis
+to SDPA and to eager.
 
-The longest input analysable in 16 GiB: the peak RSS of ``analyze`` is measured at ``--memory-sizes``
-(default 1024 and 2048, plus the timed size) and fitted with ``peak(T) = a + b·T`` (streaming keeps no
-T x T map: blocks of queries are bounded, the rest is linear in T); the fit is solved for 16 GiB. The
-output says which figures are measured and which extrapolated.
+The longest input analysable in 16 GiB: the analysis peaks measured at ``--sizes`` (first thread
+setting), plus any ``--memory-sizes`` measured for memory only, fitted with ``peak(T) = a + b·T``
+(streaming keeps no T x T map: blocks of queries are bounded, the rest is linear in T); the fit is
+solved for 16 GiB and printed as an extrapolation.
+
+A full-width T=8192 run takes minutes per method on two cores (the 2-layer LLaMA-3.1 cut: about
+2 min for SDPA and 5 min for analysis with one thread), so the long size is usually run on one
+configuration.
 
 Usage::
 
-    python benchmarks/bench_seed_architectures.py                     # all six, T=2048, 1 repeat
-    python benchmarks/bench_seed_architectures.py --configs llama3.1-8b --T 512 --repeats 1 --json out/x.json
+    python benchmarks/bench_seed_architectures.py --sizes 512,2048 --threads 0,1   # all six
+    python benchmarks/bench_seed_architectures.py --configs llama3.1-8b --sizes 8192 --threads 0,1
+    python benchmarks/bench_seed_architectures.py --configs llama3.1-8b --sizes 512 --threads 1 --json out/x.json
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ def worker(args) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     from attngeom.capture import Session
     from attngeom.reducers import HeadStats, TokenStats
@@ -106,9 +114,15 @@ def worker(args) -> None:
 
 
 def measure(config: str, method: str, T: int, threads: int, device: str) -> dict:
+    """One measurement in a fresh process; ``threads`` 0 is torch's default (all cores)."""
     cmd = [sys.executable, __file__, "--worker", "--config", config, "--method", method, "--T", str(T),
            "--threads", str(threads), "--device", device]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    else:
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop("MKL_NUM_THREADS", None)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{config} {method} T={T} failed:\n{out.stderr[-3000:]}")
@@ -132,47 +146,81 @@ def _names() -> tuple[str, ...]:
     return SEED_NAMES
 
 
+def _threads_name(t: int) -> str:
+    return "all cores" if t == 0 else f"{t} thread" + ("s" if t > 1 else "")
+
+
+def time_one(c: str, T: int, threads: int, args) -> dict:
+    """SDPA, eager and analysis of configuration ``c`` at length ``T``, alternating over the repeats
+    (the order reversed every other repeat): medians of the times, the largest peaks."""
+    runs = {m: [] for m in METHODS}
+    for r in range(args.repeats):
+        order = METHODS if r % 2 == 0 else METHODS[::-1]
+        for m in order:
+            res = measure(c, m, T, threads, args.device)
+            runs[m].append(res)
+            print(f"  {c:16s} {_threads_name(threads):>9s} {m:8s} T={T:5d}: {res['seconds']:8.2f} s"
+                  f"  peak {res['peak_bytes'] / GiB:6.2f} GiB  (base {res['base_bytes'] / GiB:5.2f} GiB)", flush=True)
+    med = {m: statistics.median(x["seconds"] for x in runs[m]) for m in METHODS}
+    peak = {m: max(x["peak_bytes"] for x in runs[m]) for m in METHODS}
+    base = {m: min(x["base_bytes"] for x in runs[m]) for m in METHODS}
+    return {"config": c, "T": T, "threads": threads, "seconds": med, "peak_bytes": peak, "base_bytes": base,
+            "reference": runs["sdpa"][0]["reference"],
+            "all_seconds": {m: [x["seconds"] for x in runs[m]] for m in METHODS},
+            "time_ratio": med["analyze"] / med["sdpa"], "eager_ratio": med["analyze"] / med["eager"],
+            "peak_ratio": peak["analyze"] / peak["sdpa"],
+            "above_base_ratio": (peak["analyze"] - base["analyze"]) / max(1, peak["sdpa"] - base["sdpa"])}
+
+
 def run_all(args) -> dict:
     configs = args.configs.split(",") if args.configs else list(_names())
-    results: dict = {"T": args.T, "threads": args.threads, "repeats": args.repeats, "device": args.device,
+    results: dict = {"sizes": args.sizes, "threads": args.threads, "repeats": args.repeats, "device": args.device,
                      "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.python_version()}",
-                     "configs": {}}
-    for c in configs:
-        runs = {m: [] for m in METHODS}
-        for r in range(args.repeats):
-            order = METHODS if r % 2 == 0 else METHODS[::-1]
-            for m in order:
-                res = measure(c, m, args.T, args.threads, args.device)
-                runs[m].append(res)
-                print(f"  {c:16s} {m:8s} T={args.T}: {res['seconds']:8.2f} s  peak {res['peak_bytes'] / GiB:6.2f} GiB"
-                      f"  (base {res['base_bytes'] / GiB:5.2f} GiB)", flush=True)
-        med = {m: statistics.median(x["seconds"] for x in runs[m]) for m in METHODS}
-        peak = {m: max(x["peak_bytes"] for x in runs[m]) for m in METHODS}
-        base = {m: min(x["base_bytes"] for x in runs[m]) for m in METHODS}
-        entry = {"seconds": med, "peak_bytes": peak, "base_bytes": base, "reference": runs["sdpa"][0]["reference"],
-                 "all_seconds": {m: [x["seconds"] for x in runs[m]] for m in METHODS},
-                 "time_ratio": med["analyze"] / med["sdpa"], "eager_ratio": med["analyze"] / med["eager"],
-                 "peak_ratio": peak["analyze"] / peak["sdpa"],
-                 "above_base_ratio": (peak["analyze"] - base["analyze"]) / max(1, peak["sdpa"] - base["sdpa"])}
-        # longest T in 16 GiB: analyse at further sizes (peak memory only), fit a + b·T
-        points = [(args.T, peak["analyze"])]
-        for T in args.memory_sizes:
-            if T != args.T:
-                res = measure(c, "analyze", T, args.threads, args.device)
-                points.append((T, res["peak_bytes"]))
-                print(f"  {c:16s} analyze  T={T}: peak {res['peak_bytes'] / GiB:6.2f} GiB (memory point)", flush=True)
-        a, b = fit_line(points)
-        entry["memory_points"] = sorted(points)
-        entry["fit_bytes"] = {"a": a, "b_per_token": b}
-        entry["longest_T_16GiB"] = int((16 * GiB - a) / b) if b > 0 else None
-        results["configs"][c] = entry
-        if args.json:  # after every configuration, so a failure later keeps what was measured
+                     "rows": [], "configs": {}}
+
+    def save():  # after every measurement, so a failure later keeps what was measured
+        if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1))
-        print(f"{c}: analyze/sdpa time {entry['time_ratio']:.2f}x, analyze/eager {entry['eager_ratio']:.2f}x, peak {entry['peak_ratio']:.2f}x "
-              f"(above baseline {entry['above_base_ratio']:.2f}x); longest T in 16 GiB ~{entry['longest_T_16GiB']} "
-              f"(extrapolated from {len(points)} measured sizes)", flush=True)
+
+    for c in configs:
+        for threads in args.threads:
+            for T in args.sizes:
+                row = time_one(c, T, threads, args)
+                results["rows"].append(row)
+                save()
+                print(f"{c} T={T} {_threads_name(threads)}: analyze {row['time_ratio']:.2f}x SDPA, "
+                      f"{row['eager_ratio']:.2f}x eager; peak {row['peak_ratio']:.2f}x SDPA "
+                      f"(above baseline {row['above_base_ratio']:.2f}x)", flush=True)
+        # longest T in 16 GiB: the analysis peaks measured above (first thread setting), plus
+        # further sizes measured for memory only, fitted with a + b·T
+        ours = [r for r in results["rows"] if r["config"] == c and r["threads"] == args.threads[0]]
+        points = [(r["T"], r["peak_bytes"]["analyze"]) for r in ours]
+        for T in args.memory_sizes:
+            if T not in args.sizes:
+                res = measure(c, "analyze", T, args.threads[0], args.device)
+                points.append((T, res["peak_bytes"]))
+                print(f"  {c:16s} analyze  T={T}: peak {res['peak_bytes'] / GiB:6.2f} GiB (memory point)", flush=True)
+        entry: dict = {"memory_points": sorted(points)}
+        if len(points) > 1:
+            a, b = fit_line(points)
+            entry["fit_bytes"] = {"a": a, "b_per_token": b}
+            entry["longest_T_16GiB"] = int((16 * GiB - a) / b) if b > 0 else None
+            print(f"{c}: longest T in 16 GiB ~{entry['longest_T_16GiB']} (extrapolated from {len(points)} "
+                  f"measured sizes)", flush=True)
+        results["configs"][c] = entry
+        save()
+    print_table(results["rows"])
     return results
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'configuration':16s} {'threads':>9s} {'T':>6s} {'sdpa s':>8s} {'eager s':>8s} {'analyze s':>9s} "
+          f"{'xSDPA':>6s} {'xeager':>6s} {'peak xSDPA':>10s}")
+    for r in rows:
+        s = r["seconds"]
+        print(f"{r['config']:16s} {_threads_name(r['threads']):>9s} {r['T']:6d} {s['sdpa']:8.2f} {s['eager']:8.2f} "
+              f"{s['analyze']:9.2f} {r['time_ratio']:6.2f} {r['eager_ratio']:6.2f} {r['peak_ratio']:10.2f}")
 
 
 def cli() -> None:
@@ -181,16 +229,21 @@ def cli() -> None:
     ap.add_argument("--config", default="llama3.1-8b", help=argparse.SUPPRESS)
     ap.add_argument("--method", default="sdpa", choices=METHODS, help=argparse.SUPPRESS)
     ap.add_argument("--configs", default=None, help="comma-separated names (default: all six)")
-    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--T", type=int, default=2048, help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default="512,2048,8192", help="input lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="0,1",
+                    help="torch threads per measurement, comma-separated; 0 = torch's default, all cores")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--memory-sizes", default="1024", help="further sizes for the memory fit (comma-separated, '' for none)")
+    ap.add_argument("--memory-sizes", default="", help="further sizes for the memory fit (comma-separated, '' for none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.worker:
+        args.threads = int(args.threads)
         worker(args)
         return
+    args.sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    args.threads = [int(x) for x in args.threads.split(",") if x.strip()]
     args.memory_sizes = [int(x) for x in args.memory_sizes.split(",") if x.strip()]
     run_all(args)
 

@@ -5,7 +5,10 @@ One window of each of ``--sizes`` tokens (default 512, 2048, 8192) of the shared
 1). Timed side by side in one run, alternating, ``--repeats`` times (medians):
 
 - ``eager`` / ``SDPA``: one forward pass of the model with ``attn_implementation="eager"`` / ``"sdpa"``
-  (transformers' default, the forward users run anyway);
+  (transformers' default, the forward users run anyway), with the logits of the last position only
+  (``logits_to_keep=1``), as the selection's own forward computes them: no method pays for the
+  ``[T, V]`` logits (until 2026-12-01 the clean forwards computed every position's logits, which
+  flattered the selection's ratios by the LM head's share of that forward);
 - ``selection``: :func:`attngeom.trace.stream` with :class:`attngeom.selection.SelectionStats` on
   every layer: the captured forward plus, at the last query, every N (1, 2, 4, …, 256 below the
   window), both distances, top-N with and without the sink, 8 random repeats, the sink-aware regime
@@ -59,7 +62,7 @@ def time_eager(handle, ids, impl: str = "eager") -> float:
     try:
         x = torch.tensor([ids], device=model.device)
         t = time.perf_counter()
-        model(input_ids=x, use_cache=False)
+        model(input_ids=x, use_cache=False, logits_to_keep=1)   # as the selection's own forward
         return time.perf_counter() - t
     finally:
         model.set_attn_implementation(previous)

@@ -205,6 +205,30 @@ def test_vectorised_equals_slow_loop(ties):
                         assert float(res[dist][key][h, k]) == pytest.approx(ref[key], abs=1e-7)
 
 
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_rows_taken_in_chunks_equal_the_slow_loop(chunk, monkeypatch):
+    """One :func:`geometry` call over a top-N set and two random sets of the same heads, with the
+    rows taken all at once (``None``) or one set of ``G`` rows at a time (``1``): every row against
+    the slow loop, and both ways the same counts."""
+    if chunk is not None:
+        monkeypatch.setattr(SEL, "GEOMETRY_ELEMENTS", chunk)
+    a, v = _random_case(9, H=3, S=25, d=4, ties=True)
+    y = a[..., None] * v
+    ns = SEL.default_ns(25)
+    order = torch.cat([SEL.topn_order(a), SEL.random_orders((6,), 25, torch.Generator().manual_seed(5))])
+    res = SEL.geometry(y, order, ns)
+    for dist in SEL.DISTANCES:
+        assert res[dist]["P"].shape == (9, len(ns))
+        for m in range(9):
+            h = m % 3
+            for k, N in enumerate(ns):
+                ref = slow_scores(y[h].numpy(), order[m, :N].tolist(), dist)
+                for key in ("P", "R", "F", "ginv"):
+                    assert float(res[dist][key][m, k]) == pytest.approx(ref[key], abs=1e-12), (dist, m, N, key)
+                for key in ("rho_max", "rho_min"):
+                    assert float(res[dist][key][m, k]) == pytest.approx(ref[key], abs=1e-7)
+
+
 def test_gram_path_equals_vector_path():
     a, v = _random_case(11, H=2, S=30, d=6)
     y = a[..., None] * v
@@ -449,10 +473,13 @@ def test_cli_empty_corpus_before_load(monkeypatch, capsys, tmp_path):
     assert rc == 2 and "holds no text" in err
 
 
-@pytest.mark.parametrize("ties", [False, True])
-def test_scores_count_inversions_exactly_on_both_paths(ties):
+@pytest.mark.parametrize("ties,chunk", [(False, None), (True, None), (True, 1000)])
+def test_scores_count_inversions_exactly_on_both_paths(ties, chunk, monkeypatch):
     """GInv, the P and R counts and ρ against brute-force pair counts, for sizes below and above the
-    switch from comparing to binary search (N = 32 / 64), with and without tied distances."""
+    switch from comparing to binary search (N = 32 / 64), with and without tied distances; with
+    ``chunk`` the compared pairs are split into chunks of rows (here one row of 32 x 100 per chunk)."""
+    if chunk is not None:
+        monkeypatch.setattr(SEL, "COMPARE_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(4)
     M, S = 6, 100
     D = torch.rand(M, 2, S, generator=g, dtype=torch.float64)
