@@ -133,7 +133,8 @@ def scores(D: torch.Tensor, order: torch.Tensor, ns: torch.Tensor) -> dict[str, 
     ``|{j∉S : D_j <= ρ_max}|`` is a comparison over ``U`` and ``R_N`` counts the selected ``i`` with
     ``D_i < ρ_min``. ``GInv_N = Σ_{j∉S} |{i∈S : D_i >= D_j}|`` (the same pairs ``D_j <= D_i``,
     counted from the other side) is one binary search of every ``D_j`` among the ``N`` sorted selected
-    distances, so only ``max(N)`` values per row are sorted."""
+    distances (a comparison with each of them, for ``N <=`` :data:`COMPARE_MAX_N`), so only ``max(N)``
+    values per row are sorted."""
     M, K, S = D.shape
     top = int(ns.max())
     N = ns.to(D.dtype)[None, :]
@@ -248,6 +249,8 @@ def _scores_per_distance(dots: torch.Tensor, ss: torch.Tensor, yy: torch.Tensor,
     in ONE call: the distances' ``D`` stacked along the rows (every score is per row, so the results
     are those of one call per distance, with half the small operations)."""
     M = order.shape[0]
+    if not distances:
+        return {}
     D = torch.cat([_distances(dots, ss, yy, dist) for dist in distances])
     r = scores(D, order.repeat(len(distances), 1), nt)
     return {dist: {k: x[i * M:(i + 1) * M] for k, x in r.items()} for i, dist in enumerate(distances)}
