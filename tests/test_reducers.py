@@ -138,14 +138,16 @@ def test_a_block_that_starts_after_the_sink_and_the_value_norms_weigh_the_winner
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
-    """``Block.received`` (one product per group of heads sharing values) against the sums of the
-    token-level score maps, on the live blocks of every architecture (grouped-query ones included)."""
+    """``Block.received`` (one product per group of heads sharing values, or per head by the
+    ``[Q, S]`` map when a group has fewer queries than dimensions) against the sums of the
+    token-level score maps, on the live blocks of every architecture (grouped-query ones included),
+    in blocks of few queries and in one block per layer: both ways of summing the contribution run."""
     from attngeom import metrics as M
 
     handle = tiny_model(arch)
     cfg = handle.model.config
     n_rep = cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    seen = []
+    seen, by_map = [], set()
 
     class Check:
         def observe(self, block):
@@ -156,8 +158,11 @@ def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
                 slow = (w.unsqueeze(1) @ block.token_score(name)).squeeze(1)
                 assert torch.allclose(fast[name], slow, atol=1e-5, rtol=1e-5), (arch, block.layer, name)
             seen.append(block.layer)
+            by_map.add(M.contribution_by_map(n_rep, block.shape[2], block.v.shape[-1]))
 
     ids = _ids(handle)
-    forward(handle, Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0]),
-            Session(observers=[Check()], block_elements=300))
+    for budget in (300, 1 << 24):
+        forward(handle, Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0]),
+                Session(observers=[Check()], block_elements=budget))
     assert sorted(set(seen)) == list(range(cfg.num_hidden_layers))
+    assert by_map == {True, False}, by_map

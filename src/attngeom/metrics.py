@@ -191,7 +191,10 @@ def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.
     ``n_rep``: query heads per key/value head (grouped-query attention; ``v`` holds each group's
     values repeated). The heads of a group share ``v_j``, so their contribution rows are summed
     inside one product (``[X^{h1}ᵀ … X^{hr}ᵀ] [a^{h1}; …; a^{hr}]``, the heads stacked along the
-    queries): the same arithmetic, an ``n_rep`` times smaller ``[B, H/n_rep, d, S]`` result."""
+    queries): the same arithmetic, an ``n_rep`` times smaller ``[B, H/n_rep, d, S]`` result.
+    When a group has fewer stacked queries than dimensions (:func:`contribution_by_map`: full
+    multi-head attention in blocks of few queries), the ``[Q, S]`` product ``X vᵀ`` per head is the
+    smaller one and is used instead: ``Σ_i a_ij (X vᵀ)_ij``, the same sum in the other order."""
     B, H, Q, S = a.shape
     names = tuple(names)
     rows = []                                                                # pieces of Xᵀ: [B, H, k, Q]
@@ -213,10 +216,23 @@ def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.
             out["output_normalized"] = (Rt[:, :, -1] * value_norm).sum(1)
     if "contribution" in names:
         G, d = H // n_rep, p.shape[-1]
-        X = (p * safe_div(weight, out_sq)[:, None, :, None]).reshape(B, G, n_rep * Q, d)
-        Rc = X.transpose(-1, -2) @ a.reshape(B, G, n_rep * Q, S)            # [B, G, d, S]
-        out["contribution"] = (Rc * v[:, ::n_rep].transpose(-1, -2)).sum(2).sum(1)
+        X = p * safe_div(weight, out_sq)[:, None, :, None]                  # [B, H, Q, d]
+        if contribution_by_map(n_rep, Q, d):
+            out["contribution"] = (a * (X @ v.transpose(-1, -2))).sum(2).sum(1)
+        else:
+            Rc = X.reshape(B, G, n_rep * Q, d).transpose(-1, -2) @ a.reshape(B, G, n_rep * Q, S)  # [B, G, d, S]
+            out["contribution"] = (Rc * v[:, ::n_rep].transpose(-1, -2)).sum(2).sum(1)
     return {n: out[n] for n in names}
+
+
+def contribution_by_map(n_rep: int, Q: int, d: int) -> bool:
+    """Whether :func:`received` sums the contribution over queries by the per-head ``[Q, S]`` product
+    ``X vᵀ`` (True) or by the grouped ``[d, S]`` product ``Xᵀa`` (False): the one with the smaller
+    result, i.e. the map when the ``n_rep·Q`` queries of a group are fewer than the ``d`` dimensions.
+    Measured per block at S=2048 (2 threads): 32 heads of 128, 64 queries, no grouping: 29.8 ms by
+    ``Xᵀa``, 6.5 ms by the map; the bundled model's 3 groups of 3 x 113 queries of 64: 2.0 and 1.8 ms
+    (with 1 thread 2.9 and 3.5 ms); LLaMA-3.1's 8 groups of 4 x 64 queries of 128: 6.9 and 7.7 ms."""
+    return n_rep * Q < d
 
 
 def token_scores(per_head: torch.Tensor, heads: str = "sum") -> torch.Tensor:
