@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 EXPLORE_OUT ?= out/demo-explore
 
-.PHONY: install browser demo test bench clean
+.PHONY: install browser demo test test-kernels bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ demo: $(STAMP)
 # turns their skip into a failure.
 test: $(STAMP) browser
 	ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1) $(PY) -m pytest -q
+
+# The precision tests again under other CPU kernels than the machine's defaults (bf16 rounding
+# depends on them: docs/precision.md). CI runs this after `make test`.
+test-kernels: $(STAMP)
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_precision.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_analyze.py

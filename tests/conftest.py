@@ -8,6 +8,20 @@ import torch
 from tiny_models import tiny_model
 
 TEST_DEVICE_ENV = "ATTNGEOM_TEST_DEVICE"
+TEST_ORDER_ENV = "ATTNGEOM_TEST_ORDER"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``ATTNGEOM_TEST_ORDER=reverse`` or ``shuffle:SEED`` runs the tests in another order, to find
+    tests that depend on what ran before them (module-scoped fixtures stay valid: pytest sets them
+    up again where needed). Unset: pytest's own order."""
+    order = os.environ.get(TEST_ORDER_ENV, "")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        import random
+
+        random.Random(int(order.split(":", 1)[1])).shuffle(items)
 
 
 @pytest.fixture(scope="session")

@@ -16,16 +16,20 @@ from precision_check import FAITH_VARIANTS, MAP_METRICS, load_pair, measure_fait
 
 pytestmark = pytest.mark.slow
 
-# tested thresholds (docs/precision.md, "tested" column)
-ROW_REL_MEDIAN = 0.04
-ROW_REL_P99 = 0.25
-TOP1 = 0.96
-TOP5 = 0.96
-HEAD_NORM_REL_MEDIAN = 0.01
-HEAD_NORM_REL_P99 = 0.08
-CLEAN_PPL_REL = 0.01
-COMPREHENSIVENESS_DPPL_REL = 0.25     # one window; 4 pooled windows stay under 0.07
-SUFFICIENCY_LOG_RATIO = 0.03          # |Δ ln(PPL'/PPL)|: sufficiency ΔPPL is too close to 0 for a ratio
+# Tested thresholds (docs/precision.md, "tested" column). Each is the worst value measured by
+# benchmarks/precision_sweep.py over 12 settings (ONEDNN_MAX_CPU_ISA default / AVX2 / AVX512_CORE,
+# ATEN_CPU_CAPABILITY default / avx2 / avx512, 1 and 2 threads) with a margin of at least 1.5x
+# (worst measured in the comment). bf16 rounding differs between kernel families, so a bound
+# measured under one setting only is not a bound.
+ROW_REL_MEDIAN = 0.04                 # worst 0.0254
+ROW_REL_P99 = 0.25                    # worst 0.124
+TOP1 = 0.96                           # worst 0.9775 (disagreement 2.3% < 4%)
+TOP5 = 0.96                           # worst 0.984
+HEAD_NORM_REL_MEDIAN = 0.01           # worst 0.0045
+HEAD_NORM_REL_P99 = 0.08              # worst 0.039
+CLEAN_PPL_REL = 0.012                 # worst 0.0074 (ATEN_CPU_CAPABILITY=default)
+COMPREHENSIVENESS_DPPL_REL = 0.55     # worst 0.365 (ONEDNN_MAX_CPU_ISA=AVX2); 0.336 reported with AMX
+SUFFICIENCY_LOG_RATIO = 0.03          # |Δ ln(PPL'/PPL)|, worst 0.017; sufficiency ΔPPL is too close to 0 for a ratio
 
 
 @pytest.fixture(scope="module")
