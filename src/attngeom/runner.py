@@ -5,11 +5,18 @@ A **run** lives in one output directory::
     OUT/
       run.json              manifest, written LAST: command, settings, versions, units, files + sha256
       <outputs>             tables, summary.json, figures (moved in from a staging directory)
+      .attngeom-lock        held while a process uses the directory (:mod:`attngeom.runlock`)
       checkpoint/
         settings.json       the run's identity (command + settings), written when the run starts
         records-*.jsonl     append-only records, one file per process, flushed and fsynced per record
+        outputs.json        the output files, written before they are moved into place
 
-A directory is *complete* only when ``run.json`` is there. A run is split into **stages** (one pass
+``run.json``, ``settings.json`` and ``outputs.json`` are *sealed*: each carries a marker
+(``"attngeom": "run"``, ``"run-settings"``, ``"run-outputs"``) and the sha256 of its own canonical
+JSON (:func:`seal`). A directory holds an attngeom run only when these files are sealed and intact;
+a ``run.json`` of another tool, ``{}``, text that is not JSON or an edited manifest make it a
+directory of files that are not an attngeom run. A directory is *complete* only when ``run.json``
+is there. A run is split into **stages** (one pass
 over the corpus, a removal sweep, ...), each a list of **units** (windows, examples, heads, ...)
 numbered ``0..n-1``. :meth:`Run.stage` calls ``work(units)`` for the units not yet recorded and
 appends one record per call: ``{"stage", "units", "fingerprints", "data"}``. Records are keyed by
@@ -24,8 +31,12 @@ Rules of an output directory (checked by :class:`Run` before any compute):
   complete, says so and does nothing);
 - a directory holding another command's run, a run with other settings, or files that are not an
   attngeom run is refused with one line (:class:`~attngeom.errors.InputError`) and left untouched,
-  unless ``overwrite`` — which replaces an attngeom run whole, whatever its settings, and starts
-  afresh (files that are not an attngeom run are never deleted);
+  unless ``overwrite`` — which replaces an attngeom run, whatever its settings, and starts afresh.
+  It removes exactly what that run wrote: the files its manifest (or, for a run killed before its
+  manifest, its ``outputs.json``) lists, the checkpoint's own files, staging directories and the
+  directories it emptied; any other file in the directory is kept, and files that are not an
+  attngeom run are never deleted;
+- a directory in use by another process (its lock is held) is refused with one line naming it;
 - outputs are written into ``OUT/.staging-*`` and moved into place, then ``run.json`` is written:
   a kill at any moment leaves either the previous complete state or a directory without ``run.json``
   whose rerun finishes the job. Nothing of an older run is ever mixed with a newer one.
@@ -37,6 +48,7 @@ experiments themselves (their own modules), figures (:mod:`attngeom.reports`), a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -46,13 +58,19 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from . import runlock
 from .errors import InputError, OutputError
 from .io import clean_json, decode, dumps, encode, fsync_dir, sha256_file, write_json
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "run.json"
 CHECKPOINT = "checkpoint"
 SETTINGS = "settings.json"
+OUTPUTS = "outputs.json"
+MARKER = "attngeom"
+CHECKSUM = "checksum"
+KINDS = {MANIFEST: "run", SETTINGS: "run-settings", OUTPUTS: "run-outputs"}
+"""The marker of each sealed file of a run, by file name."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,22 +187,57 @@ def versions() -> dict:
     return out
 
 
-def read_manifest(out: str | os.PathLike) -> dict | None:
-    """The manifest of a complete run in ``out``, or None."""
-    p = Path(out) / MANIFEST
+# --------------------------------------------------------------------------------------------
+# Sealed files: a marker and the file's own checksum
+# --------------------------------------------------------------------------------------------
+
+
+def _digest(doc: dict) -> str:
+    """sha256 of ``doc``'s canonical JSON (sorted keys, no spaces) without its checksum field."""
+    body = {k: v for k, v in clean_json(doc).items() if k != CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def seal(doc: dict, kind: str) -> dict:
+    """``doc`` with the marker ``"attngeom": kind`` and its own checksum: what :func:`unseal` accepts."""
+    out = {**clean_json(doc), MARKER: kind}
+    out.pop(CHECKSUM, None)
+    return {**out, CHECKSUM: _digest(out)}
+
+
+def unseal(path: Path) -> dict | None | bool:
+    """The sealed file ``path`` (its kind is known by its name, :data:`KINDS`): the document when
+    attngeom wrote it and it is intact, None when there is no such file, False when there is a
+    file that is not one (another tool's, ``{}``, not JSON, or changed since)."""
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = path.read_bytes()
+    except FileNotFoundError:
         return None
+    except OSError:
+        return False
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    if (not isinstance(doc, dict) or doc.get(MARKER) != KINDS.get(path.name)
+            or doc.get(CHECKSUM) != _digest(doc)):
+        return False
+    return doc
+
+
+def read_manifest(out: str | os.PathLike) -> dict | None:
+    """The manifest of a complete run in ``out`` (sealed by attngeom and intact), or None."""
+    return unseal(Path(out) / MANIFEST) or None
 
 
 def verify(out: str | os.PathLike) -> list[str]:
-    """Problems of a run directory: a missing manifest, a listed file missing or with another
-    checksum. An empty list means the directory is complete and intact."""
+    """Problems of a run directory: a missing manifest (or one attngeom did not write), a listed
+    file missing or with another checksum. An empty list means the directory is complete and intact."""
     out = Path(out)
     man = read_manifest(out)
     if man is None:
-        return [f"{out / MANIFEST} is missing or unreadable: the run is not complete"]
+        return [f"{out / MANIFEST} is missing, unreadable or not written by attngeom: the run is not complete"]
     problems = []
     for name, digest in man.get("files", {}).items():
         p = out / name
@@ -228,6 +281,7 @@ class Run:
         self.resumed = False
         self.complete = False
         self._writer: Path | None = None
+        self._locked = False
         self._records: dict[str, dict[tuple[int, ...], dict]] = {}
         self._new_records = 0
         self.units_done: dict[str, int] = {}
@@ -271,21 +325,51 @@ class Run:
                              "same arguments")
 
     def _owner(self) -> dict | None:
-        """The identity of the attngeom run in the directory, if any."""
+        """The identity of the attngeom run in the directory, None when there is none; an
+        :class:`InputError` when its run files are not ones attngeom wrote (see :func:`unseal`)."""
+        found = []
         for p in (self.checkpoint / SETTINGS, self.out / MANIFEST):
-            if p.is_file():
-                try:
-                    d = json.loads(p.read_text(encoding="utf-8"))
-                except (OSError, ValueError):
-                    d = {"command": "?", "settings": {}}
-                return {"format": d.get("format"), "command": d.get("command"), "settings": d.get("settings")}
-        return None
+            doc = unseal(p)
+            if doc is False:
+                raise InputError(f"{self.out} holds files that are not an attngeom run "
+                                 f"({p.relative_to(self.out)} was not written by attngeom, or was changed since); "
+                                 "use a new or empty directory (nothing was changed)")
+            if doc:
+                found.append({"format": doc.get("format"), "command": doc.get("command"),
+                              "settings": doc.get("settings")})
+        if len(found) == 2 and found[0] != found[1]:
+            raise InputError(f"{self.out} holds files that are not an attngeom run ({MANIFEST} and "
+                             f"{CHECKPOINT}/{SETTINGS} name different runs); use a new or empty directory "
+                             "(nothing was changed)")
+        return found[0] if found else None
 
     def _claim(self) -> None:
+        """Create or take ``out`` under its lock (:mod:`attngeom.runlock`), then apply the rules of
+        the module docstring. A refusal leaves the directory as it was."""
         out = self.out
         if out.exists() and not out.is_dir():
             raise OutputError(f"--out {out} is a file, not a directory")
-        owner = self._owner() if out.is_dir() else None
+        try:
+            out.mkdir(parents=True)
+            self.created = True
+        except FileExistsError:
+            if not out.is_dir():
+                raise OutputError(f"--out {out} is a file, not a directory") from None
+        except OSError as e:
+            raise OutputError(f"cannot create output directory {out}: {e.strerror or e}") from None
+        runlock.acquire(out)
+        self._locked = True
+        try:
+            self._take()
+        except BaseException:
+            if self.created:
+                shutil.rmtree(out, ignore_errors=True)
+            self.close()
+            raise
+
+    def _take(self) -> None:
+        out = self.out
+        owner = self._owner()
         if owner is not None:
             if self.overwrite:
                 self._remove_run()
@@ -300,49 +384,85 @@ class Run:
                     what = f"a {self.command} run with other settings ({', '.join(diff) or 'format'})"
                 raise InputError(f"{out} holds {what}; use another --out, or --overwrite to replace it "
                                  "(nothing was changed)")
-        elif out.is_dir() and any(not p.name.startswith(".staging-") for p in out.iterdir()):
+        elif self._other_files():
             raise InputError(f"{out} is not empty and holds no attngeom run; use a new or empty directory "
                              "(nothing was changed)")
         try:
-            if not out.exists():
-                out.mkdir(parents=True)
-                self.created = True
             self.checkpoint.mkdir(exist_ok=True)
             for stale in out.glob(".staging-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             if not (self.checkpoint / SETTINGS).exists():
-                write_json(self.checkpoint / SETTINGS, {**self.identity, "started": _now()})
+                write_json(self.checkpoint / SETTINGS, seal({**self.identity, "started": _now()}, KINDS[SETTINGS]))
         except OSError as e:
             raise OutputError(f"cannot write to output directory {out}: {e.strerror or e}") from None
 
+    def _other_files(self) -> bool:
+        """Whether the directory holds anything besides the lock, staging directories and an empty
+        checkpoint directory."""
+        for p in self.out.iterdir():
+            if p.name == runlock.LOCK or p.name.startswith(".staging-"):
+                continue
+            if p == self.checkpoint and p.is_dir() and not any(p.iterdir()):
+                continue
+            return True
+        return False
+
     def _remove_run(self) -> None:
-        """Delete an attngeom run (its manifest's files, the checkpoint, staging dirs, the manifest)."""
-        man = read_manifest(self.out) or {}
-        for name in man.get("files", {}):
-            p = self.out / name
-            if p.is_file():
-                p.unlink()
-        shutil.rmtree(self.checkpoint, ignore_errors=True)
-        for stale in self.out.glob(".staging-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        (self.out / MANIFEST).unlink(missing_ok=True)
-        # outputs of a run killed before its manifest: files the commands write, left in place
-        for p in list(self.out.iterdir()):
-            if p.is_file() and p.suffix in (".parquet", ".json", ".png", ".md", ".html", ".csv"):
-                p.unlink()
-        for sub in ("trace",):
-            if (self.out / sub).is_dir():
-                shutil.rmtree(self.out / sub, ignore_errors=True)
+        """Delete exactly what the attngeom run in the directory wrote: the files its manifest lists
+        and those its ``outputs.json`` lists (moved into place by a run killed before its manifest),
+        the checkpoint's own files, staging directories, the manifest, and the directories this left
+        empty. Nothing else is touched."""
+        out = self.out
+        names: set[str] = set()
+        for doc in (read_manifest(out), unseal(self.checkpoint / OUTPUTS)):
+            if doc:
+                names.update(str(n) for n in (doc.get("files") or ()))
+        emptied: set[Path] = {self.checkpoint}
+        try:
+            for name in sorted(names):
+                p = _inside(out, name)
+                if p is not None and (p.is_file() or p.is_symlink()):
+                    p.unlink()
+                    emptied.add(p.parent)
+            own = [self.checkpoint / n for n in (SETTINGS, OUTPUTS)] + [out / MANIFEST]
+            own += [q for pat in ("records-*.jsonl", f".{SETTINGS}.tmp-*", f".{OUTPUTS}.tmp-*")
+                    for q in self.checkpoint.glob(pat)]
+            own += list(out.glob(f".{MANIFEST}.tmp-*"))
+            for q in own:
+                if q.is_file():
+                    q.unlink()
+            for stale in out.glob(".staging-*"):
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale)
+            for d in sorted(emptied, key=lambda d: len(d.parts), reverse=True):
+                while d != out and out in d.parents and d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
+                    d = d.parent
+        except OSError as e:
+            raise OutputError(f"cannot remove the run in {out}: {e.strerror or e}") from None
+
+    def close(self) -> None:
+        """Give up the directory's lock (done when the run finishes, when its ``with`` block ends,
+        and when the object is collected)."""
+        if getattr(self, "_locked", False):
+            self._locked = False
+            runlock.release(self.out)
+
+    def __del__(self) -> None:
+        self.close()
 
     # -- context manager: remove what a failed run created ---------------------------------------
     def __enter__(self) -> "Run":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None or exc_type is KeyboardInterrupt:
-            return
-        if self.comm.rank == 0 and self.created and not self._has_records():
-            shutil.rmtree(self.out, ignore_errors=True)
+        try:
+            if exc_type is None or exc_type is KeyboardInterrupt:
+                return
+            if self.comm.rank == 0 and self.created and not self._has_records():
+                shutil.rmtree(self.out, ignore_errors=True)
+        finally:
+            self.close()
 
     def _has_records(self) -> bool:
         return any(p.stat().st_size > 0 for p in self.checkpoint.glob("records-*.jsonl")) if self.checkpoint.is_dir() else False
@@ -448,6 +568,7 @@ class Run:
             try:
                 staging.mkdir()
                 files = [str(f) for f in write(staging)]
+                self._list_outputs(files)
                 (self.out / MANIFEST).unlink(missing_ok=True)
                 fsync_dir(self.out)
                 for f in files:
@@ -473,10 +594,29 @@ class Run:
                 "files": {f: sha256_file(self.out / f) for f in files},
                 **(extra or {}),
             }
-            write_json(self.out / MANIFEST, manifest)
+            write_json(self.out / MANIFEST, seal(manifest, KINDS[MANIFEST]))
             self.complete = True
         self.comm.barrier()
+        self.close()
         return files
+
+    def _list_outputs(self, files: Sequence[str]) -> None:
+        """Record the output files in ``checkpoint/outputs.json`` before they are moved into place,
+        so that ``--overwrite`` can remove them even when no manifest gets written."""
+        bad = [f for f in files if _inside(self.out, f) is None]
+        if bad:
+            raise OutputError(f"output name {bad[0]!r} is not a path inside {self.out}")
+        prior = unseal(self.checkpoint / OUTPUTS) or {}
+        listed = sorted(set(prior.get("files") or ()) | set(files))
+        write_json(self.checkpoint / OUTPUTS, seal({"files": listed}, KINDS[OUTPUTS]))
+
+
+def _inside(out: Path, name: str) -> Path | None:
+    """``out / name`` when ``name`` is a relative path that stays inside ``out``, else None."""
+    rel = Path(name)
+    if rel.is_absolute() or not rel.parts or ".." in rel.parts:
+        return None
+    return out / rel
 
 
 def _groups(units: Sequence[int], size: int, key: Callable[[int], object] | None) -> list[list[int]]:
