@@ -29,9 +29,9 @@ setting), plus any ``--memory-sizes`` measured for memory only, fitted with ``pe
 (streaming keeps no T x T map: blocks of queries are bounded, the rest is linear in T); the fit is
 solved for 16 GiB and printed as an extrapolation.
 
-At T=8192 the eager forward materialises every ``[H, T, T]`` map: the 2-layer LLaMA-3.1 cut peaked at
-22 GiB and took 2 min with one thread (SDPA 29 s, analysis 69 s), so the long size is run on one
-configuration at a time, on a machine with the memory for it.
+At T=8192 the eager forward materialises every ``[H, T, T]`` map (tens of GiB for a full-width cut;
+measured in docs/benchmark-analyze.md), so the long size is run on one configuration at a time, on a
+machine with the memory for it.
 
 Usage::
 

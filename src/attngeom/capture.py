@@ -40,15 +40,15 @@ ATTN_NAME = "attngeom"
 _SESSION: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("attngeom_session", default=None)
 
 DEFAULT_BLOCK_ELEMENTS = 1 << 21
-"""Upper bound on ``B*H*Q*S`` for one block of queries (8 MiB per float32 map). Measured by CPU
-time at T=2048 on the bundled model (docs/benchmark-analyze.md): 2^20 and 2^21 beat 2^22 and 2^23
-(the element-wise passes over a block stay in the cache); smaller blocks pay more per-block
-Python overhead."""
+"""Upper bound on ``B*H*Q*S`` for one block of queries (8 MiB per float32 map): large enough to
+amortise the per-block Python overhead, small enough that the element-wise passes over a block stay
+in the cache (the sizes compared are in docs/benchmark-analyze.md, "Measurements behind constants")."""
 
 MIN_BLOCK_QUERIES = 64
-"""With the default budget, a block holds at least this many queries (at T=8192 and 9 heads the
-2^21 budget alone gives 28 queries per block, ~300 blocks per layer, and per-block overhead and
-thin matrix products cost more than the larger maps: 2.9x SDPA CPU time against 1.7x at T=2048)."""
+"""With the default budget, a block holds at least this many queries: at long inputs the element
+budget alone would give blocks of a few dozen queries, hundreds per layer, whose per-block overhead
+and thin matrix products cost more than the larger maps (measured in docs/benchmark-analyze.md,
+"Measurements behind constants")."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ class Workspace:
 
     Every block of every layer takes its maps from here instead of allocating them: fresh 8 MiB
     maps for each of the hundreds of blocks of a forward cost the kernel a page fault per 4 KiB
-    (measured at T=2048: about 600k faults per forward beyond SDPA's, several tenths of a second).
+    (the count is in docs/benchmark-analyze.md, "Measurements behind constants").
     A map is valid until the next block of the session; observers and interventions only read it
     while their block is current (a reducer that keeps a map copies it, as ``FullCapture`` does)."""
 

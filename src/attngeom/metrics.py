@@ -229,9 +229,8 @@ def contribution_by_map(n_rep: int, Q: int, d: int) -> bool:
     """Whether :func:`received` sums the contribution over queries by the per-head ``[Q, S]`` product
     ``X vᵀ`` (True) or by the grouped ``[d, S]`` product ``Xᵀa`` (False): the one with the smaller
     result, i.e. the map when the ``n_rep·Q`` queries of a group are fewer than the ``d`` dimensions.
-    Measured per block at S=2048 (2 threads): 32 heads of 128, 64 queries, no grouping: 29.8 ms by
-    ``Xᵀa``, 6.5 ms by the map; the bundled model's 3 groups of 3 x 113 queries of 64: 2.0 and 1.8 ms
-    (with 1 thread 2.9 and 3.5 ms); LLaMA-3.1's 8 groups of 4 x 64 queries of 128: 6.9 and 7.7 ms."""
+    The per-block timings of both products that set this rule are in docs/benchmark-analyze.md
+    ("Measurements behind constants of the code")."""
     return n_rep * Q < d
 
 

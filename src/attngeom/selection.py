@@ -159,7 +159,7 @@ COMPARE_MAX_N = 32
 """Up to this many selected distances GInv compares every pair; beyond, it binary-searches."""
 COMPARE_ELEMENTS = 1 << 20
 """Pairs compared per chunk: a larger boolean temporary leaves the cache (and, past a few MB, costs
-fresh pages on every call): 10-30x slower per pair, measured at 162 rows x 16 x 2048 sources."""
+fresh pages on every call); measured in docs/benchmark-analyze.md ("Measurements behind constants")."""
 
 
 def _pairs_at_or_above(u: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
@@ -183,10 +183,9 @@ def _selection_masks(order: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
 GEOMETRY_ELEMENTS = 1 << 16
 """Distances ``[rows, K, S]`` computed at a time by :func:`geometry` (whole sets of ``G`` rows, at
 least one): 512 KiB in float64, so that the dozen passes over them stay in the cache and no large
-temporary is paged in afresh. Measured for 81 rows (9 heads x (top-N + 8 random)), 9 sizes, 2
-threads: all rows at once took 20.8 / 97 / 450 ms at S = 512 / 2048 / 8192, one set of 9 rows at a
-time 13.8 / 49 / 162 ms. The chunks change only how the ``⟨s_N, y_j⟩`` products are batched, i.e.
-their last bits."""
+temporary is paged in afresh (all rows at once against one set at a time, measured in
+docs/benchmark-analyze.md, "Measurements behind constants"). The chunks change only how the
+``⟨s_N, y_j⟩`` products are batched, i.e. their last bits."""
 
 
 def geometry(y: torch.Tensor, order: torch.Tensor, ns: Sequence[int],
