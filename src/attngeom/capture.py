@@ -522,7 +522,9 @@ def exact_attention(
         if observing:
             # float32 logits let the block compute row entropies without a logarithm per element
             keep = sinks is None and scores.dtype == torch.float32
-            block = Block(state=state, a=probs.float(), q_start=i0, k_start=k0,
+            # the call's queries are the last Tq of its S sources: positions from 0 without a cache,
+            # from the cached length in a decoding step (generation keeps every earlier token cached)
+            block = Block(state=state, a=probs.float(), q_start=S - Tq + i0, k_start=k0,
                           allowed=None if allowed is None else allowed[..., k0:k1],
                           scores=scores if keep else None)
             for obs in session.observers:

@@ -286,6 +286,8 @@ class TokenStats(Reducer):
         acc = self._acc.get(block.layer)
         if acc is None:
             acc = self._acc[block.layer] = self._accumulators(block)
+        elif "value_norm" in acc and acc["value_norm"].shape[-1] < block.state.v.shape[2]:
+            acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()   # sources grew (generation)
         w = block.query_valid.float()                              # [B, Q]
         received = block.received(w, self.metrics) if self.metrics else {}
         ks = slice(block.k_start, block.k_start + S)
@@ -343,9 +345,12 @@ class TokenStats(Reducer):
 class FullCapture(Reducer):
     """Keeps each layer's full attention map and head-space pieces for :class:`attngeom.trace.Trace`.
 
-    Memory: one ``[B, H, T, T]`` float32 map per layer plus ``[B, H, T, d]`` values."""
+    Memory: one ``[B, H, T, T]`` float32 map per layer plus ``[B, H, T, d]`` values. ``length``: the
+    maps' ``T`` when the sources grow from call to call (generation: prompt + new tokens; the values
+    kept are the last call's, which cover every token); default the first block's sources."""
 
-    def __init__(self):
+    def __init__(self, length: int | None = None):
+        self.length = length
         self.layers: dict[int, dict] = {}
 
     def begin(self, batch: Batch) -> None:
@@ -354,7 +359,7 @@ class FullCapture(Reducer):
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
-        T = block.state.v.shape[2]
+        T = max(block.state.v.shape[2], self.length or 0)
         st = self.layers.get(block.layer)
         if st is None:
             st = self.layers[block.layer] = {
@@ -365,6 +370,8 @@ class FullCapture(Reducer):
                 "kv_head": block.state.kv_head.cpu(),
             }
         st["a"][:, :, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.a.cpu()
+        if block.state.v.shape[2] > st["v"].shape[2]:
+            st["v"] = block.state.v.cpu()
 
     def result(self) -> dict[int, dict]:
         return self.layers

@@ -291,15 +291,26 @@ class LayerTrace:
 
 @dataclass
 class Trace:
-    """Everything :func:`analyze` captured for one text."""
+    """Everything :func:`analyze` captured for one text. ``prompt_length``: for a generation
+    (:func:`attngeom.generate.analyze`), the number of prompt tokens (the answer follows); None
+    for a text analysed as given."""
 
     ids: list[int]
     tokens: list[str]
     layers: list[LayerTrace]
     model_name: str = ""
+    prompt_length: int | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def generated(self) -> np.ndarray:
+        """``[T]`` bool: True for the tokens the model generated (all False for a given text)."""
+        out = np.zeros(len(self.ids), dtype=bool)
+        if self.prompt_length is not None:
+            out[self.prompt_length:] = True
+        return out
 
     def to_html(self, path: str | Path, **options) -> Path:
         """Write the interactive explorer of this trace (one offline HTML file, see docs/explore.md);
@@ -348,7 +359,8 @@ class Trace:
         atomic_write_bytes(path / TRACE_TENSORS, data)
         meta = {"format": TRACE_FORMAT, "ids": [int(i) for i in self.ids], "tokens": list(self.tokens),
                 "model_name": self.model_name, "layers": [int(lt.index) for lt in self.layers],
-                "weights": bool(weights), "tensors_sha256": hashlib.sha256(data).hexdigest()}
+                "weights": bool(weights), "tensors_sha256": hashlib.sha256(data).hexdigest(),
+                **({} if self.prompt_length is None else {"prompt_length": int(self.prompt_length)})}
         atomic_write_bytes(path / TRACE_META, json.dumps(meta).encode("utf-8"))
         return path
 
@@ -438,6 +450,10 @@ def _load_trace(cls, path: Path) -> "Trace":
         raise bad(f"{TRACE_META}: 'model_name' must be a string and 'weights' true or false")
     if fmt == TRACE_FORMAT and not isinstance(checksum, str):
         raise bad(f"{TRACE_META}: 'tensors_sha256' is missing")
+    prompt_length = meta.get("prompt_length")
+    if prompt_length is not None and not (isinstance(prompt_length, int) and not isinstance(prompt_length, bool)
+                                          and 1 <= prompt_length <= len(ids)):
+        raise bad(f"{TRACE_META}: 'prompt_length' must be a number of tokens from 1 to {len(ids)}")
 
     from safetensors.torch import load as load_bytes
 
@@ -493,7 +509,7 @@ def _load_trace(cls, path: Path) -> "Trace":
         out.append(LayerTrace(index=i, a=a, v=v, G=lt["G"], w_o=lt["w_o"]) if weights else _frozen_layer(i, lt))
     if checksum is not None and hashlib.sha256(data).hexdigest() != checksum:
         raise bad(f"{TRACE_TENSORS} does not match the checksum in {TRACE_META} (changed or damaged)")
-    return cls(ids=ids, tokens=tokens, layers=out, model_name=name)
+    return cls(ids=ids, tokens=tokens, layers=out, model_name=name, prompt_length=prompt_length)
 
 
 def analyze_batch(handle, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,
@@ -519,11 +535,24 @@ def analyze_batch(handle, items: Sequence, *, layers: Iterable[int] | None = Non
     return [traces[i] for i in sorted(traces)]
 
 
-def analyze(handle, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None) -> Trace:
+def analyze(handle, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
+            generate: int | None = None, **generation) -> Trace:
     """Full trace of one text (a string, or token ids): every layer's metric maps.
 
     ``analyze(load_model("smollm2-135m"), "some text").layers[5].contribution`` is a
-    ``[heads, T, T]`` float32 array. For long inputs or corpora use :func:`stream`."""
+    ``[heads, T, T]`` float32 array. For long inputs or corpora use :func:`stream`.
+
+    ``generate=N``: ``text`` is a prompt (or a list of chat messages) and the trace covers prompt +
+    the model's answer of up to ``N`` tokens, captured step by step with the KV cache;
+    ``generation`` takes ``chat``, ``system``, ``sample``, ``temperature``, ``top_p``, ``seed`` and
+    ``stop`` (:func:`attngeom.generate.analyze`, docs/generation.md)."""
+    if generate is not None or generation:
+        from . import generate as gen
+
+        if generate is None:
+            raise InputError(f"{sorted(generation)[0]} is an option of generation; give generate=N")
+        return gen.analyze(handle, text, generate=generate, layers=layers, block_elements=block_elements,
+                           **generation)
     if isinstance(text, (list, tuple)) and text and isinstance(text[0], str):
         raise InputError("analyze takes one text; use analyze_batch for several")
     return analyze_batch(handle, [text], layers=layers, batch_size=1, block_elements=block_elements)[0]
