@@ -10,7 +10,7 @@ import sys
 
 from .errors import AttngeomError
 
-COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads", "explore", "claims")
+COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads", "explore", "claims", "kvcache")
 
 
 def build_parser() -> argparse.ArgumentParser:

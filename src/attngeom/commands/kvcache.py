@@ -1,0 +1,131 @@
+"""``attngeom kvcache``: language modelling under a KV-cache budget, policy by policy.
+
+Each window of ``--data`` is read with the compressed cache of :mod:`attngeom.kvcache` under every
+policy of ``--policies`` (:mod:`attngeom.kvpolicies`) and every budget of ``--budgets`` (entries per
+key/value head), ``--chunk`` tokens per forward pass (1: token by token, the reference); every
+(window, policy, budget) is one resumable unit in ``--out/checkpoint``. The ``taxonomy`` policy's
+per-head budgets come from the head taxonomy of ``--calibration-windows`` further windows of the
+corpus (disjoint from the evaluated ones). Writes to ``--out``:
+
+- ``reads.parquet`` — one row per (policy, budget, window): ``nll``, ``tokens``, ``ppl``, ``seconds``,
+  ``seconds_per_token``, ``peak_bytes`` (largest cache storage measured after a forward pass);
+  the full cache is read once per window and its row repeated for every budget;
+- ``summary.parquet`` — per (policy, budget): perplexity with its 95 % bootstrap interval over
+  windows, the difference to the full cache (paired resamples), memory saved, time per token ratio;
+- ``regimes.parquet`` (with ``taxonomy``) — the calibration taxonomy;
+- ``summary.json`` and the figures of :mod:`attngeom.reports.kvcache`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import InputError
+from . import common
+
+DEFAULT_POLICIES = "full,window,streamingllm,h2o,tova,snapkv,vatp,contribution,contribution_signed,taxonomy"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "kvcache", help="KV-cache eviction policies (attention, value-aware, contribution, taxonomy) under budgets",
+        description="Read long texts with a compressed KV cache (at most BUDGET entries per key/value head) "
+                    "under each policy and report perplexity against the full cache, with bootstrap intervals, "
+                    "the memory saved and the time per token.")
+    common.add_model_args(p)
+    common.add_data_args(p)
+    p.set_defaults(window=1024, max_windows=4)
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})")
+    p.add_argument("--budgets", default="64,128,256", help="entries per key/value head, e.g. 64,256 (default 64,128,256)")
+    p.add_argument("--chunk", type=int, default=1,
+                   help="tokens per forward pass, eviction between passes (default 1: token by token)")
+    p.add_argument("--calibration-windows", type=int, default=2,
+                   help="windows after the evaluated ones for the taxonomy policy's head regimes (default 2)")
+    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_progress_arg(p)
+    common.add_out_arg(p)
+    p.set_defaults(func=run)
+
+
+def _policies(spec: str) -> list[str]:
+    from ..kvpolicies import get_policy
+
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise InputError("--policies names no policy")
+    for n in names:
+        get_policy(n)
+    return list(dict.fromkeys(names))
+
+
+def run(args) -> int:
+    from ..data import load_windows, parse_int_list, read_texts
+
+    common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1)
+    policies = _policies(args.policies)
+    budgets = sorted(set(parse_int_list(args.budgets, "--budgets") or []))
+    if not budgets:
+        raise InputError("--budgets names no budget")
+    if min(budgets) <= args.chunk:
+        raise InputError(f"--chunk {args.chunk} must be smaller than every budget (smallest {min(budgets)})")
+    fields = common.fields_of(args)
+    if not args.data.startswith("hf:"):
+        read_texts(args.data, fields)
+    calib_n = args.calibration_windows if "taxonomy" in policies else 0
+    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
+                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
+                "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
+    with common.open_run(args, "kvcache", settings) as run:
+        if common.already_complete(run, "kvcache"):
+            return 0
+        handle = common.load(args)
+        windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows + calib_n, fields)
+        evaluated, calib = windows[: args.max_windows], windows[args.max_windows:]
+        regimes = None
+        if "taxonomy" in policies:
+            if not calib:
+                raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
+                                 f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
+            regimes = _regimes(handle, run, calib)
+        from ..kvcache import experiment, summarise
+
+        reads = experiment(handle, run, evaluated, policies, budgets, args.chunk, regimes)
+        summary_df = summarise(reads)
+        model_name = getattr(handle, "name", args.model)
+        summary = {"command": "kvcache", "model": model_name, "data": args.data, "window": args.window,
+                   "windows": len(evaluated), "tokens": int(sum(len(w) - 1 for w in evaluated)),
+                   "chunk": args.chunk, "policies": policies, "budgets": budgets,
+                   "gqa_pooling": "mean over the query heads of a key/value head (tova: mean over the layer)",
+                   "results": summary_df.to_dict(orient="records"), "settings": settings}
+
+        def write(staging) -> list[str]:
+            files = ["reads.parquet", "summary.parquet"]
+            common.write_parquet(reads.assign(model=model_name), staging / "reads.parquet")
+            common.write_parquet(summary_df.assign(model=model_name), staging / "summary.parquet")
+            if regimes is not None:
+                common.write_parquet(regimes, staging / "regimes.parquet")
+                files.append("regimes.parquet")
+            if not args.no_figures:
+                from ..reports.kvcache import render
+
+                summary["figures"] = [p.name for p in render(staging)]
+                files += summary["figures"]
+            common.write_json(staging / "summary.json", summary)
+            return files + ["summary.json"]
+
+        run.finish(write)
+    if run.comm.rank == 0:
+        best = summary_df[summary_df["policy"] != "full"].sort_values("ppl").head(1)
+        note = "" if best.empty else f"; lowest perplexity {best['policy'].iloc[0]} at budget {int(best['budget'].iloc[0])}"
+        print(f"attngeom kvcache: {model_name}: {len(evaluated)} windows, {len(policies)} policies x "
+              f"{len(budgets)} budgets{note}; written to {run.out}", file=sys.stderr)
+    return 0
+
+
+def _regimes(handle, run, calib):
+    """The head taxonomy (``layer, head, regime``) of the calibration windows (stage ``calibration``)."""
+    from ..taxonomy import TaxonomyStats
+    from ..trace import reduce_stage
+
+    tax, = reduce_stage(handle, run, "calibration", calib, lambda: [TaxonomyStats()], desc="calibration")
+    return tax.result()[["layer", "head", "regime"]]
