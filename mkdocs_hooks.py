@@ -10,7 +10,9 @@ documents the former, and the latter are internal to the commands.
 
 :class:`SphinxRoles` is a griffe extension (named in ``mkdocs.yml``): the docstrings use Sphinx roles
 (``:func:`name```, ``:class:`~attngeom.x.Y```), which Markdown would show literally; it turns each
-into a code span (``name``, ``Y``) before mkdocstrings renders the docstring.
+into a code span (``name``, ``Y``), and the reStructuredText literal-block marker ``text::`` into
+``text:`` (the indented block after it is already a Markdown code block), before mkdocstrings
+renders the docstring.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def on_files(files, config):
 
 
 ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|obj|exc|const):`~?([^`]+)`")
+LITERAL = re.compile(r"(?m)(\S)::$")
 
 
 def _role_text(match: re.Match) -> str:
@@ -90,8 +93,8 @@ def _role_text(match: re.Match) -> str:
 
 
 class SphinxRoles(Extension):
-    """Sphinx roles in docstrings -> Markdown code spans (``:func:`~a.b`` -> `` `b` ``)."""
+    """Sphinx roles in docstrings -> Markdown code spans (``:func:`~a.b``` -> `` `b` ``); ``text::`` -> ``text:``."""
 
     def on_instance(self, *, obj, **kwargs) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = ROLE.sub(_role_text, obj.docstring.value)
+            obj.docstring.value = LITERAL.sub(r"\1:", ROLE.sub(_role_text, obj.docstring.value))
