@@ -112,7 +112,7 @@ def test_fields_refused_for_plain_text(tmp_path):
     f = tmp_path / "plain.txt"
     f.write_text("some text")
     assert read_texts(f) == ["some text"]
-    with pytest.raises(InputError, match=r"fields \(question\) apply to \.jsonl files .*plain\.txt is read as plain text"):
+    with pytest.raises(InputError, match=r"fields \(question\) apply to \.jsonl, \.csv and \.parquet files .*plain\.txt is read as plain text"):
         read_texts(f, ["question"])
     with pytest.raises(InputError, match="plain text"):
         resolve_texts(str(f), ["text"])
@@ -136,3 +136,148 @@ def test_jsonl_empty_object_names_missing_field(tmp_path):
     f.write_text("{}\n")
     with pytest.raises(InputError, match=r"'text' is missing \(fields present: none\)"):
         read_texts(f)
+
+
+# --------------------------------------------------------------------------------------------
+# One rule for fields; byte-order marks; nesting depth; CSV, Parquet and save_to_disk folders
+# --------------------------------------------------------------------------------------------
+
+RECORDS = [{"question": "What is two plus two?", "answer": "four", "n": 4, "id": "a"},
+           {"question": "Name a colour, please.", "answer": "blue, or \"red\"\non two lines", "n": 7, "id": "b"},
+           {"question": "Half of five?", "answer": "two and a half", "n": 12, "id": "c"}]
+JOINED = ["What is two plus two?\nfour\n4", "Name a colour, please.\nblue, or \"red\"\non two lines\n7",
+          "Half of five?\ntwo and a half\n12"]
+
+
+def _write(fmt: str, path: Path, records: list[dict]) -> Path:
+    """``records`` in format ``fmt`` (jsonl, csv, parquet, saved = a save_to_disk folder)."""
+    import pandas as pd
+
+    if fmt == "jsonl":
+        path = path.with_suffix(".jsonl")
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif fmt == "csv":
+        path = path.with_suffix(".csv")
+        pd.DataFrame(records).to_csv(path, index=False)
+    elif fmt == "parquet":
+        path = path.with_suffix(".parquet")
+        pd.DataFrame(records).to_parquet(path, index=False)
+    else:
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_list(records).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("value, kind", [(["x", "y"], "a list"), ({"a": 1}, "an object"), (None, "null"),
+                                         (True, "a boolean"), (False, "a boolean")])
+def test_jsonl_fields_must_be_strings_or_numbers(tmp_path, value, kind):
+    f = tmp_path / "typed.jsonl"
+    f.write_text(json.dumps({"text": "fine", "extra": 7}) + "\n" + json.dumps({"text": "hello", "extra": value}) + "\n")
+    assert read_texts(f) == ["fine", "hello"]  # only the fields asked for are checked
+    with pytest.raises(InputError) as e:
+        read_texts(f, ["text", "extra"])
+    assert str(e.value) == f"{f}:2: field 'extra' is {kind}; a field must be a string or a number"
+    f.write_text('{"text": 2.5, "n": -3}\n')
+    assert read_texts(f, ["text", "n"]) == ["2.5\n-3"]  # numbers are written out as text
+    f.write_text('{"text": NaN}\n')
+    with pytest.raises(InputError, match=r"typed\.jsonl:1: field 'text' is null \(NaN\)"):
+        read_texts(f)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "saved"])
+def test_every_record_format_reads_the_same_texts(fmt, tmp_path):
+    path = _write(fmt, tmp_path / "qa", RECORDS)
+    assert read_texts(path, ["question", "answer", "n"]) == JOINED
+    assert resolve_texts(str(path), ["question", "answer", "n"]) == JOINED  # what the commands call
+    with pytest.raises(InputError, match="field 'solution' is missing .*fields present: question, answer, n, id"):
+        read_texts(path, ["question", "solution"])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "saved"])
+@pytest.mark.parametrize("value, kind", [(["x"], "a list"), (None, "null")])
+def test_typed_formats_follow_the_jsonl_field_rule(fmt, value, kind, tmp_path):
+    path = _write(fmt, tmp_path / "typed", [{"text": "ok", "extra": "a" if value is None else value},
+                                            {"text": "two", "extra": value}])
+    with pytest.raises(InputError) as e:
+        read_texts(path, ["text", "extra"])
+    row = 1 if value is not None else 2
+    assert str(e.value) == f"{path}: row {row}: field 'extra' is {kind}; a field must be a string or a number"
+
+
+def test_csv_rows_and_errors(tmp_path):
+    f = tmp_path / "c.csv"
+    f.write_text("text,n\n\"a, quoted\nline\",1\n\n,2\nlast,3\n")
+    assert read_texts(f) == ["a, quoted\nline", "last"]  # blank cells give no text; blank lines skipped
+    assert read_texts(f, ["text", "n"]) == ["a, quoted\nline\n1", "\n2", "last\n3"]
+    f.write_text("text,n\nok,1\nbad\n")
+    with pytest.raises(InputError, match=r"c\.csv:3: 1 values for 2 columns"):
+        read_texts(f)
+
+
+def test_saved_dataset_folder_errors(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS), "test": datasets.Dataset.from_list(RECORDS)})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(InputError, match=r"several splits \(test, train\); give one split's folder"):
+        read_texts(tmp_path / "dd", ["question"])
+    assert read_texts(tmp_path / "dd" / "train", ["question", "answer", "n"]) == JOINED
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(InputError, match=r"save_to_disk; reading it needs `pip install attngeom\[datasets\]`"):
+        read_texts(tmp_path / "dd" / "train")
+
+
+def test_folder_digest_follows_its_content(tmp_path):
+    from attngeom.commands.common import data_identity
+
+    path = _write("saved", tmp_path / "ds", RECORDS)
+    a = data_identity(str(path))["data_sha256"]
+    assert a and a == data_identity(str(path))["data_sha256"]
+    import shutil
+
+    shutil.rmtree(path)
+    _write("saved", path, RECORDS[:2])
+    assert data_identity(str(path))["data_sha256"] != a
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "csv"])
+def test_byte_order_mark_is_dropped(fmt, tmp_path, handle):
+    body = {"txt": "The cat sat on the mat. " * 8,
+            "jsonl": json.dumps({"text": "The cat sat on the mat. " * 8}) + "\n",
+            "csv": "text\n" + "The cat sat on the mat. " * 8 + "\n"}[fmt]
+    plain, marked = tmp_path / f"plain.{fmt}", tmp_path / f"bom.{fmt}"
+    plain.write_bytes(body.encode("utf-8"))
+    marked.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    assert read_texts(marked) == read_texts(plain) and not read_texts(marked)[0].startswith("\ufeff")
+    assert load_windows(handle, str(marked), window=16) == load_windows(handle, str(plain), window=16)
+
+
+def test_deeply_nested_jsonl_line_is_one_line(tmp_path):
+    f = tmp_path / "deep.jsonl"
+    deep = '{"a": ' * 100000 + "1" + "}" * 100000
+    f.write_text('{"text": "ok"}\n' + '{"text": "x", "meta": ' + deep + "}\n")
+    with pytest.raises(InputError) as e:
+        read_texts(f)
+    assert str(e.value) == f"{f}:2: JSON nested deeper than 64 levels"
+    f.write_text('{"text": "[[[[ {{{{ not nesting: inside a string ' + "[" * 200 + '"}\n')
+    assert read_texts(f)[0].startswith("[[[[")
+
+
+def test_cli_reads_a_parquet_corpus(tiny_llama_dir, tmp_path, capsys):
+    from attngeom.cli import main
+
+    records = [{"question": "The cat sat on the mat. " * 4, "answer": i} for i in range(3)]
+    data = _write("parquet", tmp_path / "qa", records)
+    out = tmp_path / "o"
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(data), "--fields", "question,answer",
+               "--window", "16", "--max-windows", "2", "--out", str(out), "--no-progress", "--no-figures"])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert json.loads((out / "summary.json").read_text())["windows"] == 2
+    bad = _write("parquet", tmp_path / "bad", [{"question": "q", "answer": True}])
+    rc = main(["sinks", "--model", str(tiny_llama_dir), "--data", str(bad), "--fields", "question,answer",
+               "--out", str(tmp_path / "o2"), "--no-progress"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and len(err) == 1 and "row 1: field 'answer' is a boolean" in err[0]
+    assert not (tmp_path / "o2").exists()

@@ -1,15 +1,24 @@
-"""Corpora for the corpus-level analyses: plain text, WikiText raw files, JSONL, HF datasets.
+"""Corpora for the corpus-level analyses: plain text, WikiText raw files, JSONL, CSV, Parquet, a
+folder written by ``datasets``' ``save_to_disk``, and Hugging Face hub datasets.
 
 Every source ends up as a list of token-id windows (:func:`load_windows`): the text is tokenised
 once, a BOS token (the sink) is put at the start of each window where the tokenizer has one, and
 windows of ``window`` tokens are cut every ``stride`` tokens.
+
+Records (JSONL lines, CSV and Parquet rows, dataset rows) follow one rule (:func:`field_text`): a
+field is a string, or a number (not a boolean) written as text; a list, an object, null, a boolean
+or a non-finite number is refused with one line naming the file, the line or row, and the field.
+A UTF-8 byte-order mark at the start of a file is dropped; a JSONL line nested deeper than
+:data:`MAX_DEPTH` levels is refused before it is parsed.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .errors import InputError
 
@@ -26,12 +35,32 @@ SAMPLE_TEXT = (
 )
 """The built-in text that ``attngeom analyze`` runs on when no text is given (``make demo``)."""
 
+BOM = "\ufeff"
+MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects accepted in one JSONL line."""
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""Files by which a folder written by ``datasets``' ``save_to_disk`` is recognised."""
+TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
+"""File suffixes read as records with fields (anything else is plain text)."""
+
+
+def utf8_text(raw: bytes, where: str) -> str:
+    """``raw`` decoded as UTF-8 without a leading byte-order mark, or :class:`InputError`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{where} is not a UTF-8 text file") from None
+    return text[1:] if text.startswith(BOM) else text
+
 
 def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[str]:
-    """Texts of a corpus file.
+    """Texts of a local corpus: one text per record, ``fields`` (default ``["text"]``) joined with a
+    newline (``fields=["question", "answer"]`` for GSM8K-style files).
 
-    - ``.jsonl``: one JSON object per line; ``fields`` (default ``["text"]``) are joined with a
-      newline (``fields=["question", "answer"]`` for GSM8K-style files).
+    - ``.jsonl``: one JSON object per line;
+    - ``.csv``: a header row naming the fields, one record per row;
+    - ``.parquet``: one record per row;
+    - a folder written by ``datasets``' ``save_to_disk`` (needs ``pip install attngeom[datasets]``);
     - anything else: plain text (``fields`` is refused); a WikiText raw file is read as one text
       with its heading markers (`` = Title = ``) kept, as the raw split is usually scored. Line
       endings are normalised to ``\n``.
@@ -40,46 +69,180 @@ def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[st
     if not p.exists():
         raise InputError(f"data file not found: {p}")
     if p.is_dir():
-        raise InputError(f"{p} is a directory; give a text or JSONL file")
-    if p.suffix == ".jsonl":
-        fields = list(fields or ["text"])
-        texts = []
-        with p.open("rb") as f:
-            for n, raw in enumerate(f, 1):
-                where = f"{p}:{n}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise InputError(f"{where}: not UTF-8 text") from None
-                if not line.strip():
-                    continue
-                obj = json_object(line, where)
-                missing = [k for k in fields if k not in obj]
-                if missing:
-                    raise InputError(f"{where}: field {missing[0]!r} is missing "
-                                     f"(fields present: {', '.join(obj) or 'none'})")
-                texts.append("\n".join(str(obj[k]) for k in fields))
+        if not any((p / f).is_file() for f in SAVED_DATASET_FILES):
+            raise InputError(f"{p} is a directory but not one written by datasets' save_to_disk (it has no "
+                             f"{' or '.join(SAVED_DATASET_FILES[:2])}); give a text, JSONL, CSV or Parquet file "
+                             "or such a folder")
+        texts = _joined(_saved_dataset_rows(p), fields)
+    elif p.suffix.lower() in TABLE_SUFFIXES:
+        rows = {".jsonl": _jsonl_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}[p.suffix.lower()](p)
+        texts = _joined(rows, fields)
     else:
         if fields:
-            raise InputError(f"fields ({', '.join(fields)}) apply to .jsonl files and datasets only; "
-                             f"{p} is read as plain text")
+            raise InputError(f"fields ({', '.join(fields)}) apply to .jsonl, .csv and .parquet files and datasets "
+                             f"only; {p} is read as plain text")
         try:
-            texts = [p.read_text(encoding="utf-8")]
-        except UnicodeDecodeError:
-            raise InputError(f"{p} is not a UTF-8 text file") from None
+            raw = p.read_bytes()
+        except OSError as e:
+            raise InputError(f"cannot read {p}: {e.strerror or e}") from None
+        texts = [utf8_text(raw, str(p)).replace("\r\n", "\n").replace("\r", "\n")]
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise InputError(f"{p} holds no text")
     return texts
 
 
+def field_text(value, where: str, field: str) -> str:
+    """A record's field as text: a string as it is, a number (int or float, not bool) written out;
+    anything else is an :class:`InputError` naming ``where`` (``file:line`` or ``file: row n``)."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy scalar
+        value = value.item()
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            kind = "null (NaN)" if math.isnan(value) else "an infinite number"
+        else:
+            return str(value)
+    else:
+        kind = ("a boolean" if isinstance(value, bool) else "null" if value is None
+                else "an object" if isinstance(value, dict) else "a list" if hasattr(value, "__len__")
+                else f"a {type(value).__name__}")
+    raise InputError(f"{where}: field {field!r} is {kind}; a field must be a string or a number")
+
+
+def _joined(rows: Iterable[tuple[str, dict]], fields: Sequence[str] | None) -> list[str]:
+    """``(where, record)`` pairs -> one text per record: its ``fields`` joined with newlines."""
+    fields = list(fields or ["text"])
+    texts = []
+    for where, rec in rows:
+        missing = [k for k in fields if k not in rec]
+        if missing:
+            raise InputError(f"{where}: field {missing[0]!r} is missing "
+                             f"(fields present: {', '.join(map(str, rec)) or 'none'})")
+        texts.append("\n".join(field_text(rec[k], where, k) for k in fields))
+    return texts
+
+
+def _jsonl_rows(p: Path) -> Iterator[tuple[str, dict]]:
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{p}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{where}: not UTF-8 text") from None
+            if line.strip():
+                yield where, json_object(line, where)
+
+
+def _csv_rows(p: Path) -> Iterator[tuple[str, dict]]:
+    import csv
+    import io
+
+    try:
+        text = utf8_text(p.read_bytes(), str(p))
+    except OSError as e:
+        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+        if header is None:
+            return
+        for row in reader:
+            where = f"{p}:{reader.line_num}"
+            if not any(cell.strip() for cell in row):
+                continue
+            if len(row) != len(header):
+                raise InputError(f"{where}: {len(row)} values for {len(header)} columns")
+            yield where, dict(zip(header, row))
+    except csv.Error as e:
+        raise InputError(f"{p}:{reader.line_num}: not valid CSV ({e})") from None
+
+
+def _parquet_rows(p: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(p)
+    except ImportError:
+        raise InputError("reading Parquet files needs pyarrow (`pip install pyarrow`)") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds for a damaged file
+        raise InputError(f"{p} is not a readable Parquet file ({str(e).splitlines()[0][:160]})") from None
+    for n, rec in enumerate(table.to_pylist(), 1):
+        yield f"{p}: row {n}", rec
+
+
+def _saved_dataset_rows(p: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"{p} is a folder written by datasets' save_to_disk; reading it needs "
+                         "`pip install attngeom[datasets]`") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:  # noqa: BLE001
+        raise InputError(f"{p} could not be read as a saved dataset ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    if not hasattr(ds, "column_names") or isinstance(ds.column_names, dict):
+        splits = sorted(getattr(ds, "keys", lambda: [])())
+        raise InputError(f"{p} holds several splits ({', '.join(splits)}); give one split's folder, "
+                         f"e.g. {p / (splits[0] if splits else 'train')}")
+    for n, rec in enumerate(ds, 1):
+        yield f"{p}: row {n}", rec
+
+
+def corpus_digest(path: str | Path) -> str | None:
+    """sha256 of a local corpus: the file's bytes, or for a folder (a saved dataset) the relative
+    names and bytes of all its files; None when it cannot be read."""
+    import hashlib
+
+    p = Path(path)
+    h = hashlib.sha256()
+    try:
+        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+        for q in files:
+            if p.is_dir():
+                h.update(str(q.relative_to(p)).encode("utf-8") + b"\0")
+            with open(q, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_depth_exceeds(line: str, limit: int = MAX_DEPTH) -> bool:
+    """Whether the arrays and objects of a JSON text nest deeper than ``limit`` (strings skipped),
+    checked without parsing it."""
+    if line.count("[") + line.count("{") <= limit:
+        return False
+    depth = 0
+    for m in _BRACKETS.finditer(_STRINGS.sub("", line)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
 def json_object(line: str, where: str) -> dict:
-    """One JSONL line -> a dict, or :class:`InputError` naming ``where`` (``file:line``)."""
+    """One JSONL line -> a dict, or :class:`InputError` naming ``where`` (``file:line``). A leading
+    byte-order mark (the first line of a file saved with one) is dropped."""
+    if line.startswith(BOM):
+        line = line[1:]
+    if json_depth_exceeds(line):
+        raise InputError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg   # "Invalid control character at"
         raise InputError(f"{where}: not valid JSON at column {e.colno} ({msg})") from None
+    except RecursionError:  # pragma: no cover - the depth check comes first
+        raise InputError(f"{where}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
         raise InputError(f"{where}: expected a JSON object, got {kind}")
@@ -96,7 +259,7 @@ def read_hf_dataset(name: str, split: str = "test", fields: Sequence[str] | None
     try:
         import datasets
     except ImportError:
-        raise InputError("reading a Hugging Face dataset needs `pip install datasets`") from None
+        raise InputError("reading a Hugging Face dataset needs `pip install attngeom[datasets]`") from None
     if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
         raise InputError(f"dataset {name!r} needs the network, but the hub is offline; "
                          "download it elsewhere and pass the file with --data")
@@ -109,7 +272,8 @@ def read_hf_dataset(name: str, split: str = "test", fields: Sequence[str] | None
     missing = [k for k in fields if k not in ds.column_names]
     if missing:
         raise InputError(f"dataset {name!r} has no field {missing[0]!r} (fields: {', '.join(ds.column_names)})")
-    return [t for t in ("\n".join(str(row[k]) for k in fields) for row in ds) if t.strip()]
+    texts = _joined(((f"dataset {name!r}: row {n}", row) for n, row in enumerate(ds, 1)), fields)
+    return [t for t in texts if t.strip()]
 
 
 def resolve_texts(spec: str, fields: Sequence[str] | None = None) -> list[str]:

@@ -26,8 +26,9 @@ def add_model_args(p) -> None:
 
 def add_data_args(p, required: bool = True, repeat: bool = False) -> None:
     p.add_argument("--data", required=required, action="append" if repeat else "store",
-                   help="corpus: a text file, WikiText raw file, .jsonl file, or hf:NAME[:CONFIG][@SPLIT]")
-    p.add_argument("--fields", default=None, help="JSONL/dataset fields joined per record, e.g. question,answer")
+                   help="corpus: a text file, WikiText raw file, .jsonl/.csv/.parquet file, a folder written by "
+                        "datasets' save_to_disk, or hf:NAME[:CONFIG][@SPLIT]")
+    p.add_argument("--fields", default=None, help="JSONL/CSV/Parquet/dataset fields joined per record, e.g. question,answer")
     p.add_argument("--window", type=int, default=256, help="tokens per window, BOS included (default 256)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: no overlap)")
     p.add_argument("--max-windows", type=int, default=16, help="windows to use (default 16)")
@@ -52,7 +53,7 @@ def text_input(args, verb: str) -> tuple[str, str]:
     """``(text, source)`` of ``--text`` / ``--file`` / the built-in sample, checked before any
     compute: an empty text, a missing, unreadable, non-UTF-8 or empty file are one-line errors. A
     file is read as written (``\r`` stays ``\r``)."""
-    from ..data import SAMPLE_TEXT
+    from ..data import SAMPLE_TEXT, utf8_text
 
     if args.text is not None:
         if not args.text.strip():
@@ -66,9 +67,7 @@ def text_input(args, verb: str) -> tuple[str, str]:
     if p.is_dir():
         raise InputError(f"{p} is a directory; give a text file")
     try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{p} is not a UTF-8 text file") from None
+        text = utf8_text(p.read_bytes(), str(p))
     except OSError as e:
         raise InputError(f"cannot read {p}: {e.strerror or e}") from None
     if not text.strip():
@@ -110,18 +109,12 @@ def check_layer_list(spec, option: str = "--layers") -> list[int] | None:
 def data_identity(spec: str) -> dict:
     """What identifies a corpus in a run's settings: the resolved path and its content's sha256
     (a changed file is another run), or the ``hf:`` spec as given."""
+    from ..data import corpus_digest
+
     if spec.startswith("hf:"):
         return {"data": spec}
     p = Path(spec)
-    try:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        digest = h.hexdigest()
-    except OSError:
-        digest = None
-    return {"data": str(p.resolve()), "data_sha256": digest}
+    return {"data": str(p.resolve()), "data_sha256": corpus_digest(p)}
 
 
 def model_identity(args) -> dict:
