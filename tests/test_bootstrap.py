@@ -11,23 +11,23 @@ from attngeom.runner import merge_sums
 
 
 def test_counts_are_resamples_with_replacement_and_seeded():
-    c = bs.resample_counts(7, B=500, seed=3)
+    c = bs.resample_counts(7, n_resamples=500, seed=3)
     assert c.shape == (500, 7) and c.dtype == np.int64
     assert (c.sum(1) == 7).all() and (c >= 0).all()
-    assert np.array_equal(c, bs.resample_counts(7, B=500, seed=3))
-    assert not np.array_equal(c, bs.resample_counts(7, B=500, seed=4))
+    assert np.array_equal(c, bs.resample_counts(7, n_resamples=500, seed=3))
+    assert not np.array_equal(c, bs.resample_counts(7, n_resamples=500, seed=4))
     # each item is drawn n * 1/n = 1 time on average, with variance n * (1/n)(1 - 1/n)
     assert c.mean() == pytest.approx(1.0, abs=0.05)
     assert c.var(0).mean() == pytest.approx(1 - 1 / 7, abs=0.1)
-    assert bs.resample_counts(0, B=3).shape == (3, 0)
+    assert bs.resample_counts(0, n_resamples=3).shape == (3, 0)
     with pytest.raises(ValueError):
-        bs.resample_counts(3, B=0)
+        bs.resample_counts(3, n_resamples=0)
 
 
 def test_resample_sums_equal_a_loop_and_merge_sums():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(6, 2, 3))
-    c = bs.resample_counts(6, B=20, seed=1)
+    c = bs.resample_counts(6, n_resamples=20, seed=1)
     fast = bs.resample_sums(c, x)
     slow = np.stack([sum(c[b, w] * x[w] for w in range(6)) for b in range(20)])
     np.testing.assert_allclose(fast, slow, rtol=1e-12)
@@ -43,7 +43,7 @@ def test_ratio_of_sums_and_perplexity_against_reference():
     rng = np.random.default_rng(1)
     nll = rng.uniform(100, 200, size=(5, 3))
     tok = rng.integers(50, 60, size=5).astype(float)
-    c = bs.resample_counts(5, B=50, seed=2)
+    c = bs.resample_counts(5, n_resamples=50, seed=2)
     ppl = bs.perplexity(c, nll, tok)
     for b in range(50):
         for v in range(3):
@@ -62,7 +62,7 @@ def test_percentile_interval_of_a_mean_matches_the_normal_theory():
     rng = np.random.default_rng(5)
     n = 400
     x = rng.normal(size=n)
-    samples = bs.bootstrap(n, lambda c: bs.resample_sums(c, x) / n, B=2000, seed=0)
+    samples = bs.bootstrap(n, lambda c: bs.resample_sums(c, x) / n, n_resamples=2000, seed=0)
     lo, hi = bs.percentile_interval(samples)
     half = 1.96 * x.std() / math.sqrt(n)
     assert float(lo) == pytest.approx(x.mean() - half, abs=0.25 * half)
@@ -78,7 +78,7 @@ def test_percentile_interval_of_a_mean_matches_the_normal_theory():
 
 def test_constant_data_give_a_zero_width_interval():
     x = np.full(10, 3.0)
-    s = bs.bootstrap(10, lambda c: bs.resample_sums(c, x) / 10, B=1000)
+    s = bs.bootstrap(10, lambda c: bs.resample_sums(c, x) / 10, n_resamples=1000)
     lo, hi = bs.percentile_interval(s)
     assert float(lo) == pytest.approx(3.0) and float(hi) == pytest.approx(3.0)
 
@@ -86,9 +86,9 @@ def test_constant_data_give_a_zero_width_interval():
 def test_bootstrap_batches_and_loop_use_the_same_resamples():
     x = np.random.default_rng(2).normal(size=(9, 4))
     stat = lambda c: bs.resample_sums(c, x)  # noqa: E731
-    a = bs.bootstrap(9, stat, B=1000, seed=7)
-    b = bs.bootstrap(9, stat, B=1000, seed=7, batch=64)
-    c = np.stack(bs.bootstrap_loop(9, lambda cnt: cnt @ x, B=1000, seed=7))
+    a = bs.bootstrap(9, stat, n_resamples=1000, seed=7)
+    b = bs.bootstrap(9, stat, n_resamples=1000, seed=7, batch=64)
+    c = np.stack(bs.bootstrap_loop(9, lambda cnt: cnt @ x, n_resamples=1000, seed=7))
     np.testing.assert_allclose(a, b)
     np.testing.assert_allclose(a, c)
 

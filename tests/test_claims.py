@@ -72,14 +72,14 @@ def test_quadratic_vertex_interior_equals_quadratic_fit():
 def _sink_reference(recs, weights=None):
     merged = merge_sums(recs, weights=weights)
     t = SK.results_from(merged)
-    s = SK.summarise(t["heads"], t["hist"], t["ppl"], t["drift"])
+    s = SK.summarize(t["heads"], t["hist"], t["ppl"], t["drift"])
     h = t["heads"]
     s["raw_ratio"] = float(h["raw_value_norm_ratio"].median())
     heavy = (h["cone_sink_heavy_removed"].mean() - h["cone_sink_heavy_base"].mean())
     return s, heavy
 
 
-def test_sink_stats_equal_summarise_on_the_sample_and_on_a_resample(tiny):
+def test_sink_stats_equal_summarize_on_the_sample_and_on_a_resample(tiny):
     h, ids = tiny
     work = SK.window_work(h, ids, batch_size=1)
     recs = [decode(encode(work([u]))) for u in range(len(ids))]   # as a Run stores them

@@ -143,6 +143,7 @@ def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
     token-level score maps, on the live blocks of every architecture (grouped-query ones included),
     in blocks of few queries and in one block per layer: both ways of summing the contribution run."""
     from attngeom import metrics as M
+    from attngeom import registry as R
 
     handle = tiny_model(arch)
     cfg = handle.model.config
@@ -154,7 +155,7 @@ def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
             assert block.state.n_rep == n_rep
             w = torch.rand(block.shape[0], block.shape[2], generator=torch.Generator().manual_seed(block.q_start))
             fast = block.received(w)
-            for name in M.RECEIVED:
+            for name in R.received_names():
                 slow = (w.unsqueeze(1) @ block.token_score(name)).squeeze(1)
                 assert torch.allclose(fast[name], slow, atol=1e-5, rtol=1e-5), (arch, block.layer, name)
             seen.append(block.layer)

@@ -31,9 +31,15 @@ def toy_metric():
     R.unregister("toy")
 
 
+SPEC_METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
+
+
 def test_builtin_table():
-    assert R.names()[:5] == M.METRICS
-    assert tuple(RANK_METRICS) == M.METRICS + ("random",)
+    assert R.names()[:5] == SPEC_METRICS
+    assert tuple(RANK_METRICS) == SPEC_METRICS + ("random",)
+    # the lists other modules read come from the entries' flags
+    assert R.hierarchy() == SPEC_METRICS[:4] and R.received_names() == SPEC_METRICS[:4]
+    assert TokenStats().metrics == R.received_names()
     assert R.get("contribution").token_map == "contribution_inter" and R.get("attention").heads == "mean"
     assert R.label("output_normalized") == "output-normalised" and R.label("random") == "random"
     with pytest.raises(KeyError, match="known: attention"):
@@ -88,7 +94,7 @@ def test_received_fast_path_equals_score_maps(handle):
     block = analyze(handle, TEXTS[1]).layers[1].block
     w = torch.rand(1, block.a.shape[2], generator=torch.Generator().manual_seed(0))
     fast = block.received(w)
-    for name in M.RECEIVED:
+    for name in R.received_names():
         slow = (w.unsqueeze(1) @ block.token_score(name)).squeeze(1)
         assert torch.allclose(fast[name], slow, atol=1e-5), name
         assert torch.allclose(block.received(w, [name])[name], slow, atol=1e-5), name

@@ -263,13 +263,15 @@ class Block:
 
     def received(self, weight: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """``Σ_i weight_i s_ij`` for the token-level scores ``s`` of the metrics ``names`` (default:
-        those :func:`attngeom.metrics.received` sums without maps): ``{name: [B, S]}``.
+        those :func:`attngeom.registry.received_names`, which :func:`attngeom.metrics.received` sums
+        without maps): ``{name: [B, S]}``.
 
         ``weight [B, Q]``. The built-in metrics are one ``Xᵀa`` product for all of them, computing
         only the pieces they need (``attention`` alone: one ``wᵀa``); any other registered metric
         sums its token-level score map."""
-        names = tuple(M.RECEIVED if names is None else names)
-        fast = [n for n in names if n in M.RECEIVED]
+        received = R.received_names()
+        names = tuple(received if names is None else names)
+        fast = [n for n in names if n in received]
         out: dict[str, torch.Tensor] = {}
         if fast:
             need_norm = "value_weighted" in fast or "output_normalized" in fast

@@ -4,7 +4,7 @@ The claims experiment runs reduced versions of the four corpus experiments in ON
 :class:`~attngeom.runner.Run` (stages ``faithfulness``, ``sinks``, ``selection``, ``taxonomy``,
 ``sensitivity``, ``order_search``, ``removal``, ``removal_fixed``), every record per window
 (batch size 1), so that a bootstrap over windows can resample them (:mod:`attngeom.bootstrap`):
-for ``B`` resamples (default 1000, seeded) the per-window sums are re-added with the resample's
+for ``n_resamples`` resamples (default 1000, seeded) the per-window sums are re-added with the resample's
 counts and every statistic below is recomputed, giving a 95 % percentile interval.
 
 Windows: faithfulness, sinks and selection use all windows; head removal uses the first
@@ -31,10 +31,10 @@ import numpy as np
 
 
 from . import bootstrap as bs
+from . import registry
+from .experiment import perplexity
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
-METRICS4 = ("attention", "value_weighted", "output_normalized", "contribution")
-"""The paper's hierarchy, least faithful first."""
 FIXED_REGIME_ORDER = ("Mixer", "Reset", "Retriever")
 """The a-priori taxonomy order (first removed first); see ``docs/claims.md``."""
 MODERATE = (90.0, 75.0)
@@ -251,10 +251,10 @@ def _stack(records: Sequence[dict], get) -> np.ndarray:
 
 def faithfulness_stats(nll: np.ndarray, tokens: np.ndarray, variants: Sequence, counts: np.ndarray) -> dict:
     """Resampled faithfulness numbers. ``nll [W, V]`` summed NLL per window and variant (column 0
-    the clean forward), ``tokens [W]``, ``counts [B, W]``. Returns arrays ``[B]``: ``clean``,
+    the clean forward), ``tokens [W]``, ``counts [R, W]``. Returns arrays ``[R]``: ``clean``,
     ``aoc[(metric, mode)]``, ``log_aoc[(metric, mode)]`` and ``delta[(metric, mode, ratio)]``
     (random: mean over seeds)."""
-    ppl = bs.perplexity(counts, nll, tokens)                      # [B, V]
+    ppl = bs.perplexity(counts, nll, tokens)                      # [R, V]
     clean = ppl[:, 0]
     groups: dict = {}
     for k, v in enumerate(variants):
@@ -301,16 +301,17 @@ def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[l
             d["beats_share"] = float(share[present.index(better), present.index(worse)])
             return d
 
-        if not all(m in present for m in METRICS4):
+        hierarchy = registry.hierarchy()                                  # least faithful first
+        if not all(m in present for m in hierarchy):
             continue
-        adj = [(METRICS4[k + 1], METRICS4[k]) for k in range(3)]
+        adj = [(hierarchy[k + 1], hierarchy[k]) for k in range(len(hierarchy) - 1)]
         diffs = {f"{b} vs {w}": diff(b, w) for b, w in adj}
         verdict = verdict_all([(d["low"], d["high"]) for d in diffs.values()])
         order = detail["order"][mode]
-        rows.append(_row(f"hierarchy_{mode}", value=" > ".join(m for m in order if m in METRICS4),
+        rows.append(_row(f"hierarchy_{mode}", value=" > ".join(m for m in order if m in hierarchy),
                          interval="; ".join(f"{k.replace(' vs ', ' beats ')} in {d['beats_share']:.0%}" for k, d in diffs.items()),
                          verdict=verdict, numbers=diffs))
-        best = {f"contribution vs {w}": diff("contribution", w) for w in METRICS4[:3]}
+        best = {f"{hierarchy[-1]} vs {w}": diff(hierarchy[-1], w) for w in hierarchy[:-1]}
         low = min(best.values(), key=lambda d: d["value"] if d["value"] is not None else np.inf)
         rows.append(_row(f"contribution_best_{mode}", value=_fmt_num(low["value"]), low=low["low"], high=low["high"],
                          verdict=verdict_all([(d["low"], d["high"]) for d in best.values()]), numbers=best,
@@ -357,15 +358,15 @@ def sink_arrays(records: Sequence[dict]) -> dict[str, np.ndarray]:
 
 
 def sink_stats(X: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.ndarray]:
-    """Resampled sink numbers ``[B]`` from :func:`sink_arrays` (the definitions of
-    :func:`attngeom.sinks.summarise`)."""
+    """Resampled sink numbers ``[R]`` from :func:`sink_arrays` (the definitions of
+    :func:`attngeom.sinks.summarize`)."""
     from .sinks import HISTOGRAMS
 
     S = lambda k: bs.resample_sums(counts, X[k])                    # noqa: E731
-    B = counts.shape[0]
+    n_resamples = counts.shape[0]
 
     def flat(x):
-        return x.reshape(B, -1)
+        return x.reshape(n_resamples, -1)
 
     with np.errstate(invalid="ignore", divide="ignore"):
         ns, nt = S("n_sources"), S("n_texts")
@@ -374,8 +375,8 @@ def sink_stats(X: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.nda
         proj = np.where(ok, (S("vj_norm_sum") / ns) / (S("v0_norm_sum") / nt), np.nan)
         hc = S("hist_cos_v0_m")
         lo, hi, _ = HISTOGRAMS["cos_v0_m"]
-        med_cos = hist_quantile(hc, lo, hi, 0.5)                        # [B, L, H]
-        pooled_cos = hist_quantile(flat(hc).reshape(B, -1, hc.shape[-1]).sum(1), lo, hi, 0.5)
+        med_cos = hist_quantile(hc, lo, hi, 0.5)                        # [R, L, H]
+        pooled_cos = hist_quantile(flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1), lo, hi, 0.5)
         lo_r, hi_r, _ = HISTOGRAMS["rho_star"]
         med_rho = hist_quantile(S("hist_rho_star"), lo_r, hi_r, 0.5)
         convex, interior = quadratic_vertex_interior(S("fit"))
@@ -389,7 +390,7 @@ def sink_stats(X: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.nda
                 "heavy_cone": np.where(hn > 0, S(f"{mode}_heavy_cone") / hn, np.nan),
             }
         tok = S("tokens")
-        ppl = {m: np.exp(S(f"nll_{m}") / tok) for m in ("none", "sink", "control")}
+        ppl = {m: perplexity(S(f"nll_{m}"), tok) for m in ("none", "sink", "control")}
     return {
         "value_norm_ratio_raw": bs.nanmedian_rows(flat(raw)),
         "value_norm_ratio_projected": bs.nanmedian_rows(flat(proj)),
@@ -471,7 +472,7 @@ def selection_arrays(sel: "pandas.DataFrame", n_windows: int, ns: Sequence[int],
 
 
 def selection_stats(X: dict, counts: np.ndarray) -> dict[str, np.ndarray]:
-    """Mean F per N ``[B, N]`` per kind, from :func:`selection_arrays`."""
+    """Mean F per N ``[R, N]`` per kind, from :func:`selection_arrays`."""
     return {kind: bs.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}
 
 
@@ -516,17 +517,17 @@ def winner_arrays(tax_records: Sequence[dict]) -> np.ndarray:
 
 
 def regime_share_stats(X: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Regime shares ``[B, 3]`` (Retriever, Mixer, Reset) of resampled winner sums ``[W, L, H, 3]``;
+    """Regime shares ``[R, 3]`` (Retriever, Mixer, Reset) of resampled winner sums ``[W, L, H, 3]``;
     plurality with ties to the first (as :func:`attngeom.taxonomy.regimes_of`)."""
-    s = bs.resample_sums(counts, X)                                  # [B, L, H, 3]
-    reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [B, L*H]
+    s = bs.resample_sums(counts, X)                                  # [R, L, H, 3]
+    reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [R, L*H]
     return np.stack([(reg == k).mean(1) for k in range(3)], 1)
 
 
 def critical_z(delta: np.ndarray, regimes: np.ndarray, min_group: int = 8) -> np.ndarray:
     """Leave-one-out z of every head's single-removal ΔPPL within its regime (the whole model when
     the regime has fewer than ``min_group`` other heads), as :func:`attngeom.heads.critical_heads`:
-    ``delta [B, K]``, ``regimes [K]`` -> ``[B, K]`` (NaN where the others have no spread)."""
+    ``delta [R, K]``, ``regimes [K]`` -> ``[R, K]`` (NaN where the others have no spread)."""
     delta = np.asarray(delta, dtype=np.float64)
     K = delta.shape[1]
     z = np.full(delta.shape, np.nan)
@@ -561,7 +562,7 @@ def _regime_claims(point: np.ndarray, samples: np.ndarray) -> tuple[list[dict], 
 
 def _removal_claim(claim_id: str, regime_order: Sequence[str], ppl_point: dict, ppl_samples: dict,
                    retentions: Sequence[float]) -> dict:
-    """``ppl_*[(order, retention)]``: held-out PPL, point ``float`` and resampled ``[B]``."""
+    """``ppl_*[(order, retention)]``: held-out PPL, point ``float`` and resampled ``[R]``."""
     numbers = {}
     for base in ("weight", "entropy"):
         for r in retentions:
@@ -648,7 +649,7 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
                ratios: Sequence[float] = DEFAULTS["ratios"], seeds: Sequence[int] = DEFAULTS["seeds"],
                ns: Sequence[int] = DEFAULTS["ns"], repeats: int = DEFAULTS["repeats"],
                retentions: Sequence[float] = DEFAULTS["retentions"],
-               fixed_order: Sequence[str] = DEFAULTS["fixed_order"], B: int = DEFAULTS["bootstrap"],
+               fixed_order: Sequence[str] = DEFAULTS["fixed_order"], n_resamples: int = DEFAULTS["bootstrap"],
                seed: int = DEFAULTS["seed"], critical_k: float = DEFAULTS["critical_k"],
                analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> dict:
     """Run (or resume) the reduced analyses on ``windows`` in ``run`` (a
@@ -656,7 +657,7 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
 
     Returns ``{"rows": [one dict per claim, in the order of CLAIMS], "detail": {...}, "windows":
     {...}, "settings": {...}}``; each row has ``value``, ``low``, ``high`` (95 % percentile
-    bootstrap interval, ``B`` resamples of the windows, seeded by ``seed``), ``interval`` (text),
+    bootstrap interval, ``n_resamples`` resamples of the windows, seeded by ``seed``), ``interval`` (text),
     ``verdict`` and ``numbers`` (the intervals behind the verdict)."""
     from . import faithfulness as fa
     from . import heads as hd
@@ -673,11 +674,11 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
     info = {"windows": W, "tokens_scored": int(sum(max(0, len(x) - 1) for x in ids))}
 
     def counts_for(n: int, salt: int) -> np.ndarray:
-        return bs.resample_counts(n, B, seed * 1000 + salt)
+        return bs.resample_counts(n, n_resamples, seed * 1000 + salt)
 
     # -- faithfulness ---------------------------------------------------------------------------
     if "faithfulness" in analyses:
-        variants = fa.build_variants(list(METRICS4) + ["random"], ratios, seeds)
+        variants = fa.build_variants(fa.DEFAULT_METRICS, ratios, seeds)
         units = fa.window_units(ids)
         res = fa.run_units(handle, units, variants, run=keep)
         nll = np.array([[res[(u, v.key)]["nll"] for v in variants] for u in range(W)])
@@ -685,7 +686,7 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
         one = np.ones((1, W))
         pt = fa_stats = faithfulness_stats(nll, tok, variants, one)
         smp = faithfulness_stats(nll, tok, variants, counts_for(W, 1))
-        r, detail["faithfulness"] = _faith_claims(pt, smp, list(METRICS4) + ["random"])
+        r, detail["faithfulness"] = _faith_claims(pt, smp, fa.DEFAULT_METRICS)
         rows += r
         del fa_stats
 
@@ -793,7 +794,7 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
                          numbers={"largest early z": zi, "its ΔPPL": head["delta_ppl_interval"]},
                          note=f"early = layers 0–{math.ceil(L / 3) - 1}; the same head is the top early head in "
                               f"{same:.0%} of resamples; calibration base PPL "
-                              f"{math.exp(base_c.sum() / tok_c.sum()):.4g}"))
+                              f"{perplexity(base_c.sum(), tok_c.sum()):.4g}"))
         detail["heads"] = {
             "regime_order_chosen": chosen, "regime_order_fixed": fixed,
             "order_search": res["order_search"].to_dict(orient="records"),
@@ -808,4 +809,4 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
     return {"rows": rows, "detail": detail, "windows": info,
             "settings": {"calib_windows": calib_windows, "ratios": list(ratios), "seeds": list(seeds), "ns": list(ns),
                          "repeats": repeats, "retentions": list(retentions), "fixed_order": list(fixed_order),
-                         "bootstrap": B, "seed": seed, "level": bs.DEFAULT_LEVEL, "critical_k": critical_k}}
+                         "bootstrap": n_resamples, "seed": seed, "level": bs.DEFAULT_LEVEL, "critical_k": critical_k}}

@@ -315,6 +315,7 @@ def build(handle, text, *, layers=None, top_k: int | None = None,
     per-head statistics (:class:`attngeom.reducers.HeadStats`, regimes by
     :func:`attngeom.taxonomy.regimes_of`) and the residual shares."""
     from . import trace as tr
+    from .data import check_layers
     from .reducers import HeadStats
 
     ids = tr.to_ids(handle, text)
@@ -322,10 +323,7 @@ def build(handle, text, *, layers=None, top_k: int | None = None,
     T, H, L = len(ids), handle.num_heads, handle.num_layers
     if T < 2:
         raise InputError(f"the input has {T} token(s) after encoding; the explorer needs at least 2")
-    layers = sorted(set(range(L) if layers is None else (int(l) for l in layers)))
-    bad = [l for l in layers if not 0 <= l < L]
-    if bad:
-        raise InputError(f"layer {bad[0]} does not exist: the model has layers 0..{L - 1}")
+    layers = sorted(set(check_layers(range(L) if layers is None else [int(l) for l in layers], L)))
     if not 0 <= sink < T:
         raise InputError(f"sink position {sink} is beyond the input ({T} tokens)")
     k = resolve_mode(T, top_k, exact_max_tokens)

@@ -28,7 +28,6 @@ the most negative comprehensiveness change and the largest (least negative) suff
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -36,14 +35,17 @@ import numpy as np
 import pandas as pd
 import torch
 
+from . import registry
 from .capture import Session
 from .errors import InputError
+from .experiment import perplexity
 from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from .reducers import Batch
 from .runner import fingerprint
 from .trace import batch_nll
 
-DEFAULT_METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "random")
+DEFAULT_METRICS = (*registry.hierarchy(), "random")
+"""The paper's hierarchy (:func:`attngeom.registry.hierarchy`) and the random control."""
 DEFAULT_RATIOS = tuple(round(0.1 * k, 1) for k in range(1, 10))
 DEFAULT_SEEDS = (0, 1, 2)
 
@@ -186,7 +188,7 @@ def ppl_table(results: dict, units: Sequence[int], variants: Sequence[Variant]) 
     def ppl(key):
         nll = sum(results[(u, key)]["nll"] for u in units)
         tok = sum(results[(u, key)]["tokens"] for u in units)
-        return math.exp(nll / tok) if tok else float("nan"), tok
+        return perplexity(nll, tok), tok
 
     return _variant_rows(variants, ppl, "ppl", len(units))
 

@@ -40,6 +40,7 @@ import torch
 
 from .capture import Block, Session
 from .errors import InputError
+from .experiment import perplexity as perplexity_of
 from .model.adapter import adapter_for
 from .taxonomy import REGIMES
 from .trace import batch_nll, make_batches, scored_tokens, to_ids
@@ -135,7 +136,7 @@ def nll_sum(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tuple
 
 def perplexity(handle, windows: Sequence, removed=(), batch_size: int = 4) -> float:
     total, count = nll_sum(handle, windows, removed, batch_size)
-    return math.exp(total / max(1, count))
+    return perplexity_of(total, count)
 
 
 def _removal_stage(handle, run, name: str, windows: Sequence, removals: Sequence[Sequence[tuple[int, int]]],
@@ -153,7 +154,7 @@ def _removal_stage(handle, run, name: str, windows: Sequence, removals: Sequence
     ppl = {}
     for key, d in recs.items():
         for u, nll, tok in zip(key, d["nll"], d["tokens"]):
-            ppl[u] = math.exp(float(np.sum(nll)) / max(1, int(np.sum(tok))))
+            ppl[u] = perplexity_of(float(np.sum(nll)), int(np.sum(tok)))
     return [ppl[u] for u in range(len(removals))]
 
 
@@ -187,7 +188,7 @@ def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base
     out = np.zeros((L, H))
     for key, d in recs.items():
         for u, v in zip(key, d["nll"]):
-            out[u // H, u % H] = math.exp(float(np.sum(v)) / max(1, count)) - base_ppl
+            out[u // H, u % H] = perplexity_of(float(np.sum(v)), count) - base_ppl
     return out
 
 
@@ -337,7 +338,7 @@ def _taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.
     parts = [d for key, d in records.items() if key[0] in units]
     merged = merge_sums(parts)
     df = TaxonomyStats(sink=sink, winner_norm=winner_norm).load_state(merged["tax"]).result()
-    return df, math.exp(merged["nll"] / max(1, merged["tokens"]))
+    return df, perplexity_of(merged["nll"], merged["tokens"])
 
 
 def experiment(handle, run, corpora: Sequence[Sequence], *, calib_windows: int = 4,

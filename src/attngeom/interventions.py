@@ -52,7 +52,7 @@ from typing import Sequence
 
 import torch
 
-from . import registry as R
+from . import registry
 from .capture import Block, LayerState
 from .errors import InputError
 
@@ -64,7 +64,7 @@ class _RankNames(collections.abc.Sequence):
     later is a ranking too): every metric with ``rank=True``, then ``random``."""
 
     def _names(self) -> tuple[str, ...]:
-        return R.rank_names() + ("random",)
+        return registry.rank_names() + ("random",)
 
     def __getitem__(self, i):
         return self._names()[i]

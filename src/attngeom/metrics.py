@@ -1,6 +1,7 @@
 """Token-importance metrics of SPEC §2, computed in head space.
 
-Pure functions on tensors; no model access here. Shapes use these letters:
+Pure functions on tensors; no model access here. The metrics' names, labels and needs (the table
+every part of attngeom reads) are in :mod:`attngeom.registry`. Shapes use these letters:
 
 - ``B`` batch, ``H`` query heads, ``Q`` queries in a block, ``S`` sources (keys), ``d`` head size,
   ``D`` model width.
@@ -19,11 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
-"""The five per-head importance maps of SPEC §2. The table every part of attngeom reads (with
-labels, needs and token-level rules, and any metric added later) is :mod:`attngeom.registry`."""
-
 
 def head_blocks(w_o: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``W_O^h`` for every head: ``[D, H*d]`` -> ``[H, d, D]`` (row vectors map head space to model space)."""
@@ -171,16 +167,13 @@ def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Ten
     return head_share_from(u, pulled_back_output(o, w_o, u.shape[1]), (o * o).sum(-1))
 
 
-RECEIVED = ("attention", "value_weighted", "output_normalized", "contribution")
-"""Token-level scores whose sums over queries :func:`received` computes without a score map."""
-
-
-def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.Tensor | None = None,
+def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | None = None,
              value_norm: torch.Tensor | None = None, head_out_norm: torch.Tensor | None = None,
              p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None,
              n_rep: int = 1) -> dict[str, torch.Tensor]:
     """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2
-    named in ``names`` (a subset of :data:`RECEIVED`), without forming any score map:
+    named in ``names`` (a subset of ``attention``, ``value_weighted``, ``output_normalized`` and
+    ``contribution``: the metrics :mod:`attngeom.registry` flags ``received``), without forming any score map:
     -> ``{metric: [B, S]}``. Only the pieces those metrics use need be given.
 
     ``weight [B, Q]`` weighs the queries (e.g. 0 for padding). Every sum over queries is a row of one
@@ -215,12 +208,13 @@ def received(a: torch.Tensor, weight: torch.Tensor, names=RECEIVED, *, v: torch.
         if "output_normalized" in names:
             out["output_normalized"] = (Rt[:, :, -1] * value_norm).sum(1)
     if "contribution" in names:
-        G, d = H // n_rep, p.shape[-1]
+        n_groups, d = H // n_rep, p.shape[-1]
         X = p * safe_div(weight, out_sq)[:, None, :, None]                  # [B, H, Q, d]
         if contribution_by_map(n_rep, Q, d):
             out["contribution"] = (a * (X @ v.transpose(-1, -2))).sum(2).sum(1)
         else:
-            Rc = X.reshape(B, G, n_rep * Q, d).transpose(-1, -2) @ a.reshape(B, G, n_rep * Q, S)  # [B, G, d, S]
+            Rc = (X.reshape(B, n_groups, n_rep * Q, d).transpose(-1, -2)
+                  @ a.reshape(B, n_groups, n_rep * Q, S))                              # [B, H/n_rep, d, S]
             out["contribution"] = (Rc * v[:, ::n_rep].transpose(-1, -2)).sum(2).sum(1)
     return {n: out[n] for n in names}
 

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import registry as R
+from . import registry
 from .capture import Block, Workspace
 
 
@@ -251,24 +251,24 @@ class TokenStats(Reducer):
     Source side (what the token receives, averaged over the queries that can see it, token-level
     scores of SPEC §2): ``attention_received``, ``value_weighted_received``,
     ``output_normalized_received``, ``contribution_received``, and ``value_norm`` (mean over heads
-    of ``‖ṽ_j^h‖``). Query side: ``sink_rate`` (mean over heads of ``a_i0``), ``entropy`` (mean over
-    heads), ``output_norm`` (``‖o_i‖``). ``metrics`` and ``columns`` pick some of them (default
+    of ``‖ṽ_j^h‖``); by default the metrics :func:`attngeom.registry.received_names` lists. Query
+    side: ``sink_rate`` (mean over heads of ``a_i0``), ``entropy`` (mean over heads),
+    ``output_norm`` (``‖o_i‖``). ``metrics`` and ``columns`` pick some of them (default
     all); only what they need is computed (:attr:`needs`): e.g.
     ``TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))`` reads attention only."""
 
-    SOURCE = ("attention", "value_weighted", "output_normalized", "contribution")
     COLUMNS = ("value_norm", "sink_rate", "entropy", "output_norm")
     COLUMN_NEEDS = {"value_norm": ("value_norm",), "sink_rate": ("attention",), "entropy": ("entropy",),
                     "output_norm": ("output_norm",)}
     STATE = ("frames",)
 
     def __init__(self, sink: int = 0, metrics=None, columns=None):
-        self.metrics = self.SOURCE if metrics is None else tuple(metrics)
+        self.metrics = registry.received_names() if metrics is None else tuple(metrics)
         self.columns = self.COLUMNS if columns is None else tuple(columns)
         bad = [c for c in self.columns if c not in self.COLUMNS]
         if bad:
             raise ValueError(f"unknown TokenStats column {bad[0]!r}; known: {', '.join(self.COLUMNS)}")
-        R.closure(self.metrics)                                    # unknown metric names raise here
+        registry.closure(self.metrics)                                    # unknown metric names raise here
         self.sink = sink
         self.frames: list[pd.DataFrame] = []
         self._acc: dict[int, dict[str, torch.Tensor]] = {}

@@ -8,7 +8,11 @@ that offers a metric by name reads this table:
 - ``LayerTrace.metric(name)`` / ``layer_trace.<name>`` and ``LayerTrace.token_score(name)``;
 - the rankings of the interventions (``interventions.RANK_METRICS``, SPEC §3) and so the CLI's
   ``--metrics`` choices;
-- the reports' labels (:func:`label`).
+- the reports' labels (:func:`label`);
+- the lists of metrics other modules need, from flags on the entries: what
+  ``Block.received`` sums in one product and :class:`~attngeom.reducers.TokenStats` reports
+  (:func:`received_names`), the paper's faithfulness hierarchy (:func:`hierarchy`: the claims and
+  the faithfulness experiment's default rankings).
 
 Adding a metric is one :func:`register` call (``Metric(name, label, per_head, needs, ...)``) and its
 test; see ``tests/test_registry.py``, which registers a toy metric and finds it everywhere.
@@ -75,7 +79,13 @@ class Metric:
     ``token_map`` names the metric whose per-head map gives the token-level score (default: this
     one; ``contribution`` ranks tokens by the inter-head map, ``C_ij = Σ_h C_ij^h``), and
     ``heads`` how the heads are combined: ``"sum"`` or ``"mean"``. ``rank``: offered as a ranking
-    of the interventions (and the CLI). ``label`` is what reports print."""
+    of the interventions (and the CLI). ``label`` is what reports print.
+
+    Flags that place a metric in the lists other modules read (so no module spells them out):
+    ``received``: :func:`attngeom.metrics.received` sums its token-level score over queries without
+    a score map (the built-in one-product path; :func:`received_names`); ``hierarchy``: its place in
+    the contribution-weights paper's faithfulness hierarchy, 0 = least faithful (:func:`hierarchy`:
+    the claims' hierarchy and the faithfulness experiment's default rankings)."""
 
     name: str
     label: str
@@ -85,6 +95,8 @@ class Metric:
     token_map: str | None = None
     rank: bool = True
     formula: str = ""
+    received: bool = False
+    hierarchy: int | None = None
 
     def __post_init__(self):
         if self.heads not in ("sum", "mean"):
@@ -126,6 +138,19 @@ def names() -> tuple[str, ...]:
 def rank_names() -> tuple[str, ...]:
     """Metrics an intervention may rank by (the ``random`` ranking is added by the interventions)."""
     return tuple(n for n, m in METRICS.items() if m.rank)
+
+
+def received_names() -> tuple[str, ...]:
+    """Metrics whose sums over queries :func:`attngeom.metrics.received` computes without a score map
+    (the token-level scores of SPEC §2 a :class:`~attngeom.reducers.TokenStats` reports by default)."""
+    return tuple(n for n, m in METRICS.items() if m.received)
+
+
+def hierarchy() -> tuple[str, ...]:
+    """The contribution-weights paper's faithfulness hierarchy, least faithful first (the metrics
+    with a ``hierarchy`` place, in that order)."""
+    ranked = [(m.hierarchy, n) for n, m in METRICS.items() if m.hierarchy is not None]
+    return tuple(n for _, n in sorted(ranked))
 
 
 def label(name: str) -> str:
@@ -172,15 +197,15 @@ def needs_of(observers: Iterable[object]) -> frozenset[str] | None:
 # --------------------------------------------------------------------------------------------
 
 register(Metric("attention", "attention", lambda b: b.a, frozenset({"attention"}), heads="mean",
-                formula="a_ij^h"))
+                formula="a_ij^h", received=True, hierarchy=0))
 register(Metric("value_weighted", "value-weighted", lambda b: b.map_value_weighted(),
-                frozenset({"attention", "value_norm"}), formula="a_ij^h ‖ṽ_j^h‖"))
+                frozenset({"attention", "value_norm"}), formula="a_ij^h ‖ṽ_j^h‖", received=True, hierarchy=1))
 register(Metric("output_normalized", "output-normalised", lambda b: b.map_output_normalized(),
                 frozenset({"attention", "value_norm", "head_output_norm"}),
-                formula="a_ij^h ‖ṽ_j^h‖ / ‖o_i^h‖"))
+                formula="a_ij^h ‖ṽ_j^h‖ / ‖o_i^h‖", received=True, hierarchy=2))
 register(Metric("contribution", "contribution", lambda b: b.map_contribution(),
                 frozenset({"attention", "uG", "head_output_sq"}), token_map="contribution_inter",
-                formula="c_ij^h = ⟨o_i^h, a_ij^h ṽ_j^h⟩ / ‖o_i^h‖²"))
+                formula="c_ij^h = ⟨o_i^h, a_ij^h ṽ_j^h⟩ / ‖o_i^h‖²", received=True, hierarchy=3))
 register(Metric("contribution_inter", "contribution (inter-head)", lambda b: b.map_contribution_inter(),
                 frozenset({"attention", "pulled_back", "output_sq"}),
                 formula="C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²"))

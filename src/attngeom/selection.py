@@ -181,8 +181,8 @@ def _selection_masks(order: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
 
 
 GEOMETRY_ELEMENTS = 1 << 16
-"""Distances ``[rows, K, S]`` computed at a time by :func:`geometry` (whole sets of ``G`` rows, at
-least one): 512 KiB in float64, so that the dozen passes over them stay in the cache and no large
+"""Distances ``[rows, K, S]`` computed at a time by :func:`geometry` (whole sets of ``n_sets`` rows,
+at least one): 512 KiB in float64, so that the dozen passes over them stay in the cache and no large
 temporary is paged in afresh (all rows at once against one set at a time, measured in
 docs/benchmark-analyze.md, "Measurements behind constants"). The chunks change only how the
 ``⟨s_N, y_j⟩`` products are batched, i.e. their last bits."""
@@ -190,20 +190,22 @@ docs/benchmark-analyze.md, "Measurements behind constants"). The chunks change o
 
 def geometry(y: torch.Tensor, order: torch.Tensor, ns: Sequence[int],
              distances: Sequence[str] = DISTANCES) -> dict[str, dict[str, torch.Tensor]]:
-    """Selection geometry from vectors. ``y [G, S, d]`` attention-scaled values, ``order [M, S]`` with
-    ``M`` a multiple of ``G`` (row ``m`` orders the sources of ``y[m % G]``; so several selections of
-    the same heads, e.g. random repeats, share one ``y``): a permutation of the sources, a selection of
-    size N being its first N entries; ``ns`` sizes ``< S``.
+    """Selection geometry from vectors. ``y [n_sets, S, d]`` attention-scaled values (``n_sets`` sets
+    of values), ``order [M, S]`` with ``M`` a multiple of ``n_sets`` (row ``m`` orders the sources of
+    ``y[m % n_sets]``; so several selections of the same heads, e.g. random repeats, share one
+    ``y``): a permutation of the sources, a selection of size N being its first N entries; ``ns``
+    sizes ``< S``.
 
     Returns ``{distance: {"P"|"R"|"F"|"ginv"|"rho_max"|"rho_min": [M, K]}}``. Every row is computed
-    on its own, so the rows are taken a few sets of ``G`` at a time (:data:`GEOMETRY_ELEMENTS`)."""
-    G, S, d = y.shape
+    on its own, so the rows are taken a few whole sets of ``n_sets`` at a time
+    (:data:`GEOMETRY_ELEMENTS`)."""
+    n_sets, S, d = y.shape
     M = order.shape[0]
-    if M % G:
-        raise ValueError(f"{M} orders for {G} value sets: not a multiple")
+    if M % n_sets:
+        raise ValueError(f"{M} orders for {n_sets} value sets: not a multiple")
     nt = torch.as_tensor(list(ns), dtype=torch.long, device=y.device)
     yy = (y * y).sum(-1)
-    step = G * max(1, GEOMETRY_ELEMENTS // (G * len(nt) * S))
+    step = n_sets * max(1, GEOMETRY_ELEMENTS // (n_sets * len(nt) * S))
     parts = [_geometry_rows(y, yy, order[m0:m0 + step], nt, distances) for m0 in range(0, M, step)]
     if len(parts) == 1:
         return parts[0]
@@ -212,15 +214,16 @@ def geometry(y: torch.Tensor, order: torch.Tensor, ns: Sequence[int],
 
 def _geometry_rows(y: torch.Tensor, yy: torch.Tensor, order: torch.Tensor, nt: torch.Tensor,
                    distances: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """:func:`geometry` of ``order [C·G, S]`` (whole sets of ``G`` rows); ``yy [G, S] = ‖y_j‖²``."""
-    G, S, d = y.shape
+    """:func:`geometry` of ``order [C·n_sets, S]`` (whole sets of ``n_sets`` rows);
+    ``yy [n_sets, S] = ‖y_j‖²``."""
+    n_sets, S, d = y.shape
     M = order.shape[0]
-    C = M // G
+    C = M // n_sets
     K, top = len(nt), int(nt.max())
-    src = torch.arange(M, device=y.device) % G
+    src = torch.arange(M, device=y.device) % n_sets
     ys = y[src[:, None], order[:, :top]]                          # only the first max(N) are ever summed
     s = ys.cumsum(1)[:, nt - 1]                                   # s_N: [M, K, d]
-    dots = torch.matmul(s.reshape(C, G, K, d), y.transpose(1, 2)).reshape(M, K, S)
+    dots = torch.matmul(s.reshape(C, n_sets, K, d), y.transpose(1, 2)).reshape(M, K, S)
     ss = (s * s).sum(-1)
     return _scores_per_distance(dots, ss, yy.repeat(C, 1), order, nt, distances)
 
@@ -298,8 +301,8 @@ LAMBDA_GRID = torch.logspace(-4, 1.5, 600, dtype=torch.float64)
 def fit_exp_decay(lags: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares ``λ`` of ``c(δ) ≈ exp(−λδ)`` for ``c [H, L]`` at ``lags [L]`` over a log grid
     (1e-4 .. 10^1.5, ~1 % steps), and the mean absolute error at that ``λ``: ``([H], [H])``."""
-    model = torch.exp(-LAMBDA_GRID[:, None] * lags[None, :].double())    # [G, L]
-    err = ((c.double()[:, None, :] - model[None]) ** 2).sum(-1)          # [H, G]
+    model = torch.exp(-LAMBDA_GRID[:, None] * lags[None, :].double())    # [grid, L]
+    err = ((c.double()[:, None, :] - model[None]) ** 2).sum(-1)          # [H, grid]
     best = err.argmin(-1)
     lam = LAMBDA_GRID[best]
     mae = (c.double() - model[best]).abs().mean(-1)

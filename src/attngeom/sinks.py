@@ -54,8 +54,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import metrics as M
+from . import metrics
 from .capture import Block
+from .experiment import perplexity
 from .reducers import Batch, Reducer
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
@@ -105,9 +106,6 @@ def counterfactual_norm(r: torch.Tensor, v0: torch.Tensor, rho, G: torch.Tensor 
     return _dot(o, o, G).clamp_min(0).sqrt()
 
 
-_safe_div = M.safe_div  # x / y where y > 0, else 0 (a zero vector has no direction)
-
-
 def _intra_dot(u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``⟨o_i^h, ṽ_j^h⟩ = (u_i G)·v_j``: ``u [B,H,Q,d]``, ``v [B,H,S,d]`` -> ``[B,H,Q,S]``."""
     return (u @ G) @ v.transpose(-1, -2)
@@ -148,8 +146,8 @@ def sink_terms(a: torch.Tensor, v: torch.Tensor, G: torch.Tensor, v0: torch.Tens
     rs = rho_star_from_dots(m2 / s_safe**2, d0m / s_safe, n0sq.expand(B, H, Q))
     rs = torch.where(ok, rs, torch.full_like(rs, float("nan")))
     # normalised entropy of the renormalised non-sink attention
-    p = _safe_div(a_tail, s.unsqueeze(-1))
-    ent = M.entropy(p)
+    p = metrics.safe_div(a_tail, s.unsqueeze(-1))
+    ent = metrics.entropy(p)
     if visible is None:
         n_vis = torch.full((1, 1, Q), float(S - (sink_col is not None)), device=a.device)
     else:
@@ -158,21 +156,21 @@ def sink_terms(a: torch.Tensor, v: torch.Tensor, G: torch.Tensor, v0: torch.Tens
             vis[..., sink_col] = False
         n_vis = vis.sum(-1).float()                           # [B|1,1,Q]
     logn = torch.log(n_vis.clamp_min(1.0)).expand(B, H, Q)
-    tail_entropy = M.safe_div(ent, logn, fill=float("nan"))
+    tail_entropy = metrics.safe_div(ent, logn, fill=float("nan"))
     return {
         "rho": rho,
         "output_norm": on,
         "semantic_norm": mn,
         "sink_value_norm": n0,
-        "cos_v0_m": _safe_div(d0m, n0 * mn),
-        "sink_relative_norm": _safe_div(n0, on),
-        "sink_cosine": _safe_div(d0u, n0 * on),
-        "sink_contribution": _safe_div(rho * d0u, on * on),
+        "cos_v0_m": metrics.safe_div(d0m, n0 * mn),
+        "sink_relative_norm": metrics.safe_div(n0, on),
+        "sink_cosine": metrics.safe_div(d0u, n0 * on),
+        "sink_contribution": metrics.safe_div(rho * d0u, on * on),
         "rho_star": rs,
         "tail_entropy": tail_entropy,
-        "cancel": _safe_div(-rho * d0m, m2),
-        "cancel_length": _safe_div(-rho * d0m, mn),
-        "norm_reduction": torch.where(mn > 0, 1.0 - _safe_div(on, mn), torch.full_like(mn, float("nan"))),
+        "cancel": metrics.safe_div(-rho * d0m, m2),
+        "cancel_length": metrics.safe_div(-rho * d0m, mn),
+        "norm_reduction": torch.where(mn > 0, 1.0 - metrics.safe_div(on, mn), torch.full_like(mn, float("nan"))),
         "m": m,
         "u": u,
     }
@@ -181,7 +179,7 @@ def sink_terms(a: torch.Tensor, v: torch.Tensor, G: torch.Tensor, v0: torch.Tens
 def pair_factors(a: torch.Tensor, u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> dict[str, torch.Tensor]:
     """The three factors of ``c_ij`` for every pair: ``attention``, ``relative_norm``, ``cosine``,
     and ``contribution`` (their product), each ``[B, H, Q, S]``."""
-    f = M.contribution_factors(a, u, v, G)
+    f = metrics.contribution_factors(a, u, v, G)
     f["contribution"] = f["attention"] * f["relative_norm"] * f["cosine"]
     return f
 
@@ -380,7 +378,7 @@ def block_terms(block: Block, sink: int) -> dict | None:
     v0 = st.v[:, :, sink]
     t = sink_terms(block.a, block.v, st.G, v0, sink_col, block.visible)
     # inter-head sink contribution C_i0^h = ρ ⟨o_i, ṽ_0^h⟩ / ‖o_i‖²
-    t["sink_contribution_inter"] = _safe_div(t["rho"] * (block.pulled_back * v0.unsqueeze(2)).sum(-1),
+    t["sink_contribution_inter"] = metrics.safe_div(t["rho"] * (block.pulled_back * v0.unsqueeze(2)).sum(-1),
                                              block.output_sq[:, None, :])
     w = qw[:, None, :].expand(B, H, Q)                                       # [B,H,Q]
     t.update(qw=qw, w=w, wd=w.double(), sink_col=sink_col)
@@ -421,7 +419,7 @@ class SinkValues(_SinkPart):
         self._add(layer, "vj_raw_norm_sum", (rn * wt).sum((0, 2)))
         v0 = v[:, :, self.sink]                                    # [B,H,d]
         dots = ((v0.unsqueeze(2) @ st.G) * v).sum(-1)              # [B,H,T]
-        cos = _safe_div(dots, st.value_norm[:, :, self.sink:self.sink + 1] * st.value_norm)
+        cos = metrics.safe_div(dots, st.value_norm[:, :, self.sink:self.sink + 1] * st.value_norm)
         lo, hi, bins = HISTOGRAMS["cos_v0_vj"]
         self._add(layer, "hist_cos_v0_vj", histogram_counts(cos, wt.float(), lo, hi, bins))
         self._add(layer, "cos_v0_vj_sum", (cos.double() * wt).sum((0, 2)))
@@ -767,19 +765,19 @@ class SourceRemoval(Reducer):
             mix = a if edited is None else edited
             G = st.G
             u = mix @ block.v                                                        # [B,H,Q,d]
-            on = M.head_output_norm(u, G)
+            on = metrics.head_output_norm(u, G)
             a_tail = a.clone()
             if sink_col is not None:
                 a_tail[..., sink_col] = 0.0
             m = a_tail @ block.v
-            mn = M.head_output_norm(m, G)
-            cos_om = _safe_div(((u @ G) * m).sum(-1), on * mn)
+            mn = metrics.head_output_norm(m, G)
+            cos_om = metrics.safe_div(((u @ G) * m).sum(-1), on * mn)
             # cone measure κ: attention-weighted mean cosine of o with the non-sink values
             dots = _intra_dot(u, block.v, G)                                         # [B,H,Q,S]
             vn = block.value_norm.unsqueeze(-2)
-            cos = _safe_div(dots, on.unsqueeze(-1) * vn)
-            kappa = _safe_div((a_tail * cos).sum(-1), a_tail.sum(-1))
-            o_norm = (M.pulled_back(u, st.G_full) * u).sum((1, -1)).clamp_min(0).sqrt()  # ‖o_i‖ [B,Q]
+            cos = metrics.safe_div(dots, on.unsqueeze(-1) * vn)
+            kappa = metrics.safe_div((a_tail * cos).sum(-1), a_tail.sum(-1))
+            o_norm = (metrics.pulled_back(u, st.G_full) * u).sum((1, -1)).clamp_min(0).sqrt()  # ‖o_i‖ [B,Q]
             wd = w[:, None, :].expand(B, H, Q)
             L = block.layer
             self._add(L, "n", wd.sum((0, 2)))
@@ -883,7 +881,7 @@ def results_from(merged: dict, *, sink: int = 0, layers=None, removal_layers=Non
         wide.columns = [f"{v}_{PASS_SUFFIX[m]}" for v, m in wide.columns]
         heads = heads.merge(wide.reset_index(), on=["layer", "head"], how="left")
     n = int(merged["tokens"])
-    ppl = {m: math.exp(merged["nll"][m] / n) if n else float("nan") for m in PASSES}
+    ppl = {m: perplexity(merged["nll"][m], n) for m in PASSES}
     ppl_df = pd.DataFrame([{"pass": m, "nll": float(merged["nll"][m]), "tokens": n, "ppl": ppl[m],
                             "delta_ppl": ppl[m] - ppl["none"]} for m in PASSES])
     return {"heads": heads, "curve": res["curve"], "drift": res["drift"], "hist": res["hist"],
@@ -895,10 +893,10 @@ def _f(x) -> float | None:
     return None if not np.isfinite(x) else x
 
 
-def summarise(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift: pd.DataFrame | None = None) -> dict:
+def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift: pd.DataFrame | None = None) -> dict:
     """Per-model summary numbers (medians/means over heads; shares are over heads).
 
-    Recomputable from an output directory: ``summarise(*(pd.read_parquet(out / f"{t}.parquet") for t
+    Recomputable from an output directory: ``summarize(*(pd.read_parquet(out / f"{t}.parquet") for t
     in ("heads", "hist", "ppl", "drift")))``."""
     h = heads
     pp = ppl.set_index("pass")
@@ -971,7 +969,7 @@ def summarise(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
 def experiment(handle, run, windows, *, sink: int = 0, layers=None, removal_layers=None,
                batch_size: int = 2) -> dict:
     """The sinks experiment over ``windows`` as one stage of ``run`` (resumable, shareable among
-    processes): the tables of :func:`results_from` and ``summary`` (:func:`summarise`)."""
+    processes): the tables of :func:`results_from` and ``summary`` (:func:`summarize`)."""
     from .runner import fingerprint, merge_sums
     from .trace import to_ids
 
@@ -981,5 +979,5 @@ def experiment(handle, run, windows, *, sink: int = 0, layers=None, removal_laye
                         fingerprints=[fingerprint(w) for w in ids])
     merged = merge_sums(records.values())
     tables = results_from(merged, sink=sink, layers=layers, removal_layers=removal_layers)
-    tables["summary"] = summarise(tables["heads"], tables["hist"], tables["ppl"], tables["drift"])
+    tables["summary"] = summarize(tables["heads"], tables["hist"], tables["ppl"], tables["drift"])
     return tables

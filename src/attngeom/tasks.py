@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from .errors import InputError
 
 TASKS = ("mmlu", "winogrande", "boolq")
@@ -139,7 +137,7 @@ def load_task(path: str | Path, task: str, limit: int | None = None) -> list[Exa
 
 
 @dataclass(frozen=True)
-class Sequence_:
+class OptionSequence:
     """One (example, option) to score: ``ids`` (BOS + context + continuation), and the number of
     continuation tokens at the end."""
 
@@ -149,7 +147,7 @@ class Sequence_:
     n_cont: int
 
 
-def encode_options(handle, examples: Sequence[Example]) -> list[Sequence_]:
+def encode_options(handle, examples: Sequence[Example]) -> list[OptionSequence]:
     """Token ids of every (example, option): context encoded with BOS, continuation without special
     tokens, concatenated. Raises if a sequence is longer than the model's context."""
     tok = handle.tokenizer
@@ -164,16 +162,7 @@ def encode_options(handle, examples: Sequence[Example]) -> list[Sequence_]:
             ids = c + list(t)
             if limit and len(ids) > limit:
                 raise InputError(f"example {e}, option {k} has {len(ids)} tokens but the model handles at most {limit}")
-            out.append(Sequence_(e, k, tuple(ids), len(t)))
-    return out
-
-
-def continuation_loglik(nll: torch.Tensor, lengths: torch.Tensor, n_cont: Sequence[int]) -> list[float]:
-    """Summed log-likelihood of each row's last ``n_cont`` tokens from ``token_nll`` output ``[B, T-1]``."""
-    out = []
-    for b, n in enumerate(n_cont):
-        L = int(lengths[b])
-        out.append(-float(nll[b, L - 1 - n:L - 1].double().sum()))
+            out.append(OptionSequence(e, k, tuple(ids), len(t)))
     return out
 
 

@@ -24,8 +24,6 @@ from .capture import Block, Intervention, LayerState, Session, attngeom_attentio
 from .errors import InputError, OutputError, TraceFormatError
 from .reducers import Batch, FullCapture, Reducer
 
-TextOrIds = "str | Sequence[int] | torch.Tensor"
-
 
 # --------------------------------------------------------------------------------------------
 # Inputs

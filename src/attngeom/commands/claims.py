@@ -101,7 +101,7 @@ def run(args) -> int:
                              f"{args.calib_windows} calibration and 2 held-out windows")
         res = experiment(handle, run, windows, calib_windows=args.calib_windows, ratios=opts["ratios"],
                          seeds=opts["seeds"], ns=opts["ns"], repeats=args.repeats, retentions=opts["retentions"],
-                         fixed_order=opts["fixed_order"], B=args.bootstrap, seed=args.seed)
+                         fixed_order=opts["fixed_order"], n_resamples=args.bootstrap, seed=args.seed)
         model_name = getattr(handle, "name", args.model)
         seconds = time.time() - t0
         out = {"command": "claims", "model": model_name, "data": args.data, "window": args.window,

@@ -51,8 +51,6 @@ def run(args) -> int:
     t_start = time.perf_counter()
     # ---- everything that needs no model ----------------------------------------------------------
     layers = check_layer_list(args.layers)
-    if layers is not None and any(l < 0 for l in layers):
-        raise InputError(f"--layers: layer {min(layers)} does not exist (layers count from 0)")
     check_at_least(args, top_k=1, exact_max_tokens=0, sink=0)
     text, source = text_input(args, "explore")
     settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
@@ -61,15 +59,12 @@ def run(args) -> int:
         if already_complete(run, "explore"):
             return 0
         # ---- the model, the data, the page ---------------------------------------------------------
+        from ..data import check_layers
         from ..explore import build
         from ..reports import explore as rep
 
         handle = common.load(args)
-        L = handle.num_layers
-        if layers is not None:
-            bad = [l for l in layers if l >= L]
-            if bad:
-                raise InputError(f"layer {bad[0]} does not exist: the model has layers 0..{L - 1}")
+        layers = check_layers(layers, handle.num_layers)
         ids = handle.encode(text)
         limit = handle.max_positions
         if limit and len(ids) > limit:

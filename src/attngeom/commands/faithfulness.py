@@ -26,8 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--task", choices=["mmlu", "winogrande", "boolq"], default=None,
                    help="score a multiple-choice JSONL file (--data) by option log-likelihood instead of perplexity")
     p.add_argument("--max-examples", type=int, default=None, help="task examples to use (default: all)")
-    p.add_argument("--metrics", default="attention,value_weighted,output_normalized,contribution,random",
-                   help="ranking metrics, comma-separated (known: "
+    p.add_argument("--metrics", default=",".join((*registry.hierarchy(), "random")),
+                   help="ranking metrics, comma-separated (default %(default)s; known: "
                         f"{', '.join((*registry.rank_names(), 'random'))}; attngeom.registry)")
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
                    help="removal ratios in (0, 1), comma-separated")
