@@ -211,8 +211,10 @@ def taxonomy(recent: float = RECENT, sinks: int = SINKS) -> Policy:
 
     def priority(ctx):
         streaming = ctx.streaming if ctx.streaming is not None else torch.zeros_like(ctx.budget, dtype=torch.bool)
-        rec = torch.where(streaming, ctx.budget, _recent_count(ctx, recent))
-        return _tiers(ctx.recent(rec), ctx.sinks(sinks) & streaming.reshape(1, -1, 1)), ctx.score
+        s = streaming.reshape(1, -1, 1)
+        # streaming heads: sinks first, then the most recent; the others: H2O's window, then the score
+        tier = torch.where(s, 2 * ctx.sinks(sinks).long(), _tiers(ctx.recent(_recent_count(ctx, recent))))
+        return tier, torch.where(s, ctx.pos.float(), ctx.score)
 
     return Policy("taxonomy", "Retriever heads large (H2O), Mixer/Reset sink + window", priority, needs="attention",
                   per_head_budgets=True, params={"recent": recent, "sinks": sinks})
