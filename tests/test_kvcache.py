@@ -320,3 +320,26 @@ def test_cli_runs_resumes_and_refuses_bad_input(tiny_llama_dir, tmp_path, capsys
     for bad, msg in ((["--chunk", "8"], "chunk"), (["--policies", "h2o,nope"], "unknown KV-cache policy")):
         assert main(args[:-3] + bad + ["--out", str(tmp_path / "bad")]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_per_head_budgets_pad_smaller_heads_and_the_padding_is_invisible():
+    h = tiny_model("llama")                                          # 2 kv heads
+    ids = _ids(30)
+    budgets = {l: [6, 16] for l in range(3)}
+    streaming = {l: [True, False] for l in range(3)}
+    caches = [CompressedCache(h.model.config, "taxonomy", 16, budgets, streaming) for _ in range(2)]
+    sessions = [Session(observers=[CacheScorer(c)]) for c in caches]
+    outs = [[], []]
+    for s in range(len(ids)):
+        for k in (0, 1):
+            outs[k].append(step(h, caches[k], torch.tensor([ids[s:s + 1]]), sessions[k]))
+        for layer in caches[1].layers:                                 # garbage in the padding of one copy
+            if layer.valid is not None:
+                pad = ~layer.valid[..., None]
+                layer.keys = layer.keys.masked_fill(pad, 1e4)
+                layer.values = layer.values.masked_fill(pad, 1e4)
+    layer = caches[0].layers[0]
+    assert layer.valid is not None and layer.size == 16
+    assert layer.valid[0].sum(-1).tolist() == [6, 16]
+    assert layer.pos[0, 0][layer.valid[0, 0]].tolist() == [0, 1, 2, 3, 28, 29]   # 4 sinks + the 2 newest
+    assert torch.equal(torch.cat(outs[0], 1), torch.cat(outs[1], 1))
