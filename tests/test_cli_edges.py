@@ -135,3 +135,34 @@ def test_write_error_after_the_model_pass_is_one_line(tiny_llama_dir, tmp_path, 
     assert main(["analyze", "--model", str(tiny_llama_dir), "--text", TEXT[:60], "--out", str(out),
                  "--no-progress"]) == 0  # the same command finishes the run
     assert (out / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_pickle_only_model_folder_is_one_line_without_torch_hints(extra, tiny_llama_dir, tmp_path):
+    """A folder with pytorch_model.bin and no safetensors is refused before transformers or torch
+    unpickles anything: one line from attngeom, no torch warning, no hint to set weights_only=False.
+    ``extra``: the pickle also holds a Python object (what weights_only=True itself would refuse)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    torch.save({**weights, "note": __import__("argparse").Namespace(a=1)} if extra else weights,
+               model / "pytorch_model.bin")
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, "-m", "attngeom", "analyze", "--model", str(model), "--text", "The cat sat.",
+                        "--out", str(out), "--no-progress"], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "pytorch_model.bin" in lines[0] and "safetensors" in lines[0] and str(model) in lines[0]
+    low = r.stderr.lower()
+    assert "weights_only" not in low and "weights only" not in low and "Traceback" not in r.stderr
+    assert not out.exists()

@@ -179,7 +179,26 @@ def _load_directory(path: pathlib.Path, opts: _Options):
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ModelLoadError(f"{path}/config.json is not a usable model config: {first_line(e)}") from e
     check_supported(config.get_text_config(decoder=True))
+    _refuse_pickle_only(path)
     return _from_pretrained(path, config, opts, where=str(path))
+
+
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def _refuse_pickle_only(path: pathlib.Path) -> None:
+    """A directory whose weights are pickles only (``pytorch_model.bin``, no ``*.safetensors``) is
+    refused before transformers sees it: unpickling a file can run its code, and torch's own refusal
+    ends with a hint to switch its safety off. One line says what to do instead."""
+    if any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json")):
+        return
+    pickles = sorted(q.name for pattern in PICKLE_WEIGHTS for q in path.glob(pattern))
+    if pickles:
+        raise ModelLoadError(
+            f"{path} holds its weights only as a Python pickle ({pickles[0]}), which can run code when "
+            "loaded; attngeom loads safetensors only: convert the weights where you trust their source "
+            "(e.g. transformers' save_pretrained(..., safe_serialization=True)) and pass that folder"
+        )
 
 
 def _from_pretrained(source, config, opts: _Options, where: str, **extra):
