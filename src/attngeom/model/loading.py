@@ -195,7 +195,7 @@ def _refuse_pickle_only(path: pathlib.Path) -> None:
     pickles = sorted(q.name for pattern in PICKLE_WEIGHTS for q in path.glob(pattern))
     if pickles:
         raise ModelLoadError(
-            f"{path} holds its weights only as a Python pickle ({pickles[0]}), which can run code when "
+            f"{path} has no safetensors weights, just a Python pickle ({pickles[0]}), which can run code when "
             "loaded; attngeom loads safetensors only: convert the weights where you trust their source "
             "(e.g. transformers' save_pretrained(..., safe_serialization=True)) and pass that folder"
         )
