@@ -280,3 +280,31 @@ def test_stop_token_in_the_prompt_refused(chat_handle):
     assert len(analyze(chat_handle, "fine", generate=2, chat=True).ids) > 2
     # with no stop tokens nothing is refused
     assert analyze(chat_handle, "before </s> after", generate=2, stop=()).prompt_length > 0
+
+
+@pytest.mark.parametrize("exact_max_tokens", [512, 0])
+def test_explorer_of_a_generation_equals_the_explorer_of_its_text(exact_max_tokens):
+    """The explorer's collectors observing the steps give the page a full forward of the same ids gives."""
+    from attngeom.explore import build
+
+    handle = tiny_model("gemma3_text")
+    gen = build(handle, PROMPT, decoding=Decoding(N, stop=()), exact_max_tokens=exact_max_tokens)
+    ref = build(handle, gen.ids, exact_max_tokens=exact_max_tokens)
+    P = len(handle.encode(PROMPT))
+    assert gen.T == ref.T == P + N and gen.answer["prompt_length"] == P and ref.answer is None
+    assert gen.top_k == ref.top_k
+    for m in ("attention", "contribution"):
+        for x, y in zip(gen.rows[m], ref.rows[m]):
+            if gen.exact:
+                assert x.shape == y.shape and np.abs(x.astype(np.float32) - y.astype(np.float32)).max() < 2e-3
+            else:
+                assert (x[0] == y[0]).mean() > 0.99          # the same sources, but for near-ties
+                assert np.abs(x[1].astype(np.float32) - y[1].astype(np.float32)).max() < 2e-2
+    assert np.allclose(gen.residual_share, ref.residual_share, atol=2e-4)
+    for k in gen.head_stats:
+        assert np.allclose(gen.head_stats[k], ref.head_stats[k], atol=1e-4), k
+    # the answer summary: mean C_ij over the producing rows, from the full trace
+    trace = analyze(handle, gen.ids)
+    C = np.stack([lt.contribution_inter.sum(0) for lt in trace.layers])
+    assert np.allclose(gen.answer["layers"]["contribution"], C[:, P - 1:-1, :P].mean(1), atol=1e-5)
+    assert np.allclose(gen.answer["model"]["contribution"], C[:, P - 1:-1, :P].mean((0, 1)), atol=1e-5)

@@ -66,7 +66,10 @@ class ExploreData:
 
     ``head_stats[name]``: float ``[len(layers), H]`` (``regime``: 0 Retriever, 1 Mixer, 2 Reset).
     ``layer_sink``: ``{"sink_attention", "sink_contribution", "sink_share"}`` each ``[len(layers)]``.
-    ``residual_share``: ``[len(layers), T]`` (``r_i^l``), or None when unknown (a saved Trace)."""
+    ``residual_share``: ``[len(layers), T]`` (``r_i^l``), or None when unknown (a saved Trace).
+    ``answer``: for a generation (:func:`build` with ``decoding``), ``{"prompt_length": P, "layers":
+    {metric: [len(layers), P]}, "model": {metric: [P]}}``: each prompt token's mean token-level score
+    over the answer's producing rows (:class:`attngeom.generate.AnswerSources`' summary); else None."""
 
     tokens: list[str]
     ids: list[int]
@@ -80,6 +83,7 @@ class ExploreData:
     sink: int = 0
     model_name: str = ""
     meta: dict = field(default_factory=dict)
+    answer: dict | None = None
 
     @property
     def T(self) -> int:
@@ -195,11 +199,19 @@ def round_float16(x: np.ndarray, bits: int = 7) -> np.ndarray:
 
 
 class RowCollector(Reducer):
-    """Keeps, per analysed layer, the explorer rows (module docstring) of one text (batch of one)."""
+    """Keeps, per analysed layer, the explorer rows (module docstring) of one text (batch of one).
+    ``T``: the rows' length (a generation: the longest possible; :meth:`crop` to what it became)."""
 
     def __init__(self, T: int, num_heads: int, top_k: int | None):
         self.T, self.H, self.top_k = T, num_heads, top_k
         self.rows: dict[str, dict[int, object]] = {m: {} for m in METRICS}
+
+    def crop(self, T: int) -> None:
+        """Keep the first ``T`` queries (and, for exact maps, sources)."""
+        for store in self.rows.values():
+            for layer, x in store.items():
+                store[layer] = x[:, :T, :T] if self.top_k is None else tuple(y[:, :T] for y in x)
+        self.T = T
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
@@ -264,8 +276,9 @@ class ResidualShares:
             x, delta = x[0].double(), delta[0].double()                   # [T, D]
             y = x + delta
             yy = (y * y).sum(-1)
-            r = M.safe_div((y * x).sum(-1), yy, fill=1.0)
-            self.shares[l] = r.float().cpu().numpy()
+            r = M.safe_div((y * x).sum(-1), yy, fill=1.0).float().cpu().numpy()
+            prev = self.shares.get(l)                 # generation: one call per step, positions in order
+            self.shares[l] = r if prev is None else np.concatenate([prev, r])
         return hook
 
     def close(self) -> None:
@@ -308,30 +321,52 @@ def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None
 
 
 def build(handle, text, *, layers=None, top_k: int | None = None,
-          exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0) -> ExploreData:
+          exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0, decoding=None,
+          chat: bool = False, system: str | None = None) -> ExploreData:
     """Run one text (a string or token ids) through the model and collect the explorer's data.
 
     One streaming pass over ``layers`` (default all) keeps only the rows (exact or top-k), the
     per-head statistics (:class:`attngeom.reducers.HeadStats`, regimes by
-    :func:`attngeom.taxonomy.regimes_of`) and the residual shares."""
+    :func:`attngeom.taxonomy.regimes_of`) and the residual shares.
+
+    ``decoding`` (an :class:`attngeom.generate.Decoding`): ``text`` is a prompt (``chat``/``system``
+    as in :func:`attngeom.generate.prompt_ids`); the same collectors observe the generation step by
+    step, the page covers prompt + answer and :attr:`ExploreData.answer` is filled."""
     from . import trace as tr
     from .data import check_layers
     from .reducers import HeadStats
 
-    ids = tr.to_ids(handle, text)
-    tr.check_length(handle, len(ids))
-    T, H, L = len(ids), handle.num_heads, handle.num_layers
+    if decoding is not None:
+        from .generate import prompt_ids
+
+        ids = prompt_ids(handle, text, chat=chat, system=system, stop=decoding.stop_ids(handle))
+        T = len(ids) + decoding.max_new_tokens                     # at most; the answer may stop early
+    else:
+        ids = tr.to_ids(handle, text)
+        tr.check_length(handle, len(ids))
+        T = len(ids)
+    H, L = handle.num_heads, handle.num_layers
     if T < 2:
         raise InputError(f"the input has {T} token(s) after encoding; the explorer needs at least 2")
     layers = sorted(set(check_layers(range(L) if layers is None else [int(l) for l in layers], L)))
-    if not 0 <= sink < T:
-        raise InputError(f"sink position {sink} is beyond the input ({T} tokens)")
+    if not 0 <= sink < len(ids):
+        raise InputError(f"sink position {sink} is beyond the input ({len(ids)} tokens)")
     k = resolve_mode(T, top_k, exact_max_tokens)
     rows = RowCollector(T, H, k)
     stats = HeadStats(sink=sink)
     res = ResidualShares(handle, layers)
+    answer = None
     try:
-        tr.stream(handle, [ids], [rows, stats], layers=layers, progress=False)
+        if decoding is None:
+            tr.stream(handle, [ids], [rows, stats], layers=layers, progress=False)
+        else:
+            from .generate import AnswerSources, _stream_ids
+
+            sources = AnswerSources(sink=sink)
+            P = len(ids)
+            ids = _stream_ids(handle, ids, [rows, stats, sources], decoding, layers=layers)
+            answer = _answer_summary(sources.result()["summary"], layers, P)
+            rows.crop(len(ids))
     finally:
         res.close()
     head, sink_fig = _head_tables(stats.result(), layers, H)
@@ -341,7 +376,18 @@ def build(handle, text, *, layers=None, top_k: int | None = None,
         tokens=handle.tokens(ids), ids=list(ids), layers=layers, num_heads=H,
         rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},
         head_stats=head, layer_sink=sink_fig, residual_share=share, top_k=k, sink=sink,
-        model_name=getattr(handle, "name", ""), meta={"num_layers": L})
+        model_name=getattr(handle, "name", ""), meta={"num_layers": L}, answer=answer)
+
+
+def _answer_summary(summary, layers: list[int], P: int) -> dict:
+    """:attr:`ExploreData.answer` from :class:`attngeom.generate.AnswerSources`' summary table."""
+    out = {"prompt_length": P, "layers": {}, "model": {}}
+    model = summary[summary["layer"].isna()].sort_values("position")
+    for m in ("attention", "contribution"):
+        out["model"][m] = model[m].to_numpy(np.float64)
+        out["layers"][m] = np.stack([summary[summary["layer"] == l].sort_values("position")[m].to_numpy(np.float64)
+                                     for l in layers])
+    return out
 
 
 def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS,

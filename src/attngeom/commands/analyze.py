@@ -34,6 +34,7 @@ from ..errors import InputError
 from . import common
 from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
                      model_identity, open_run, text_identity, text_input, write_json, write_parquet)
+from .generation_args import add_generation_args, decoding_of, prompt_of, settings_of
 
 DEFAULT_OUT = "out/analyze"
 TOP_K = 5
@@ -70,6 +71,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-map-tokens", type=int, default=2048,
                    help="draw maps only when the (first) input window has at most this many tokens (default 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_generation_args(p)
     add_out_arg(p, default=DEFAULT_OUT)
     p.set_defaults(func=run)
 
@@ -117,17 +119,19 @@ def run(args) -> int:
     if args.stride is not None and args.window is None:
         raise InputError("--stride needs --window")
     text, source = text_input(args, "analyse")
+    decoding = decoding_of(args)
+    prompt = prompt_of(args, text) if decoding else text
     settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
                 "figure_layers": fig_layers, "heads": "all" if heads is None else sorted(set(heads)),
                 "window": args.window, "stride": args.stride, "sink": args.sink,
-                "max_map_tokens": args.max_map_tokens}
+                "max_map_tokens": args.max_map_tokens, **settings_of(decoding, args)}
     with open_run(args, "analyze", settings) as run:
         if already_complete(run, "analyze"):
             return 0
-        return _run(args, run, settings, text, source, layers, fig_layers, heads, t_start)
+        return _run(args, run, settings, prompt, source, layers, fig_layers, heads, t_start, decoding)
 
 
-def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) -> int:
+def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, decoding=None) -> int:
     from ..data import check_layers
 
     # ---- the model and the input ------------------------------------------------------------
@@ -142,7 +146,12 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
         if bad:
             raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{H - 1}")
         heads = sorted(set(heads))
-    ids = handle.encode(text)
+    answer = None
+    if decoding is not None:
+        answer = _generate(handle, run, args, text, decoding, layers)
+        ids = answer["ids"]
+    else:
+        ids = handle.encode(text)
     limit = handle.max_positions
     if args.window is not None:
         if limit and args.window > limit:
@@ -164,7 +173,10 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
     # ---- 1. streaming pass: per-head and per-token summaries ---------------------------------
     from ..trace import summaries
 
-    heads_df, tokens_df = summaries(handle, run, [w for _, w in windows], layers=layers, sink=args.sink)
+    if answer is not None:
+        heads_df, tokens_df = answer["heads"], answer["tokens"]
+    else:
+        heads_df, tokens_df = summaries(handle, run, [w for _, w in windows], layers=layers, sink=args.sink)
     offsets = {i: off for i, (off, _) in enumerate(windows)}
     uniq = sorted(set(ids))
     strings = dict(zip(uniq, handle.tokens(uniq)))
@@ -175,6 +187,9 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
                      ((pos + off) * (pos > 0)) if has_bos else (pos + off))
     summary = build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df)
     summary["settings"] = settings
+    if answer is not None:
+        tokens_df["generated"] = tokens_df["position"] >= answer["prompt_length"]
+        summary["generation"] = generation_summary(handle, answer, decoding, args.sink)
     first = windows[0][1]
     draw_maps = len(first) <= args.max_map_tokens and bool(fig_layers)
     summary["maps"] = (f"drawn for layers {fig_layers}" if draw_maps else
@@ -190,6 +205,10 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
         files = ["tokens.parquet", "heads.parquet"]
         write_parquet(tokens_df, staging / "tokens.parquet")
         write_parquet(heads_df, staging / "heads.parquet")
+        if answer is not None:
+            for name, df in answer["tables"].items():
+                write_parquet(df, staging / f"answer_{name}.parquet")
+                files.append(f"answer_{name}.parquet")
         # ---- 2. maps of the figure layers (full trace, first window only) -------------------------
         t0 = time.perf_counter()
         if draw_maps:
@@ -215,6 +234,58 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start) 
     print(f"attngeom analyze: {len(ids)} tokens, {len(layers)} layer(s) -> {run.out}/ ({', '.join(files)})",
           file=sys.stderr)
     return 0
+
+
+def _generate(handle, run, args, prompt, decoding, layers) -> dict:
+    """Generate the answer with the summaries' reducers and the answer tables observing every step
+    (stage ``generate`` of the run: one record, resumable). Returns the prompt + answer ids, the
+    per-head and per-token summaries and the answer tables (with token strings)."""
+    from ..generate import AnswerSources, Answers, generation_stage, prompt_ids
+    from ..reducers import HeadStats, TokenStats
+
+    stop = decoding.stop_ids(handle)
+    ids = prompt_ids(handle, prompt, chat=args.chat, system=args.system, stop=stop)
+    if args.sink >= len(ids):
+        raise InputError(f"--sink {args.sink} is beyond the prompt ({len(ids)} tokens)")
+    heads, tokens, tables, answers = generation_stage(
+        handle, run, "generate", [ids], decoding, layers=layers, desc="generate",
+        make=lambda: [HeadStats(sink=args.sink), TokenStats(sink=args.sink), AnswerSources(sink=args.sink),
+                      Answers(stop)])
+    row = answers.result().iloc[0]
+    answer_ids = [int(x) for x in str(row["answer_ids"]).split()]
+    full = list(ids) + answer_ids
+    strings = dict(zip(sorted(set(full)), handle.tokens(sorted(set(full)))))
+    tables = tables.result()
+    for df in tables.values():
+        for col, name in (("token_id", "token"), ("source_id", "source_token")):
+            if col in df:
+                df.insert(df.columns.get_loc(col) + 1, name, df[col].map(strings))
+    return {"ids": full, "prompt_length": len(ids), "answer_ids": answer_ids, "stopped": bool(row["stopped"]),
+            "heads": heads.result(), "tokens": tokens.result(), "tables": tables}
+
+
+def generation_summary(handle, answer: dict, decoding, sink: int = 0) -> dict:
+    """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
+    layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole
+    answer drew on."""
+    tables = answer["tables"]
+    shares = tables["shares"][tables["shares"]["layer"].isna()]
+    summ = tables["summary"][tables["summary"]["layer"].isna()]
+    summ = summ[summ["position"] != sink]                  # the sink has its own share
+    top = summ.sort_values(["contribution", "position"], ascending=[False, True], kind="stable").head(TOP_K)
+    return {
+        "prompt_tokens": answer["prompt_length"], "answer_tokens": len(answer["answer_ids"]),
+        "answer_text": handle.tokenizer.decode(answer["answer_ids"]), "stopped_on_stop_token": answer["stopped"],
+        "decoding": {"max_new_tokens": decoding.max_new_tokens, "sample": decoding.sample,
+                     "temperature": decoding.temperature, "top_p": decoding.top_p,
+                     "seed": decoding.seed if decoding.seed is not None else (0 if decoding.sample else None),
+                     "stop_ids": list(decoding.stop_ids(handle))},
+        "mean_contribution_share": {part: float(shares[f"contribution_{part}"].mean())
+                                    for part in ("sink", "prompt", "answer")},
+        "prompt_tokens_the_answer_drew_on": [
+            {"position": int(r.position), "token": r.token, "contribution": float(r.contribution),
+             "attention": float(r.attention)} for r in top.itertuples()],
+    }
 
 
 def build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df) -> dict:

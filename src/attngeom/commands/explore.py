@@ -16,6 +16,7 @@ from ..errors import InputError
 from . import common
 from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
                      model_identity, open_run, text_identity, text_input)
+from .generation_args import add_generation_args, decoding_of, prompt_of, settings_of
 
 DEFAULT_TOP_K = 8
 """Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explore.DEFAULT_TOP_K``)."""
@@ -43,6 +44,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--exact-max-tokens", type=int, default=DEFAULT_EXACT_MAX_TOKENS,
                    help=f"keep every source (exact maps) up to this many tokens (default {DEFAULT_EXACT_MAX_TOKENS})")
     p.add_argument("--sink", type=int, default=0, help="position of the sink token (default 0)")
+    add_generation_args(p)
     add_out_arg(p, default=DEFAULT_OUT)
     p.set_defaults(func=run)
 
@@ -53,8 +55,11 @@ def run(args) -> int:
     layers = check_layer_list(args.layers)
     check_at_least(args, top_k=1, exact_max_tokens=0, sink=0)
     text, source = text_input(args, "explore")
+    decoding = decoding_of(args)
+    prompt = prompt_of(args, text) if decoding else text
     settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
-                "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink}
+                "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink,
+                **settings_of(decoding, args)}
     with open_run(args, "explore", settings) as run:
         if already_complete(run, "explore"):
             return 0
@@ -65,14 +70,20 @@ def run(args) -> int:
 
         handle = common.load(args)
         layers = check_layers(layers, handle.num_layers)
-        ids = handle.encode(text)
-        limit = handle.max_positions
-        if limit and len(ids) > limit:
-            raise InputError(f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}")
-        if args.sink >= len(ids):
-            raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
-        data = build(handle, ids, layers=layers, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
-                     sink=args.sink)
+        if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
+            data = build(handle, prompt, layers=layers, top_k=args.top_k,
+                         exact_max_tokens=args.exact_max_tokens, sink=args.sink, decoding=decoding, chat=args.chat,
+                         system=args.system)
+            ids = data.ids
+        else:
+            ids = handle.encode(text)
+            limit = handle.max_positions
+            if limit and len(ids) > limit:
+                raise InputError(f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}")
+            if args.sink >= len(ids):
+                raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
+            data = build(handle, ids, layers=layers, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
+                         sink=args.sink)
         page = rep.render(data)
 
         def write(staging: Path) -> list[str]:

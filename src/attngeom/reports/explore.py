@@ -83,7 +83,7 @@ def payload(data: ExploreData, level: int = 9) -> dict:
     raw, blocks = pack(data)
     L = data.meta.get("num_layers")
     contiguous = data.layers == list(range(data.layers[0], data.layers[-1] + 1))
-    default_query = data.T - 1
+    default_query = data.T - 1 if data.answer is None else data.answer["prompt_length"] - 1
     return {
         "format": "attngeom-explore-1",
         "model": data.model_name,
@@ -102,6 +102,10 @@ def payload(data: ExploreData, level: int = 9) -> dict:
                        for k, v in data.head_stats.items()},
         "layer_sink": {k: [float(x) for x in v] for k, v in data.layer_sink.items()},
         "residual": None if data.residual_share is None else np.asarray(data.residual_share, dtype=np.float64).tolist(),
+        "answer": None if data.answer is None else {
+            "prompt_length": int(data.answer["prompt_length"]),
+            "layers": {m: np.round(np.asarray(v, dtype=np.float64), 6).tolist() for m, v in data.answer["layers"].items()},
+            "model": {m: np.round(np.asarray(v, dtype=np.float64), 6).tolist() for m, v in data.answer["model"].items()}},
         "blocks": blocks,
         "bin": base64.b64encode(zlib.compress(raw, level)).decode("ascii"),
     }

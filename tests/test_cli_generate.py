@@ -1,0 +1,176 @@
+"""``attngeom analyze`` and ``attngeom explore`` with ``--generate``: the model's own answer, end to
+end on tiny models saved as local Hugging Face directories; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attngeom import analyze, load_model
+from attngeom.cli import main
+from tiny_models import tiny_model
+
+TEXT = "The cat sat"
+N = 6
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny random Llama whose tokenizer has a chat template (its EOS ``</s>`` closes each turn)."""
+    d = tmp_path_factory.mktemp("tiny-chat")
+    handle = tiny_model("llama")
+    tok = handle.tokenizer.__class__(tokenizer_object=handle.tokenizer.backend_tokenizer, bos_token="<s>",
+                                     eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    handle.model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def run_generate(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen_out")
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--generate", str(N),
+                 "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def _no_model(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded although the input is bad")
+
+    monkeypatch.setattr("attngeom.commands.common.load", boom)
+    monkeypatch.setattr("attngeom.model.load_model", boom)
+
+
+def _fails(capsys, argv, *needles):
+    """Exit 2 with one error line, the last on stderr (a model load may print its progress before)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err
+    assert errors[0].startswith(f"attngeom {argv[0]}: error: ")
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+
+
+def test_analyze_generate_writes_the_answer_tables(run_generate, tiny_llama_dir):
+    handle = load_model(str(tiny_llama_dir))
+    trace = analyze(handle, TEXT, generate=N)                  # the Python API, same greedy answer
+    P, T, L = trace.prompt_length, len(trace.ids), handle.num_layers
+    summary = json.loads((run_generate / "summary.json").read_text())
+    gen = summary["generation"]
+    assert gen["prompt_tokens"] == P and gen["answer_tokens"] == T - P
+    assert gen["answer_text"] == handle.tokenizer.decode(trace.ids[P:])
+    assert summary["settings"]["generate"] == N and summary["settings"]["sample"] is False
+    assert abs(sum(gen["mean_contribution_share"].values()) - 1) < 1e-4
+    for f in ("answer_shares.parquet", "answer_sources.parquet", "answer_summary.parquet"):
+        assert f in summary["files"] and (run_generate / f).is_file()
+    tokens = pd.read_parquet(run_generate / "tokens.parquet")
+    first = tokens[tokens["layer"] == 0]
+    assert first["token_id"].tolist() == trace.ids
+    assert first["generated"].tolist() == trace.generated.tolist()
+    shares = pd.read_parquet(run_generate / "answer_shares.parquet")
+    assert len(shares) == (T - P) * (L + 1)
+    # the tables' contribution rows are the full trace's C_ij rows (producing row = position - 1)
+    for layer in range(L):
+        C = trace.layers[layer].contribution_inter.sum(0)
+        sel = shares[shares["layer"] == layer].sort_values("step")
+        assert np.allclose(sel["contribution_sink"], C[P - 1:T - 1, 0], atol=1e-5)
+        assert np.allclose(sel["contribution_answer"], [C[q, P:q + 1].sum() for q in range(P - 1, T - 1)], atol=1e-5)
+    src = pd.read_parquet(run_generate / "answer_sources.parquet")
+    assert set(src["metric"]) == {"attention", "contribution"} and (src["source"] < P).all()
+    assert src["source_token"].tolist() == handle.tokens(src["source_id"].tolist())
+
+
+def test_analyze_generate_resumes(run_generate, tiny_llama_dir, capsys):
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--generate", str(N),
+                 "--out", str(run_generate), "--no-progress"]) == 0
+    assert "already holds this complete run" in capsys.readouterr().err
+
+
+def test_explore_generate_marks_the_answer(tiny_llama_dir, tmp_path):
+    out = tmp_path / "o"
+    assert main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT, "--generate", str(N), "--sample",
+                 "--seed", "7", "--out", str(out)]) == 0
+    page = (out / "explore.html").read_text()
+    data = json.loads(re.search(r'<script id="explore-data" type="application/json">(.*?)</script>', page,
+                                re.S).group(1))
+    handle = load_model(str(tiny_llama_dir))
+    trace = analyze(handle, TEXT, generate=N, sample=True, seed=7)
+    assert data["T"] == len(trace.ids) and data["answer"]["prompt_length"] == trace.prompt_length
+    assert data["initial_query"] == trace.prompt_length - 1
+    P = trace.prompt_length
+    C = np.mean([lt.contribution_inter.sum(0) for lt in trace.layers], axis=0)
+    assert np.allclose(data["answer"]["model"]["contribution"], C[P - 1:-1, :P].mean(0), atol=1e-5)
+
+
+def test_chat_prompts(chat_dir, tmp_path):
+    out = tmp_path / "o"
+    assert main(["analyze", "--model", str(chat_dir), "--text", "hi", "--chat", "--system", "be brief",
+                 "--generate", "3", "--out", str(out), "--no-progress"]) == 0
+    handle = load_model(str(chat_dir))
+    want = analyze(handle, "hi", chat=True, system="be brief", generate=3)
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert tokens[tokens["layer"] == 0]["token_id"].tolist() == want.ids
+    # a .json prompt file holds chat messages
+    msgs = tmp_path / "chat.json"
+    msgs.write_text(json.dumps([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
+    out2 = tmp_path / "o2"
+    assert main(["explore", "--model", str(chat_dir), "--file", str(msgs), "--generate", "3", "--out", str(out2)]) == 0
+    page = (out2 / "explore.html").read_text()
+    data = json.loads(re.search(r'<script id="explore-data" type="application/json">(.*?)</script>', page,
+                                re.S).group(1))
+    assert data["T"] == len(want.ids) and data["answer"]["prompt_length"] == want.prompt_length
+
+
+BAD_OPTIONS = [
+    (["--generate", "0"], "--generate must be at least 1"),
+    (["--generate", "-2"], "--generate must be at least 1"),
+    (["--generate", "3", "--temperature", "0.7"], "add --sample"),
+    (["--generate", "3", "--sample", "--top-p", "0"], "top-p"),
+    (["--generate", "3", "--system", "x"], "--system needs --chat"),
+    (["--chat"], "add --generate"),
+]
+
+
+@pytest.mark.parametrize("command, extra, needle",
+                         [(c, e, n) for c in ("analyze", "explore") for e, n in BAD_OPTIONS]
+                         + [("analyze", ["--generate", "3", "--window", "8"], "--window does not apply")])
+def test_bad_options_before_load(monkeypatch, capsys, tmp_path, command, extra, needle):
+    _no_model(monkeypatch)
+    _fails(capsys, [command, "--text", TEXT, "--out", str(tmp_path / "o"), *extra], needle)
+    assert not (tmp_path / "o" / "summary.json").exists()
+
+
+def test_bad_messages_file_before_load(monkeypatch, capsys, tmp_path):
+    _no_model(monkeypatch)
+    bad = tmp_path / "m.json"
+    bad.write_text("[{\"role\": \"user\"")
+    _fails(capsys, ["analyze", "--file", str(bad), "--generate", "2", "--out", str(tmp_path / "o")], "not valid JSON")
+    bad.write_text(json.dumps({"role": "user", "content": "x"}))
+    _fails(capsys, ["analyze", "--file", str(bad), "--generate", "2", "--out", str(tmp_path / "o")], "list of")
+    bad.write_text(json.dumps([{"role": "user", "content": 3}]))
+    _fails(capsys, ["explore", "--file", str(bad), "--generate", "2", "--out", str(tmp_path / "o")], "'content'")
+
+
+@pytest.mark.parametrize("command", ["analyze", "explore"])
+def test_bad_input_after_load(tiny_llama_dir, chat_dir, capsys, tmp_path, command):
+    m = ["--model", str(tiny_llama_dir)]
+    _fails(capsys, [command, *m, "--text", TEXT, "--chat", "--generate", "2", "--out", str(tmp_path / "a")],
+           "has no chat template")
+    _fails(capsys, [command, *m, "--text", TEXT, "--generate", "250", "--out", str(tmp_path / "b")],
+           "context of 256")
+    _fails(capsys, [command, *m, "--text", "a </s> b", "--generate", "2", "--out", str(tmp_path / "c")],
+           "stop token '</s>'")
+    _fails(capsys, [command, "--model", str(chat_dir), "--text", "a </s> b", "--chat", "--generate", "2",
+                    "--out", str(tmp_path / "d")], "stop token")
+    for d in "abcd":
+        assert not (tmp_path / d / "summary.json").exists() and not (tmp_path / d / "explore.html").exists()
