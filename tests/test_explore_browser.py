@@ -262,3 +262,37 @@ def test_bundled_model_sample(driver, tmp_path):
     check_view(driver, data, data.layers[5], 3, q)
     shot(driver, "explore-smollm2.png")
     assert console_errors(driver) == []
+
+
+def test_answer_view(driver, tiny, tmp_path):
+    """A generation: the answer is underlined, an answer token shows the row that predicted it
+    (or its own row with the box unticked), and the answer summary lists the prompt tokens the whole
+    answer drew on, as Python computed them."""
+    from attngeom.generate import Decoding
+
+    data = E.build(tiny, "The cat sat", decoding=Decoding(6, stop=()))
+    P, T = data.answer["prompt_length"], data.T
+    path = R.write(data, tmp_path / "answer.html")
+    open_page(driver, path)
+    last = data.layers[-1]
+    answer = [int(s.get_attribute("data-pos")) for s in driver.find_elements("css selector", "#tokens .tok.answer")]
+    assert answer == list(range(P, T))
+    # the page opens on the first answer token's prediction (row P - 1)
+    check_view(driver, data, last, None, P - 1)
+    assert "target" in driver.find_element("css selector", f'#tokens .tok[data-pos="{P}"]').get_attribute("class")
+    t = P + 3
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()
+    check_view(driver, data, last, None, t - 1)
+    assert f"answer token {t} (row {t - 1})" in driver.find_element("id", "srctitle").text
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()      # unpin
+    driver.find_element("id", "pred").click()                                         # untick: the token's own row
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()
+    check_view(driver, data, last, None, t)
+    # which prompt tokens the whole answer drew on: mean contribution over the producing rows
+    for table, scores in (("answer-model", data.answer["model"]["contribution"]),
+                          ("answer-layer", data.answer["layers"]["contribution"][len(data.layers) - 1])):
+        shown = [int(r.get_attribute("data-pos")) for r in driver.find_elements("css selector", f"#{table} tr.src")]
+        want = sorted((j for j in range(P) if j != data.sink), key=lambda j: (-scores[j], j))[:10]
+        assert shown == want, table
+    shot(driver, "explore-answer.png")
+    assert console_errors(driver) == []
