@@ -114,6 +114,11 @@ def test_a_killed_rank_stops_the_run_and_a_rerun_resumes(tiny_llama_dir, tmp_pat
     t0 = time.time()
     _, err = p.communicate(timeout=180)
     assert p.returncode != 0 and time.time() - t0 < 180  # no hang
+    # the survivor says in one line of its own what happened and that a rerun resumes
+    ours = [x for x in err.splitlines() if x.startswith("attngeom")]
+    assert len(ours) == 1 and ours[0].startswith("attngeom sinks: error: rank 0 "), err[-3000:]
+    assert "died or was killed" in ours[0] and "rerunning the same command resumes" in ours[0]
+    assert "/attngeom/" not in err  # no traceback of ours (torchrun prints its own report)
     assert not (part / MANIFEST).exists()
     # a rerun with ONE process resumes from both ranks' records
     n = _records(part)
@@ -162,3 +167,39 @@ def test_accelerate_launch_sets_the_same_environment(tiny_llama_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((two / MANIFEST).read_text())["world_size"] == 2
     _same(_tables(one), _tables(two), 1e-9)
+
+
+def _comm(rank=0):
+    from attngeom.distributed import TorchComm
+
+    comm = object.__new__(TorchComm)  # without a process group: only the error handling is used
+    comm.rank, comm.world, comm._sigterm = rank, 2, None
+    return comm
+
+
+def test_a_failed_exchange_is_one_line_saying_the_run_resumes():
+    from attngeom.distributed import DistributedError
+
+    def broken(*a, **k):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5555\nmore")
+
+    with pytest.raises(DistributedError) as e:
+        _comm(1)._call(broken)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("rank 1 lost contact with the other processes (a rank died or was killed")
+    assert "Connection closed by peer" in msg and msg.endswith("rerunning the same command resumes from the records "
+                                                               "written so far")
+
+
+def test_the_launchers_sigterm_becomes_one_line():
+    from attngeom.distributed import DistributedError
+
+    comm = _comm(0)
+    comm._sigterm = comm._catch_sigterm()
+    try:
+        with pytest.raises(DistributedError, match=r"^rank 0 was stopped by the launcher .* resumes from the records"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second SIGTERM kills at once
+    finally:
+        signal.signal(signal.SIGTERM, comm._sigterm)

@@ -15,9 +15,10 @@ rendezvous (``--nnodes``, ``--rdzv-backend c10d``, ``--rdzv-endpoint``); the out
 then be on a filesystem every node sees.
 
 A process that dies makes the others fail at their next exchange (the connection to it closes) or,
-at the latest, after ``ATTNGEOM_DIST_TIMEOUT`` seconds (default 1800); torchrun then stops them all.
-Finished units stay in the checkpoint: rerunning the same command, with any number of processes,
-resumes.
+at the latest, after ``ATTNGEOM_DIST_TIMEOUT`` seconds (default 1800); torchrun also stops them
+itself (SIGTERM) as soon as it sees a worker die. Either way each survivor ends with one line
+(:class:`DistributedError`, exit 2, no traceback): the run stopped, and finished units stay in the
+checkpoint, so rerunning the same command, with any number of processes, resumes.
 
 What belongs here: process groups and object exchange. Nothing else.
 """
@@ -25,6 +26,7 @@ What belongs here: process groups and object exchange. Nothing else.
 from __future__ import annotations
 
 import os
+import signal
 from datetime import timedelta
 
 from .errors import AttngeomError, InputError
@@ -32,6 +34,22 @@ from .errors import AttngeomError, InputError
 
 class DistributedError(AttngeomError):
     """Another process of a multi-process run stopped or could not be reached."""
+
+
+RESUMES = "the run stopped; rerunning the same command resumes from the records written so far"
+
+
+def lost_contact(rank: int, detail: str) -> DistributedError:
+    """The error of a survivor whose exchange with the other processes failed."""
+    return DistributedError(f"rank {rank} lost contact with the other processes (a rank died or was killed: "
+                            f"{detail}); {RESUMES}")
+
+
+def stopped_by_launcher(rank: int) -> DistributedError:
+    """The error of a process that the launcher stopped (SIGTERM), as torchrun does to the survivors
+    when one of its workers dies."""
+    return DistributedError(f"rank {rank} was stopped by the launcher (another rank died or was killed, or "
+                            f"the launch was stopped); {RESUMES}")
 
 
 def world_size() -> int:
@@ -79,15 +97,29 @@ class TorchComm:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
+        self._sigterm = self._catch_sigterm()
+
+    def _catch_sigterm(self):
+        """Turn the launcher's SIGTERM into :func:`stopped_by_launcher` (one line from the CLI instead
+        of a silent death); a second SIGTERM kills at once. Returns the previous handler."""
+        rank = self.rank
+
+        def stop(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise stopped_by_launcher(rank)
+
+        try:
+            return signal.signal(signal.SIGTERM, stop)
+        except ValueError:  # not the main thread: leave signals alone
+            return None
 
     def _call(self, fn, *args, **kw):
         try:
             return fn(*args, **kw)
+        except DistributedError:
+            raise
         except Exception as e:  # gloo/nccl errors: a peer died, a timeout
-            raise DistributedError(
-                f"rank {self.rank}: another process of this run stopped or did not answer "
-                f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); finished units are kept in the "
-                "checkpoint and rerunning the same command resumes") from None
+            raise lost_contact(self.rank, str(e).splitlines()[0][:160] if str(e) else type(e).__name__) from None
 
     def barrier(self) -> None:
         self._call(self.dist.barrier, group=self.group)
@@ -103,6 +135,12 @@ class TorchComm:
         return box[0]
 
     def close(self) -> None:
+        if self._sigterm is not None:
+            try:
+                signal.signal(signal.SIGTERM, self._sigterm)
+            except ValueError:  # pragma: no cover - not the main thread
+                pass
+            self._sigterm = None
         if self.dist.is_initialized():
             try:
                 self.dist.destroy_process_group()
