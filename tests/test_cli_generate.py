@@ -174,3 +174,42 @@ def test_bad_input_after_load(tiny_llama_dir, chat_dir, capsys, tmp_path, comman
                     "--out", str(tmp_path / "d")], "stop token")
     for d in "abcd":
         assert not (tmp_path / d / "summary.json").exists() and not (tmp_path / d / "explore.html").exists()
+
+
+def test_corpus_mode(tiny_llama_dir, tmp_path, capsys):
+    """--data: every prompt answered and analysed (the same answers as the Python API), one table
+    row set per prompt; the same command again finds the run complete."""
+    data = tmp_path / "prompts.jsonl"
+    prompts = ["The cat sat", "a b c", "hello"]
+    data.write_text("".join(json.dumps({"id": k, "prompt": p}) + "\n" for k, p in enumerate(prompts)))
+    out = tmp_path / "o"
+    argv = ["analyze", "--model", str(tiny_llama_dir), "--data", str(data), "--fields", "prompt", "--generate", "4",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    answers = pd.read_parquet(out / "answers.parquet")
+    handle = load_model(str(tiny_llama_dir))
+    assert answers["prompt"].tolist() == prompts
+    for k, p in enumerate(prompts):
+        trace = analyze(handle, p, generate=4)
+        assert answers.loc[k, "answer_ids"] == " ".join(map(str, trace.ids[trace.prompt_length:]))
+        assert answers.loc[k, "answer_text"] == handle.tokenizer.decode(trace.ids[trace.prompt_length:])
+    shares = pd.read_parquet(out / "answer_shares.parquet")
+    assert sorted(set(shares["text"])) == [0, 1, 2]
+    assert len(shares) == int(answers["answer_tokens"].sum()) * (handle.num_layers + 1)
+    src = pd.read_parquet(out / "answer_sources.parquet")
+    assert {"text", "step", "token", "metric", "rank", "source", "source_token", "score"} <= set(src.columns)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompts"] == 3 and "answers.parquet" in summary["files"]
+    # resumable: a second run with the same settings is complete
+    assert main(argv) == 0
+    assert "already holds this complete run" in capsys.readouterr().err
+
+
+def test_corpus_mode_refusals(monkeypatch, capsys, tmp_path):
+    _no_model(monkeypatch)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "x"}) + "\n")
+    o = str(tmp_path / "o")
+    _fails(capsys, ["analyze", "--data", str(data), "--fields", "prompt", "--out", o], "--data needs --generate")
+    _fails(capsys, ["analyze", "--data", str(data), "--text", "x", "--generate", "2", "--out", o], "replaces --text")
+    _fails(capsys, ["analyze", "--fields", "prompt", "--generate", "2", "--out", o], "go with --data")

@@ -72,6 +72,12 @@ def add_parser(subparsers) -> None:
                    help="draw maps only when the (first) input window has at most this many tokens (default 2048)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_generation_args(p)
+    g = p.add_argument_group("corpus mode (with --generate: answer every prompt of a file)")
+    g.add_argument("--data", default=None,
+                   help="prompts: a .jsonl/.csv/.parquet file (with --fields), a text file or hf:NAME; each is "
+                        "answered and analysed (answers.parquet and the answer tables, one row set per prompt)")
+    g.add_argument("--fields", default=None, help="the prompt's field(s) of --data, e.g. prompt")
+    g.add_argument("--max-prompts", type=int, default=None, help="answer only the first N prompts of --data")
     add_out_arg(p, default=DEFAULT_OUT)
     p.set_defaults(func=run)
 
@@ -118,6 +124,8 @@ def run(args) -> int:
     check_at_least(args, window=3, stride=1, sink=0, max_map_tokens=0)
     if args.stride is not None and args.window is None:
         raise InputError("--stride needs --window")
+    if args.data is not None or args.fields is not None or args.max_prompts is not None:
+        return _run_corpus(args, layers, t_start)
     text, source = text_input(args, "analyse")
     decoding = decoding_of(args)
     prompt = prompt_of(args, text) if decoding else text
@@ -129,6 +137,88 @@ def run(args) -> int:
         if already_complete(run, "analyze"):
             return 0
         return _run(args, run, settings, prompt, source, layers, fig_layers, heads, t_start, decoding)
+
+
+def _run_corpus(args, layers, t_start) -> int:
+    """Corpus mode: every prompt of ``--data`` answered with analysis, as stage ``generate`` of the
+    run (one record per prompt: resumable, shared among ``torchrun`` processes)."""
+    from ..data import check_layers, resolve_texts
+    from .common import data_identity, fields_of
+
+    if args.data is None:
+        raise InputError("--fields and --max-prompts go with --data")
+    if args.text is not None or args.file is not None:
+        raise InputError("--data replaces --text/--file; give one of them")
+    decoding = decoding_of(args)
+    if decoding is None:
+        raise InputError("--data needs --generate N (corpus mode answers every prompt)")
+    check_at_least(args, max_prompts=1)
+    fields = fields_of(args)
+    settings = {**model_identity(args), **data_identity(args.data), "fields": fields, "max_prompts": args.max_prompts,
+                "layers": "all" if layers is None else sorted(set(layers)), "sink": args.sink,
+                **settings_of(decoding, args)}
+    with open_run(args, "analyze", settings) as run:
+        if already_complete(run, "analyze"):
+            return 0
+        texts = resolve_texts(args.data, fields)[: args.max_prompts]
+        if not texts:
+            raise InputError(f"{args.data} holds no prompt")
+        handle = common.load(args)
+        layers = sorted(set(check_layers(layers, handle.num_layers) or range(handle.num_layers)))
+        tables = _answer_prompts(handle, run, args, texts, decoding, layers)
+
+        def write(staging: Path) -> list[str]:
+            files = []
+            for name, df in tables.items():
+                write_parquet(df, staging / f"{name}.parquet")
+                files.append(f"{name}.parquet")
+            answers = tables["answers"]
+            summary = {"command": "analyze", "mode": "corpus", "settings": settings, "prompts": len(texts),
+                       "answer_tokens": int(answers["answer_tokens"].sum()),
+                       "stopped_on_stop_token": int(answers["stopped"].sum()),
+                       "runtime_s": round(time.perf_counter() - t_start, 3), "files": files + ["summary.json"]}
+            write_json(staging / "summary.json", summary)
+            return summary["files"]
+
+        files = run.finish(write)
+    print(f"attngeom analyze: {len(texts)} prompt(s) answered -> {run.out}/ ({', '.join(files)})", file=sys.stderr)
+    return 0
+
+
+def _answer_prompts(handle, run, args, texts, decoding, layers) -> dict:
+    """``answers`` (one row per prompt: its text, the answer's text and ids) and the answer tables
+    of :class:`~attngeom.generate.AnswerSources` for every prompt (column ``text``: its index)."""
+    from ..generate import AnswerSources, Answers, generation_stage, prompt_ids
+
+    stop = decoding.stop_ids(handle)
+    prompts = []
+    for k, t in enumerate(texts):
+        try:
+            prompts.append(prompt_ids(handle, t, chat=args.chat, system=args.system, stop=stop))
+        except InputError as e:
+            raise InputError(f"prompt {k + 1} of {args.data}: {e}") from None
+        if args.sink >= len(prompts[-1]):
+            raise InputError(f"prompt {k + 1} of {args.data}: --sink {args.sink} is beyond it ({len(prompts[-1])} tokens)")
+    answers, sources = generation_stage(
+        handle, run, "generate", prompts, decoding, layers=layers, desc="generate",
+        make=lambda: [Answers(stop), AnswerSources(sink=args.sink)])
+    answers = answers.result().sort_values("text", kind="stable").reset_index(drop=True)
+    answers.insert(1, "prompt", [texts[k] for k in answers["text"]])
+    answers["answer_text"] = [handle.tokenizer.decode([int(x) for x in str(a).split()]) for a in answers["answer_ids"]]
+    tables = {"answers": answers, **{f"answer_{k}": v for k, v in sources.result().items()}}
+    ids = {int(x) for p in prompts for x in p} | {int(x) for a in answers["answer_ids"] for x in str(a).split()}
+    return _with_token_strings(handle, tables, ids)
+
+
+def _with_token_strings(handle, tables: dict, ids) -> dict:
+    """Each table's ``token_id``/``source_id`` column followed by the token's string."""
+    ids = sorted(set(ids))
+    strings = dict(zip(ids, handle.tokens(ids)))
+    for df in tables.values():
+        for col, name in (("token_id", "token"), ("source_id", "source_token")):
+            if col in df:
+                df.insert(df.columns.get_loc(col) + 1, name, df[col].map(strings))
+    return tables
 
 
 def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, decoding=None) -> int:
@@ -254,12 +344,7 @@ def _generate(handle, run, args, prompt, decoding, layers) -> dict:
     row = answers.result().iloc[0]
     answer_ids = [int(x) for x in str(row["answer_ids"]).split()]
     full = list(ids) + answer_ids
-    strings = dict(zip(sorted(set(full)), handle.tokens(sorted(set(full)))))
-    tables = tables.result()
-    for df in tables.values():
-        for col, name in (("token_id", "token"), ("source_id", "source_token")):
-            if col in df:
-                df.insert(df.columns.get_loc(col) + 1, name, df[col].map(strings))
+    tables = _with_token_strings(handle, tables.result(), full)
     return {"ids": full, "prompt_length": len(ids), "answer_ids": answer_ids, "stopped": bool(row["stopped"]),
             "heads": heads.result(), "tokens": tokens.result(), "tables": tables}
 
