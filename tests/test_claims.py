@@ -124,8 +124,9 @@ def test_faithfulness_stats_equal_summarize(tiny):
 
 def test_selection_stats_equal_summarize(tiny):
     h, ids = tiny
-    sel, reg, summary = SE.experiment(h, Memory(), ids, batch_size=1, ns=(2, 4), repeats=2,
-                                      distances=("euclidean",), predict=False)
+    res = SE.experiment(h, Memory(), ids, batch_size=1, ns=(2, 4), repeats=2, distances=("euclidean",),
+                        predict=False)
+    sel, summary = res.tables["selection"], res.summary
     X = CL.selection_arrays(sel, len(ids), [2, 4])
     got = CL.selection_stats(X, np.ones((1, len(ids))))
     for kind, key in (("topn", "with_sink"), ("topn_nosink", "without_sink")):

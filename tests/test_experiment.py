@@ -35,3 +35,43 @@ def test_memory_run_and_a_handle_satisfy_the_protocols():
     assert isinstance(tiny_model("llama"), ModelHandleLike)
     r = ExperimentResult("x")
     assert r.tables == {} and r.summary == {} and r.per_window == {}
+
+
+def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_tables():
+    """heads, sinks, selection and faithfulness return an ExperimentResult; the per-window sums a
+    bootstrap resamples add up to the experiment's own tables (the claims read nothing else)."""
+    from attngeom import faithfulness, heads, selection, sinks
+    from attngeom.experiment import perplexity as ppl
+    from tiny_models import tiny_model
+
+    h = tiny_model("llama")
+    rng = np.random.default_rng(0)
+    ids = [[int(x) for x in rng.integers(1, h.model.config.vocab_size, 12)] for _ in range(4)]
+
+    res = heads.experiment(h, Memory(), [ids], calib_windows=2, retentions=(100.0, 50.0), batch_size=1)
+    assert isinstance(res, ExperimentResult) and set(res.tables) >= {"heads", "removal", "taxonomy_calibration"}
+    rem = res.per_window["removal"]
+    assert rem["nll"].shape == (len(rem["keys"]), 2)
+    table = res.tables["removal"].set_index(["order", "retention"])["ppl"]
+    for k, row in zip(rem["keys"], rem["nll"]):
+        if k[0]:
+            assert table[k] == ppl(row.sum(), rem["tokens"].sum())
+    tax = res.per_window["taxonomy"]
+    assert len(tax) == 4
+    base = ppl(sum(t["nll"] for t in tax[:2]), sum(t["tokens"] for t in tax[:2]))
+    sens = np.array([ppl(r.sum(), sum(t["tokens"] for t in tax[:2])) - base for r in res.per_window["sensitivity"]])
+    assert np.allclose(sens, res.tables["heads"].sort_values(["layer", "head"])["single_delta_ppl"], rtol=1e-12)
+
+    res = sinks.experiment(h, Memory(), ids, batch_size=1)
+    recs = res.per_window["records"]
+    pp = res.tables["ppl"].set_index("pass")
+    assert len(recs) == 4 and pp.loc["none", "nll"] == pytest.approx(sum(r["nll"]["none"] for r in recs), rel=1e-12)
+    assert "records" not in sinks.experiment(h, Memory(), ids, batch_size=2).per_window   # batched: no per-window
+
+    res = selection.experiment(h, Memory(), ids, batch_size=1, ns=(2,), repeats=1, predict=False)
+    assert set(res.tables) == {"selection", "regime"} and set(res.tables["selection"]["window"]) == {0, 1, 2, 3}
+
+    variants = faithfulness.build_variants(["attention"], [0.5])
+    res = faithfulness.experiment(h, units=faithfulness.window_units(ids), variants=variants, progress=False)
+    clean = res.tables["table"]["clean"].iloc[0]
+    assert clean == ppl(res.per_window["nll"][:, 0].sum(), res.per_window["tokens"].sum())

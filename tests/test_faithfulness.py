@@ -50,10 +50,16 @@ def _run(out, **settings):
 # --------------------------------------------------------------------------------------------
 
 
+def _table_summary(*args, **kw):
+    """The faithfulness experiment's table and summary (its ExperimentResult's)."""
+    res = experiment(*args, **kw)
+    return res.tables["table"], res.summary
+
+
 def test_clean_ppl_equals_plain_model(llama, tmp_path):
     wins = _windows(llama)
-    table, summary = experiment(llama, _run(tmp_path), units=window_units(wins), variants=_variants(),
-                                progress=False)
+    res = experiment(llama, _run(tmp_path), units=window_units(wins), variants=_variants(), progress=False)
+    table, summary = res.tables["table"], res.summary
     nll, n = 0.0, 0
     with torch.no_grad():
         for w in wins:
@@ -63,6 +69,10 @@ def test_clean_ppl_equals_plain_model(llama, tmp_path):
             nll -= float(lp.gather(-1, ids[0, 1:, None]).sum())
             n += len(w) - 1
     assert summary["clean"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    # the per-window records a bootstrap resamples: column 0 is the clean forward, they add up to the table
+    pw = res.per_window
+    assert pw["windows"] == list(range(len(wins))) and pw["nll"].shape == (len(wins), len(_variants()))
+    assert pw["nll"][:, 0].sum() == pytest.approx(nll, rel=1e-5) and pw["tokens"].sum() == n
     assert set(table["metric"]) == {"attention", "contribution", "random"}
     assert len(table) == 2 * 2 * 2 + 2 * 2 * 2  # 2 metrics x 2 modes x 2 ratios, random x 2 seeds
     assert (table["tokens"] == n).all()
@@ -101,7 +111,8 @@ def test_batched_rows_equal_one_variant_per_forward(llama):
 def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
     units = window_units(_windows(llama, n=4))
     variants = _variants()
-    full, full_s = experiment(llama, _run(tmp_path / "full"), units=units, variants=variants, progress=False, rows=5)
+    full, full_s = _table_summary(llama, _run(tmp_path / "full"), units=units, variants=variants, progress=False,
+                                  rows=5)
 
     class Killed(Exception):
         pass
@@ -127,14 +138,15 @@ def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
         f.write('{"stage": "faithfulness", "units": [15, 16], "da')
     calls.clear()
     monkeypatch.setattr(F, "_pair_nll", dies_after(10**9))
-    part, part_s = experiment(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False, rows=5)
+    part, part_s = _table_summary(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False,
+                                  rows=5)
     assert len(calls) == 4 * 4 - 5  # finished forwards were skipped
     pd.testing.assert_frame_equal(part, full)
     for k in ("clean", "metrics", "order_comprehensiveness", "order_sufficiency", "units_done"):
         assert part_s[k] == full_s[k]
     # a rerun of a finished run computes nothing
     calls.clear()
-    again, _ = experiment(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False)
+    again, _ = _table_summary(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False)
     assert calls == []
     pd.testing.assert_frame_equal(again, full)
 
@@ -208,8 +220,8 @@ def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
     assert [ex.answer for ex in examples] == {"mmlu": [1, 0, 2], "winogrande": [0, 1], "boolq": [1, 0]}[task]
     units = task_units(llama, examples)
     variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
-    table, summary = experiment(llama, _run(tmp_path / "out"), units=units, variants=variants, examples=examples,
-                                progress=False, rows=3)
+    table, summary = _table_summary(llama, _run(tmp_path / "out"), units=units, variants=variants,
+                                    examples=examples, progress=False, rows=3)
     slow = _slow_logliks(llama, examples)
     results = run_units(llama, units, variants, rows=3, progress=False, run=_run(tmp_path / "out"))
     for i, tu in enumerate(units):
@@ -364,7 +376,7 @@ def test_default_model_one_short_window(tmp_path):
     h = load_model("smollm2-135m")
     units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
     variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
-    table, s = experiment(h, units=units, variants=variants, progress=False)
+    table, s = _table_summary(h, units=units, variants=variants, progress=False)
     assert s["clean"] < 1e4 and len(table) == 4
     # masking the most important half hurts more than masking the least important half
     c = table[table.metric == "contribution"].set_index("mode")["change"]

@@ -1,11 +1,14 @@
 """Every claim of the two papers, measured on one model with bootstrap intervals and a verdict.
 
 The claims experiment runs reduced versions of the four corpus experiments in ONE
-:class:`~attngeom.runner.Run` (stages ``faithfulness``, ``sinks``, ``selection``, ``taxonomy``,
-``sensitivity``, ``order_search``, ``removal``, ``removal_fixed``), every record per window
-(batch size 1), so that a bootstrap over windows can resample them (:mod:`attngeom.bootstrap`):
-for ``n_resamples`` resamples (default 1000, seeded) the per-window sums are re-added with the resample's
-counts and every statistic below is recomputed, giving a 95 % percentile interval.
+:class:`~attngeom.runner.Run`, every record per window (batch size 1), and reads each through its
+public result (:class:`~attngeom.experiment.ExperimentResult`: tables, summary and the per-window
+sums in ``per_window``), so that a bootstrap over windows can resample them
+(:mod:`attngeom.bootstrap`): for ``n_resamples`` resamples (default 1000, seeded) the per-window
+sums are re-added with the resample's counts and every statistic below is recomputed, giving a
+95 % percentile interval. The one stage of its own is the held-out removal in the fixed regime
+order (:func:`attngeom.heads.removal_nll`, stage ``removal_fixed``) when that order differs from
+the calibrated one.
 
 Windows: faithfulness, sinks and selection use all windows; head removal uses the first
 ``calib_windows`` as the calibration split (taxonomy regimes, single-head sensitivity, the chosen
@@ -32,7 +35,7 @@ import numpy as np
 
 from . import bootstrap as bs
 from . import registry
-from .experiment import perplexity
+from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
 FIXED_REGIME_ORDER = ("Mixer", "Reset", "Retriever")
@@ -618,55 +621,27 @@ def _fmt_pct(x) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-class _Keep:
-    """A run that remembers the records each stage returned (so that the experiments' own stages
-    can be resampled without calling them again, also in memory)."""
-
-    def __init__(self, run):
-        self.run = run
-        self.records: dict[str, dict] = {}
-
-    def stage(self, name, n_units, work, **kw):
-        out = self.run.stage(name, n_units, work, **kw)
-        self.records[name] = out
-        return out
-
-    def __getattr__(self, k):
-        return getattr(self.run, k)
-
-
-def _per_unit(records: dict) -> list:
-    """Records of a stage keyed by single units, in unit order (the claims run uses one unit per record)."""
-    out = []
-    for key in sorted(records, key=lambda k: k[0]):
-        if len(key) != 1:
-            raise ValueError("the claims experiment needs one window per record (batch size 1)")
-        out.append(records[key])
-    return out
-
-
-def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS["calib_windows"],
-               ratios: Sequence[float] = DEFAULTS["ratios"], seeds: Sequence[int] = DEFAULTS["seeds"],
-               ns: Sequence[int] = DEFAULTS["ns"], repeats: int = DEFAULTS["repeats"],
-               retentions: Sequence[float] = DEFAULTS["retentions"],
+def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, *,
+               calib_windows: int = DEFAULTS["calib_windows"], ratios: Sequence[float] = DEFAULTS["ratios"],
+               seeds: Sequence[int] = DEFAULTS["seeds"], ns: Sequence[int] = DEFAULTS["ns"],
+               repeats: int = DEFAULTS["repeats"], retentions: Sequence[float] = DEFAULTS["retentions"],
                fixed_order: Sequence[str] = DEFAULTS["fixed_order"], n_resamples: int = DEFAULTS["bootstrap"],
                seed: int = DEFAULTS["seed"], critical_k: float = DEFAULTS["critical_k"],
-               analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> dict:
-    """Run (or resume) the reduced analyses on ``windows`` in ``run`` (a
-    :class:`~attngeom.runner.Run` or :class:`~attngeom.runner.Memory`) and score every claim.
+               analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
+    """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a
+    :class:`~attngeom.runner.Run` or :class:`~attngeom.runner.Memory`), one window per record, and
+    score every claim from their :class:`~attngeom.experiment.ExperimentResult` s.
 
-    Returns ``{"rows": [one dict per claim, in the order of CLAIMS], "detail": {...}, "windows":
-    {...}, "settings": {...}}``; each row has ``value``, ``low``, ``high`` (95 % percentile
-    bootstrap interval, ``n_resamples`` resamples of the windows, seeded by ``seed``), ``interval`` (text),
-    ``verdict`` and ``numbers`` (the intervals behind the verdict)."""
-    from . import faithfulness as fa
-    from . import heads as hd
-    from . import selection as se
-    from . import sinks as sk
-    from .runner import fingerprint
+    Returns an :class:`~attngeom.experiment.ExperimentResult` whose ``summary`` is ``{"rows": [one
+    dict per claim, in the order of CLAIMS], "detail": {...}, "windows": {...}, "settings":
+    {...}}`` and whose ``tables["claims"]`` holds the rows' id, verdict, value and interval; each row
+    has ``value``, ``low``, ``high`` (95 % percentile bootstrap interval, ``n_resamples`` resamples of
+    the windows, seeded by ``seed``), ``interval`` (text), ``verdict`` and ``numbers`` (the intervals
+    behind the verdict)."""
+    import pandas as pd
+
     from .trace import to_ids
 
-    keep = _Keep(run)
     ids = [to_ids(handle, w) for w in windows]
     W = len(ids)
     rows: list[dict] = []
@@ -676,137 +651,171 @@ def experiment(handle, run, windows: Sequence, *, calib_windows: int = DEFAULTS[
     def counts_for(n: int, salt: int) -> np.ndarray:
         return bs.resample_counts(n, n_resamples, seed * 1000 + salt)
 
-    # -- faithfulness ---------------------------------------------------------------------------
     if "faithfulness" in analyses:
-        variants = fa.build_variants(fa.DEFAULT_METRICS, ratios, seeds)
-        units = fa.window_units(ids)
-        res = fa.run_units(handle, units, variants, run=keep)
-        nll = np.array([[res[(u, v.key)]["nll"] for v in variants] for u in range(W)])
-        tok = np.array([units[u].n_scored for u in range(W)], dtype=np.float64)
-        one = np.ones((1, W))
-        pt = fa_stats = faithfulness_stats(nll, tok, variants, one)
-        smp = faithfulness_stats(nll, tok, variants, counts_for(W, 1))
-        r, detail["faithfulness"] = _faith_claims(pt, smp, fa.DEFAULT_METRICS)
+        r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, ratios, seeds, counts_for)
         rows += r
-        del fa_stats
-
-    # -- sinks ----------------------------------------------------------------------------------
     if "sinks" in analyses:
-        work = sk.window_work(handle, ids, batch_size=1)
-        recs = _per_unit(keep.stage("sinks", W, work, group=1, desc="sinks", unit="window",
-                                    fingerprints=[fingerprint(w) for w in ids]))
-        X = sink_arrays(recs)
-        pt = sink_stats(X, np.ones((1, W)))
-        smp = sink_stats(X, counts_for(W, 2))
-        r, detail["sinks"] = _sink_claims(pt, smp)
+        r, detail["sinks"] = _sinks_part(handle, run, ids, counts_for)
         rows += r
-
-    # -- selection ------------------------------------------------------------------------------
     if "selection" in analyses:
-        sel, _reg, _summary = se.experiment(handle, keep, ids, batch_size=1, ns=tuple(ns), repeats=repeats,
-                                            distances=("euclidean",), predict=False, seed=seed)
-        ns_used = sorted(int(n) for n in sel["N"].unique())
-        X = selection_arrays(sel, W, ns_used)
-        pt = selection_stats(X, np.ones((1, W)))
-        smp = selection_stats(X, counts_for(W, 3))
-        r, detail["selection"] = _selection_claims(pt, smp, ns_used)
+        r, detail["selection"] = _selection_part(handle, run, ids, ns, repeats, seed, counts_for)
         rows += r
-
-    # -- taxonomy and head removal --------------------------------------------------------------
     if "heads" in analyses:
-        from .taxonomy import REGIMES
-
-        res = hd.experiment(handle, keep, [ids], calib_windows=calib_windows, retentions=retentions,
-                            seed=seed, critical_k=critical_k, batch_size=1)
-        tax = _per_unit(keep.records["taxonomy"])
-        Xw = winner_arrays(tax)
-        pt = regime_share_stats(Xw, np.ones((1, W)))
-        smp = regime_share_stats(Xw, counts_for(W, 4))
-        r, detail["regimes"] = _regime_claims(pt, smp)
+        r, detail["regimes"], detail["heads"] = _heads_part(handle, run, ids, calib_windows, retentions, fixed_order,
+                                                            seed, critical_k, counts_for)
         rows += r
-
-        held = ids[calib_windows:]
-        Wh, Wc = len(held), calib_windows
-        chosen = list(res["summary"]["taxonomy_regime_order"])
-        levels = [x for x in retentions if x < 100]
-        jobs = [(name, x) for name in hd.ORDERS for x in levels]
-        rem = _per_unit(keep.records["removal"])
-        nll_r = np.array([np.asarray(d["nll"][0], dtype=np.float64) for d in rem])     # [R, Wh]
-        tok_h = np.asarray(rem[-1]["tokens"][0], dtype=np.float64)                       # [Wh]
-        fixed = [str(x) for x in fixed_order]
-        cal_df, _ = hd._taxonomy_of(keep.records["taxonomy"], range(Wc), 0, "raw")
-        if fixed == chosen:
-            nll_f = nll_r[[jobs.index(("taxonomy", x)) for x in levels]]
-        else:
-            removals = [hd.removed_at(hd.taxonomy_order(cal_df, fixed), x) for x in levels]
-            hd._removal_stage(handle, keep, "removal_fixed", held, removals, 1, "removal: fixed regime order")
-            fr = _per_unit(keep.records["removal_fixed"])
-            nll_f = np.array([np.asarray(d["nll"][0], dtype=np.float64) for d in fr])
-        cnt_h = counts_for(Wh, 5)
-        all_nll = np.concatenate([nll_r, nll_f], 0).T                                     # [Wh, R+F]
-        ppl_pt = bs.perplexity(np.ones((1, Wh)), all_nll, tok_h)[0]
-        ppl_s = bs.perplexity(cnt_h, all_nll, tok_h)
-        keys = jobs + [("", 100.0)] + [("fixed", x) for x in levels]
-        P = {k: ppl_pt[i] for i, k in enumerate(keys)}
-        S = {k: ppl_s[:, i] for i, k in enumerate(keys)}
-        for x in retentions:
-            if x >= 100:
-                for name in list(hd.ORDERS) + ["fixed"]:
-                    P[(name, x)], S[(name, x)] = P[("", 100.0)], S[("", 100.0)]
-        curves = {}
-        for name in list(hd.ORDERS) + ["fixed"]:
-            label = {"taxonomy": f"taxonomy, chosen on calibration ({' > '.join(chosen)})",
-                     "fixed": f"taxonomy, fixed ({' > '.join(fixed)})"}.get(name, name)
-            curves[label] = {f"{x:g}": bs.interval_dict(P[(name, x)], S[(name, x)]) for x in retentions}
-        rows.append(_removal_claim("taxonomy_removal_calibrated", chosen, P, S, retentions))
-        Pf = {**P, **{("taxonomy", x): P[("fixed", x)] for x in retentions}}
-        Sf = {**S, **{("taxonomy", x): S[("fixed", x)] for x in retentions}}
-        rows.append(_removal_claim("taxonomy_removal_fixed", fixed, Pf, Sf, retentions))
-
-        # single-head sensitivity on the calibration windows
-        L, H = handle.num_layers, handle.num_heads
-        sens = _per_unit(keep.records["sensitivity"])
-        nll_s = np.array([np.asarray(d["nll"][0], dtype=np.float64) for d in sens])     # [L*H, Wc]
-        base_c = np.array([t["nll"] for t in tax[:Wc]], dtype=np.float64)
-        tok_c = np.array([t["tokens"] for t in tax[:Wc]], dtype=np.float64)
-        mat = np.concatenate([base_c[None], nll_s], 0).T                                # [Wc, 1+L*H]
-        regimes = cal_df.sort_values(["layer", "head"])["regime"].to_numpy()
-
-        def early_z(cnt):
-            ppl = bs.perplexity(cnt, mat, tok_c)
-            delta = ppl[:, 1:] - ppl[:, :1]
-            z = critical_z(delta, regimes)
-            early = np.array([(k // H) * 3 < L for k in range(L * H)])
-            ze = np.where(early[None] & np.isfinite(z), z, -np.inf)
-            return ze.max(1), ze.argmax(1), delta
-
-        zp, kp, dp = early_z(np.ones((1, Wc)))
-        zs, ks, ds = early_z(counts_for(Wc, 6))
-        zs = np.where(np.isfinite(zs), zs, np.nan)
-        zi = bs.interval_dict(zp[0] if np.isfinite(zp[0]) else np.nan, zs)
-        k0 = int(kp[0])
-        same = float(np.mean(ks == k0))
-        head = {"layer": k0 // H, "head": k0 % H, "regime": str(regimes[k0]), "delta_ppl": float(dp[0, k0]),
-                "delta_ppl_interval": bs.interval_dict(dp[0, k0], ds[:, k0]), "top_in_resamples": same}
-        rows.append(_row("early_critical_head", value=f"z = {_fmt_num(zi['value'])} (layer {head['layer']}, head {head['head']}, "
-                         f"ΔPPL {_fmt_num(head['delta_ppl'], signed=True)})", low=zi["low"], high=zi["high"],
-                         verdict=verdict_side(zi["low"], zi["high"], critical_k),
-                         numbers={"largest early z": zi, "its ΔPPL": head["delta_ppl_interval"]},
-                         note=f"early = layers 0–{math.ceil(L / 3) - 1}; the same head is the top early head in "
-                              f"{same:.0%} of resamples; calibration base PPL "
-                              f"{perplexity(base_c.sum(), tok_c.sum()):.4g}"))
-        detail["heads"] = {
-            "regime_order_chosen": chosen, "regime_order_fixed": fixed,
-            "order_search": res["order_search"].to_dict(orient="records"),
-            "removal_curves": curves, "critical_heads": res["summary"]["critical_heads"],
-            "early_critical_head": head, "calibration_windows": Wc, "heldout_windows": Wh,
-            "regimes": [str(x) for x in REGIMES],
-        }
-        info.update({"calibration_windows": Wc, "heldout_windows": Wh})
+        info.update({"calibration_windows": calib_windows, "heldout_windows": W - calib_windows})
 
     order = {c["id"]: i for i, c in enumerate(CLAIMS)}
     rows.sort(key=lambda r: order[r["id"]])
-    return {"rows": rows, "detail": detail, "windows": info,
-            "settings": {"calib_windows": calib_windows, "ratios": list(ratios), "seeds": list(seeds), "ns": list(ns),
-                         "repeats": repeats, "retentions": list(retentions), "fixed_order": list(fixed_order),
-                         "bootstrap": n_resamples, "seed": seed, "level": bs.DEFAULT_LEVEL, "critical_k": critical_k}}
+    settings = {"calib_windows": calib_windows, "ratios": list(ratios), "seeds": list(seeds), "ns": list(ns),
+                "repeats": repeats, "retentions": list(retentions), "fixed_order": list(fixed_order),
+                "bootstrap": n_resamples, "seed": seed, "level": bs.DEFAULT_LEVEL, "critical_k": critical_k}
+    table = pd.DataFrame([{k: r[k] for k in ("id", "verdict", "value", "low", "high", "interval")} for r in rows],
+                         columns=["id", "verdict", "value", "low", "high", "interval"])
+    return ExperimentResult("claims", tables={"claims": table},
+                            summary={"rows": rows, "detail": detail, "windows": info, "settings": settings},
+                            settings=settings)
+
+
+def _one_per_window(result: ExperimentResult, key: str) -> list:
+    """``result.per_window[key]``: the records of one window each the bootstrap resamples."""
+    recs = result.per_window.get(key)
+    if recs is None:
+        raise ValueError(f"the claims experiment needs one window per record of the {result.name} experiment "
+                         "(batch size 1)")
+    return recs
+
+
+def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds, counts_for) -> tuple[list[dict], dict]:
+    from . import faithfulness
+
+    variants = faithfulness.build_variants(faithfulness.DEFAULT_METRICS, ratios, seeds)
+    res = faithfulness.experiment(handle, run, units=faithfulness.window_units(ids), variants=variants)
+    nll, tok = res.per_window["nll"], res.per_window["tokens"]
+    W = len(tok)
+    point = faithfulness_stats(nll, tok, variants, np.ones((1, W)))
+    samples = faithfulness_stats(nll, tok, variants, counts_for(W, 1))
+    return _faith_claims(point, samples, faithfulness.DEFAULT_METRICS)
+
+
+def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:
+    from . import sinks
+
+    X = sink_arrays(_one_per_window(sinks.experiment(handle, run, ids, batch_size=1), "records"))
+    W = len(ids)
+    return _sink_claims(sink_stats(X, np.ones((1, W))), sink_stats(X, counts_for(W, 2)))
+
+
+def _selection_part(handle: ModelHandleLike, run: RunLike, ids, ns, repeats, seed, counts_for) -> tuple[list[dict], dict]:
+    from . import selection
+
+    res = selection.experiment(handle, run, ids, batch_size=1, ns=tuple(ns), repeats=repeats,
+                               distances=("euclidean",), predict=False, seed=seed)
+    sel = res.tables["selection"]
+    ns_used = sorted(int(n) for n in sel["N"].unique())
+    W = len(ids)
+    X = selection_arrays(sel, W, ns_used)
+    return _selection_claims(selection_stats(X, np.ones((1, W))), selection_stats(X, counts_for(W, 3)), ns_used)
+
+
+def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, retentions, fixed_order, seed, critical_k,
+                counts_for) -> tuple[list[dict], dict, dict]:
+    """Regime shares, removal (calibrated and fixed regime order) and the early critical head, from
+    the heads experiment's result (and one more removal stage for the fixed order when it differs
+    from the calibrated one)."""
+    from . import heads
+    from .taxonomy import REGIMES
+
+    res = heads.experiment(handle, run, [ids], calib_windows=calib_windows, retentions=retentions, seed=seed,
+                           critical_k=critical_k, batch_size=1)
+    W = len(ids)
+    tax = _one_per_window(res, "taxonomy")
+    Xw = winner_arrays(tax)
+    rows, regimes_detail = _regime_claims(regime_share_stats(Xw, np.ones((1, W))),
+                                          regime_share_stats(Xw, counts_for(W, 4)))
+
+    held = ids[calib_windows:]
+    Wh, Wc = len(held), calib_windows
+    chosen = list(res.summary["taxonomy_regime_order"])
+    fixed = [str(x) for x in fixed_order]
+    levels = [x for x in retentions if x < 100]
+    removal = res.per_window["removal"]
+    keys = list(removal["keys"])
+    nll_r = removal["nll"]                                                            # [K, Wh]
+    tok_h = np.asarray(removal["tokens"], dtype=np.float64)                          # [Wh]
+    cal_df = res.tables["taxonomy_calibration"]
+    if fixed == chosen:
+        nll_f = nll_r[[keys.index(("taxonomy", x)) for x in levels]]
+    else:
+        removals = [heads.removed_at(heads.taxonomy_order(cal_df, fixed), x) for x in levels]
+        nll_f, _ = heads.removal_nll(handle, run, "removal_fixed", held, removals, 1, "removal: fixed regime order")
+    cnt_h = counts_for(Wh, 5)
+    all_nll = np.concatenate([nll_r, nll_f], 0).T                                     # [Wh, K+F]
+    ppl_pt = bs.perplexity(np.ones((1, Wh)), all_nll, tok_h)[0]
+    ppl_s = bs.perplexity(cnt_h, all_nll, tok_h)
+    keys = keys + [("fixed", x) for x in levels]
+    P = {k: ppl_pt[i] for i, k in enumerate(keys)}
+    S = {k: ppl_s[:, i] for i, k in enumerate(keys)}
+    names = list(heads.ORDERS) + ["fixed"]
+    for x in retentions:
+        if x >= 100:
+            for name in names:
+                P[(name, x)], S[(name, x)] = P[("", 100.0)], S[("", 100.0)]
+    curves = {}
+    for name in names:
+        label = {"taxonomy": f"taxonomy, chosen on calibration ({' > '.join(chosen)})",
+                 "fixed": f"taxonomy, fixed ({' > '.join(fixed)})"}.get(name, name)
+        curves[label] = {f"{x:g}": bs.interval_dict(P[(name, x)], S[(name, x)]) for x in retentions}
+    rows.append(_removal_claim("taxonomy_removal_calibrated", chosen, P, S, retentions))
+    Pf = {**P, **{("taxonomy", x): P[("fixed", x)] for x in retentions}}
+    Sf = {**S, **{("taxonomy", x): S[("fixed", x)] for x in retentions}}
+    rows.append(_removal_claim("taxonomy_removal_fixed", fixed, Pf, Sf, retentions))
+
+    row, head = _early_critical_claim(handle, res, tax[:Wc], cal_df, critical_k, counts_for)
+    rows.append(row)
+    detail = {
+        "regime_order_chosen": chosen, "regime_order_fixed": fixed,
+        "order_search": res.tables["order_search"].to_dict(orient="records"),
+        "removal_curves": curves, "critical_heads": res.summary["critical_heads"],
+        "early_critical_head": head, "calibration_windows": Wc, "heldout_windows": Wh,
+        "regimes": [str(x) for x in REGIMES],
+    }
+    return rows, regimes_detail, detail
+
+
+def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_tax: Sequence[dict], cal_df,
+                          critical_k: float, counts_for) -> tuple[dict, dict]:
+    """The largest leave-one-out z of an early head's single-removal ΔPPL (calibration windows)."""
+    L, H = handle.num_layers, handle.num_heads
+    Wc = len(calib_tax)
+    nll_s = np.asarray(res.per_window["sensitivity"], dtype=np.float64)              # [L*H, Wc]
+    base_c = np.array([t["nll"] for t in calib_tax], dtype=np.float64)
+    tok_c = np.array([t["tokens"] for t in calib_tax], dtype=np.float64)
+    mat = np.concatenate([base_c[None], nll_s], 0).T                                # [Wc, 1+L*H]
+    regimes = cal_df.sort_values(["layer", "head"])["regime"].to_numpy()
+
+    def early_z(cnt):
+        ppl = bs.perplexity(cnt, mat, tok_c)
+        delta = ppl[:, 1:] - ppl[:, :1]
+        z = critical_z(delta, regimes)
+        early = np.array([(k // H) * 3 < L for k in range(L * H)])
+        ze = np.where(early[None] & np.isfinite(z), z, -np.inf)
+        return ze.max(1), ze.argmax(1), delta
+
+    zp, kp, dp = early_z(np.ones((1, Wc)))
+    zs, ks, ds = early_z(counts_for(Wc, 6))
+    zs = np.where(np.isfinite(zs), zs, np.nan)
+    zi = bs.interval_dict(zp[0] if np.isfinite(zp[0]) else np.nan, zs)
+    k0 = int(kp[0])
+    same = float(np.mean(ks == k0))
+    head = {"layer": k0 // H, "head": k0 % H, "regime": str(regimes[k0]), "delta_ppl": float(dp[0, k0]),
+            "delta_ppl_interval": bs.interval_dict(dp[0, k0], ds[:, k0]), "top_in_resamples": same}
+    row = _row("early_critical_head", value=f"z = {_fmt_num(zi['value'])} (layer {head['layer']}, head {head['head']}, "
+               f"ΔPPL {_fmt_num(head['delta_ppl'], signed=True)})", low=zi["low"], high=zi["high"],
+               verdict=verdict_side(zi["low"], zi["high"], critical_k),
+               numbers={"largest early z": zi, "its ΔPPL": head["delta_ppl_interval"]},
+               note=f"early = layers 0–{math.ceil(L / 3) - 1}; the same head is the top early head in "
+                    f"{same:.0%} of resamples; calibration base PPL "
+                    f"{perplexity(base_c.sum(), tok_c.sum()):.4g}")
+    return row, head

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -124,3 +124,12 @@ class ExperimentResult:
     summary: dict = field(default_factory=dict)
     per_window: dict[str, Any] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
+
+
+def window_records(records: Mapping[tuple[int, ...], Any]) -> list | None:
+    """The records of a stage in window order when each covers exactly one window (unit), as a
+    bootstrap over windows needs them; None when some record covers several (a batched stage)."""
+    keys = sorted(records, key=lambda k: k[0])
+    if any(len(k) != 1 for k in keys):
+        return None
+    return [records[k] for k in keys]

@@ -38,7 +38,7 @@ import torch
 from . import registry
 from .capture import Session
 from .errors import InputError
-from .experiment import perplexity
+from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from .reducers import Batch
 from .runner import fingerprint
@@ -119,7 +119,7 @@ def window_units(windows: Sequence[Sequence[int]]) -> list[Unit]:
     return [Unit(tuple(int(x) for x in w), len(w) - 1, i) for i, w in enumerate(windows)]
 
 
-def auto_rows(handle, length: int, budget_bytes: float = 3e9, cap: int = 32) -> int:
+def auto_rows(handle: ModelHandleLike, length: int, budget_bytes: float = 3e9, cap: int = 32) -> int:
     """Rows per batched forward so that the float32 logits (and their log-softmax) fit ``budget_bytes``."""
     vocab = int(handle.model.config.vocab_size)
     return int(max(1, min(cap, budget_bytes // (8.0 * length * vocab))))
@@ -130,7 +130,7 @@ def auto_rows(handle, length: int, budget_bytes: float = 3e9, cap: int = 32) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _pair_nll(handle, unit: Unit, chunk: Sequence[Variant], layers) -> list[float]:
+def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], layers) -> list[float]:
     """Summed NLL of ``unit`` under each variant of ``chunk``, in one batched forward (row ``b``
     uses variant ``b``)."""
     T = len(unit.ids)
@@ -140,8 +140,9 @@ def _pair_nll(handle, unit: Unit, chunk: Sequence[Variant], layers) -> list[floa
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
 
 
-def run_units(handle, units: Sequence[Unit], variants: Sequence[Variant], *, layers: Iterable[int] | None = None,
-              rows: int | None = None, progress: bool | str = True, run=None) -> dict[tuple[int, str], dict]:
+def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence[Variant], *,
+              layers: Iterable[int] | None = None, rows: int | None = None, progress: bool | str = True,
+              run: RunLike | None = None) -> dict[tuple[int, str], dict]:
     """NLL of every (unit, variant): ``{(unit_index, variant.key): {"nll": Σ NLL, "tokens": n}}``.
 
     The work is one runner stage (:meth:`attngeom.runner.Run.stage`) whose units are the (unit,
@@ -268,7 +269,7 @@ class TaskUnit(Unit):
     option: int = 0
 
 
-def task_units(handle, examples) -> list[TaskUnit]:
+def task_units(handle: ModelHandleLike, examples) -> list[TaskUnit]:
     from .tasks import encode_options
 
     return [TaskUnit(s.ids, s.n_cont, s.example, example=s.example, option=s.option)
@@ -288,20 +289,28 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle, run=None, *, units: Sequence[Unit], variants: Sequence[Variant], layers=None,
-               rows: int | None = None, progress: bool | str = True, examples=None,
-               meta: dict | None = None) -> tuple[pd.DataFrame, dict]:
-    """Run (or, with a ``run`` holding records, resume) the experiment: ``(table, summary)``.
+def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Sequence[Unit],
+               variants: Sequence[Variant], layers=None, rows: int | None = None, progress: bool | str = True,
+               examples=None, meta: dict | None = None) -> ExperimentResult:
+    """Run (or, with a ``run`` holding records, resume) the experiment.
 
-    ``table``: one row per intervened variant (:func:`ppl_table` or :func:`task_table`);
-    ``summary``: :func:`summarize` plus units done/total and ``settings`` (``meta``). Only units on
-    which every variant has finished enter the table."""
+    Returns an :class:`~attngeom.experiment.ExperimentResult`: ``tables["table"]``, one row per
+    intervened variant (:func:`ppl_table` or :func:`task_table`); ``summary``, :func:`summarize` plus
+    units done/total and ``settings`` (``meta``); for perplexity ``per_window`` holds ``nll``
+    (summed NLL ``[W, V]`` per finished window and variant, columns in the order of ``variants``),
+    ``tokens [W]`` and ``windows`` (their indices). Only units on which every variant has finished
+    enter the result."""
     measure = "accuracy" if examples is not None else "ppl"
     results = run_units(handle, units, variants, layers=layers, rows=rows, progress=progress, run=run)
+    per_window: dict = {}
     if examples is None:
         done = complete_units(results, len(units), variants)
         table = ppl_table(results, done, variants)
         n_done, n_all = len(done), len(units)
+        per_window = {"windows": done,
+                      "nll": np.array([[results[(u, v.key)]["nll"] for v in variants] for u in done],
+                                      dtype=np.float64).reshape(len(done), len(variants)),
+                      "tokens": np.array([units[u].n_scored for u in done], dtype=np.float64)}
     else:
         done = complete_examples(results, units, variants)
         table = task_table(results, units, examples, variants, done)
@@ -310,4 +319,5 @@ def experiment(handle, run=None, *, units: Sequence[Unit], variants: Sequence[Va
     summary.update({"units_done": n_done, "units_total": n_all, "complete": n_done == n_all,
                     "unit": "example" if examples is not None else "window",
                     "variants": len(variants), "settings": dict(meta or {})})
-    return table, summary
+    return ExperimentResult("faithfulness", tables={"table": table}, summary=summary, per_window=per_window,
+                            settings=dict(meta or {}))

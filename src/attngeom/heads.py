@@ -40,6 +40,7 @@ import torch
 
 from .capture import Block, Session
 from .errors import InputError
+from .experiment import ExperimentResult, ModelHandleLike, RunLike, window_records
 from .experiment import perplexity as perplexity_of
 from .model.adapter import adapter_for
 from .taxonomy import REGIMES
@@ -99,7 +100,7 @@ def attention_modules(model) -> dict[int, torch.nn.Module]:
     return adapter_for(model).attention_modules
 
 
-def weight_norms(handle) -> np.ndarray:
+def weight_norms(handle: ModelHandleLike) -> np.ndarray:
     """``‖W_O^h‖_F · ‖W_V^{g(h)}‖_F`` per layer and head: ``[L, H]`` (``W_V`` from ``v_proj`` or the
     value rows of a fused ``qkv_proj``, as the architecture adapter knows)."""
     adapter = handle.adapter
@@ -117,7 +118,8 @@ def weight_norms(handle) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def window_nll(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def window_nll(handle: ModelHandleLike, windows: Sequence, removed=(),
+               batch_size: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """Summed next-token NLL and token count of each window with ``removed`` heads zeroed:
     float64 ``[W]``, int ``[W]`` (per window, so that intervals can resample windows)."""
     session = Session(intervention=HeadRemoval(removed) if removed else None)
@@ -128,51 +130,58 @@ def window_nll(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tu
     return np.asarray(nll, dtype=np.float64), np.asarray(count, dtype=np.int64)
 
 
-def nll_sum(handle, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[float, int]:
+def nll_sum(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[float, int]:
     """Summed next-token NLL and token count of ``windows`` with ``removed`` heads zeroed."""
     nll, count = window_nll(handle, windows, removed, batch_size)
     return float(nll.sum()), int(count.sum())
 
 
-def perplexity(handle, windows: Sequence, removed=(), batch_size: int = 4) -> float:
+def perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
     total, count = nll_sum(handle, windows, removed, batch_size)
     return perplexity_of(total, count)
 
 
-def _removal_stage(handle, run, name: str, windows: Sequence, removals: Sequence[Sequence[tuple[int, int]]],
-                   batch_size: int, desc: str) -> list[float]:
-    """Perplexity of ``windows`` under each removal (a list of heads), as stage ``name`` of ``run``
-    (one unit per removal; each record keeps the NLL and token count per window)."""
+def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence,
+                removals: Sequence[Sequence[tuple[int, int]]], batch_size: int = 4,
+                desc: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Summed NLL of every window under each removal (a list of heads), as stage ``name`` of ``run``
+    (one unit per removal; resumable): float64 ``[R, W]`` and the token count of each window
+    ``[W]`` (the per-window sums a bootstrap over windows resamples)."""
     from .runner import Memory, fingerprint
 
     def work(units: list[int]) -> dict:
         parts = [window_nll(handle, windows, removals[u], batch_size) for u in units]
         return {"nll": [p[0] for p in parts], "tokens": [p[1] for p in parts]}
 
-    recs = (run or Memory()).stage(name, len(removals), work, desc=desc, unit="removal",
+    recs = (run or Memory()).stage(name, len(removals), work, desc=desc or name, unit="removal",
                                    fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
-    ppl = {}
+    nll = np.zeros((len(removals), len(windows)))
+    tokens = np.zeros(len(windows), dtype=np.int64)
     for key, d in recs.items():
-        for u, nll, tok in zip(key, d["nll"], d["tokens"]):
-            ppl[u] = perplexity_of(float(np.sum(nll)), int(np.sum(tok)))
-    return [ppl[u] for u in range(len(removals))]
+        for u, x, t in zip(key, d["nll"], d["tokens"]):
+            nll[u] = np.asarray(x, dtype=np.float64)
+            tokens = np.asarray(t, dtype=np.int64)
+    return nll, tokens
 
 
-def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base_ppl: float | None = None,
-                            progress: bool = True, run=None) -> np.ndarray:
-    """ΔPPL of removing each head alone on ``windows``: ``[L, H]``.
+def _perplexities(nll: np.ndarray, tokens: np.ndarray) -> list[float]:
+    """Perplexity of each row of per-window NLL sums ``[R, W]`` over all the windows."""
+    count = int(np.sum(tokens))
+    return [perplexity_of(float(np.sum(row)), count) for row in nll]
+
+
+def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
+                    run: RunLike | None = None) -> np.ndarray:
+    """Summed NLL of every window with each head removed alone: float64 ``[L·H, W]`` (row
+    ``layer·H + head``), one unit per head of stage ``sensitivity`` of ``run`` (resumable).
 
     Several removals of the same layer share one forward pass: the batch holds one copy of the
     windows per removal (:class:`HeadRemoval` with one removal per row), about ``batch_size``
-    windows per pass.
-    One unit per head of stage ``sensitivity`` of ``run`` (resumable)."""
+    windows per pass."""
     from .runner import Memory
 
     L, H = handle.num_layers, handle.num_heads
-    if base_ppl is None:
-        base_ppl = perplexity(handle, windows, (), batch_size)
     per_pass = max(1, batch_size // max(1, len(windows)))
-    count = sum(max(0, len(to_ids(handle, w)) - 1) for w in windows)
 
     def work(units: list[int]) -> dict:
         group = [(u // H, u % H) for u in units]
@@ -185,11 +194,27 @@ def single_head_sensitivity(handle, windows: Sequence, batch_size: int = 4, base
 
     recs = (run or Memory()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
                                    desc="single-head removal", unit="head")
-    out = np.zeros((L, H))
+    out = np.zeros((L * H, len(windows)))
     for key, d in recs.items():
         for u, v in zip(key, d["nll"]):
-            out[u // H, u % H] = perplexity_of(float(np.sum(v)), count) - base_ppl
+            out[u] = np.asarray(v, dtype=np.float64)
     return out
+
+
+def single_head_sensitivity(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
+                            base_ppl: float | None = None, progress: bool = True,
+                            run: RunLike | None = None) -> np.ndarray:
+    """ΔPPL of removing each head alone on ``windows``: ``[L, H]`` (from :func:`sensitivity_nll`)."""
+    if base_ppl is None:
+        base_ppl = perplexity(handle, windows, (), batch_size)
+    return _sensitivity(handle, windows, sensitivity_nll(handle, windows, batch_size, run), base_ppl)
+
+
+def _sensitivity(handle: ModelHandleLike, windows: Sequence, nll: np.ndarray, base_ppl: float) -> np.ndarray:
+    """ΔPPL ``[L, H]`` from :func:`sensitivity_nll`'s ``[L·H, W]`` sums over ``windows``."""
+    count = sum(max(0, len(to_ids(handle, w)) - 1) for w in windows)
+    deltas = [perplexity_of(float(np.sum(row)), count) - base_ppl for row in nll]
+    return np.array(deltas).reshape(handle.num_layers, handle.num_heads)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,15 +267,16 @@ def build_orders(tax: pd.DataFrame, weights: np.ndarray, sensitivity: np.ndarray
     }
 
 
-def choose_regime_order(handle, calib: Sequence, tax: pd.DataFrame, retentions: Sequence[float],
+def choose_regime_order(handle: ModelHandleLike, calib: Sequence, tax: pd.DataFrame, retentions: Sequence[float],
                         batch_size: int = 4, progress: bool = True, run=None) -> tuple[list[str], pd.DataFrame]:
     """Try the six regime orders on the calibration split; return the best (lowest mean log-PPL over
     the retentions below 100 %) and the table of all tries (stage ``order_search`` of ``run``)."""
     levels = [r for r in retentions if r < 100] or list(retentions)
     perms = list(itertools.permutations(REGIMES))
     jobs = [(perm, r) for perm in perms for r in levels]
-    ppl = _removal_stage(handle, run, "order_search", calib, [removed_at(taxonomy_order(tax, p), r) for p, r in jobs],
-                         batch_size, "taxonomy order search")
+    ppl = _perplexities(*removal_nll(handle, run, "order_search", calib,
+                                     [removed_at(taxonomy_order(tax, p), r) for p, r in jobs], batch_size,
+                                     "taxonomy order search"))
     df = pd.DataFrame([{"regime_order": " > ".join(p), "retention": r, "ppl": x} for (p, r), x in zip(jobs, ppl)])
     score = df.assign(logppl=np.log(df["ppl"])).groupby("regime_order", sort=False)["logppl"].mean()
     best = score.idxmin()
@@ -279,14 +305,21 @@ def critical_heads(sensitivity: np.ndarray, tax: pd.DataFrame, k: float = 3.0, m
     return sorted(out, key=lambda d: -d["delta_ppl"])
 
 
-def removal_curves(handle, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
-                   retentions: Sequence[float], batch_size: int = 4, progress: bool = True, run=None) -> pd.DataFrame:
-    """Held-out perplexity for every order and retention (100 % evaluated once and shared; stage
-    ``removal`` of ``run``)."""
+def heldout_removal_nll(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
+                        retentions: Sequence[float], batch_size: int = 4, run: RunLike | None = None) -> dict:
+    """Per-window NLL on the held-out windows for every order and retention below 100 %, and for
+    the unedited model (stage ``removal`` of ``run``): ``{"keys": [(order, retention), ..., ("",
+    100.0)], "nll": [K, W], "tokens": [W]}`` (:func:`removal_nll`)."""
     jobs = [(name, r) for name in orders for r in retentions if r < 100]
     removals = [removed_at(orders[name], r) for name, r in jobs] + [[]]
-    ppl = dict(zip(jobs + [("", 100.0)], _removal_stage(handle, run, "removal", heldout, removals, batch_size,
-                                                          "removal curves")))
+    nll, tokens = removal_nll(handle, run, "removal", heldout, removals, batch_size, "removal curves")
+    return {"keys": jobs + [("", 100.0)], "nll": nll, "tokens": tokens}
+
+
+def curves_table(orders: dict[str, list[tuple[int, int]]], retentions: Sequence[float], removal: dict) -> pd.DataFrame:
+    """Held-out perplexity per order and retention from :func:`heldout_removal_nll` (100 % is the
+    unedited model, shared by every order)."""
+    ppl = dict(zip(removal["keys"], _perplexities(removal["nll"], removal["tokens"])))
     base = ppl[("", 100.0)]
     rows = []
     for name in orders:
@@ -299,13 +332,21 @@ def removal_curves(handle, heldout: Sequence, orders: dict[str, list[tuple[int, 
     return df
 
 
+def removal_curves(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
+                   retentions: Sequence[float], batch_size: int = 4, progress: bool = True,
+                   run: RunLike | None = None) -> pd.DataFrame:
+    """Held-out perplexity for every order and retention (100 % evaluated once and shared; stage
+    ``removal`` of ``run``)."""
+    return curves_table(orders, retentions, heldout_removal_nll(handle, heldout, orders, retentions, batch_size, run))
+
+
 # --------------------------------------------------------------------------------------------
 # The whole experiment
 # --------------------------------------------------------------------------------------------
 
 
-def taxonomy_stage(handle, run, name: str, windows: Sequence, *, sink: int = 0, winner_norm: str = "raw",
-                   batch_size: int = 4, split: int = 0) -> dict[tuple[int, ...], dict]:
+def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence, *, sink: int = 0,
+                   winner_norm: str = "raw", batch_size: int = 4, split: int = 0) -> dict[tuple[int, ...], dict]:
     """Records of :class:`~attngeom.taxonomy.TaxonomyStats` and the unedited NLL, per window
     (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
     before and after ``split`` never share a record (the calibration / held-out boundary)."""
@@ -330,7 +371,7 @@ def taxonomy_stage(handle, run, name: str, windows: Sequence, *, sink: int = 0, 
                                    desc=f"taxonomy: {name}", unit="window", fingerprints=[fingerprint(w) for w in ids])
 
 
-def _taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.DataFrame, float]:
+def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.DataFrame, float]:
     """The taxonomy table and unedited perplexity of the records whose units are in ``units``."""
     from .runner import merge_sums
     from .taxonomy import TaxonomyStats
@@ -341,16 +382,22 @@ def _taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.
     return df, perplexity_of(merged["nll"], merged["tokens"])
 
 
-def experiment(handle, run, corpora: Sequence[Sequence], *, calib_windows: int = 4,
+def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence], *, calib_windows: int = 4,
                retentions: Sequence[float] = RETENTIONS, winner_norm: str = "raw", sink: int = 0, seed: int = 0,
-               critical_k: float = 3.0, batch_size: int = 4, names: Sequence[str] = ("corpus1", "corpus2")) -> dict:
+               critical_k: float = 3.0, batch_size: int = 4,
+               names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:
     """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``:
     taxonomy of every window of the first corpus (calibration = its first ``calib_windows``
     windows, the rest held out) and of the second corpus if given, single-head sensitivity and the
     regime order search on the calibration split, removal curves on the held-out split.
 
-    Returns ``heads`` (one row per layer and head), ``removal``, ``order_search``,
-    ``regimes_by_layer`` and ``summary`` (a dict)."""
+    Returns an :class:`~attngeom.experiment.ExperimentResult`: ``tables`` ``heads`` (one row per
+    layer and head), ``removal``, ``order_search``, ``regimes_by_layer`` and
+    ``taxonomy_calibration`` (the taxonomy of the calibration split, from which the orders are
+    built); ``summary``; ``per_window``: ``sensitivity`` (:func:`sensitivity_nll` on the calibration
+    windows), ``removal`` (:func:`heldout_removal_nll`) and, when every taxonomy record covers one
+    window (``batch_size=1``), ``taxonomy`` (the records of :func:`taxonomy_stage` in window
+    order)."""
     from .taxonomy import corpus_agreement, regime_alignment, regime_shares, shares_by_depth, shares_by_layer
 
     windows = corpora[0]
@@ -361,20 +408,22 @@ def experiment(handle, run, corpora: Sequence[Sequence], *, calib_windows: int =
     L = handle.num_layers
     recs = taxonomy_stage(handle, run, "taxonomy", windows, sink=sink, winner_norm=winner_norm, batch_size=batch_size,
                           split=calib_windows)
-    cal_df, base_cal = _taxonomy_of(recs, range(calib_windows), sink, winner_norm)
-    held_df, base_held = _taxonomy_of(recs, range(calib_windows, len(windows)), sink, winner_norm)
-    all_df, _ = _taxonomy_of(recs, range(len(windows)), sink, winner_norm)
+    cal_df, base_cal = taxonomy_of(recs, range(calib_windows), sink, winner_norm)
+    held_df, base_held = taxonomy_of(recs, range(calib_windows, len(windows)), sink, winner_norm)
+    all_df, _ = taxonomy_of(recs, range(len(windows)), sink, winner_norm)
     second = None
     if len(corpora) > 1:
         recs2 = taxonomy_stage(handle, run, "taxonomy2", corpora[1], sink=sink, winner_norm=winner_norm,
                                batch_size=batch_size)
-        second, _ = _taxonomy_of(recs2, range(len(corpora[1])), sink, winner_norm)
+        second, _ = taxonomy_of(recs2, range(len(corpora[1])), sink, winner_norm)
 
-    sens = single_head_sensitivity(handle, calib, batch_size=batch_size, base_ppl=base_cal, run=run)
+    sens_nll = sensitivity_nll(handle, calib, batch_size, run)
+    sens = _sensitivity(handle, calib, sens_nll, base_cal)
     regime_order, search = choose_regime_order(handle, calib, cal_df, retentions, batch_size, run=run)
     weights = weight_norms(handle)
     orders = build_orders(cal_df, weights, sens, regime_order, seed=seed)
-    curves = removal_curves(handle, held, orders, retentions, batch_size, run=run)
+    removal = heldout_removal_nll(handle, held, orders, retentions, batch_size, run)
+    curves = curves_table(orders, retentions, removal)
     crit = critical_heads(sens, cal_df, k=critical_k)
 
     heads = all_df.copy()
@@ -425,5 +474,13 @@ def experiment(handle, run, corpora: Sequence[Sequence], *, calib_windows: int =
         "single_delta_ppl": {"mean": float(sens.mean()), "max": float(sens.max()),
                              "argmax": [int(x) for x in np.unravel_index(sens.argmax(), sens.shape)]},
     }
-    return {"heads": heads, "removal": curves, "order_search": search, "regimes_by_layer": by_layer,
-            "summary": summary}
+    per_window = {"sensitivity": sens_nll, "removal": removal}
+    tax = window_records(recs)
+    if tax is not None:
+        per_window["taxonomy"] = tax
+    return ExperimentResult(
+        "heads", tables={"heads": heads, "removal": curves, "order_search": search, "regimes_by_layer": by_layer,
+                         "taxonomy_calibration": cal_df},
+        summary=summary, per_window=per_window,
+        settings={"calib_windows": calib_windows, "retentions": list(retentions), "winner_norm": winner_norm,
+                  "sink": sink, "seed": seed, "critical_k": critical_k, "batch_size": batch_size, "names": list(names)})

@@ -58,6 +58,7 @@ import torch
 
 from .capture import Block
 from .errors import InputError
+from .experiment import ExperimentResult, ModelHandleLike, RunLike
 from .reducers import Batch, Reducer
 
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -779,10 +780,13 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle, run, windows, *, layers=None, batch_size: int = 2, **options) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """Selection geometry over ``windows`` as one stage of ``run`` (resumable, shareable): each
-    record is the :class:`SelectionStats` state of its windows (``options`` are its arguments);
-    returns ``(selection rows, regime rows, summary)`` (:func:`summarize`)."""
+def experiment(handle: ModelHandleLike, run: RunLike, windows, *, layers=None, batch_size: int = 2,
+               **options) -> ExperimentResult:
+    """Selection geometry over ``windows`` as one stage (``selection``) of ``run`` (resumable,
+    shareable): each record is the :class:`SelectionStats` state of its windows (``options`` are its
+    arguments). Returns an :class:`~attngeom.experiment.ExperimentResult` with ``tables["selection"]``
+    and ``tables["regime"]`` (rows per window: the ``window`` column is what a bootstrap over windows
+    resamples) and ``summary`` (:func:`summarize`)."""
     from .trace import reduce_stage
 
     (reducer,) = reduce_stage(handle, run, "selection", windows, lambda: [SelectionStats(**options)], layers=layers,
@@ -790,4 +794,6 @@ def experiment(handle, run, windows, *, layers=None, batch_size: int = 2, **opti
     sel, reg = reducer.result()
     if not len(sel):
         raise InputError("no query had at least 2 candidate sources; use longer windows")
-    return sel, reg, summarize(sel, reg, reducer.violations, reducer.selections, reducer.small_n_max)
+    summary = summarize(sel, reg, reducer.violations, reducer.selections, reducer.small_n_max)
+    return ExperimentResult("selection", tables={"selection": sel, "regime": reg}, summary=summary,
+                            settings={"layers": layers, "batch_size": batch_size, **options})

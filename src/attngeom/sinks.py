@@ -56,7 +56,8 @@ import torch
 
 from . import metrics
 from .capture import Block
-from .experiment import perplexity
+from .experiment import (ExperimentResult, ModelHandleLike, RunLike, perplexity,
+                         window_records)
 from .reducers import Batch, Reducer
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
@@ -828,7 +829,8 @@ PASSES = ("none", "sink", "control")
 PASS_SUFFIX = {"none": "base", "sink": "removed", "control": "control"}
 
 
-def window_work(handle, windows, *, sink: int = 0, layers=None, removal_layers=None, batch_size: int = 2):
+def window_work(handle: ModelHandleLike, windows, *, sink: int = 0, layers=None, removal_layers=None,
+                batch_size: int = 2):
     """The per-unit work of the sinks experiment: ``work(units) -> record``.
 
     For the windows ``units``, three passes: the unedited model with :class:`SinkStats` (and the
@@ -966,10 +968,13 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     return out
 
 
-def experiment(handle, run, windows, *, sink: int = 0, layers=None, removal_layers=None,
-               batch_size: int = 2) -> dict:
-    """The sinks experiment over ``windows`` as one stage of ``run`` (resumable, shareable among
-    processes): the tables of :func:`results_from` and ``summary`` (:func:`summarize`)."""
+def experiment(handle: ModelHandleLike, run: RunLike, windows, *, sink: int = 0, layers=None,
+               removal_layers=None, batch_size: int = 2) -> ExperimentResult:
+    """The sinks experiment over ``windows`` as one stage (``sinks``) of ``run`` (resumable, shareable
+    among processes). Returns an :class:`~attngeom.experiment.ExperimentResult`: the tables of
+    :func:`results_from`, ``summary`` (:func:`summarize`) and, when every record covers one window
+    (``batch_size=1``), ``per_window["records"]``: the records of :func:`window_work` in window
+    order, the additive sums a bootstrap over windows resamples."""
     from .runner import fingerprint, merge_sums
     from .trace import to_ids
 
@@ -979,5 +984,11 @@ def experiment(handle, run, windows, *, sink: int = 0, layers=None, removal_laye
                         fingerprints=[fingerprint(w) for w in ids])
     merged = merge_sums(records.values())
     tables = results_from(merged, sink=sink, layers=layers, removal_layers=removal_layers)
-    tables["summary"] = summarize(tables["heads"], tables["hist"], tables["ppl"], tables["drift"])
-    return tables
+    summary = summarize(tables["heads"], tables["hist"], tables["ppl"], tables["drift"])
+    per_window = {}
+    recs = window_records(records)
+    if recs is not None:
+        per_window["records"] = recs
+    return ExperimentResult("sinks", tables=tables, summary=summary, per_window=per_window,
+                            settings={"sink": sink, "layers": layers, "removal_layers": removal_layers,
+                                      "batch_size": batch_size})

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import InputError
+from .experiment import ModelHandleLike
 
 TASKS = ("mmlu", "winogrande", "boolq")
 
@@ -147,7 +148,7 @@ class OptionSequence:
     n_cont: int
 
 
-def encode_options(handle, examples: Sequence[Example]) -> list[OptionSequence]:
+def encode_options(handle: ModelHandleLike, examples: Sequence[Example]) -> list[OptionSequence]:
     """Token ids of every (example, option): context encoded with BOS, continuation without special
     tokens, concatenated. Raises if a sequence is longer than the model's context."""
     tok = handle.tokenizer

@@ -105,17 +105,17 @@ def run(args) -> int:
         model_name = getattr(handle, "name", args.model)
         seconds = time.time() - t0
         out = {"command": "claims", "model": model_name, "data": args.data, "window": args.window,
-               "seconds_this_invocation": round(seconds, 1), **res, "settings_run": settings}
+               "seconds_this_invocation": round(seconds, 1), **res.summary, "settings_run": settings}
 
         def write(staging) -> list[str]:
-            (staging / "claims.md").write_text(render(res, model_name, args.data, seconds), encoding="utf-8")
+            (staging / "claims.md").write_text(render(res.summary, model_name, args.data, seconds), encoding="utf-8")
             common.write_json(staging / "claims.json", clean_json(out))
             return ["claims.md", "claims.json"]
 
         run.finish(write)
     if run.comm.rank == 0:
         counts = {}
-        for r in res["rows"]:
+        for r in res.summary["rows"]:
             counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
         print(f"attngeom claims: {model_name}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
               + f"; {seconds:.0f} s; written to {run.out}", file=sys.stderr)

@@ -84,9 +84,9 @@ def run(args) -> int:
                                 max_windows=args.max_windows, fields=fields)
             units = window_units(wins)
         info = {"model_name": getattr(handle, "name", args.model), **settings}
-        table, summary = experiment(handle, run, units=units, variants=variants, layers=layers,
-                                    rows=args.batch_rows, progress=not args.no_progress, examples=examples,
-                                    meta=info)
+        res = experiment(handle, run, units=units, variants=variants, layers=layers, rows=args.batch_rows,
+                         progress=not args.no_progress, examples=examples, meta=info)
+        table, summary = res.tables["table"], res.summary
 
         def write(staging: Path) -> list[str]:
             write_parquet(table, staging / "table.parquet")

@@ -96,20 +96,20 @@ def run(args) -> int:
                          batch_size=args.batch_size, names=args.data)
         model_name = getattr(handle, "name", args.model)
         summary = {"command": "heads", "model": model_name, "data": args.data, "window": args.window,
-                   **res["summary"], "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}
+                   **res.summary, "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}
 
         def write(staging) -> list[str]:
             for t in TABLES:
-                df = res[t].copy()
+                df = res.tables[t].copy()
                 df.insert(0, "model", model_name)
-                res[t] = df
+                res.tables[t] = df
                 common.write_parquet(df, staging / f"{t}.parquet")
             files = [f"{t}.parquet" for t in TABLES]
             if not args.no_figures:
                 from ..reports.heads import render
 
-                summary["figures"] = [p.name for p in render(staging, res["heads"], res["removal"],
-                                                             res["regimes_by_layer"])]
+                summary["figures"] = [p.name for p in render(staging, res.tables["heads"], res.tables["removal"],
+                                                             res.tables["regimes_by_layer"])]
                 files += summary["figures"]
             common.write_json(staging / "summary.json", summary)
             return files + ["summary.json"]

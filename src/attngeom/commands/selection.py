@@ -114,7 +114,8 @@ def run(args) -> int:
         handle = common.load(args)
         layers = check_layers(layers, handle.num_layers)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
-        sel, reg, summary_part = experiment(handle, run, windows, layers=layers, batch_size=args.batch_size, **options)
+        res = experiment(handle, run, windows, layers=layers, batch_size=args.batch_size, **options)
+        sel, reg, summary_part = res.tables["selection"], res.tables["regime"], res.summary
         model_name = getattr(handle, "name", args.model)
         sel.insert(0, "model", model_name)
         reg.insert(0, "model", model_name)

@@ -82,14 +82,14 @@ def run(args) -> int:
             "sink_position": args.sink,
             "layers": layers if layers is not None else "all",
             "removal_layers": removal_layers if removal_layers is not None else "all",
-            "models": {model_name: res["summary"]},
+            "models": {model_name: res.summary},
             "settings": settings,
             "files": [f"{t}.parquet" for t in TABLES],
         }
 
         def write(staging) -> list[str]:
             for t in TABLES:
-                df = res[t].copy()
+                df = res.tables[t].copy()
                 df.insert(0, "model", model_name)
                 common.write_parquet(df, staging / f"{t}.parquet")
             files = [f"{t}.parquet" for t in TABLES]
@@ -102,7 +102,7 @@ def run(args) -> int:
             return files + ["summary.json"]
 
         run.finish(write)
-    m = res["summary"]
+    m = res.summary
     if run.comm.rank == 0:
         print(f"attngeom sinks: {model_name}: value-norm ratio (median) {_pct(m['value_norm_ratio'], '.3g')}, "
               f"anti-aligned heads {_pct(m['anti_aligned_share'])}, interior rho* medians "
