@@ -235,6 +235,33 @@ def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | 
             step = torch.tensor([[token]], device=device)
 
 
+class GrowingNorms:
+    """Observer put first in a generation's session: per layer it keeps the value norms
+    ``‖ṽ_j^h‖`` and ``‖v_j^h‖`` of the tokens already cached and computes only the new tokens' at
+    each call, then hands the whole vectors to the call's :class:`~attngeom.capture.LayerState`
+    (a cached token's values never change during one generation). Without it every step would
+    recompute every source's ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step."""
+
+    def __init__(self):
+        self.norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def observe(self, block: Block) -> None:
+        from . import metrics as M
+
+        st = block.state
+        if "value_norm" in st.__dict__:                        # this call's layer state has them already
+            return
+        S = st.v.shape[2]
+        have = self.norms.get(block.layer)
+        m = 0 if have is None or have[0].shape[-1] > S else have[0].shape[-1]
+        new = st.v[:, :, m:]
+        parts = (M.projected_value_norm(new, st.G), new.norm(dim=-1))
+        if m:
+            parts = tuple(torch.cat([old, x], dim=-1) for old, x in zip(have, parts))
+        self.norms[block.layer] = parts
+        st.__dict__["value_norm"], st.__dict__["raw_value_norm"] = parts   # the cached properties' slots
+
+
 @dataclass
 class GenerationBatch(Batch):
     """The :class:`~attngeom.reducers.Batch` reducers see during generation: ``prompt_length``
@@ -262,7 +289,7 @@ def _stream_ids(handle, ids, reducers, decoding, *, layers=None, block_elements=
     start = GenerationBatch(ids=padded, lengths=torch.tensor([P + N]), index=[index], prompt_length=P)
     for r in reducers:
         r.begin(start)
-    session = Session(observers=reducers, layers=layers, block_elements=block_elements)
+    session = Session(observers=[GrowingNorms(), *reducers], layers=layers, block_elements=block_elements)
     answer = generate(handle, ids, decoding, session)
     full = list(ids) + answer
     end = GenerationBatch(ids=torch.tensor([full]), lengths=torch.tensor([len(full)]), index=[index],

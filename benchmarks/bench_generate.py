@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Benchmark of analysis during generation against plain ``model.generate`` (issue 19's target: at
+most 1.5x), on the bundled model (``load_model("smollm2-135m")``, float32, CPU unless ``--device``).
+
+For each prompt length ``P`` and number of new tokens ``N`` the same prompt (seeded random token
+ids after BOS) is answered with exactly ``N`` tokens (stop tokens off) by:
+
+``generate``
+    ``model.generate(do_sample=False)`` with ``attn_implementation="sdpa"`` and its KV cache
+    (``N`` forward calls: the prompt, then ``N - 1`` steps).
+``capture``
+    :func:`attngeom.generate.generate` with no observer: every call through the capture plug-in
+    (``N + 1`` calls: attngeom also runs the last token, so the trace has its row).
+``answer``
+    the same with :class:`~attngeom.generate.AnswerSources` on all layers (the answer tables).
+``analyze``
+    the same with :class:`~attngeom.reducers.HeadStats`, :class:`~attngeom.reducers.TokenStats`
+    and ``AnswerSources``: what ``attngeom analyze --generate N`` runs (all five metrics of SPEC §2
+    on every step).
+
+The methods alternate within each repeat (the order rotates from one repeat to the next), so load
+from other jobs hits them alike; the median of the repeats is reported with the ratio to
+``generate``. All methods produce the same tokens (checked).
+
+Usage::
+
+    python benchmarks/bench_generate.py                          # P=128,2048 x N=64,512; 1 thread
+    python benchmarks/bench_generate.py --prompts 16 --new 8 --repeats 1   # smoke run
+    python benchmarks/bench_generate.py --device cuda --json out/bench_generate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+METHODS = ("generate", "capture", "answer", "analyze")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=_ints, default=[128, 2048], help="prompt lengths (default 128,2048)")
+    ap.add_argument("--new", type=_ints, default=[64, 512], help="new tokens (default 64,512)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's default)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--json", default=None, help="write the results here too")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from attngeom import load_model
+    from attngeom.capture import Session
+    from attngeom.generate import AnswerSources, Decoding, _stream_ids, generate
+    from attngeom.reducers import HeadStats, TokenStats
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    handle = load_model(args.model, device=args.device)
+    model = handle.model
+    model.set_attn_implementation("sdpa")
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown method {bad[0]}; known: {', '.join(METHODS)}")
+
+    def sync():
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(method: str, ids: list[int], n: int) -> tuple[float, list[int]]:
+        dec = Decoding(n, stop=())
+        sync()
+        t0 = time.perf_counter()
+        if method == "generate":
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                                device=model.device))
+            answer = out[0, len(ids):].tolist()
+        elif method == "capture":
+            answer = generate(handle, ids, dec, Session())
+        else:
+            reducers = [AnswerSources()] if method == "answer" else [HeadStats(), TokenStats(), AnswerSources()]
+            answer = _stream_ids(handle, ids, reducers, dec)[len(ids):]
+        sync()
+        return time.perf_counter() - t0, answer
+
+    g = torch.Generator().manual_seed(0)
+    bos = handle.tokenizer.bos_token_id
+    results = []
+    run("capture", [bos or 0, 1, 2, 3], 2)          # warm-up
+    run("generate", [bos or 0, 1, 2, 3], 2)
+    for P in args.prompts:
+        ids = torch.randint(100, handle.model.config.vocab_size, (P,), generator=g).tolist()
+        if bos is not None:
+            ids[0] = bos
+        for n in args.new:
+            times = {m: [] for m in methods}
+            answers = {}
+            for r in range(args.repeats):
+                order = methods[r % len(methods):] + methods[:r % len(methods)]
+                for m in order:
+                    t, a = run(m, ids, n)
+                    times[m].append(t)
+                    answers[m] = a
+            same = len({tuple(a) for a in answers.values()}) == 1
+            med = {m: statistics.median(v) for m, v in times.items()}
+            base = med.get("generate")
+            row = {"prompt": P, "new_tokens": n, "seconds": med, "same_tokens": same,
+                   "ratio_to_generate": {m: (med[m] / base if base else None) for m in methods}}
+            results.append(row)
+            print(f"P={P:5d} N={n:4d}  " + "  ".join(
+                f"{m} {med[m]:7.2f}s" + (f" ({med[m] / base:.2f}x)" if base and m != "generate" else "")
+                for m in methods) + ("" if same else "  TOKENS DIFFER"), flush=True)
+    meta = {"model": handle.name, "device": args.device, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats,
+            "machine": platform.machine()}
+    print(json.dumps(meta))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0 if all(r["same_tokens"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
