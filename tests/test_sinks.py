@@ -10,7 +10,8 @@ import torch
 from attngeom import metrics as M
 from attngeom.capture import Session
 from attngeom.cli import main
-from attngeom.sinks import (HISTOGRAMS, SinkStats, SourceRemoval, control_columns, counterfactual_norm,
+from attngeom.interventions import control_columns
+from attngeom.sinks import (HISTOGRAMS, SinkStats, SourceRemoval, counterfactual_norm,
                             histogram_counts, histogram_quantile, log_share_sums, pair_factors, quadratic_fit,
                             rho_star, sink_terms, variance_shares)
 from attngeom.trace import analyze, forward, make_batches, stream
@@ -129,7 +130,7 @@ def test_control_column_is_the_closest_visible_non_sink_source():
     a, v, w_o, G = _random_layer(4)
     Q = a.shape[-1]
     vis = torch.ones(Q, Q).tril().bool()[None, None]
-    col, ok = control_columns(a, vis, 0, torch.arange(Q), torch.arange(Q))
+    col, ok = control_columns(a, vis, 0)
     assert not ok[..., 0].any() and ok[..., 1:].all()
     for b, h, i in [(0, 0, 3), (1, 2, 6), (0, 1, 1)]:
         gaps = (a[b, h, i, 1:i + 1] - a[b, h, i, 0]).abs()

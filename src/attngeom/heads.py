@@ -2,7 +2,8 @@
 perplexity against retention, individually critical heads.
 
 **Removal.** Removing head ``h`` of layer ``l`` zeroes its slice of the ``o_proj`` input. Inside a
-:class:`~attngeom.capture.Session` this is the intervention :class:`HeadRemoval`, which returns zero
+:class:`~attngeom.capture.Session` this is the intervention
+:class:`~attngeom.interventions.HeadRemoval` (re-exported here), which returns zero
 mixing weights for the removed heads: the head's output ``Σ_j a_ij v_j`` becomes 0, which *is* its
 slice of the ``o_proj`` input. Every query head has its own slice (under grouped-query attention
 the value head is shared but the slices are not), so this is exact for GQA/MQA; the ``o_proj``
@@ -38,10 +39,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .capture import Block, Session
+from .capture import Session
 from .errors import InputError
 from .experiment import ExperimentResult, ModelHandleLike, RunLike, window_records
 from .experiment import perplexity as perplexity_of
+from .interventions import HeadRemoval
 from .model.adapter import adapter_for
 from .taxonomy import REGIMES
 from .trace import batch_nll, make_batches, scored_tokens, to_ids
@@ -61,38 +63,6 @@ def check_retentions(values: Iterable[float]) -> list[float]:
     if not out:
         raise InputError("no retention level given")
     return sorted(set(out), reverse=True)
-
-
-def _by_layer(removed) -> dict[int, list[int]]:
-    pairs = ([(int(l), int(h)) for l, hs in removed.items() for h in hs] if isinstance(removed, dict)
-             else [(int(l), int(h)) for l, h in removed])
-    out: dict[int, list[int]] = {}
-    for l, h in pairs:
-        out.setdefault(l, []).append(h)
-    return out
-
-
-class HeadRemoval:
-    """Intervention zeroing the mixing weights of removed heads: ``removed`` (``{layer: heads}`` or
-    ``[(layer, head), ...]``) in every row of the batch, or with ``rows`` one such removal per batch
-    row (several removals measured in one batched forward over copies of the same windows)."""
-
-    def __init__(self, removed: dict[int, Iterable[int]] | Iterable[tuple[int, int]] = (),
-                 rows: Sequence[dict | Iterable[tuple[int, int]]] | None = None):
-        self.by_layer = _by_layer(removed)
-        self.by_row = None if rows is None else [_by_layer(r) for r in rows]
-
-    def __call__(self, block: Block) -> torch.Tensor | None:
-        if self.by_row is None:
-            hits = [(slice(None), h) for h in self.by_layer.get(block.layer, ())]
-        else:
-            hits = [(b, h) for b, r in enumerate(self.by_row) for h in r.get(block.layer, ())]
-        if not hits:
-            return None
-        w = block.a.clone()
-        for b, h in hits:
-            w[b, h] = 0
-        return w
 
 
 def attention_modules(model) -> dict[int, torch.nn.Module]:

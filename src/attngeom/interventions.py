@@ -1,4 +1,10 @@
-"""Causal interventions of SPEC §3: mask the projected values of ranked sources inside the forward pass.
+"""Every intervention of attngeom: masking ranked sources (SPEC §3), removing a source (the sink or
+its mass-matched control, SPEC §4) and removing heads (SPEC §6) inside the forward pass.
+
+What belongs here: the edits of the mixing weights. The statistics measured under an edit belong to
+the experiment that measures them (:class:`attngeom.sinks.SourceRemoval` records head-output norms
+and cone measures around :func:`remove_source`; :mod:`attngeom.heads` measures perplexity under
+:class:`HeadRemoval`).
 
 An intervention is a callable handed to :class:`attngeom.capture.Session`; for every block of
 queries of every intervened layer it receives the :class:`~attngeom.capture.Block` and returns the
@@ -48,7 +54,7 @@ import collections.abc
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -334,3 +340,88 @@ class SourceMask:
         B, H, Q, S = block.a.shape
         m = self.mask[:, :, block.q_start:block.q_start + Q, block.k_start:block.k_start + S].to(block.a.device)
         return block.a.masked_fill(m, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Removing sources and heads (SPEC §4 sink removal, SPEC §6 head removal)
+# --------------------------------------------------------------------------------------------
+
+SOURCE_REMOVALS = ("sink", "control")
+"""What :func:`remove_source` removes: the sink's column, or the mass-matched control source."""
+
+
+def control_columns(a: torch.Tensor, visible: torch.Tensor, sink_col: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query and head the visible non-sink source whose attention is closest to the sink's.
+
+    Returns ``(col [B,H,Q] long, ok [B,H,Q] bool)``; ``ok`` is False where there is no candidate."""
+    B, H, Q, S = a.shape
+    cand = visible.expand(B, H, Q, S).clone()
+    if sink_col is not None:
+        cand[..., sink_col] = False
+        rho = a[..., sink_col:sink_col + 1]
+    else:
+        rho = torch.zeros(B, H, Q, 1, dtype=a.dtype, device=a.device)
+    gap = torch.where(cand, (a - rho).abs(), torch.full_like(a, float("inf")))
+    col = gap.argmin(-1)
+    ok = cand.any(-1)
+    return col, ok
+
+
+def remove_source(a: torch.Tensor, visible: torch.Tensor, sink_col: int | None, qsel: torch.Tensor, mode: str,
+                  removed: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The mixing weights with one source per query removed (SPEC §4), no renormalisation:
+    ``mode="sink"`` zeroes the sink's column ``sink_col`` (nothing when the block does not hold it),
+    ``mode="control"`` the visible non-sink source whose weight is closest to the sink's
+    (:func:`control_columns`), at the queries ``qsel [B, Q]``. Returns ``(edited a or None, removed
+    weight [B, H, Q])`` (``removed`` is returned as given where nothing is edited)."""
+    if mode not in SOURCE_REMOVALS:
+        raise ValueError(f"mode must be one of {SOURCE_REMOVALS}, got {mode!r}")
+    if mode == "sink":
+        if sink_col is None:
+            return None, removed
+        edited = a.clone()
+        col = edited[..., sink_col]
+        removed = torch.where(qsel[:, None, :], col, torch.zeros_like(col))
+        edited[..., sink_col] = torch.where(qsel[:, None, :], torch.zeros_like(col), col)
+        return edited, removed
+    col, ok = control_columns(a, visible, sink_col)
+    ok = ok & qsel[:, None, :]
+    edited = a.clone()
+    vals = edited.gather(-1, col.unsqueeze(-1)).squeeze(-1)
+    removed = torch.where(ok, vals, torch.zeros_like(vals))
+    edited.scatter_(-1, col.unsqueeze(-1), torch.where(ok, torch.zeros_like(vals), vals).unsqueeze(-1))
+    return edited, removed
+
+
+def _by_layer(removed) -> dict[int, list[int]]:
+    pairs = ([(int(l), int(h)) for l, hs in removed.items() for h in hs] if isinstance(removed, dict)
+             else [(int(l), int(h)) for l, h in removed])
+    out: dict[int, list[int]] = {}
+    for l, h in pairs:
+        out.setdefault(l, []).append(h)
+    return out
+
+
+class HeadRemoval:
+    """Intervention zeroing the mixing weights of removed heads (SPEC §6): ``removed`` (``{layer:
+    heads}`` or ``[(layer, head), ...]``) in every row of the batch, or with ``rows`` one such
+    removal per batch row (several removals measured in one batched forward over copies of the same
+    windows). A removed head's output ``Σ_j a_ij v_j`` becomes 0, which *is* its slice of the
+    ``o_proj`` input (:mod:`attngeom.heads`)."""
+
+    def __init__(self, removed: dict[int, Iterable[int]] | Iterable[tuple[int, int]] = (),
+                 rows: Sequence[dict | Iterable[tuple[int, int]]] | None = None):
+        self.by_layer = _by_layer(removed)
+        self.by_row = None if rows is None else [_by_layer(r) for r in rows]
+
+    def __call__(self, block: Block) -> torch.Tensor | None:
+        if self.by_row is None:
+            hits = [(slice(None), h) for h in self.by_layer.get(block.layer, ())]
+        else:
+            hits = [(b, h) for b, r in enumerate(self.by_row) for h in r.get(block.layer, ())]
+        if not hits:
+            return None
+        w = block.a.clone()
+        for b, h in hits:
+            w[b, h] = 0
+        return w

@@ -58,6 +58,7 @@ from . import metrics
 from .capture import Block
 from .experiment import (ExperimentResult, ModelHandleLike, RunLike, perplexity,
                          window_records)
+from .interventions import SOURCE_REMOVALS, remove_source
 from .reducers import Batch, Reducer
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
@@ -679,25 +680,7 @@ def _bin_range(counts: np.ndarray) -> tuple[float, float]:
 # Removal
 # --------------------------------------------------------------------------------------------
 
-REMOVAL_MODES = ("none", "sink", "control")
-
-
-def control_columns(a: torch.Tensor, visible: torch.Tensor, sink_col: int | None,
-                    k_positions: torch.Tensor, q_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each query and head the visible non-sink source whose attention is closest to the sink's.
-
-    Returns ``(col [B,H,Q] long, ok [B,H,Q] bool)``; ``ok`` is False where there is no candidate."""
-    B, H, Q, S = a.shape
-    cand = visible.expand(B, H, Q, S).clone()
-    if sink_col is not None:
-        cand[..., sink_col] = False
-        rho = a[..., sink_col:sink_col + 1]
-    else:
-        rho = torch.zeros(B, H, Q, 1, dtype=a.dtype, device=a.device)
-    gap = torch.where(cand, (a - rho).abs(), torch.full_like(a, float("inf")))
-    col = gap.argmin(-1)
-    ok = cand.any(-1)
-    return col, ok
+REMOVAL_MODES = ("none", *SOURCE_REMOVALS)
 
 
 class SourceRemoval(Reducer):
@@ -743,23 +726,10 @@ class SourceRemoval(Reducer):
         sink_col = self.sink - block.k_start
         sink_col = sink_col if 0 <= sink_col < S else None
         qsel = block.query_valid & (block.q_positions[None, :] >= self.min_query)       # [B,Q]
-        vis = block.visible
         edited = None
         removed = torch.zeros(B, H, Q, device=a.device)
         if self.edits(block.layer):
-            if self.mode == "sink":
-                if sink_col is not None:
-                    edited = a.clone()
-                    col = edited[..., sink_col]
-                    removed = torch.where(qsel[:, None, :], col, torch.zeros_like(col))
-                    edited[..., sink_col] = torch.where(qsel[:, None, :], torch.zeros_like(col), col)
-            else:
-                col, ok = control_columns(a, vis, sink_col, block.k_positions, block.q_positions)
-                ok = ok & qsel[:, None, :]
-                edited = a.clone()
-                vals = edited.gather(-1, col.unsqueeze(-1)).squeeze(-1)
-                removed = torch.where(ok, vals, torch.zeros_like(vals))
-                edited.scatter_(-1, col.unsqueeze(-1), torch.where(ok, torch.zeros_like(vals), vals).unsqueeze(-1))
+            edited, removed = remove_source(a, block.visible, sink_col, qsel, self.mode, removed)
         # statistics of the outputs actually used (queries i > sink)
         w = (block.query_valid & (block.q_positions[None, :] > self.sink)).double()     # [B,Q]
         if w.sum() > 0:
