@@ -12,12 +12,10 @@ import pytest
 
 from attngeom import analyze, load_model
 from attngeom.cli import main
-from tiny_models import tiny_model
+from tiny_models import tiny_chat_tokenizer, tiny_model
 
 TEXT = "The cat sat"
 N = 6
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +23,8 @@ def chat_dir(tmp_path_factory):
     """A tiny random Llama whose tokenizer has a chat template (its EOS ``</s>`` closes each turn)."""
     d = tmp_path_factory.mktemp("tiny-chat")
     handle = tiny_model("llama")
-    tok = handle.tokenizer.__class__(tokenizer_object=handle.tokenizer.backend_tokenizer, bos_token="<s>",
-                                     eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-    tok.chat_template = CHAT_TEMPLATE
     handle.model.save_pretrained(d)
-    tok.save_pretrained(d)
+    tiny_chat_tokenizer().save_pretrained(d)
     return d
 
 

@@ -2,8 +2,6 @@
 row of a full forward of prompt + answer; decoding matches ``model.generate``; answer tables agree
 with a slow computation from the full trace; bad input is refused."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -13,13 +11,11 @@ from attngeom.generate import AnswerSources, Decoding, generation_stage, model_s
 from attngeom.reducers import HeadStats, Reducer, TokenStats
 from attngeom.trace import Trace, analyze
 from attngeom.trace import stream as stream_texts
-from tiny_models import tiny_model
+from tiny_models import tiny_chat_tokenizer, tiny_model
 
 METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
 PROMPT = "The cat sat"          # 12 tokens with BOS: longer than the tiny models' window of 8
 N = 14
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
 def _close(got: np.ndarray, want: np.ndarray, name: str) -> float:
@@ -234,9 +230,7 @@ def test_trace_of_a_generation_saves_and_loads(tmp_path):
 @pytest.fixture(scope="module")
 def chat_handle():
     handle = tiny_model("llama")
-    tok = copy.deepcopy(handle.tokenizer)
-    tok.chat_template = CHAT_TEMPLATE
-    handle.tokenizer = tok
+    handle.tokenizer = tiny_chat_tokenizer()
     return handle
 
 

@@ -30,9 +30,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from attngeom.model import SUPPORTED_ARCHITECTURES, ModelHandle
-
-ARCHS = list(SUPPORTED_ARCHITECTURES)
+from attngeom.model import ModelHandle
 
 VOCAB_SIZE = 128
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
@@ -86,6 +84,9 @@ _SPECS = {
     "phi3": ("Phi3Config", dict(sliding_window=None)),
 }
 
+ARCHS = list(_SPECS)
+"""The architectures of the tiny test models (every other type: tests/test_architectures.py)."""
+
 _TOKENIZER = None
 
 
@@ -115,6 +116,20 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
             padding_side="right",
         )
     return _TOKENIZER
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+"""A minimal chat template for the tiny tokenizer: each turn ``<s>role: content</s>`` (EOS closes it)."""
+
+
+def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A fresh copy of :func:`tiny_tokenizer` with :data:`CHAT_TEMPLATE`."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def _byte_to_unicode_inverse() -> dict[str, int]:
