@@ -1,4 +1,5 @@
-"""Generation with analysis: the model's own answer to a prompt, captured step by step with its KV cache.
+"""Generation with analysis: the model's own answer to a prompt, captured step by step with its KV cache
+(SPEC §7; docs/generation.md).
 
 - :func:`prompt_ids` — a text, token ids or a list of chat messages -> the ids the model reads
   (``chat=True``: through the tokenizer's chat template as a user message, ``system`` optional).
