@@ -14,7 +14,7 @@ from attngeom import heads as HD
 from attngeom import selection as SE
 from attngeom import sinks as SK
 from attngeom.cli import main
-from attngeom.io import decode, encode
+from attngeom.io import decode_record, encode_record
 from attngeom.reports.claims import escape
 from attngeom.runner import Memory, merge_sums
 from attngeom.taxonomy import REGIMES, regime_shares, regimes_of
@@ -82,7 +82,7 @@ def _sink_reference(recs, weights=None):
 def test_sink_stats_equal_summarize_on_the_sample_and_on_a_resample(tiny):
     h, ids = tiny
     work = SK.window_work(h, ids, batch_size=1)
-    recs = [decode(encode(work([u]))) for u in range(len(ids))]   # as a Run stores them
+    recs = [decode_record(encode_record(work([u]))) for u in range(len(ids))]   # as a Run stores them
     X = CL.sink_arrays(recs)
     for counts in (np.ones(len(ids), dtype=int), np.array([2, 0, 1, 1])):
         got = {k: v[0] for k, v in CL.sink_stats(X, counts[None]).items()}

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from attngeom.errors import InputError, OutputError
-from attngeom.io import decode, encode
+from attngeom.io import decode_record, encode_record
 from attngeom.runner import MANIFEST, Memory, Run, merge_sums, verify
 
 TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. "
@@ -31,7 +31,7 @@ TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slep
 def test_encode_round_trip_is_exact():
     x = {"a": np.arange(6, dtype=np.float64).reshape(2, 3) / 7, "n": 3, "f": float("nan"), "l": [1.5, "s"],
          "df": pd.DataFrame({"x": [1, 2], "s": ["a|b", "c"]}), "i": np.int64(4), "t": True}
-    y = decode(json.loads(json.dumps(encode(x))))
+    y = decode_record(json.loads(json.dumps(encode_record(x))))
     assert np.array_equal(y["a"], x["a"]) and y["a"].dtype == np.float64
     assert y["n"] == 3 and np.isnan(y["f"]) and y["l"] == [1.5, "s"] and y["i"] == 4 and y["t"] is True
     pd.testing.assert_frame_equal(y["df"], x["df"])

@@ -103,27 +103,27 @@ def sha256_file(path: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def encode(x):
+def encode_record(x):
     """A JSON-able form of ``x``: numpy arrays (and torch tensors) become
     ``{"__array__": dtype, "shape": [...], "data": base64(zlib(bytes))}``, DataFrames
     ``{"__frame__": {column: encoded column}}``; dicts and lists are encoded item by item; exact
-    (bit-for-bit) round trip with :func:`decode`."""
+    (bit-for-bit) round trip with :func:`decode_record`."""
     import numpy as np
 
     if isinstance(x, dict):
-        return {str(k): encode(v) for k, v in x.items()}
+        return {str(k): encode_record(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [encode(v) for v in x]
+        return [encode_record(v) for v in x]
     if type(x).__module__.startswith("torch"):
         x = x.detach().cpu().numpy()
     if isinstance(x, np.ndarray):
         if x.dtype == object:
-            return {"__list__": [encode(v) for v in x.tolist()]}
+            return {"__list__": [encode_record(v) for v in x.tolist()]}
         a = np.ascontiguousarray(x)
         return {"__array__": a.dtype.str, "shape": list(a.shape),
                 "data": base64.b64encode(zlib.compress(a.tobytes(), 1)).decode("ascii")}
     if type(x).__name__ == "DataFrame":
-        return {"__frame__": {str(c): encode(x[c].to_numpy()) for c in x.columns}}
+        return {"__frame__": {str(c): encode_record(x[c].to_numpy()) for c in x.columns}}
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, float) and not math.isfinite(x):
@@ -131,12 +131,12 @@ def encode(x):
     return x
 
 
-def decode(x):
-    """Inverse of :func:`encode`."""
+def decode_record(x):
+    """Inverse of :func:`encode_record`."""
     import numpy as np
 
     if isinstance(x, list):
-        return [decode(v) for v in x]
+        return [decode_record(v) for v in x]
     if not isinstance(x, dict):
         return x
     if "__array__" in x:
@@ -145,9 +145,9 @@ def decode(x):
     if "__frame__" in x:
         import pandas as pd
 
-        return pd.DataFrame({c: decode(v) for c, v in x["__frame__"].items()})
+        return pd.DataFrame({c: decode_record(v) for c, v in x["__frame__"].items()})
     if "__list__" in x:
-        return np.array([decode(v) for v in x["__list__"]], dtype=object)
+        return np.array([decode_record(v) for v in x["__list__"]], dtype=object)
     if "__float__" in x:
         return float(x["__float__"])
-    return {k: decode(v) for k, v in x.items()}
+    return {k: decode_record(v) for k, v in x.items()}

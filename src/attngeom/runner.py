@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Sequence
 
 from . import runlock
 from .errors import InputError, OutputError
-from .io import clean_json, decode, dumps, encode, fsync_dir, sha256_file, write_json
+from .io import clean_json, decode_record, dumps, encode_record, fsync_dir, sha256_file, write_json
 
 FORMAT = 2
 MANIFEST = "run.json"
@@ -503,7 +503,7 @@ class Run:
               units: Sequence[int] | None = None) -> dict[tuple[int, ...], object]:
         """Records of every unit of stage ``name``: ``{units: data}`` ordered by first unit.
 
-        ``work(units)`` computes the data (sums, counts, tables; see :func:`attngeom.io.encode`) of
+        ``work(units)`` computes the data (sums, counts, tables; see :func:`attngeom.io.encode_record`) of
         up to ``group`` units at once; it is called only for units without a record, and only for this
         process's share of them (every ``world``-th missing unit). ``fingerprints[u]`` (e.g. a digest
         of the unit's token ids) is stored with the record, and a record whose fingerprints differ is
@@ -528,7 +528,7 @@ class Run:
         new: dict[tuple[int, ...], dict] = {}
         for g in groups:
             data = work(list(g))
-            rec = {"stage": name, "units": list(g), "fingerprints": [fp(u) for u in g], "data": encode(data)}
+            rec = {"stage": name, "units": list(g), "fingerprints": [fp(u) for u in g], "data": encode_record(data)}
             self._append(rec)
             new[tuple(g)] = rec
             bar.update(len(g) * self.comm.world)
@@ -545,7 +545,7 @@ class Run:
         out = {}
         for key in sorted(have, key=lambda k: k[0]):
             if set(key) & set(wanted):
-                out[key] = decode(have[key]["data"])
+                out[key] = decode_record(have[key]["data"])
         return out
 
     def units(self) -> dict[str, dict[str, int]]:
