@@ -303,6 +303,16 @@ def test_explorer_of_a_generation_equals_the_explorer_of_its_text(exact_max_toke
     C = np.stack([lt.contribution_inter.sum(0) for lt in trace.layers])
     assert np.allclose(gen.answer["layers"]["contribution"], C[:, P - 1:-1, :P].mean(1), atol=1e-5)
     assert np.allclose(gen.answer["model"]["contribution"], C[:, P - 1:-1, :P].mean((0, 1)), atol=1e-5)
+    # a generation's Trace gives the same answer view (Trace.to_html)
+    from attngeom.explore import from_trace
+
+    tr = analyze(handle, PROMPT, generate=N, stop=())
+    assert tr.ids == gen.ids
+    view = from_trace(tr, exact_max_tokens=exact_max_tokens)
+    assert view.answer["prompt_length"] == P
+    for m in ("attention", "contribution"):
+        assert np.allclose(view.answer["model"][m], gen.answer["model"][m], atol=1e-5)
+        assert np.allclose(view.answer["layers"][m], gen.answer["layers"][m], atol=1e-5)
 
 
 @pytest.mark.slow

@@ -393,8 +393,9 @@ def _answer_summary(summary, layers: list[int], P: int) -> dict:
 def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS,
                sink: int = 0) -> ExploreData:
     """The explorer's data from a :class:`attngeom.trace.Trace` (no residual stream: the flow graph
-    is not available)."""
-    from .reducers import Batch, HeadStats
+    is not available). A generation's trace (``trace.prompt_length``) gets its answer view."""
+    from .generate import AnswerSources, GenerationBatch
+    from .reducers import HeadStats
 
     T = len(trace.ids)
     if T < 2:
@@ -406,16 +407,24 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
     k = resolve_mode(T, top_k, exact_max_tokens)
     rows = RowCollector(T, H, k)
     stats = HeadStats(sink=sink)
-    batch = Batch(ids=torch.tensor([trace.ids]), lengths=torch.tensor([T]), index=[0])
-    for r in (rows, stats):
+    P = trace.prompt_length
+    sources = AnswerSources(sink=sink) if P is not None and 0 < P < T else None
+    observers = [rows, stats] + ([sources] if sources else [])
+    batch = GenerationBatch(ids=torch.tensor([trace.ids]), lengths=torch.tensor([T]), index=[0],
+                            prompt_length=P or 0)
+    for r in observers:
         r.begin(batch)
     for lt in trace.layers:
         block = lt.block
-        rows.observe(block)
-        stats.observe(block)
+        for r in observers:
+            r.observe(block)
+    answer = None
+    if sources is not None:
+        sources.end(batch)
+        answer = _answer_summary(sources.result()["summary"], layers, P)
     head, sink_fig = _head_tables(stats.result(), layers, H)
     return ExploreData(
         tokens=list(trace.tokens), ids=list(trace.ids), layers=layers, num_heads=H,
         rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},
         head_stats=head, layer_sink=sink_fig, residual_share=None, top_k=k, sink=sink,
-        model_name=trace.model_name, meta={})
+        model_name=trace.model_name, meta={}, answer=answer)
