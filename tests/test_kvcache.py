@@ -343,3 +343,46 @@ def test_per_head_budgets_pad_smaller_heads_and_the_padding_is_invisible():
     assert layer.valid[0].sum(-1).tolist() == [6, 16]
     assert layer.pos[0, 0][layer.valid[0, 0]].tolist() == [0, 1, 2, 3, 28, 29]   # 4 sinks + the 2 newest
     assert torch.equal(torch.cat(outs[0], 1), torch.cat(outs[1], 1))
+
+
+def test_answers_agree_with_the_full_cache_when_nothing_is_evicted():
+    from attngeom.kvcache import answer, answers, summarise_answers
+
+    h = tiny_model("llama")
+    prompt, ref = _ids(12, seed=3), _ids(5, seed=4)
+    with torch.no_grad():
+        logits = h.model(input_ids=torch.tensor([prompt + ref])).logits.float()[0]
+    want = float(-torch.log_softmax(logits[11:16], -1)[torch.arange(5), torch.tensor(ref)].sum())
+    full = answer(h, prompt, ref, "full", None, new_tokens=6)
+    assert abs(full["ref_nll"] - want) < 1e-3 and len(full["generated"].split()) == 6
+    examples = [(prompt, ref), (_ids(10, seed=5), _ids(4, seed=6))]
+    df = answers(h, None, examples, ["h2o", "streamingllm"], [4, 32], new_tokens=6)
+    big = df[df.budget == 32]
+    assert (big.match == 1).all() and (big.first_divergence == 6).all()
+    assert np.allclose(big.groupby("example").ref_nll.std().fillna(0), 0, atol=1e-4)
+    small = df[(df.budget == 4) & (df.policy != "full")]
+    assert not np.allclose(small.ref_nll.to_numpy(), big[big.policy != "full"].ref_nll.to_numpy())
+    s = summarise_answers(df)
+    assert len(s) == 3 * 2 and (s[s.budget == 32].match == 1).all()
+    assert ((s.match_low <= s.match) & (s.match <= s.match_high)).all()
+
+
+def test_cli_answers(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 4)
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("\n".join(json.dumps({"prompt": f"The cat sat on the mat {i} times and", "reference": " the dog slept"})
+                            for i in range(3)))
+    out = tmp_path / "out"
+    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "24", "--max-windows", "1",
+            "--policies", "streamingllm", "--budgets", "8", "--answers", str(qa), "--max-examples", "2",
+            "--new-tokens", "3", "--no-progress"]
+    assert main(args + ["--out", str(out)]) == 0
+    ans = pd.read_parquet(out / "answers.parquet")
+    assert len(ans) == 2 * 2 and set(ans.policy) == {"full", "streamingllm"}
+    assert (ans[ans.policy == "full"].match == 1).all()
+    assert (out / "answers-summary.parquet").is_file() and (out / "kvcache-answers.png").is_file()
+    assert len(json.loads((out / "summary.json").read_text())["answers"]) == 2
+    qa.write_text(json.dumps({"prompt": "a prompt", "answer": "x"}) + "\n")
+    assert main(args + ["--out", str(tmp_path / "bad")]) == 2
+    assert "reference" in capsys.readouterr().err

@@ -377,42 +377,114 @@ def configurations(policies: Sequence[str], budgets: Sequence[int]) -> list[tupl
     return out
 
 
-def experiment(handle, run, windows: Sequence[Sequence[int]], policies: Sequence[str], budgets: Sequence[int],
-               chunk: int = 1, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per (window, policy, budget): ``nll, tokens, ppl, seconds, peak_bytes, ...``; each
-    (window, configuration) is a unit of stage ``"read"`` of ``run`` (resumable). ``full`` is run
-    once per window and its row repeated for every budget (``budget`` is the budget it is compared
-    at). ``regimes``: the taxonomy table the ``taxonomy`` policy's budgets come from."""
+def _budgets_for(handle, name: str, budget: int | None, regimes: pd.DataFrame | None) -> tuple[dict | None, dict | None]:
+    if name != "taxonomy" or budget is None:
+        return None, None
+    if regimes is None:
+        raise InputError("the taxonomy policy needs head regimes (a taxonomy table)")
+    return taxonomy_budgets(regimes, handle.num_heads, handle.num_kv_heads, budget)
+
+
+def _config_stage(handle, run, name: str, items: Sequence[Sequence[int]], configs, one, column: str,
+                  regimes: pd.DataFrame | None) -> pd.DataFrame:
+    """Rows of ``one(i, policy, budget, head_budgets, streaming) -> dict`` for every (item ``i``,
+    configuration), each a unit of stage ``name`` of ``run`` (resumable); ``full`` rows repeated
+    for every budget of the other configurations."""
     from .runner import Memory, fingerprint
 
-    configs = configurations(policies, budgets)
-    if "taxonomy" in policies and regimes is None:
-        raise InputError("the taxonomy policy needs head regimes (a taxonomy table)")
     n_cfg = len(configs)
-    fps = [fingerprint(windows[u // n_cfg]) for u in range(len(windows) * n_cfg)]
+    fps = [fingerprint(items[u // n_cfg]) for u in range(len(items) * n_cfg)]
 
     def work(units: list[int]) -> dict:
         rows = []
         for u in units:
-            w, (name, budget) = u // n_cfg, configs[u % n_cfg]
-            hb = st = None
-            if name == "taxonomy":
-                hb, st = taxonomy_budgets(regimes, handle.num_heads, handle.num_kv_heads, budget)
-            r = read(handle, windows[w], name, budget, chunk, hb, st)
-            rows.append({"window": w, "policy": name, "budget": -1 if budget is None else budget, **r})
+            i, (policy, budget) = u // n_cfg, configs[u % n_cfg]
+            hb, st = _budgets_for(handle, policy, budget, regimes)
+            rows.append({column: i, "policy": policy, "budget": -1 if budget is None else budget,
+                         **one(i, policy, budget, hb, st)})
         return {"rows": pd.DataFrame(rows)}
 
-    recs = (run or Memory()).stage("read", len(windows) * n_cfg, work, fingerprints=fps, desc="kvcache",
+    recs = (run or Memory()).stage(name, len(items) * n_cfg, work, fingerprints=fps, desc=f"kvcache {name}",
                                    unit="read")
     df = pd.concat([d["rows"] for d in recs.values()], ignore_index=True)
-    full = df[df["policy"] == "full"]
-    rest = df[df["policy"] != "full"]
-    if len(full):
+    budgets = sorted({b for _, b in configs if b is not None})
+    full, rest = df[df["policy"] == "full"], df[df["policy"] != "full"]
+    if len(full) and budgets:
         full = pd.concat([full.assign(budget=b) for b in budgets], ignore_index=True)
-    df = pd.concat([rest, full], ignore_index=True)
+    return pd.concat([rest, full], ignore_index=True).sort_values(["policy", "budget", column]).reset_index(drop=True)
+
+
+def experiment(handle, run, windows: Sequence[Sequence[int]], policies: Sequence[str], budgets: Sequence[int],
+               chunk: int = 1, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Language modelling under a budget: one row per (window, policy, budget) with ``nll, tokens,
+    ppl, seconds, seconds_per_token, peak_bytes, final_bytes``; each (window, configuration) is a
+    unit of stage ``"read"`` of ``run`` (resumable). ``full`` is read once per window and its row
+    repeated for every budget (``budget`` is then the budget it is compared at). ``regimes``: the
+    taxonomy table the ``taxonomy`` policy's budgets come from."""
+    configs = configurations(policies, budgets)
+    df = _config_stage(handle, run, "read", windows, configs,
+                       lambda i, p, b, hb, st: read(handle, windows[i], p, b, chunk, hb, st), "window", regimes)
     df["ppl"] = np.exp(df["nll"] / df["tokens"])
     df["seconds_per_token"] = df["seconds"] / df["tokens"]
-    return df.sort_values(["policy", "budget", "window"]).reset_index(drop=True)
+    return df
+
+
+# --------------------------------------------------------------------------------------------
+# Answers under a budget
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def answer(handle, prompt: Sequence[int], reference: Sequence[int], policy: Policy | str, budget: int | None,
+           new_tokens: int = 16, head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
+    """Read ``prompt`` in one forward pass (the compressed cache evicts it down to the budget at the
+    next step, with the scores of the prompt's queries: SnapKV's setting), then (1) the reference
+    continuation's summed NLL, token by token, and (2) ``new_tokens`` greedy tokens, each from a
+    fresh read of the prompt: ``{"ref_nll", "ref_tokens", "generated": "id id ...", "seconds"}``."""
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    t0 = time.perf_counter()
+
+    def prefill():
+        cache = new_cache(handle, policy, budget, head_budgets, streaming)
+        session = Session(observers=[CacheScorer(cache)]) if policy.needs else None
+        return cache, session, step(handle, cache, torch.as_tensor([list(prompt)]), session)[0, -1]
+
+    cache, session, last = prefill()
+    nll = 0.0
+    for t, tok in enumerate(reference):
+        nll -= float(torch.log_softmax(last, -1)[tok])
+        if t + 1 < len(reference):
+            last = step(handle, cache, torch.tensor([[tok]]), session)[0, -1]
+    cache, session, last = prefill()
+    out: list[int] = []
+    for t in range(new_tokens):
+        out.append(int(last.argmax()))
+        if t + 1 < new_tokens:
+            last = step(handle, cache, torch.tensor([[out[-1]]]), session)[0, -1]
+    return {"ref_nll": nll, "ref_tokens": len(reference), "generated": " ".join(map(str, out)),
+            "seconds": time.perf_counter() - t0}
+
+
+def answers(handle, run, examples: Sequence[tuple[Sequence[int], Sequence[int]]], policies: Sequence[str],
+            budgets: Sequence[int], new_tokens: int = 16, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Answers under a budget: one row per (example, policy, budget) with the reference's ``ref_nll``
+    and ``ref_tokens``, and the greedy tokens' agreement with the full cache's: ``match`` (share of
+    the ``new_tokens`` positions with the same token) and ``first_divergence`` (index of the first
+    different token; ``new_tokens`` when none). ``full`` is always run (it is the reference)."""
+    configs = configurations(["full"] + [p for p in policies if p != "full"], budgets)
+    items = [[len(p)] + list(p) + list(r) for p, r in examples]      # the fingerprint sees the split too
+    df = _config_stage(handle, run, "answers", items, configs,
+                       lambda i, p, b, hb, st: answer(handle, examples[i][0], examples[i][1], p, b, new_tokens, hb, st),
+                       "example", regimes)
+    ref = df[df["policy"] == "full"].drop_duplicates("example").set_index("example")["generated"]
+    match, first = [], []
+    for ex, gen in zip(df["example"], df["generated"]):
+        a, b = gen.split(), ref.loc[ex].split()
+        same = [x == y for x, y in zip(a, b)]
+        match.append(float(np.mean(same)) if same else 1.0)
+        first.append(same.index(False) if False in same else len(same))
+    df["match"], df["first_divergence"] = match, first
+    return df
 
 
 def summarise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
@@ -447,5 +519,34 @@ def summarise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
                         "delta_low": float(dlo), "delta_high": float(dhi),
                         "memory_saved": 1.0 - row["peak_bytes"] / float(f["peak_bytes"].mean()),
                         "time_ratio": row["seconds_per_token"] / float(f["seconds"].sum() / f["tokens"].sum())})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summarise_answers(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per (policy, budget): mean greedy agreement with the full cache (``match``) and mean first
+    divergence, each with a 95 % bootstrap interval over examples, and the reference's perplexity
+    (``exp(Σ NLL / Σ tokens)``) with its interval and its difference to the full cache's."""
+    from .bootstrap import percentile_interval, perplexity, ratio_of_sums, resample_counts
+
+    examples = sorted(df["example"].unique())
+    counts = resample_counts(len(examples), B, seed)
+    rows = []
+    for (policy, budget), g in df.groupby(["policy", "budget"], sort=True):
+        g = g.set_index("example").loc[examples]
+        ones = np.ones(len(g))
+        row = {"policy": policy, "budget": int(budget), "examples": int(len(g))}
+        for col in ("match", "first_divergence"):
+            lo, hi = percentile_interval(ratio_of_sums(counts, g[col].to_numpy(float), ones))
+            row.update({col: float(g[col].mean()), f"{col}_low": float(lo), f"{col}_high": float(hi)})
+        boot = perplexity(counts, g["ref_nll"].to_numpy(), g["ref_tokens"].to_numpy())
+        lo, hi = percentile_interval(boot)
+        row.update({"ref_ppl": float(math.exp(g["ref_nll"].sum() / g["ref_tokens"].sum())),
+                    "ref_ppl_low": float(lo), "ref_ppl_high": float(hi)})
+        f = df[(df["policy"] == "full") & (df["budget"] == budget)].set_index("example").loc[examples]
+        fb = perplexity(counts, f["ref_nll"].to_numpy(), f["ref_tokens"].to_numpy())
+        dlo, dhi = percentile_interval(boot - fb)
+        row.update({"ref_delta_ppl": row["ref_ppl"] - float(math.exp(f["ref_nll"].sum() / f["ref_tokens"].sum())),
+                    "ref_delta_low": float(dlo), "ref_delta_high": float(dhi)})
         rows.append(row)
     return pd.DataFrame(rows)

@@ -12,6 +12,10 @@ corpus (disjoint from the evaluated ones). Writes to ``--out``:
   the full cache is read once per window and its row repeated for every budget;
 - ``summary.parquet`` — per (policy, budget): perplexity with its 95 % bootstrap interval over
   windows, the difference to the full cache (paired resamples), memory saved, time per token ratio;
+- with ``--answers`` (records with a prompt and a reference continuation): ``answers.parquet`` — one
+  row per (policy, budget, example): the reference's NLL read after the compressed prompt, the
+  greedy tokens and their agreement with the full cache's (``match``, ``first_divergence``);
+  ``answers-summary.parquet`` — means with 95 % bootstrap intervals over examples;
 - ``regimes.parquet`` (with ``taxonomy``) — the calibration taxonomy;
 - ``summary.json`` and the figures of :mod:`attngeom.reports.kvcache`.
 """
@@ -41,6 +45,14 @@ def add_parser(subparsers) -> None:
                    help="tokens per forward pass, eviction between passes (default 1: token by token)")
     p.add_argument("--calibration-windows", type=int, default=2,
                    help="windows after the evaluated ones for the taxonomy policy's head regimes (default 2)")
+    p.add_argument("--answers", default=None,
+                   help="also evaluate answers under a budget: a .jsonl/.csv/.parquet file of prompts with "
+                        "reference continuations")
+    p.add_argument("--prompt-field", default="prompt", help="the prompt's field in --answers (default prompt)")
+    p.add_argument("--reference-field", default="reference",
+                   help="the reference continuation's field in --answers (default reference)")
+    p.add_argument("--max-examples", type=int, default=16, help="examples of --answers to use (default 16)")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per example (default 16)")
     p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
     common.add_progress_arg(p)
     common.add_out_arg(p)
@@ -61,7 +73,8 @@ def _policies(spec: str) -> list[str]:
 def run(args) -> int:
     from ..data import load_windows, parse_int_list, read_texts
 
-    common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1)
+    common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1, max_examples=1,
+                          new_tokens=1)
     policies = _policies(args.policies)
     budgets = sorted(set(parse_int_list(args.budgets, "--budgets") or []))
     if not budgets:
@@ -71,10 +84,15 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)
+    pairs = _answer_texts(args) if args.answers else None
     calib_n = args.calibration_windows if "taxonomy" in policies else 0
     settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
                 "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
                 "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
+    if args.answers:
+        settings.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
+                         "reference_field": args.reference_field, "max_examples": args.max_examples,
+                         "new_tokens": args.new_tokens})
     with common.open_run(args, "kvcache", settings) as run:
         if common.already_complete(run, "kvcache"):
             return 0
@@ -91,17 +109,32 @@ def run(args) -> int:
 
         reads = experiment(handle, run, evaluated, policies, budgets, args.chunk, regimes)
         summary_df = summarise(reads)
+        answers_df = answers_summary = None
+        if pairs:
+            from ..kvcache import answers, summarise_answers
+            from ..trace import to_ids
+
+            examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in pairs]
+            answers_df = answers(handle, run, examples, policies, budgets, args.new_tokens, regimes)
+            answers_summary = summarise_answers(answers_df)
         model_name = getattr(handle, "name", args.model)
         summary = {"command": "kvcache", "model": model_name, "data": args.data, "window": args.window,
                    "windows": len(evaluated), "tokens": int(sum(len(w) - 1 for w in evaluated)),
                    "chunk": args.chunk, "policies": policies, "budgets": budgets,
                    "gqa_pooling": "mean over the query heads of a key/value head (tova: mean over the layer)",
                    "results": summary_df.to_dict(orient="records"), "settings": settings}
+        if answers_summary is not None:
+            summary.update({"examples": len(pairs), "new_tokens": args.new_tokens,
+                            "answers": answers_summary.to_dict(orient="records")})
 
         def write(staging) -> list[str]:
             files = ["reads.parquet", "summary.parquet"]
             common.write_parquet(reads.assign(model=model_name), staging / "reads.parquet")
             common.write_parquet(summary_df.assign(model=model_name), staging / "summary.parquet")
+            if answers_df is not None:
+                common.write_parquet(answers_df.assign(model=model_name), staging / "answers.parquet")
+                common.write_parquet(answers_summary.assign(model=model_name), staging / "answers-summary.parquet")
+                files += ["answers.parquet", "answers-summary.parquet"]
             if regimes is not None:
                 common.write_parquet(regimes, staging / "regimes.parquet")
                 files.append("regimes.parquet")
@@ -120,6 +153,18 @@ def run(args) -> int:
         print(f"attngeom kvcache: {model_name}: {len(evaluated)} windows, {len(policies)} policies x "
               f"{len(budgets)} budgets{note}; written to {run.out}", file=sys.stderr)
     return 0
+
+
+def _answer_texts(args) -> list[tuple[str, str]]:
+    """(prompt, reference) texts of ``--answers`` (checked before the model loads)."""
+    from ..data import read_texts
+
+    prompts = read_texts(args.answers, [args.prompt_field])
+    refs = read_texts(args.answers, [args.reference_field])
+    if len(prompts) != len(refs):
+        raise InputError(f"{args.answers}: {len(prompts)} non-empty {args.prompt_field!r} but {len(refs)} non-empty "
+                         f"{args.reference_field!r} fields; every record needs both")
+    return list(zip(prompts, refs))[: args.max_examples]
 
 
 def _regimes(handle, run, calib):

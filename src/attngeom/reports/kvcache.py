@@ -4,6 +4,8 @@
   bootstrap interval over windows; the full cache as a dashed line with its band.
 - ``kvcache-cost.png`` — peak cache memory and time per token against the budget, relative to the
   full cache.
+- ``kvcache-answers.png`` (with ``answers-summary.parquet``) — greedy agreement with the full cache
+  and the reference continuation's perplexity against the budget, with 95 % intervals.
 
 Rerun on an existing directory with ``python -m attngeom.reports.kvcache DIR``.
 """
@@ -52,15 +54,39 @@ def fig_cost(summary: pd.DataFrame, path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget")
         ax.axhline(1, color="k", ls="--", lw=1)
+    if axes[1].get_legend_handles_labels()[0]:            # without the full cache there is nothing to compare
+        axes[1].legend(fontsize=7, ncol=2)
+    return save_figure(fig, path)
+
+
+def fig_answers(summary: pd.DataFrame, path: Path) -> Path:
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for policy, g in summary.groupby("policy"):
+        g = g.sort_values("budget")
+        for ax, col in zip(axes, ("match", "ref_ppl")):
+            if policy == "full":
+                ax.axhline(g[col].iloc[0], color="k", ls="--", lw=1, label="full cache")
+                continue
+            ax.errorbar(g["budget"], g[col], yerr=[g[col] - g[f"{col}_low"], g[f"{col}_high"] - g[col]],
+                        marker="o", ms=3, capsize=2, lw=1.2, label=policy)
+    axes[0].set_ylabel("greedy tokens equal to the full cache's")
+    axes[1].set_ylabel("reference perplexity")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget")
     axes[1].legend(fontsize=7, ncol=2)
     return save_figure(fig, path)
 
 
 def render(out_dir) -> list[Path]:
-    """Draw every figure from ``summary.parquet`` in ``out_dir``; returns the PNG paths."""
+    """Draw every figure from ``summary.parquet`` (and ``answers-summary.parquet`` when there) in
+    ``out_dir``; returns the PNG paths."""
     out = Path(out_dir)
     summary = pd.read_parquet(out / "summary.parquet")
-    return [fig_ppl(summary, out / "kvcache-ppl.png"), fig_cost(summary, out / "kvcache-cost.png")]
+    paths = [fig_ppl(summary, out / "kvcache-ppl.png"), fig_cost(summary, out / "kvcache-cost.png")]
+    if (out / "answers-summary.parquet").is_file():
+        paths.append(fig_answers(pd.read_parquet(out / "answers-summary.parquet"), out / "kvcache-answers.png"))
+    return paths
 
 
 if __name__ == "__main__":  # pragma: no cover
