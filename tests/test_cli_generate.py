@@ -66,6 +66,8 @@ def test_analyze_generate_writes_the_answer_tables(run_generate, tiny_llama_dir)
     assert gen["answer_text"] == handle.tokenizer.decode(trace.ids[P:])
     assert summary["settings"]["generate"] == N and summary["settings"]["sample"] is False
     assert abs(sum(gen["mean_contribution_share"].values()) - 1) < 1e-4
+    report = (run_generate / "report.md").read_text()
+    assert "## The model's answer" in report and f"{P} prompt tokens, {T - P} generated" in report
     for f in ("answer_shares.parquet", "answer_sources.parquet", "answer_summary.parquet"):
         assert f in summary["files"] and (run_generate / f).is_file()
     tokens = pd.read_parquet(run_generate / "tokens.parquet")

@@ -343,6 +343,11 @@ FILE_NOTES = {
     "summary.json": "model, input, per-layer sink numbers, top tokens, runtime, files",
     "sinks_per_layer.png": "per layer: sink attention vs sink contribution",
     "report.md": "this file",
+    "answer_shares.parquet": "per generated token and layer (and the model): contribution and attention from "
+                             "the sink, the prompt and the earlier answer (docs/generation.md)",
+    "answer_sources.parquet": "per generated token, layer (and the model) and metric: its top prompt sources",
+    "answer_summary.parquet": "per layer (and the model) and prompt token: mean attention and contribution over "
+                              "the answer (which prompt tokens it drew on)",
 }
 
 
@@ -380,6 +385,8 @@ def report_markdown(summary: dict) -> str:
                        for k, (c, a) in enumerate(zip(top["by_contribution_received"],
                                                       top["by_attention_received"]), 1)),
                       align="rlrlr")
+    if "generation" in summary:
+        lines += _generation_lines(summary["generation"])
     lines += ["", "## Files", ""]
     for f in summary["files"]:
         if f.startswith("maps_layer"):
@@ -390,6 +397,24 @@ def report_markdown(summary: dict) -> str:
             note = FILE_NOTES.get(f, "")
         lines.append(f"- {md.link(f, f)} — {md.text(note)}")
     return "\n".join(lines) + "\n"
+
+
+def _generation_lines(gen: dict) -> list[str]:
+    """The model's answer (``analyze --generate``): its text, where its contribution came from (mean
+    over its tokens and the layers) and the prompt tokens it drew on most."""
+    sh = gen["mean_contribution_share"]
+    lines = ["", "## The model's answer", "",
+             f"{gen['prompt_tokens']} prompt tokens, {gen['answer_tokens']} generated"
+             + (" (ended on a stop token)" if gen["stopped_on_stop_token"] else "") + ":", "",
+             "```text", gen["answer_text"].replace("```", "ˋˋˋ"), "```", "",
+             f"Contribution of each answer token's predicting row, mean over tokens and layers: sink "
+             f"**{sh['sink']:.3f}**, prompt **{sh['prompt']:.3f}**, earlier answer **{sh['answer']:.3f}**.", "",
+             "Prompt tokens the whole answer drew on (mean over its tokens and the layers, sink left out):", ""]
+    lines += md.table(["rank", "token", "contribution", "attention"],
+                      ([k, md.Raw(f"{md.token(r['token'])} @{r['position']}"), f"{r['contribution']:.4f}",
+                        f"{r['attention']:.4f}"] for k, r in enumerate(gen["prompt_tokens_the_answer_drew_on"], 1)),
+                      align="rlrr")
+    return lines
 
 
 def _ranges(xs: list[int]) -> str:
