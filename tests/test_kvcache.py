@@ -10,8 +10,8 @@ from transformers import DynamicCache
 
 from attngeom.capture import Session
 from attngeom.cli import main
-from attngeom.kvcache import (CacheScorer, CompressedCache, CompressedLayer, cache_bytes, new_cache, pool_heads, read,
-                              select, step, taxonomy_budgets)
+from attngeom.kvcache import (CacheScorer, CompressedCache, cache_bytes, compressing, new_cache, pool_heads, read, select,
+                              step, taxonomy_budgets)
 from attngeom.kvpolicies import POLICIES, EvictionContext, get_policy
 from tiny_models import tiny_model
 
@@ -23,9 +23,9 @@ def _ids(n=T, seed=0):
     return torch.randint(4, 128, (n,), generator=g).tolist()
 
 
-def _read_logits(handle, cache, ids, chunk, session):
-    return torch.cat([step(handle, cache, torch.tensor([ids[s:s + chunk]]), session)
-                      for s in range(0, len(ids), chunk)], dim=1)
+def _read_logits(handle, cache, ids, chunk, session=None):
+    with torch.no_grad(), compressing(handle.model, cache, session):
+        return torch.cat([step(handle, cache, torch.tensor([ids[s:s + chunk]])) for s in range(0, len(ids), chunk)], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,8 +44,7 @@ def test_budget_at_least_length_equals_full_cache(arch, chunk):
         got = _read_logits(h, CompressedCache(h.model.config, name, T), ids, chunk, None)
         assert torch.equal(got, ref), name
     for name in ("h2o", "contribution", "taxonomy", "snapkv"):       # scored: the same exact capture
-        cache = CompressedCache(h.model.config, name, T)
-        got = _read_logits(h, cache, ids, chunk, Session(observers=[CacheScorer(cache)]))
+        got = _read_logits(h, CompressedCache(h.model.config, name, T), ids, chunk)
         full = DynamicCache(config=h.model.config)
         ref_s = _read_logits(h, full, ids, chunk, Session(observers=[CacheScorer(full)]))
         assert torch.equal(got, ref_s), name
@@ -72,11 +71,11 @@ def test_eviction_bounds_entries_and_frees_storage():
     h = tiny_model("llama")                                          # 3 layers, 4 query / 2 kv heads, d 16
     ids, budget = _ids(40), 8
     cache = CompressedCache(h.model.config, "h2o", budget)
-    session = Session(observers=[CacheScorer(cache)])
-    for s in range(len(ids)):
-        step(h, cache, torch.tensor([ids[s:s + 1]]), session)
-        for layer in cache.layers:
-            assert layer.size <= budget and layer.keys.shape[2] == layer.size
+    with torch.no_grad(), compressing(h.model, cache):
+        for s in range(len(ids)):
+            step(h, cache, torch.tensor([ids[s:s + 1]]))
+            for layer in cache.layers:
+                assert layer.size <= budget and layer.keys.shape[2] == layer.size
     d = h.head_dim
     # storages, not views: exactly budget entries of keys and values per layer
     assert cache_bytes(cache) == 3 * 2 * (1 * 2 * budget * d * 4)
@@ -242,7 +241,7 @@ def test_recorded_scores_match_eager_attention_and_trace_contributions():
     trace = analyze(h, torch.tensor(ids))
     for name in ("h2o", "contribution", "contribution_signed"):
         cache = CompressedCache(h.model.config, name, 64)
-        _read_logits(h, cache, ids, 1, Session(observers=[CacheScorer(cache)]))
+        _read_logits(h, cache, ids, 1)
         for l, layer in enumerate(cache.layers):
             layer._fold()
             if name == "h2o":
@@ -328,11 +327,11 @@ def test_per_head_budgets_pad_smaller_heads_and_the_padding_is_invisible():
     budgets = {l: [6, 16] for l in range(3)}
     streaming = {l: [True, False] for l in range(3)}
     caches = [CompressedCache(h.model.config, "taxonomy", 16, budgets, streaming) for _ in range(2)]
-    sessions = [Session(observers=[CacheScorer(c)]) for c in caches]
     outs = [[], []]
     for s in range(len(ids)):
         for k in (0, 1):
-            outs[k].append(step(h, caches[k], torch.tensor([ids[s:s + 1]]), sessions[k]))
+            with torch.no_grad(), compressing(h.model, caches[k]):
+                outs[k].append(step(h, caches[k], torch.tensor([ids[s:s + 1]])))
         for layer in caches[1].layers:                                 # garbage in the padding of one copy
             if layer.valid is not None:
                 pad = ~layer.valid[..., None]
@@ -386,3 +385,29 @@ def test_cli_answers(tiny_llama_dir, tmp_path, capsys):
     qa.write_text(json.dumps({"prompt": "a prompt", "answer": "x"}) + "\n")
     assert main(args + ["--out", str(tmp_path / "bad")]) == 2
     assert "reference" in capsys.readouterr().err
+
+
+def test_generate_with_the_compressed_cache():
+    """transformers' generate() with the cache: equal to the full cache's greedy tokens when nothing
+    is evicted, and bounded by the budget (plain SDPA: the cache's mask sizes are the kept entries)."""
+    h = tiny_model("llama")
+    prompt = torch.tensor([_ids(10, seed=7)])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = h.model.generate(prompt, **kw)
+    for name in ("streamingllm", "h2o"):
+        cache = CompressedCache(h.model.config, name, 32)
+        with compressing(h.model, cache):
+            got = h.model.generate(prompt, cache=cache, **kw)
+        assert torch.equal(got, want), name
+        small = CompressedCache(h.model.config, name, 6)
+        with compressing(h.model, small):
+            h.model.generate(prompt, cache=small, **kw)
+        assert all(layer.size <= 6 for layer in small.layers) and small.layers[0].seen == 10 + 11
+    small = CompressedCache(h.model.config, "streamingllm", 6)
+    sdpa = h.model.config._attn_implementation
+    h.model.set_attn_implementation("sdpa")
+    try:
+        h.model.generate(prompt, cache=small, **kw)
+    finally:
+        h.model.set_attn_implementation(sdpa)
+    assert all(layer.size <= 6 for layer in small.layers)

@@ -183,10 +183,19 @@ class CompressedLayer(DynamicLayer):
         """Tokens read so far (the next token's position), not entries held."""
         return self.seen
 
+    def _kept_after(self, room: int) -> int:
+        """Entries per head left by :meth:`_evict` for ``room`` new tokens (padding included)."""
+        if not self.size:
+            return 0
+        keep = (self.budget - room).clamp_min(0).to(self.pos.device)
+        valid = self._valid().sum(-1)
+        return self.size if bool((valid <= keep).all()) else int(torch.minimum(valid, keep).max())
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # the mask the model builds from this is replaced by :meth:`attention_mask` in "attngeom_kv";
-        # sizes of a contiguous cache ending at the current position keep the model's mask code happy
-        n = min(self.seen, int(self.budget.max()))
+        """The kept entries seen as the contiguous positions just before the new tokens: they are
+        all in the past, so the model's own causal mask is right (without padding, any attention
+        implementation works; "attngeom_kv" replaces the mask by :meth:`attention_mask` anyway)."""
+        n = self._kept_after(query_length)
         return n + query_length, self.seen - n
 
     def attention_mask(self, n_rep: int) -> torch.Tensor | None:
@@ -275,13 +284,20 @@ AttentionMaskInterface.register(KV_ATTN, sdpa_mask)
 
 
 @contextlib.contextmanager
-def reading_with(model, cache: Cache):
-    """Route ``model``'s attention through ``"attngeom_kv"`` with ``cache`` active; restore after."""
+def compressing(model, cache: Cache, session: Session | None = None):
+    """Run ``model`` with ``cache`` (its forward or ``generate``, passing ``cache=cache``) inside
+    this block: attention goes through ``"attngeom_kv"``, and the policy's scores are recorded when
+    it needs any (``session``: the session to record them in; default one with :class:`CacheScorer`).
+    The model's previous attention implementation is restored after."""
+    policy = getattr(cache, "policy", None)
+    if session is None and policy is not None and policy.needs:
+        session = Session(observers=[CacheScorer(cache)])
     with attngeom_attention_implementation(model):  # checks the model, restores its own choice after
         model.set_attn_implementation(KV_ATTN)
         token = _ACTIVE.set(cache)
         try:
-            yield
+            with session.active(None) if session is not None else contextlib.nullcontext():
+                yield
         finally:
             _ACTIVE.reset(token)
             model.set_attn_implementation(ATTN_NAME)
@@ -295,13 +311,10 @@ def new_cache(handle, policy: Policy, budget: int | None, head_budgets: dict | N
     return CompressedCache(handle.model.config, policy, budget, head_budgets, streaming)
 
 
-def step(handle, cache: Cache, ids: torch.Tensor, session: Session | None) -> torch.Tensor:
-    """One forward pass of ``ids [B, C]`` with ``cache``: float32 logits ``[B, C, V]``."""
-    with reading_with(handle.model, cache):
-        ctx = session.active(torch.full((ids.shape[0],), ids.shape[1])) if session else contextlib.nullcontext()
-        with ctx:
-            out = handle.model(input_ids=ids.to(handle.device), cache=cache, use_cache=True)
-    return out.logits.float()
+def step(handle, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass of ``ids [B, C]`` with ``cache`` (inside :func:`compressing`): float32
+    logits ``[B, C, V]``."""
+    return handle.model(input_ids=ids.to(handle.device), cache=cache, use_cache=True).logits.float()
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,14 +335,15 @@ def read(handle, ids: Sequence[int], policy: Policy | str, budget: int | None, c
     x = torch.as_tensor(list(ids), dtype=torch.long)[None]
     T = x.shape[1]
     cache = new_cache(handle, policy, budget, head_budgets, streaming)
-    session = Session(observers=[CacheScorer(cache)]) if policy.needs else None
     nll, peak = 0.0, 0
     t0 = time.perf_counter()
-    for s in range(0, T - 1, chunk):
-        e = min(s + chunk, T - 1)
-        logits = step(handle, cache, x[:, s:e], session)
-        nll += float(torch.nn.functional.cross_entropy(logits[0], x[0, s + 1 : e + 1].to(logits.device), reduction="sum"))
-        peak = max(peak, cache_bytes(cache))
+    with compressing(handle.model, cache):
+        for s in range(0, T - 1, chunk):
+            e = min(s + chunk, T - 1)
+            logits = step(handle, cache, x[:, s:e])
+            nll += float(torch.nn.functional.cross_entropy(logits[0], x[0, s + 1 : e + 1].to(logits.device),
+                                                           reduction="sum"))
+            peak = max(peak, cache_bytes(cache))
     seconds = time.perf_counter() - t0
     return {"nll": nll, "tokens": T - 1, "seconds": seconds, "peak_bytes": peak, "final_bytes": cache_bytes(cache)}
 
@@ -444,23 +458,22 @@ def answer(handle, prompt: Sequence[int], reference: Sequence[int], policy: Poli
     policy = get_policy(policy) if isinstance(policy, str) else policy
     t0 = time.perf_counter()
 
-    def prefill():
-        cache = new_cache(handle, policy, budget, head_budgets, streaming)
-        session = Session(observers=[CacheScorer(cache)]) if policy.needs else None
-        return cache, session, step(handle, cache, torch.as_tensor([list(prompt)]), session)[0, -1]
-
-    cache, session, last = prefill()
     nll = 0.0
-    for t, tok in enumerate(reference):
-        nll -= float(torch.log_softmax(last, -1)[tok])
-        if t + 1 < len(reference):
-            last = step(handle, cache, torch.tensor([[tok]]), session)[0, -1]
-    cache, session, last = prefill()
+    cache = new_cache(handle, policy, budget, head_budgets, streaming)
+    with compressing(handle.model, cache):
+        last = step(handle, cache, torch.as_tensor([list(prompt)]))[0, -1]
+        for t, tok in enumerate(reference):
+            nll -= float(torch.log_softmax(last, -1)[tok])
+            if t + 1 < len(reference):
+                last = step(handle, cache, torch.tensor([[tok]]))[0, -1]
     out: list[int] = []
-    for t in range(new_tokens):
-        out.append(int(last.argmax()))
-        if t + 1 < new_tokens:
-            last = step(handle, cache, torch.tensor([[out[-1]]]), session)[0, -1]
+    cache = new_cache(handle, policy, budget, head_budgets, streaming)
+    with compressing(handle.model, cache):
+        last = step(handle, cache, torch.as_tensor([list(prompt)]))[0, -1]
+        for t in range(new_tokens):
+            out.append(int(last.argmax()))
+            if t + 1 < new_tokens:
+                last = step(handle, cache, torch.tensor([[out[-1]]]))[0, -1]
     return {"ref_nll": nll, "ref_tokens": len(reference), "generated": " ".join(map(str, out)),
             "seconds": time.perf_counter() - t0}
 
