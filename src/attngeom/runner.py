@@ -449,7 +449,10 @@ class Run:
             runlock.release(self.out)
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
     # -- context manager: remove what a failed run created ---------------------------------------
     def __enter__(self) -> "Run":
