@@ -15,7 +15,7 @@ import torch
 
 from attngeom.capture import Session, attngeom_attention_implementation
 from attngeom.data import SAMPLE_TEXT
-from attngeom.model import BUNDLED_MODELS, SandwichNormAdapter, cache_dir, load_model
+from attngeom.model import BUNDLED_MODELS, cache_dir, load_model
 from attngeom.model import gguf_cache
 
 GEMMA3 = BUNDLED_MODELS["gemma3-270m"]
@@ -56,7 +56,7 @@ def test_geometry(gemma3):
     assert h.dtype == torch.float32 and not h.model.training
     assert not getattr(h.model, "is_quantized", False)
     ad = h.adapter
-    assert isinstance(ad, SandwichNormAdapter)
+    assert ad.attention_delta_module(0) is ad.decoder_layers[0].post_attention_layernorm
     g = ad.geometry
     assert (g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size) == (18, 4, 1, 256, 640)
     assert (h.num_layers, h.num_heads, h.num_kv_heads, h.head_dim) == (18, 4, 1, 256)

@@ -4,7 +4,8 @@ attngeom registers an attention function under the name ``"attngeom"`` in
 ``transformers.AttentionInterface`` and the matching mask builder (the boolean SDPA mask) in
 ``AttentionMaskInterface``. Every supported architecture's attention module calls it with its own
 q, k, v (after RoPE, q/k norms, biases), its mask (causal, padding, sliding window as the model
-defines them), its scaling and soft-capping; learned sink logits (``module.sinks``) are honoured.
+defines them), its scaling and soft-capping; learned sink logits (the call's ``s_aux``: gpt-oss) are
+honoured as a virtual source of zero value (SPEC §1).
 
 With no :class:`Session` active the function is plain SDPA (or, where SDPA cannot express the
 layer, the exact blocked computation below), so a model left on ``"attngeom"`` behaves as usual.
@@ -33,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import metrics as M
 from . import registry as R
-from .model.adapter import attention_w_o
+from .model.adapter import adapter_for, attention_implementation, attention_layer, attention_w_o, attention_w_o_version
 
 ATTN_NAME = "attngeom"
 
@@ -112,6 +113,7 @@ class Block:
     k_start: int
     allowed: torch.Tensor | None = None  # [B, 1, Q, S] bool, None = causal
     scores: torch.Tensor | None = field(default=None, repr=False)  # [B, H, Q, S] float32 logits (masked), if kept
+    learned_sink: torch.Tensor | None = field(default=None, repr=False)  # [B, H, Q] a_i∅, with learned sink logits
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ---- geometry -------------------------------------------------------------------------
@@ -217,7 +219,10 @@ class Block:
     def entropy(self) -> torch.Tensor:
         """Entropy (nats) of each attention row: ``[B, H, Q]``. From the logits when the block has
         them (``lse·Σ_j a_ij − Σ_j a_ij s_ij``: two row maxima and one fused product instead of a
-        logarithm per element), else ``−Σ_j a_ij log a_ij``."""
+        logarithm per element), else ``−Σ_j a_ij log a_ij``; with a learned sink its share
+        ``a_i∅`` is one more outcome of the row (``− a_i∅ log a_i∅`` is added)."""
+        if self.learned_sink is not None:
+            return self._memo("entropy", lambda: M.entropy(self.a) + M.entropy(self.learned_sink.unsqueeze(-1)))
         if self.scores is not None:
             return self._memo("entropy", lambda: M.entropy_from_logits(self.a, self.scores))
         return self._memo("entropy", lambda: M.entropy(self.a))
@@ -391,13 +396,12 @@ _GRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDic
 
 def output_grams(module: torch.nn.Module, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w_o [D, H*d], G [H, d, d], G_full [H*d, H*d])`` in float32 for an attention module's
-    ``o_proj`` (found by the architecture adapter); cached per module until its weight changes."""
-    weight = attention_w_o(module)
-    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    output projection (found by the architecture adapter); cached per module until its weights change."""
+    key = attention_w_o_version(module)
     hit = _GRAMS.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
-    w_o = weight.detach().float()
+    w_o = attention_w_o(module).detach().float()
     value = (w_o, M.gram(w_o, num_heads), M.full_gram(w_o))
     _GRAMS[module] = (key, value)
     return value
@@ -480,20 +484,21 @@ def exact_attention(
     scaling: float | None = None,
     softcap: float | None = None,
     session: Session | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager-equivalent attention in blocks of queries; returns ``[B, Tq, H, d]`` like transformers.
 
     ``query [B, H, Tq, d]``, ``key``/``value [B, Hkv, S, d]``; ``attention_mask`` is the boolean
-    SDPA mask ``[B, 1, Tq, S]`` or None (causal)."""
+    SDPA mask ``[B, 1, Tq, S]`` or None (causal). ``sinks [H]``: learned sink logits (gpt-oss), one
+    extra logit per head with no value (SPEC §1)."""
     B, H, Tq, d = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     n_rep = H // Hkv
     if scaling is None:
-        scaling = module.head_dim**-0.5
+        scaling = query.shape[-1] ** -0.5
     k = repeat_kv(key, n_rep)
     v = repeat_kv(value, n_rep)
-    sinks = getattr(module, "sinks", None)
-    layer = int(getattr(module, "layer_idx", -1))
+    layer = attention_layer(module)
     observing = session is not None and session.wants(layer)
     state = None
     if observing:
@@ -515,7 +520,8 @@ def exact_attention(
             sink_logits = sinks.reshape(1, -1, 1, 1).expand(B, -1, i1 - i0, 1).to(scores.dtype)
             scores = torch.cat([scores, sink_logits], dim=-1)
             scores = scores - scores.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+            full = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            probs, sink_share = full[..., :-1], full[..., -1]
         else:
             buf = session.workspace.take("probs", scores.shape, torch.float32, scores.device) if session else None
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32, out=buf)
@@ -528,7 +534,8 @@ def exact_attention(
             # from the cached length in a decoding step (generation keeps every earlier token cached)
             block = Block(state=state, a=probs.float(), q_start=S - Tq + i0, k_start=k0,
                           allowed=None if allowed is None else allowed[..., k0:k1],
-                          scores=scores if keep else None)
+                          scores=scores if keep else None,
+                          learned_sink=None if sinks is None else sink_share)
             for obs in session.observers:
                 obs.observe(block)
             if session.intervention is not None:
@@ -558,13 +565,14 @@ def attngeom_attention(
 ):
     """The function registered as ``"attngeom"`` in ``transformers.AttentionInterface``."""
     session = _SESSION.get()
-    if session is None and softcap is None and getattr(module, "sinks", None) is None:
+    sinks = kwargs.pop("s_aux", None)
+    if session is None and softcap is None and sinks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if dropout and module.training:
         raise RuntimeError("attngeom computes attention in eval mode only (dropout > 0 while training)")
     return exact_attention(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
-                           session=session), None
+                           session=session, sinks=sinks), None
 
 
 AttentionInterface.register(ATTN_NAME, attngeom_attention)
@@ -576,28 +584,11 @@ AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 # --------------------------------------------------------------------------------------------
 
 
-def _all_configs(config):
-    yield config
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if sub is not None:
-            yield sub
-
-
 @contextlib.contextmanager
 def attngeom_attention_implementation(model):
-    """Route ``model``'s attention through the plug-in for the duration of the block, then restore."""
-    previous = [(c, c._attn_implementation) for c in _all_configs(model.config)]
-    if all(impl == ATTN_NAME for _, impl in previous):
+    """Route ``model``'s attention through the plug-in for the duration of the block, then restore.
+    The model's attention is discovered first (once per model: :func:`attngeom.model.adapter.adapter_for`),
+    so a model attngeom cannot capture is refused before anything runs."""
+    adapter_for(model)
+    with attention_implementation(model, ATTN_NAME):
         yield model
-        return
-    try:
-        model.set_attn_implementation(ATTN_NAME)
-    except Exception:  # older transformers: set the field directly
-        for c, _ in previous:
-            c._attn_implementation = ATTN_NAME
-    try:
-        yield model
-    finally:
-        for c, impl in previous:
-            c._attn_implementation = impl

@@ -217,7 +217,9 @@ class HeadStats(Reducer):
             return a.gather(-1, self_idx.view(1, 1, Q, 1).expand(B, H, Q, 1)).squeeze(-1)
 
         per_query = {
-            "sink_rate": lambda: a[..., sink_col] if has_sink else zeros,
+            # a learned sink logit (gpt-oss) parks attention too: its share counts as sink (SPEC §4)
+            "sink_rate": lambda: (a[..., sink_col] if has_sink else zeros) + (
+                0.0 if block.learned_sink is None else block.learned_sink),
             "sink_contribution": lambda: block.contribution_column(sink_col) if has_sink else zeros,
             "sink_contribution_inter": lambda: block.contribution_inter_column(sink_col) if has_sink else zeros,
             "self_attention": self_attention,

@@ -3,7 +3,8 @@
 * :mod:`.loading` — :func:`load_model` and the spec forms it accepts.
 * :mod:`.handle` — :class:`ModelHandle` (model, tokenizer, ``adapter``, readable tokens).
 * :mod:`.adapter` — :class:`ArchitectureAdapter`: attention modules, decoder layers, ``W_O``, ``W_V``
-  and head geometry by layer; :data:`SUPPORTED_ARCHITECTURES`.
+  and head geometry by attention layer, found by :func:`discover` (a probe forward, no per-model
+  code); :data:`SUPPORTED_ARCHITECTURES` (the types tests/test_architectures.py verifies).
 * :mod:`.bundled` — :data:`BUNDLED_MODELS` (``smollm2-135m``, ``gemma3-270m``).
 * :mod:`.gguf_cache` — GGUF dequantisation and the float safetensors cache.
 * :mod:`.device` — :func:`resolve_device` / :func:`check_device` and :func:`resolve_dtype`; imports
@@ -29,11 +30,12 @@ _EXPORTS = {
     "_unsentencepiece": "handle",
     # adapter
     "ArchitectureAdapter": "adapter",
-    "SeparateQKVAdapter": "adapter",
-    "SandwichNormAdapter": "adapter",
-    "FusedQKVAdapter": "adapter",
     "HeadGeometry": "adapter",
-    "ADAPTERS": "adapter",
+    "AttentionSite": "adapter",
+    "Projection": "adapter",
+    "EXCEPTIONS": "adapter",
+    "discover": "adapter",
+    "attention_layer": "adapter",
     "SUPPORTED_ARCHITECTURES": "adapter",
     "adapter_for": "adapter",
     "attention_w_o": "adapter",

@@ -1,0 +1,382 @@
+"""Every decoder-only causal-LM architecture of the installed transformers, tiny and random.
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a float32 model is built from its
+configuration class (2 decoder layers, hidden 64, 4 heads, vocab 128: :func:`tiny_config`, with the
+few per-type settings a config needs in :data:`TWEAKS`) and run on :data:`T` tokens. A type ends
+
+* ``supported``: discovery (:mod:`attngeom.model.adapter`) establishes every attention layer and all
+  checks pass: the input of the output projection that the model's own attention (SDPA or eager)
+  computes is rebuilt from the captured blocks (``Σ_j a_ij^h v_j^h``); logits with analysis equal
+  the model's own; ``Σ_j c_ij^h = 1`` and ``Σ_h Σ_j C_ij^h = 1``; attention rows sum to one (less the
+  learned sink mass where there is one); a short ``stream`` with every reducer gives finite results;
+* ``refused``: attngeom refuses it with one line (:class:`UnsupportedArchitectureError`), which the
+  CLI prints with exit status 2;
+* ``not tested``: no tiny model of the type could be built here (a multimodal wrapper, whose text
+  model is a type of its own, or a config that needs real values); the reason says which.
+
+A type that discovery accepts but whose numbers are wrong fails the test: nothing is silently wrong.
+The matrix writes ``docs/architectures.md``; it fails when a type the committed table lists as
+supported is no longer, or when fewer than :data:`MIN_SUPPORTED` types are supported.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from attngeom.capture import Session
+from attngeom.errors import UnsupportedArchitectureError
+from attngeom.model import ModelHandle
+from attngeom.model.adapter import SUPPORTED_ARCHITECTURES, adapter_for, check_supported
+
+T = 12
+DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
+MIN_SUPPORTED = 94
+REQUIRED = ("gpt2", "gpt_neox", "gptj", "opt", "olmo", "olmo2", "phi", "phi3", "stablelm", "starcoder2", "cohere",
+            "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "smollm3")
+"""Types the project promises (issue 18)."""
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             n_shared_experts=1, shared_expert_intermediate_size=32, ffn_hidden_size=128, n_inner=128)
+"""Sizes every config that has the field gets (a field the config lacks is not passed)."""
+
+MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=24,
+           num_key_value_heads=4, head_dim=8)
+"""Multi-head latent attention: query/key heads of 16, value heads of 24 (they differ on purpose)."""
+
+TWEAKS: dict[str, dict] = {
+    "deepseek_v2": MLA, "deepseek_v3": dict(MLA, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "glm4_moe_lite": MLA, "minicpm3": MLA, "sarvam_mla": MLA, "youtu": MLA, "longcat_flash": MLA,
+    "kimi_linear": MLA,
+    "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
+    "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=8, mamba_chunk_size=16),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+}
+"""Per-type settings a tiny config needs beyond :data:`SMALL`."""
+
+NOT_BUILT = {
+    "fuyu": "multimodal wrapper (its text model persimmon is tested on its own)",
+    "gemma4_unified_assistant": "multimodal assistant wrapper (its text model gemma4_unified_text is tested on its own)",
+}
+"""Types whose tiny model this test does not build (too slow, or a wrapper that the detection of
+multimodal configs in :func:`tiny_config` does not recognise)."""
+
+
+@dataclass
+class Row:
+    model_type: str
+    status: str          # supported | refused | not tested
+    reason: str
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Building a tiny model of a type
+# --------------------------------------------------------------------------------------------
+
+
+class NotBuilt(Exception):
+    """No tiny model of this type can be built here."""
+
+
+def _has(cfg, key: str) -> bool:
+    return key in cfg.to_dict() or key in getattr(cfg, "attribute_map", {})
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    if model_type in NOT_BUILT:
+        raise NotBuilt(NOT_BUILT[model_type])
+    try:
+        cfg0 = AutoConfig.for_model(model_type)
+    except Exception as e:  # noqa: BLE001 - some default configs do not validate
+        raise NotBuilt(f"default config: {_line(e)}") from None
+    if getattr(cfg0, "is_encoder_decoder", False):
+        return cfg0
+    subs = set(getattr(cfg0, "sub_configs", {}) or {})
+    if subs - {"text_config"} and subs & {"vision_config", "audio_config", "vq_config", "encoder_config",
+                                          "patch_config", "speech_config"}:
+        text = getattr(cfg0, "text_config", None)
+        raise NotBuilt(f"multimodal wrapper (its text model{' ' + text.model_type if text is not None else ''} "
+                       "is tested on its own)")
+    kw = {k: v for k, v in SMALL.items() if _has(cfg0, k)}
+    kw.update(TWEAKS.get(model_type, {}))
+    layer_types = getattr(cfg0, "layer_types", None)
+    if "layer_types" not in kw and isinstance(layer_types, list) and "layer_types" in cfg0.to_dict():
+        kw["layer_types"] = _two_layer_types(layer_types)
+    try:
+        return AutoConfig.for_model(model_type, **kw)
+    except Exception as e:  # noqa: BLE001 - config classes validate in many ways
+        raise NotBuilt(f"tiny config: {_line(e)}") from None
+
+
+def _two_layer_types(types: list) -> list:
+    """Two layer types from a default list, an attention layer last where there is one."""
+    att = [x for x in types if "attention" in str(x) and "linear" not in str(x)]
+    other = [x for x in types if x not in att]
+    if att and other:
+        return [other[0], att[0]]
+    return list(types[:2]) * (2 // max(1, len(types[:2])))
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def build(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type)
+    check_supported(cfg)
+    torch.manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        raise NotBuilt(f"tiny model: {_line(e)}") from None
+    return model.eval()
+
+
+def _ids(vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, min(vocab, 128), (1, T), generator=g)
+    ids[0, 0] = 1
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# The checks
+# --------------------------------------------------------------------------------------------
+
+
+class Checker:
+    """Rebuilds each layer's output-projection input from the blocks and checks the sums."""
+
+    def __init__(self):
+        self.rebuilt: dict[int, torch.Tensor] = {}
+        self.worst = dict(sum_c=0.0, sum_C=0.0, rows=0.0)
+        self.sinks: dict[int, float] = {}
+
+    def observe(self, block) -> None:
+        u = block.head_output[0]                                   # [H, Q, d]
+        H, Q, d = u.shape
+        buf = self.rebuilt.setdefault(block.layer, torch.zeros(T, H * d))
+        buf[block.q_start:block.q_start + Q] = u.transpose(0, 1).reshape(Q, H * d)
+        live = block.head_output_sq > 1e-10                        # [B, H, Q]
+        c = block.contribution.sum(-1)
+        self.worst["sum_c"] = max(self.worst["sum_c"], float(((c - 1).abs() * live).max()))
+        C = block.contribution_inter.sum((1, 3))
+        self.worst["sum_C"] = max(self.worst["sum_C"], float((C - 1).abs().max()))
+        mass = block.a.sum(-1)                                      # with a learned sink: 1 - its share
+        if block.learned_sink is not None:
+            self.sinks[block.layer] = float(block.learned_sink.max())
+            mass = mass + block.learned_sink
+        self.worst["rows"] = max(self.worst["rows"], float((mass - 1).abs().max()))
+
+
+def _out_inputs(adapter, run):
+    seen, hooks = {}, []
+
+    def hook(l):
+        def record(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            if x.shape[0] == 1 and x.shape[1] == T:   # not an affine map being read (adapter.Projection)
+                seen.setdefault(l, x.detach()[0].clone())
+        return record
+
+    for l in range(adapter.num_layers):
+        hooks.append(adapter.o_proj(l).register_forward_pre_hook(hook(l), with_kwargs=True))
+    try:
+        out = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, out
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def own_forward(model) -> torch.Tensor:
+    """The model's own logits on the test tokens (its own attention: SDPA or eager)."""
+    with torch.no_grad():
+        return model(_ids(model.config.get_text_config(decoder=True).vocab_size), use_cache=False).logits.float()
+
+
+def check_model(model, model_type: str) -> str:
+    """Run every check on a built model; returns the notes for the table (raises on failure)."""
+    from attngeom.trace import Batch, forward
+
+    from tiny_models import tiny_tokenizer
+
+    adapter = adapter_for(model)
+    handle = ModelHandle(model=model, tokenizer=tiny_tokenizer(), spec=model_type, name=model_type)
+    ids = _ids(model.config.get_text_config(decoder=True).vocab_size)
+    own, ref = _out_inputs(adapter, lambda: own_forward(model))
+    checker = Checker()
+    session = Session(observers=[checker])
+    batch = Batch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    under, got = _out_inputs(adapter, lambda: forward(handle, batch, session, logits=True))
+    L = adapter.num_layers
+    assert session.layers_seen == list(range(L)), session.layers_seen
+    for l in range(L):
+        assert _rel(checker.rebuilt[l], under[l].float()) < 1e-5, (model_type, l, "rebuilt under analysis")
+        assert _rel(checker.rebuilt[l], own[l].float()) < 1e-4, (model_type, l, "rebuilt vs own attention")
+    assert _rel(got, ref) < 1e-4, (model_type, "logits", _rel(got, ref))
+    assert checker.worst["sum_c"] < 1e-3 and checker.worst["sum_C"] < 1e-3, (model_type, checker.worst)
+    assert checker.worst["rows"] < 1e-4, (model_type, checker.worst)
+    _stream_every_reducer(handle, ids)
+    return _notes(adapter, checker)
+
+
+def _stream_every_reducer(handle, ids) -> None:
+    import numpy as np
+
+    from attngeom.explore import RowCollector
+    from attngeom.reducers import FullCapture, HeadStats, TokenStats
+    from attngeom.selection import SelectionStats
+    from attngeom.sinks import SinkStats
+    from attngeom.trace import stream
+
+    reducers = [HeadStats(), TokenStats(), FullCapture(), SinkStats(),
+                SelectionStats(ns=(1, 2), repeats=2, max_lag=4), RowCollector(T, handle.num_heads, top_k=4)]
+    stream(handle, [ids[0].tolist()], reducers, progress=False)
+    heads = reducers[0].result()
+    assert len(heads) == handle.num_layers * handle.num_heads
+    assert np.isfinite(heads[["sink_rate", "entropy", "head_share"]].to_numpy()).all()
+    assert sorted(reducers[2].result()) == list(range(handle.num_layers))
+    from attngeom.reducers import Reducer
+
+    for r in reducers[1:]:
+        if type(r).result is not Reducer.result:
+            r.result()
+
+
+def _notes(adapter, checker: Checker) -> str:
+    g = adapter.geometry
+    notes = []
+    if adapter.hybrid:
+        notes.append(f"hybrid: attention in decoder layers {adapter.decoder_index} of {len(adapter.decoder_layers)}")
+    if g.num_kv_heads != g.num_heads:
+        notes.append(f"{g.num_heads} query / {g.num_kv_heads} kv heads")
+    if g.qk_head_dim != g.head_dim:
+        notes.append(f"latent attention: q/k heads {g.qk_head_dim}, value heads {g.head_dim}")
+    site = adapter.sites[0]
+    if site.out.kind != "linear":
+        notes.append(f"{site.out.name.rsplit('.', 1)[-1]}: {site.out.kind} weights")
+    if adapter.b_o(0) is not None:
+        notes.append("output-projection bias")
+    if any(adapter.learned_sinks(l) for l in range(adapter.num_layers)):
+        notes.append("learned sink logits")
+    if any(adapter.sliding_window(l) for l in range(adapter.num_layers)):
+        notes.append("sliding window")
+    if site.value is None:
+        notes.append("W_V not established (head taxonomy's weight norms unavailable)")
+    elif site.value.rows is not None and site.value.rows != slice(0, g.num_kv_heads * g.head_dim):
+        notes.append(f"fused {site.value.name.rsplit('.', 1)[-1]}")
+    return "; ".join(notes)
+
+
+# --------------------------------------------------------------------------------------------
+# The matrix
+# --------------------------------------------------------------------------------------------
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def check_type(model_type: str) -> Row:
+    t0 = time.perf_counter()
+    try:
+        model = build(model_type)
+        try:
+            own_forward(model)
+        except Exception as e:  # noqa: BLE001 - the model's own code, before attngeom does anything
+            raise NotBuilt(f"the model's own forward fails on the tiny config: {_line(e)}") from None
+        notes = check_model(model, model_type)
+        row = Row(model_type, "supported", notes)
+    except UnsupportedArchitectureError as e:
+        assert "\n" not in str(e), (model_type, str(e))
+        row = Row(model_type, "refused", str(e).split(": ", 1)[-1] if str(e).startswith(model_type) else str(e))
+    except NotBuilt as e:
+        row = Row(model_type, "not tested", str(e))
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def _committed_supported() -> set[str]:
+    if not DOC.is_file():
+        return set()
+    return set(re.findall(r"^\| `([^`]+)` \| supported \|", DOC.read_text(encoding="utf-8"), flags=re.M))
+
+
+def write_table(rows: list[Row]) -> None:
+    import transformers
+
+    counts = {s: sum(r.status == s for r in rows) for s in ("supported", "refused", "not tested")}
+    lines = [
+        "# Architectures",
+        "",
+        f"Generated by `tests/test_architectures.py` with transformers {transformers.__version__}: every "
+        "`model_type` with a causal-LM class, built tiny and random (2 decoder layers, hidden 64, 4 heads) and run "
+        "through attngeom. *supported*: the model's own attention output is rebuilt from the captured blocks, "
+        "logits with analysis equal the model's own, `Σ_j c_ij^h = 1`, and a stream with every reducer runs. "
+        "*refused*: attngeom refuses it with this one line (the CLI exits with status 2). *not tested*: no tiny "
+        "model of the type could be built here.",
+        "",
+        f"**{counts['supported']} supported, {counts['refused']} refused, {counts['not tested']} not tested** "
+        f"({len(rows)} types).",
+        "",
+        "| model type | status | reason / notes |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        reason = r.reason.replace("|", "\\|")
+        lines.append(f"| `{r.model_type}` | {r.status} | {reason} |")
+    DOC.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def matrix() -> dict[str, Row]:
+    before = _committed_supported()
+    rows = []
+    with torch.no_grad():
+        for t in model_types():
+            rows.append(check_type(t))
+    write_table(rows)
+    out = {r.model_type: r for r in rows}
+    out["__before__"] = before  # type: ignore[assignment]
+    return out
+
+
+def test_matrix(matrix):
+    before = matrix.pop("__before__")
+    supported = sorted(t for t, r in matrix.items() if r.status == "supported")
+    lost = sorted(t for t in before if t in matrix and matrix[t].status != "supported")
+    assert not lost, {t: matrix[t].reason for t in lost}
+    missing = [t for t in REQUIRED if matrix[t].status != "supported"]
+    assert not missing, {t: matrix[t].reason for t in missing}
+    assert len(supported) >= MIN_SUPPORTED, (len(supported), supported)
+    hybrids = [t for t in supported if matrix[t].reason.startswith("hybrid")]
+    assert len(hybrids) >= 2, hybrids
+    assert all(r.reason and "\n" not in r.reason for r in matrix.values() if r.status != "supported")
+    assert set(SUPPORTED_ARCHITECTURES) == set(supported), set(SUPPORTED_ARCHITECTURES) ^ set(supported)
