@@ -15,6 +15,18 @@ from ..errors import InputError
 from ..io import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
 
 
+def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[str]:
+    """Write ``tables[name]`` for each of ``names`` (an experiment result's tables) as
+    ``<name>.parquet`` with a first column ``model``; the tables in ``tables`` get that column too
+    (the figures read them). Returns the file names."""
+    for t in names:
+        df = tables[t].copy()
+        df.insert(0, "model", model_name)
+        tables[t] = df
+        write_parquet(df, staging / f"{t}.parquet")
+    return [f"{t}.parquet" for t in names]
+
+
 def add_model_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="model spec: 'smollm2-135m' (bundled, default), 'gemma3-270m' (bundled, optional), "

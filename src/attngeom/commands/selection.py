@@ -22,6 +22,8 @@ import sys
 from ..errors import InputError
 from . import common
 
+TABLES = ("selection", "regime")
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -115,10 +117,7 @@ def run(args) -> int:
         layers = check_layers(layers, handle.num_layers)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
         res = experiment(handle, run, windows, layers=layers, batch_size=args.batch_size, **options)
-        sel, reg, summary_part = res.tables["selection"], res.tables["regime"], res.summary
         model_name = getattr(handle, "name", args.model)
-        sel.insert(0, "model", model_name)
-        reg.insert(0, "model", model_name)
         summary = {
             "command": "selection",
             "model": model_name,
@@ -133,19 +132,17 @@ def run(args) -> int:
             "seed": args.seed,
             "sink_position": args.sink,
             "layers": layers if layers is not None else "all",
-            **summary_part,
+            **res.summary,
             "settings": settings,
-            "files": ["selection.parquet", "regime.parquet"],
+            "files": [f"{t}.parquet" for t in TABLES],
         }
 
         def write(staging) -> list[str]:
-            common.write_parquet(sel, staging / "selection.parquet")
-            common.write_parquet(reg, staging / "regime.parquet")
-            files = ["selection.parquet", "regime.parquet"]
+            files = common.write_tables(staging, res.tables, TABLES, model_name)
             if not args.no_figures:
                 from ..reports.selection import render
 
-                summary["figures"] = [p.name for p in render(staging, sel, reg)]
+                summary["figures"] = [p.name for p in render(staging, res.tables["selection"], res.tables["regime"])]
                 files += summary["figures"]
             common.write_json(staging / "summary.json", summary)
             return files + ["summary.json"]

@@ -88,11 +88,7 @@ def run(args) -> int:
         }
 
         def write(staging) -> list[str]:
-            for t in TABLES:
-                df = res.tables[t].copy()
-                df.insert(0, "model", model_name)
-                common.write_parquet(df, staging / f"{t}.parquet")
-            files = [f"{t}.parquet" for t in TABLES]
+            files = common.write_tables(staging, res.tables, TABLES, model_name)
             if not args.no_figures:
                 from ..reports.sinks import render
 
