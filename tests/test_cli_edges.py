@@ -166,3 +166,14 @@ def test_pickle_only_model_folder_is_one_line_without_torch_hints(extra, tiny_ll
     low = r.stderr.lower()
     assert "weights_only" not in low and "weights only" not in low and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_file_with_a_byte_order_mark_is_read_without_it(tmp_path):
+    import argparse
+
+    from attngeom.commands.common import text_input
+
+    f = tmp_path / "bom.txt"
+    f.write_bytes(b"\xef\xbb\xbfThe cat sat.\r\n")
+    text, source = text_input(argparse.Namespace(text=None, file=str(f)), "analyze")
+    assert text == "The cat sat.\r\n" and source == str(f)

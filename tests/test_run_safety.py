@@ -91,7 +91,7 @@ def test_tampered_checkpoint_settings_are_not_a_run(tmp_path):
     run.close()
     p = out / CHECKPOINT / SETTINGS
     p.write_text(p.read_text().replace('"a": 1', '"a": 2'))
-    with pytest.raises(InputError, match="settings.json was not written by attngeom"):
+    with pytest.raises(InputError, match="settings.json was not written by this version of attngeom"):
         Run(out, "sinks", {"a": 2}, overwrite=True, progress=False)
     assert (out / CHECKPOINT / SETTINGS).exists()
 
@@ -135,6 +135,27 @@ def test_overwrite_removes_outputs_of_a_run_killed_before_its_manifest(tmp_path,
     Run(out, "heads", {}, overwrite=True, progress=False).close()
     assert not (out / "table.parquet").exists() and not (out / "summary.json").exists()
     assert all((out / k).read_text() == v for k, v in USER_FILES.items())
+
+
+def test_overwrite_never_follows_a_link_out_of_the_run(tmp_path):
+    """A listed output whose directory was replaced by a link to elsewhere is not deleted there."""
+    out = tmp_path / "o"
+    run = Run(out, "sinks", {"a": 1}, progress=False)
+
+    def write(d):
+        (d / "sub").mkdir()
+        (d / "sub" / "t.json").write_text("{}")
+        return ["sub/t.json"]
+
+    run.finish(write)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "t.json").write_text("the user's")
+    (out / "sub" / "t.json").unlink()
+    (out / "sub").rmdir()
+    (out / "sub").symlink_to(elsewhere)
+    Run(out, "sinks", {"a": 2}, overwrite=True, progress=False).close()
+    assert (elsewhere / "t.json").read_text() == "the user's"
 
 
 def test_cli_overwrite_refuses_a_foreign_manifest_in_one_line(tiny_llama_dir, tmp_path, capsys):

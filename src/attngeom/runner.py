@@ -332,8 +332,8 @@ class Run:
             doc = unseal(p)
             if doc is False:
                 raise InputError(f"{self.out} holds files that are not an attngeom run "
-                                 f"({p.relative_to(self.out)} was not written by attngeom, or was changed since); "
-                                 "use a new or empty directory (nothing was changed)")
+                                 f"({p.relative_to(self.out)} was not written by this version of attngeom, or was "
+                                 "changed since); use a new or empty directory (nothing was changed)")
             if doc:
                 found.append({"format": doc.get("format"), "command": doc.get("command"),
                               "settings": doc.get("settings")})
@@ -418,10 +418,13 @@ class Run:
             if doc:
                 names.update(str(n) for n in (doc.get("files") or ()))
         emptied: set[Path] = {self.checkpoint}
+        root = out.resolve()
         try:
             for name in sorted(names):
                 p = _inside(out, name)
-                if p is not None and (p.is_file() or p.is_symlink()):
+                if p is None or not (p.parent.resolve() == root or root in p.parent.resolve().parents):
+                    continue  # a directory on the way was replaced by a link out of the run
+                if p.is_file() or p.is_symlink():
                     p.unlink()
                     emptied.add(p.parent)
             own = [self.checkpoint / n for n in (SETTINGS, OUTPUTS)] + [out / MANIFEST]
