@@ -85,7 +85,8 @@ class Metric:
     ``received``: :func:`attngeom.metrics.received` sums its token-level score over queries without
     a score map (the built-in one-product path; :func:`received_names`); ``hierarchy``: its place in
     the contribution-weights paper's faithfulness hierarchy, 0 = least faithful (:func:`hierarchy`:
-    the claims' hierarchy and the faithfulness experiment's default rankings)."""
+    the claims' hierarchy and the faithfulness experiment's default rankings). ``token_latex``: the
+    token-level score as the figures print it (matplotlib mathtext)."""
 
     name: str
     label: str
@@ -97,6 +98,7 @@ class Metric:
     formula: str = ""
     received: bool = False
     hierarchy: int | None = None
+    token_latex: str = ""
 
     def __post_init__(self):
         if self.heads not in ("sum", "mean"):
@@ -197,15 +199,18 @@ def needs_of(observers: Iterable[object]) -> frozenset[str] | None:
 # --------------------------------------------------------------------------------------------
 
 register(Metric("attention", "attention", lambda b: b.a, frozenset({"attention"}), heads="mean",
-                formula="a_ij^h", received=True, hierarchy=0))
+                formula="a_ij^h", received=True, hierarchy=0, token_latex=r"mean over heads of $a_{ij}^h$"))
 register(Metric("value_weighted", "value-weighted", lambda b: b.map_value_weighted(),
-                frozenset({"attention", "value_norm"}), formula="a_ij^h ‖ṽ_j^h‖", received=True, hierarchy=1))
+                frozenset({"attention", "value_norm"}), formula="a_ij^h ‖ṽ_j^h‖", received=True, hierarchy=1,
+                token_latex=r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|$"))
 register(Metric("output_normalized", "output-normalised", lambda b: b.map_output_normalized(),
                 frozenset({"attention", "value_norm", "head_output_norm"}),
-                formula="a_ij^h ‖ṽ_j^h‖ / ‖o_i^h‖", received=True, hierarchy=2))
+                formula="a_ij^h ‖ṽ_j^h‖ / ‖o_i^h‖", received=True, hierarchy=2,
+                token_latex=r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|/\|o_i^h\|$"))
 register(Metric("contribution", "contribution", lambda b: b.map_contribution(),
                 frozenset({"attention", "uG", "head_output_sq"}), token_map="contribution_inter",
-                formula="c_ij^h = ⟨o_i^h, a_ij^h ṽ_j^h⟩ / ‖o_i^h‖²", received=True, hierarchy=3))
+                formula="c_ij^h = ⟨o_i^h, a_ij^h ṽ_j^h⟩ / ‖o_i^h‖²", received=True, hierarchy=3,
+                token_latex=r"$C_{ij}=\Sigma_h \langle o_i, a_{ij}^h\tilde v_j^h\rangle/\|o_i\|^2$"))
 register(Metric("contribution_inter", "contribution (inter-head)", lambda b: b.map_contribution_inter(),
                 frozenset({"attention", "pulled_back", "output_sq"}),
                 formula="C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²"))

@@ -35,13 +35,10 @@ MASK_COLOR = "#e6e6e6"
 SEQ_CMAP = "magma_r"
 DIV_CMAP = "RdBu_r"
 
-TOKEN_LEVEL = tuple((name, registry.label(name).capitalize(), formula) for name, formula in (
-    ("attention", r"mean over heads of $a_{ij}^h$"),
-    ("contribution", r"$C_{ij}=\Sigma_h \langle o_i, a_{ij}^h\tilde v_j^h\rangle/\|o_i\|^2$"),
-    ("value_weighted", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|$"),
-    ("output_normalized", r"$\Sigma_h a_{ij}^h\,\|\tilde v_j^h\|/\|o_i^h\|$"),
-))
-"""The token-level maps drawn: (metric, title from the registry's label, formula)."""
+TOKEN_LEVEL = tuple((name, registry.label(name).capitalize(), registry.get(name).token_latex)
+                    for name in ("attention", "contribution", "value_weighted", "output_normalized"))
+"""The token-level maps drawn, in the order of the 2x2 grid: (metric, title and formula from the
+registry)."""
 
 
 # --------------------------------------------------------------------------------------------
