@@ -220,6 +220,8 @@ def test_taxonomy_budgets_share_the_layer_total():
     # layer 0: kv head 1 (query heads 2, 3) has a Retriever: small = max(8, 16) = 16, large = 128 - 16
     assert budgets[0] == [16, 112] and streaming[0] == [True, False]
     assert budgets[1] == [64, 64] and streaming[1] == [True, True]
+    # a chunk of 16 needs room: the small heads get 4 sinks + 16
+    assert taxonomy_budgets(regimes, 4, 2, 64, chunk=16)[0][0] == [20, 108]
 
 
 # ---------------------------------------------------------------------------------------------

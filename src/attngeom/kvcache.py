@@ -354,14 +354,15 @@ def read(handle, ids: Sequence[int], policy: Policy | str, budget: int | None, c
 
 
 def taxonomy_budgets(regimes: pd.DataFrame, num_heads: int, num_kv_heads: int, budget: int,
-                     small: int | None = None) -> tuple[dict, dict]:
+                     small: int | None = None, chunk: int = 1) -> tuple[dict, dict]:
     """Per-layer budgets per key/value head from a taxonomy table (``layer, head, regime``):
     ``(budgets {layer: [Hkv]}, streaming {layer: [Hkv]})``. A key/value head with a Retriever
     query head keeps a large budget; the others (Mixer/Reset only) keep ``small`` entries
-    (default ``max(SINKS + 4, budget // 4)``) as sink + window; the Retriever heads share the rest,
+    (default ``max(SINKS + 4, budget // 4, SINKS + chunk)``, never more than ``budget``) as sink +
+    window; the Retriever heads share the rest,
     so each layer holds ``H_kv × budget`` entries in all. A layer without Retriever heads gives
     every head ``budget`` as sink + window; a layer of Retrievers only gives each ``budget``."""
-    small = min(budget, max(SINKS + 4, budget // 4)) if small is None else int(small)
+    small = min(budget, max(SINKS + 4, budget // 4, SINKS + chunk)) if small is None else int(small)
     n_rep = num_heads // num_kv_heads
     budgets, streaming = {}, {}
     for layer, g in regimes.groupby("layer"):
@@ -391,16 +392,17 @@ def configurations(policies: Sequence[str], budgets: Sequence[int]) -> list[tupl
     return out
 
 
-def _budgets_for(handle, name: str, budget: int | None, regimes: pd.DataFrame | None) -> tuple[dict | None, dict | None]:
+def _budgets_for(handle, name: str, budget: int | None, regimes: pd.DataFrame | None,
+                 chunk: int = 1) -> tuple[dict | None, dict | None]:
     if name != "taxonomy" or budget is None:
         return None, None
     if regimes is None:
         raise InputError("the taxonomy policy needs head regimes (a taxonomy table)")
-    return taxonomy_budgets(regimes, handle.num_heads, handle.num_kv_heads, budget)
+    return taxonomy_budgets(regimes, handle.num_heads, handle.num_kv_heads, budget, chunk=chunk)
 
 
 def _config_stage(handle, run, name: str, items: Sequence[Sequence[int]], configs, one, column: str,
-                  regimes: pd.DataFrame | None) -> pd.DataFrame:
+                  regimes: pd.DataFrame | None, chunk: int = 1) -> pd.DataFrame:
     """Rows of ``one(i, policy, budget, head_budgets, streaming) -> dict`` for every (item ``i``,
     configuration), each a unit of stage ``name`` of ``run`` (resumable); ``full`` rows repeated
     for every budget of the other configurations."""
@@ -413,7 +415,7 @@ def _config_stage(handle, run, name: str, items: Sequence[Sequence[int]], config
         rows = []
         for u in units:
             i, (policy, budget) = u // n_cfg, configs[u % n_cfg]
-            hb, st = _budgets_for(handle, policy, budget, regimes)
+            hb, st = _budgets_for(handle, policy, budget, regimes, chunk)
             rows.append({column: i, "policy": policy, "budget": -1 if budget is None else budget,
                          **one(i, policy, budget, hb, st)})
         return {"rows": pd.DataFrame(rows)}
@@ -437,7 +439,8 @@ def experiment(handle, run, windows: Sequence[Sequence[int]], policies: Sequence
     taxonomy table the ``taxonomy`` policy's budgets come from."""
     configs = configurations(policies, budgets)
     df = _config_stage(handle, run, "read", windows, configs,
-                       lambda i, p, b, hb, st: read(handle, windows[i], p, b, chunk, hb, st), "window", regimes)
+                       lambda i, p, b, hb, st: read(handle, windows[i], p, b, chunk, hb, st), "window", regimes,
+                       chunk)
     df["ppl"] = np.exp(df["nll"] / df["tokens"])
     df["seconds_per_token"] = df["seconds"] / df["tokens"]
     return df
