@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from .errors import InputError
+from .experiment import ModelHandleLike
 
 SAMPLE_TEXT = (
     "Attention weights are often read as a map of what a language model looks at. "
@@ -318,7 +319,7 @@ def windows(ids: Sequence[int], window: int, stride: int | None = None, bos: int
     return out
 
 
-def load_windows(handle, spec: str, window: int = 256, stride: int | None = None,
+def load_windows(handle: ModelHandleLike, spec: str, window: int = 256, stride: int | None = None,
                  max_windows: int | None = 16, fields: Sequence[str] | None = None) -> list[list[int]]:
     """Token-id windows of a corpus (file or ``hf:`` dataset) for ``handle``'s tokenizer.
 

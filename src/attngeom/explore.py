@@ -34,6 +34,7 @@ import torch
 from . import metrics as M
 from .capture import Block
 from .errors import InputError
+from .experiment import ModelHandleLike
 from .reducers import Reducer
 
 DEFAULT_TOP_K = 8
@@ -247,7 +248,7 @@ class ResidualShares:
     attention module's output, or, where a norm follows attention before the residual add (Gemma 2/3:
     the layer has a ``pre_feedforward_layernorm``), that norm's output."""
 
-    def __init__(self, handle, layers):
+    def __init__(self, handle: ModelHandleLike, layers):
         self.shares: dict[int, np.ndarray] = {}
         self._x: dict[int, torch.Tensor] = {}
         self._hooks = []
@@ -320,7 +321,7 @@ def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None
     return None if T <= exact_max_tokens else k
 
 
-def build(handle, text, *, layers=None, top_k: int | None = None,
+def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = None,
           exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0, decoding=None,
           chat: bool = False, system: str | None = None) -> ExploreData:
     """Run one text (a string or token ids) through the model and collect the explorer's data.

@@ -22,6 +22,7 @@ from . import metrics as M
 from . import registry as R
 from .capture import Block, Intervention, LayerState, Session, attngeom_attention_implementation
 from .errors import InputError, OutputError, TraceFormatError
+from .experiment import ModelHandleLike, RunLike
 from .reducers import Batch, FullCapture, Reducer
 
 
@@ -30,7 +31,7 @@ from .reducers import Batch, FullCapture, Reducer
 # --------------------------------------------------------------------------------------------
 
 
-def to_ids(handle, item) -> list[int]:
+def to_ids(handle: ModelHandleLike, item) -> list[int]:
     """A text (BOS prepended where the tokenizer has one) or token ids -> list of ids."""
     if isinstance(item, str):
         return list(handle.encode(item))
@@ -46,7 +47,7 @@ def to_ids(handle, item) -> list[int]:
     return ids
 
 
-def check_length(handle, n: int) -> None:
+def check_length(handle: ModelHandleLike, n: int) -> None:
     """Inputs longer than the model's context are refused: use :func:`attngeom.data.windows`."""
     limit = getattr(handle, "max_positions", None)
     if limit and n > limit:
@@ -56,7 +57,8 @@ def check_length(handle, n: int) -> None:
         )
 
 
-def make_batches(handle, items: Iterable, batch_size: int = 1, index: Sequence[int] | None = None) -> Iterator[Batch]:
+def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
+                 index: Sequence[int] | None = None) -> Iterator[Batch]:
     """Group inputs into right-padded batches of at most ``batch_size`` texts. ``index``: each
     input's number in the whole stream (default ``0, 1, ...``): reducers see it as ``batch.index``."""
     pad = handle.tokenizer.pad_token_id if handle.tokenizer.pad_token_id is not None else 0
@@ -86,7 +88,7 @@ def make_batches(handle, items: Iterable, batch_size: int = 1, index: Sequence[i
 
 
 @torch.no_grad()
-def forward(handle, batch: Batch, session: Session, logits: bool = False) -> torch.Tensor | None:
+def forward(handle: ModelHandleLike, batch: Batch, session: Session, logits: bool = False) -> torch.Tensor | None:
     """One forward pass of ``batch`` with ``session`` active. Returns float32 logits ``[B, T, V]``
     when ``logits`` is set (else only the last position's are computed, and None is returned)."""
     model = handle.model
@@ -126,7 +128,8 @@ def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batch_nll(handle, batch: Batch, session: Session | None = None, last: int | None = None) -> torch.Tensor:
+def batch_nll(handle: ModelHandleLike, batch: Batch, session: Session | None = None,
+              last: int | None = None) -> torch.Tensor:
     """Summed next-token NLL of each text of ``batch`` under ``session`` (default: unedited):
     float64 ``[B]``. ``last``: score only the last ``last`` predictions of each row (e.g. the
     continuation of a multiple-choice option); default every prediction (``lengths - 1``).
@@ -147,7 +150,7 @@ def scored_tokens(batch: Batch) -> int:
 
 
 def stream(
-    handle,
+    handle: ModelHandleLike,
     items: Iterable,
     reducers: Sequence[Reducer],
     *,
@@ -182,8 +185,9 @@ def stream(
     return reducers
 
 
-def reduce_stage(handle, run, name: str, items: Sequence, make: Callable[[], Sequence[Reducer]], *,
-                 layers: Iterable[int] | None = None, batch_size: int = 1, desc: str | None = None) -> list[Reducer]:
+def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequence,
+                 make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None, batch_size: int = 1,
+                 desc: str | None = None) -> list[Reducer]:
     """Stream ``items`` through fresh reducers ``make()`` as stage ``name`` of ``run`` (an
     :class:`attngeom.runner.Run`: one record of reducer states per group of items, resumable and
     shareable among processes; None: in memory), then return ``make()`` loaded with the merged
@@ -205,8 +209,8 @@ def reduce_stage(handle, run, name: str, items: Sequence, make: Callable[[], Seq
     return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]
 
 
-def summaries(handle, run, items: Sequence, *, layers: Iterable[int] | None = None, sink: int = 0,
-              batch_size: int = 1, stage: str = "summaries"):
+def summaries(handle: ModelHandleLike, run: RunLike, items: Sequence, *, layers: Iterable[int] | None = None,
+              sink: int = 0, batch_size: int = 1, stage: str = "summaries"):
     """Per-head (:class:`~attngeom.reducers.HeadStats`) and per-token
     (:class:`~attngeom.reducers.TokenStats`) summaries of ``items`` as one stage of ``run``
     (:func:`reduce_stage`). Returns ``(heads, tokens)`` DataFrames; ``tokens.text`` is the item's index."""
@@ -510,7 +514,7 @@ def _load_trace(cls, path: Path) -> "Trace":
     return cls(ids=ids, tokens=tokens, layers=out, model_name=name, prompt_length=prompt_length)
 
 
-def analyze_batch(handle, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,
+def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,
                   block_elements: int | None = None) -> list[Trace]:
     """Full traces of several texts (or id lists), right-padded into batches of ``batch_size``.
 
@@ -533,7 +537,7 @@ def analyze_batch(handle, items: Sequence, *, layers: Iterable[int] | None = Non
     return [traces[i] for i in sorted(traces)]
 
 
-def analyze(handle, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
+def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
             generate: int | None = None, **generation) -> Trace:
     """Full trace of one text (a string, or token ids): every layer's metric maps.
 

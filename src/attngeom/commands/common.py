@@ -10,9 +10,13 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
 from ..io import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..experiment import RunLike
 
 
 def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[str]:
@@ -161,7 +165,7 @@ def open_run(args, command: str, settings: dict):
         raise
 
 
-def already_complete(run, command: str) -> bool:
+def already_complete(run: RunLike, command: str) -> bool:
     """Say so when ``--out`` already holds this complete run (nothing is recomputed or rewritten)."""
     if run.complete:
         if run.comm.rank == 0:
