@@ -454,25 +454,36 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | N
             workspace: Workspace | None = None) -> torch.Tensor:
     """Attention logits as eager computes them: ``(q kᵀ)·scaling``, soft-capped, plus the mask.
 
-    ``q [B, H, Q, d]``, ``k [B, H, S, d]`` -> ``[B, H, Q, S]``. ``mask`` is additive (``[B|1, 1, Q, S]``);
+    ``q [B, H, Q, d]``, ``k [B, Hkv, S, d]`` -> ``[B, H, Q, S]``; with grouped-query attention the
+    ``H / Hkv`` query heads of a key head are one product (the keys are never repeated). ``mask`` is
+    additive (``[B|1, 1, Q, S]``);
     a causal block passes ``diagonal`` instead, the block column of its first query: only the
     sources after each query in the ``[Q, Q]`` part from there on are masked (set to the dtype's
     minimum, which is what eager's ``+ min`` gives in floating point), so no ``[Q, S]`` mask is
     read or copied. Without soft-capping the scaling is fused into the product (``alpha``), written
     into the ``workspace``'s buffer when one is given."""
     B, H, Q, d = q.shape
-    S = k.shape[2]
+    Hk, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B * Hk, H // Hk * Q, d)                  # the query rows of each key head's group
+    kt = k.reshape(B * Hk, S, d).transpose(1, 2)
     if softcap is None:
-        out = (q.new_empty(B * H, Q, S) if workspace is None
-               else workspace.take("scores", (B * H, Q, S), q.dtype, q.device))
-        scores = out.baddbmm_(q.reshape(B * H, Q, d), k.reshape(B * H, S, d).transpose(1, 2),
-                              beta=0, alpha=scaling).view(B, H, Q, S)
+        out = (q.new_empty(B * Hk, H // Hk * Q, S) if workspace is None
+               else workspace.take("scores", (B * Hk, H // Hk * Q, S), q.dtype, q.device))
+        scores = out.baddbmm_(qg, kt, beta=0, alpha=scaling).view(B, H, Q, S)
     else:
-        scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+        scores = (torch.bmm(qg, kt) * scaling).view(B, H, Q, S)
         scores = torch.tanh(scores / softcap) * softcap
     if diagonal is not None and diagonal < S:
         scores[..., diagonal:].masked_fill_(_future(Q, S - diagonal, str(q.device)), torch.finfo(scores.dtype).min)
     return scores if mask is None else scores + mask
+
+
+def _mix(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``probs @ v`` per query head, ``probs [B, H, Q, S]``, ``value [B, Hkv, S, d]`` shared by groups of
+    ``H / Hkv`` query heads: one product per key/value head (the values are never repeated)."""
+    B, H, Q, S = probs.shape
+    Hkv, d = value.shape[1], value.shape[-1]
+    return torch.bmm(probs.reshape(B * Hkv, H // Hkv * Q, S), value.reshape(B * Hkv, S, d)).view(B, H, Q, d)
 
 
 def exact_attention(
@@ -496,12 +507,11 @@ def exact_attention(
     n_rep = H // Hkv
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    k = repeat_kv(key, n_rep)
-    v = repeat_kv(value, n_rep)
     layer = attention_layer(module)
     observing = session is not None and session.wants(layer)
     state = None
     if observing:
+        v = repeat_kv(value, n_rep)   # per query head, for the observers (the plain path never repeats)
         w_o, G, G_full = output_grams(module, H)
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
         state = LayerState(layer=layer, module=module, v=v.detach().float(), w_o=w_o, G=G, G_full=G_full,
@@ -512,7 +522,7 @@ def exact_attention(
     for i0, i1 in _query_blocks(B, H, Tq, S, budget, session.min_queries if session else MIN_BLOCK_QUERIES):
         allowed = _block_allowed(attention_mask, i0, i1)
         k0, k1 = _source_range(allowed, i1, S, Tq)
-        scores = _scores(query[:, :, i0:i1], k[:, :, k0:k1], scaling, softcap,
+        scores = _scores(query[:, :, i0:i1], key[:, :, k0:k1], scaling, softcap,
                          _additive_mask(allowed, k0, k1, query.dtype, query.device),
                          diagonal=i0 - k0 if allowed is None and Tq > 1 else None,
                          workspace=session.workspace if session else None)
@@ -547,7 +557,7 @@ def exact_attention(
                 # them (computed here only when no observer asked for them first)
                 mixed = block.head_output
         if mixed is None:
-            mixed = torch.matmul(probs, v[:, :, k0:k1])
+            mixed = _mix(probs, value[:, :, k0:k1])
         out[:, i0:i1] = mixed.transpose(1, 2)
     return out
 
