@@ -356,7 +356,7 @@ class Run:
             if not out.is_dir():
                 raise OutputError(f"--out {out} is a file, not a directory") from None
         except OSError as e:
-            raise OutputError(f"cannot create output directory {out}: {e.strerror or e}") from None
+            raise OutputError(f"cannot write to output directory {out}: {e.strerror or e}") from None
         runlock.acquire(out)
         self._locked = True
         try:
