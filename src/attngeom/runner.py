@@ -16,10 +16,11 @@ A **run** lives in one output directory::
 JSON (:func:`seal`). A directory holds an attngeom run only when these files are sealed and intact;
 a ``run.json`` of another tool, ``{}``, text that is not JSON or an edited manifest make it a
 directory of files that are not an attngeom run. A directory is *complete* only when ``run.json``
-is there. A run is split into **stages** (one pass
-over the corpus, a removal sweep, ...), each a list of **units** (windows, examples, heads, ...)
-numbered ``0..n-1``. :meth:`Run.stage` calls ``work(units)`` for the units not yet recorded and
-appends one record per call: ``{"stage", "units", "fingerprints", "data"}``. Records are keyed by
+is there.
+
+A run is split into **stages** (one pass over the corpus, a removal sweep, ...), each a list of
+**units** (windows, examples, heads, ...) numbered ``0..n-1``. :meth:`Run.stage` calls
+``work(units)`` for the units not yet recorded and appends one record per call: ``{"stage", "units", "fingerprints", "data"}``. Records are keyed by
 unit index, so a rerun resumes where a kill stopped it, and units can be shared out among processes
 (:mod:`attngeom.distributed`) and merged: records hold sums, counts and histograms (never means of
 means), merged with :func:`merge_sums`. Summaries and figures are computed from the records alone.
