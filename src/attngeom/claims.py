@@ -28,6 +28,7 @@ the Markdown.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -43,20 +44,37 @@ FIXED_REGIME_ORDER = ("Mixer", "Reset", "Retriever")
 MODERATE = (90.0, 75.0)
 """Retentions (percent of heads kept) that count as moderate removal."""
 
-DEFAULTS = {
-    "window": 128,
-    "max_windows": 12,
-    "calib_windows": 2,
-    "ratios": (0.2, 0.5, 0.8),
-    "seeds": (0,),
-    "ns": (2, 4, 8, 16),
-    "repeats": 4,
-    "retentions": (100.0, 90.0, 75.0, 50.0, 25.0),
-    "fixed_order": FIXED_REGIME_ORDER,
-    "bootstrap": 1000,
-    "seed": 0,
-    "critical_k": 3.0,
-}
+@dataclass(frozen=True)
+class Settings:
+    """The claims experiment's settings. ``window`` and ``max_windows`` say how the command cuts the
+    corpus; the others are the reduced experiments' options: faithfulness ``ratios`` and ``seeds`` of
+    the random ranking, selection sizes ``ns`` and random ``repeats``, head-removal ``retentions``
+    (percent of heads kept) with the first ``calib_windows`` windows as calibration split and the
+    a-priori ``fixed_order`` of regimes beside the calibrated one, and the bootstrap
+    (``n_resamples`` resamples seeded by ``seed``; ``critical_k`` the critical-head threshold)."""
+
+    window: int = 128
+    max_windows: int = 12
+    calib_windows: int = 2
+    ratios: tuple[float, ...] = (0.2, 0.5, 0.8)
+    seeds: tuple[int, ...] = (0,)
+    ns: tuple[int, ...] = (2, 4, 8, 16)
+    repeats: int = 4
+    retentions: tuple[float, ...] = (100.0, 90.0, 75.0, 50.0, 25.0)
+    fixed_order: tuple[str, ...] = FIXED_REGIME_ORDER
+    n_resamples: int = 1000
+    seed: int = 0
+    critical_k: float = 3.0
+
+    def record(self) -> dict:
+        """What a result records of them (``bootstrap``: the resamples; ``level``: the interval's)."""
+        return {"calib_windows": self.calib_windows, "ratios": list(self.ratios), "seeds": list(self.seeds),
+                "ns": list(self.ns), "repeats": self.repeats, "retentions": list(self.retentions),
+                "fixed_order": list(self.fixed_order), "bootstrap": self.n_resamples, "seed": self.seed,
+                "level": bs.DEFAULT_LEVEL, "critical_k": self.critical_k}
+
+
+DEFAULTS = Settings()
 
 P1 = "Contribution Weights (Cunningham & Muca Cirone)"
 P2 = "Geometric Analysis of Token Selection (Mudarisov et al.)"
@@ -621,12 +639,7 @@ def _fmt_pct(x) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, *,
-               calib_windows: int = DEFAULTS["calib_windows"], ratios: Sequence[float] = DEFAULTS["ratios"],
-               seeds: Sequence[int] = DEFAULTS["seeds"], ns: Sequence[int] = DEFAULTS["ns"],
-               repeats: int = DEFAULTS["repeats"], retentions: Sequence[float] = DEFAULTS["retentions"],
-               fixed_order: Sequence[str] = DEFAULTS["fixed_order"], n_resamples: int = DEFAULTS["bootstrap"],
-               seed: int = DEFAULTS["seed"], critical_k: float = DEFAULTS["critical_k"],
+def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, settings: Settings = DEFAULTS, *,
                analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
     """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a
     :class:`~attngeom.runner.Run` or :class:`~attngeom.runner.Memory`), one window per record, and
@@ -635,9 +648,9 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, *,
     Returns an :class:`~attngeom.experiment.ExperimentResult` whose ``summary`` is ``{"rows": [one
     dict per claim, in the order of CLAIMS], "detail": {...}, "windows": {...}, "settings":
     {...}}`` and whose ``tables["claims"]`` holds the rows' id, verdict, value and interval; each row
-    has ``value``, ``low``, ``high`` (95 % percentile bootstrap interval, ``n_resamples`` resamples of
-    the windows, seeded by ``seed``), ``interval`` (text), ``verdict`` and ``numbers`` (the intervals
-    behind the verdict)."""
+    has ``value``, ``low``, ``high`` (95 % percentile bootstrap interval, ``settings.n_resamples``
+    resamples of the windows, seeded by ``settings.seed``), ``interval`` (text), ``verdict`` and
+    ``numbers`` (the intervals behind the verdict)."""
     import pandas as pd
 
     from .trace import to_ids
@@ -648,34 +661,34 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, *,
     detail: dict = {}
     info = {"windows": W, "tokens_scored": int(sum(max(0, len(x) - 1) for x in ids))}
 
+    st = settings
+
     def counts_for(n: int, salt: int) -> np.ndarray:
-        return bs.resample_counts(n, n_resamples, seed * 1000 + salt)
+        return bs.resample_counts(n, st.n_resamples, st.seed * 1000 + salt)
 
     if "faithfulness" in analyses:
-        r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, ratios, seeds, counts_for)
+        r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for)
         rows += r
     if "sinks" in analyses:
         r, detail["sinks"] = _sinks_part(handle, run, ids, counts_for)
         rows += r
     if "selection" in analyses:
-        r, detail["selection"] = _selection_part(handle, run, ids, ns, repeats, seed, counts_for)
+        r, detail["selection"] = _selection_part(handle, run, ids, st.ns, st.repeats, st.seed, counts_for)
         rows += r
     if "heads" in analyses:
-        r, detail["regimes"], detail["heads"] = _heads_part(handle, run, ids, calib_windows, retentions, fixed_order,
-                                                            seed, critical_k, counts_for)
+        r, detail["regimes"], detail["heads"] = _heads_part(handle, run, ids, st.calib_windows, st.retentions,
+                                                            st.fixed_order, st.seed, st.critical_k, counts_for)
         rows += r
-        info.update({"calibration_windows": calib_windows, "heldout_windows": W - calib_windows})
+        info.update({"calibration_windows": st.calib_windows, "heldout_windows": W - st.calib_windows})
 
     order = {c["id"]: i for i, c in enumerate(CLAIMS)}
     rows.sort(key=lambda r: order[r["id"]])
-    settings = {"calib_windows": calib_windows, "ratios": list(ratios), "seeds": list(seeds), "ns": list(ns),
-                "repeats": repeats, "retentions": list(retentions), "fixed_order": list(fixed_order),
-                "bootstrap": n_resamples, "seed": seed, "level": bs.DEFAULT_LEVEL, "critical_k": critical_k}
+    recorded = st.record()
     table = pd.DataFrame([{k: r[k] for k in ("id", "verdict", "value", "low", "high", "interval")} for r in rows],
                          columns=["id", "verdict", "value", "low", "high", "interval"])
     return ExperimentResult("claims", tables={"claims": table},
-                            summary={"rows": rows, "detail": detail, "windows": info, "settings": settings},
-                            settings=settings)
+                            summary={"rows": rows, "detail": detail, "windows": info, "settings": recorded},
+                            settings=recorded)
 
 
 def _one_per_window(result: ExperimentResult, key: str) -> list:

@@ -27,24 +27,24 @@ def add_parser(subparsers) -> None:
                     "docs/claims.md).")
     common.add_model_args(p)
     common.add_data_args(p)
-    p.set_defaults(window=DEFAULTS["window"], max_windows=DEFAULTS["max_windows"])
-    p.add_argument("--calib-windows", type=int, default=DEFAULTS["calib_windows"],
-                   help=f"first windows used as the head-removal calibration split (default {DEFAULTS['calib_windows']})")
-    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS["ratios"]),
+    p.set_defaults(window=DEFAULTS.window, max_windows=DEFAULTS.max_windows)
+    p.add_argument("--calib-windows", type=int, default=DEFAULTS.calib_windows,
+                   help=f"first windows used as the head-removal calibration split (default {DEFAULTS.calib_windows})")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS.ratios),
                    help="faithfulness removal ratios (default %(default)s)")
-    p.add_argument("--seeds", default=",".join(str(s) for s in DEFAULTS["seeds"]),
+    p.add_argument("--seeds", default=",".join(str(s) for s in DEFAULTS.seeds),
                    help="seeds of the random ranking (default %(default)s)")
-    p.add_argument("--ns", default=",".join(str(n) for n in DEFAULTS["ns"]),
+    p.add_argument("--ns", default=",".join(str(n) for n in DEFAULTS.ns),
                    help="selection sizes N (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"],
-                   help=f"random subsets per N (default {DEFAULTS['repeats']})")
-    p.add_argument("--retentions", default=",".join(f"{r:g}" for r in DEFAULTS["retentions"]),
+    p.add_argument("--repeats", type=int, default=DEFAULTS.repeats,
+                   help=f"random subsets per N (default {DEFAULTS.repeats})")
+    p.add_argument("--retentions", default=",".join(f"{r:g}" for r in DEFAULTS.retentions),
                    help="percent of heads kept (default %(default)s)")
-    p.add_argument("--fixed-order", default=",".join(DEFAULTS["fixed_order"]),
+    p.add_argument("--fixed-order", default=",".join(DEFAULTS.fixed_order),
                    help="the a-priori regime removal order compared with the calibrated one (default %(default)s)")
-    p.add_argument("--bootstrap", type=int, default=DEFAULTS["bootstrap"],
-                   help=f"bootstrap resamples (at least 100; default {DEFAULTS['bootstrap']})")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the bootstrap and the random controls")
+    p.add_argument("--bootstrap", type=int, default=DEFAULTS.n_resamples,
+                   help=f"bootstrap resamples (at least 100; default {DEFAULTS.n_resamples})")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the bootstrap and the random controls")
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -79,7 +79,7 @@ def check_args(args) -> dict:
 
 
 def run(args) -> int:
-    from ..claims import experiment
+    from ..claims import Settings, experiment
     from ..data import load_windows
     from ..io import clean_json
     from ..reports.claims import render
@@ -99,9 +99,11 @@ def run(args) -> int:
         if len(windows) <= args.calib_windows + 1:
             raise InputError(f"{args.data} gives {len(windows)} window(s) of {args.window} tokens: not enough for "
                              f"{args.calib_windows} calibration and 2 held-out windows")
-        res = experiment(handle, run, windows, calib_windows=args.calib_windows, ratios=opts["ratios"],
-                         seeds=opts["seeds"], ns=opts["ns"], repeats=args.repeats, retentions=opts["retentions"],
-                         fixed_order=opts["fixed_order"], n_resamples=args.bootstrap, seed=args.seed)
+        res = experiment(handle, run, windows, Settings(
+            window=args.window, max_windows=args.max_windows, calib_windows=args.calib_windows,
+            ratios=tuple(opts["ratios"]), seeds=tuple(opts["seeds"]), ns=tuple(opts["ns"]), repeats=args.repeats,
+            retentions=tuple(opts["retentions"]), fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap,
+            seed=args.seed))
         model_name = getattr(handle, "name", args.model)
         seconds = time.time() - t0
         out = {"command": "claims", "model": model_name, "data": args.data, "window": args.window,

@@ -23,7 +23,7 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
     lines.append(f"Data: {escape(data)}; {w.get('windows', '?')} windows ({w.get('tokens_scored', '?')} predicted "
                  f"tokens)" + (f", head removal: {w['calibration_windows']} calibration / {w['heldout_windows']} "
                                "held-out windows" if "calibration_windows" in w else "") + ".")
-    lines.append(f"Intervals: 95 % percentile bootstrap over windows, B = {s.get('bootstrap')}, seed "
+    lines.append(f"Intervals: 95 % percentile bootstrap over windows, {s.get('bootstrap')} resamples, seed "
                  f"{s.get('seed')}." + (f" Run time {seconds:.0f} s." if seconds is not None else ""))
     lines.append("Verdict: **holds** when the whole interval is on the claim's side, **refuted** when it is "
                  "all on the other side, otherwise inconclusive (rules below and in docs/claims.md).")
