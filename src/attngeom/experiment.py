@@ -3,10 +3,11 @@ one perplexity rule they share.
 
 What belongs here: the shape every ``experiment()`` function of attngeom returns
 (:class:`ExperimentResult`), the two things an experiment is handed (a model handle and a run, as
-:class:`ModelHandleLike` and :class:`RunLike` protocols), and :func:`perplexity`. No model code, no
-experiment's own logic.
+:class:`ModelHandleLike` and :class:`RunLike` protocols), :func:`window_records` and
+:func:`perplexity`. No model code, no experiment's own logic.
 
-An experiment is **settings** (its keyword arguments, recorded in the result), **stages of units**
+An experiment is **settings** (its keyword arguments, or a frozen ``Settings`` dataclass as in
+:mod:`attngeom.claims`; recorded in the result), **stages of units**
 run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
 is a record), and a **result**: its ``tables`` (DataFrames, what a command writes), its ``summary``
 (a JSON-able dict) and its ``per_window`` statistics (additive sums per window, the rows a
