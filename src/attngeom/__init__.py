@@ -21,6 +21,7 @@ _LAZY = {
     "metrics": ".metrics",
     "ATTN_NAME": ".capture", "Block": ".capture", "Session": ".capture",
     "DEFAULT_MODEL": ".model", "SUPPORTED_ARCHITECTURES": ".model", "ModelHandle": ".model", "load_model": ".model",
+    "wrap": ".model",
     "Batch": ".reducers", "FullCapture": ".reducers", "HeadStats": ".reducers", "Reducer": ".reducers",
     "TokenStats": ".reducers",
     "LayerTrace": ".trace", "Trace": ".trace", "analyze": ".trace", "analyze_batch": ".trace", "stream": ".trace",
@@ -33,7 +34,7 @@ __all__ = sorted([*_LAZY, "AttngeomError", "InputError", "ModelLoadError", "Outp
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from . import metrics
     from .capture import ATTN_NAME, Block, Session
-    from .model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model
+    from .model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap
     from .reducers import Batch, FullCapture, HeadStats, Reducer, TokenStats
     from .trace import LayerTrace, Trace, analyze, analyze_batch, stream
 

@@ -21,6 +21,7 @@ import importlib
 _EXPORTS = {
     # loading
     "load_model": "loading",
+    "wrap": "loading",
     "DEFAULT_MODEL": "loading",
     "ACCEPTED_SPECS": "loading",
     # handle

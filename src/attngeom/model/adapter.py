@@ -241,7 +241,10 @@ def attention_implementation(model, name: str):
     if all(impl == name for _, impl in previous):
         yield model
         return
+    can_set = getattr(model, "_can_set_attn_implementation", None)
     try:
+        if can_set is not None and not can_set():
+            raise TypeError("the model computes attention in its own code")   # (transformers would log it)
         model.set_attn_implementation(name)
     except Exception:  # noqa: BLE001 - older transformers, or a model that refuses: set the field directly
         for c, _ in previous:
@@ -587,6 +590,15 @@ class ArchitectureAdapter:
         return (f"{type(self).__name__}({self.architecture}: {g.num_layers} attention layers, {g.num_heads} heads, "
                 f"{g.num_kv_heads} kv heads, head_dim {g.head_dim})")
 
+    def current(self) -> bool:
+        """Whether the modules found are still where discovery found them (a module replaced since,
+        e.g. by peft's ``merge_and_unload`` or ``get_peft_model``, means discovering again)."""
+        try:
+            return all(self.model.get_submodule(s.name) is s.module
+                       and self.model.get_submodule(s.out.name) is s.out.module for s in self.sites)
+        except AttributeError:
+            return False
+
     # ---- geometry ------------------------------------------------------------------------------
 
     @property
@@ -758,6 +770,6 @@ def check_supported(config) -> None:
 def adapter_for(model: torch.nn.Module) -> ArchitectureAdapter:
     """The adapter of ``model``: discovered on first use, then kept as long as the model lives."""
     adapter = _ADAPTERS.get(model)
-    if adapter is None:
+    if adapter is None or not adapter.current():
         adapter = _ADAPTERS[model] = ArchitectureAdapter(model)
     return adapter

@@ -31,7 +31,7 @@ class ModelHandle:
     def adapter(self) -> ArchitectureAdapter:
         """The model's architecture adapter: attention modules and decoder layers by layer,
         ``W_O`` / ``W_V`` per layer, head geometry (built once per model object)."""
-        if self._adapter is None or self._adapter.model is not self.model:
+        if self._adapter is None or self._adapter.model is not self.model or not self._adapter.current():
             self._adapter = adapter_for(self.model)
         return self._adapter
 

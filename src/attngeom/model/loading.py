@@ -11,9 +11,13 @@
 * a local Hugging Face model directory (one holding ``config.json``).
 * a Hugging Face Hub id ``"org/name"``: needs the network unless it is already in the local HF cache.
 
-Every load checks the device first (:func:`~attngeom.model.device.resolve_device`), then the
-architecture against :data:`SUPPORTED_ARCHITECTURES`, puts the model in eval mode and gives the
-tokenizer right padding and a pad token.
+Every load checks the device first (:func:`~attngeom.model.device.resolve_device`), then what the
+config alone tells about the architecture (:func:`~attngeom.model.adapter.check_supported`), puts the
+model in eval mode and gives the tokenizer right padding and a pad token; the model's attention is
+discovered on first use (:mod:`attngeom.model.adapter`).
+
+:func:`wrap` (also ``load_model(model, tokenizer=...)``) takes a model the caller already holds: a
+``transformers`` model as loaded (with or without ``device_map``) or a ``peft`` model.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ModelLoadError
 from . import gguf_cache as _gc
-from .adapter import check_supported
+from .adapter import adapter_for, check_supported
 from .bundled import BUNDLED_MODELS, BundledModel, find_bundled
 from .device import resolve_device, resolve_dtype
 from .gguf_cache import cache_dir, first_line, quiet_progress
@@ -89,8 +93,9 @@ class _Options:
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL,
+    spec: "str | torch.nn.Module" = DEFAULT_MODEL,
     *,
+    tokenizer=None,
     dtype=None,
     device=None,
     device_map=None,
@@ -104,8 +109,13 @@ def load_model(
     ``device`` to cuda when available (:func:`resolve_device`: a device this machine lacks raises
     InputError before anything is loaded); ``device_map`` is passed to ``from_pretrained`` (and then
     the model is not moved). Attention defaults to "sdpa" ("eager" for models without SDPA support,
-    e.g. Gemma2). ``progress=False`` silences transformers' loading bars.
+    e.g. Gemma2). ``progress=False`` silences transformers' loading bars. A model object that is
+    already loaded is taken as it is, with ``tokenizer``: :func:`wrap`.
     """
+    if isinstance(spec, torch.nn.Module):
+        if tokenizer is None:
+            raise ModelLoadError("a model object needs its tokenizer: load_model(model, tokenizer=tokenizer)")
+        return wrap(spec, tokenizer)
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError(f"no model given; accepted: {ACCEPTED_SPECS}")
     spec = spec.strip()
@@ -148,12 +158,37 @@ def _looks_like_hub_id(spec: str) -> bool:
     return bool(_HUB_ID_RE.match(spec))
 
 
+def wrap(model, tokenizer, *, name: str | None = None) -> ModelHandle:
+    """A causal LM the caller already holds, as a :class:`ModelHandle` for every function of the API.
+
+    ``model``: a ``transformers`` model as loaded (any device or ``device_map``: it is not moved),
+    or a ``peft`` model (its adapters active, or merged; the wrapped transformers model is used).
+    The model is put in eval mode and its attention discovered now (an architecture attngeom
+    cannot capture is refused here, in one line); the tokenizer gets right padding and a pad token."""
+    if hasattr(model, "get_base_model"):   # peft: the transformers model with the adapters in it
+        model = model.get_base_model()
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise ModelLoadError(f"attngeom.wrap needs a transformers model, not {type(model).__name__}")
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise ModelLoadError(f"attngeom.wrap needs the model's tokenizer, not {type(tokenizer).__name__}")
+    check_supported(model.config.get_text_config(decoder=True))
+    model.eval()
+    adapter_for(model)
+    name = name or str(getattr(model.config, "name_or_path", "") or type(model).__name__).rstrip("/").split("/")[-1]
+    return _configured(model, tokenizer, spec=name, name=name)
+
+
 def _finish(model, tokenizer, spec: str, name: str, opts: _Options) -> ModelHandle:
     """Check, place and configure a loaded model and tokenizer."""
     check_supported(model.config.get_text_config(decoder=True))
     if opts.device_map is None and model.device != opts.device:
         model = model.to(opts.device)
     model.eval()
+    return _configured(model, tokenizer, spec, name)
+
+
+def _configured(model, tokenizer, spec: str, name: str) -> ModelHandle:
+    """The handle, with the tokenizer set to right padding and given a pad token."""
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
