@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import metrics as M
+from . import metrics
 from .capture import Block
 from .errors import InputError
 from .experiment import ModelHandleLike
@@ -277,7 +277,7 @@ class ResidualShares:
             x, delta = x[0].double(), delta[0].double()                   # [T, D]
             y = x + delta
             yy = (y * y).sum(-1)
-            r = M.safe_div((y * x).sum(-1), yy, fill=1.0).float().cpu().numpy()
+            r = metrics.safe_div((y * x).sum(-1), yy, fill=1.0).float().cpu().numpy()
             prev = self.shares.get(l)                 # generation: one call per step, positions in order
             self.shares[l] = r if prev is None else np.concatenate([prev, r])
         return hook

@@ -18,8 +18,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import metrics as M
-from . import registry as R
+from . import metrics
+from . import registry
 from .capture import Block, Intervention, LayerState, Session, attngeom_attention_implementation
 from .errors import InputError, OutputError, TraceFormatError
 from .experiment import ModelHandleLike, RunLike
@@ -248,7 +248,7 @@ class LayerTrace:
         """The whole layer as one block (batch of one)."""
         T = self.a.shape[-1]
         state = LayerState(layer=self.index, module=None, v=self.v[None], w_o=self.w_o, G=self.G,
-                           G_full=M.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
+                           G_full=metrics.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
                            lengths=torch.tensor([T]))
         return Block(state=state, a=self.a[None], q_start=0, k_start=0)
 
@@ -265,10 +265,10 @@ class LayerTrace:
         """``layer.<metric>`` for every metric of :mod:`attngeom.registry` (numpy float32
         ``[heads, T, T]``, queries x sources) and ``layer.<quantity>`` for :attr:`QUANTITIES`;
         computed on first access by the layer's :class:`~attngeom.capture.Block` and kept."""
-        if name.startswith("_") or (name not in R.METRICS and name not in LayerTrace.QUANTITIES):
+        if name.startswith("_") or (name not in registry.METRICS and name not in LayerTrace.QUANTITIES):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         block = self.block
-        x = self._np(block.metric(name) if name in R.METRICS else getattr(block, name))
+        x = self._np(block.metric(name) if name in registry.METRICS else getattr(block, name))
         self.__dict__[name] = x
         return x
 
@@ -278,17 +278,17 @@ class LayerTrace:
 
     def metric(self, name: str) -> np.ndarray:
         """A per-head map of :mod:`attngeom.registry` by name: ``[heads, T, T]``."""
-        if name not in R.METRICS:
-            raise InputError(f"unknown metric {name!r}; known: {', '.join(R.METRICS)}")
+        if name not in registry.METRICS:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(registry.METRICS)}")
         return getattr(self, name)
 
     def token_score(self, name: str) -> np.ndarray:
         """Token-level score of SPEC §2 (all heads), as the registry defines it: ``[T, T]``."""
-        m = R.METRICS.get(name)
+        m = registry.METRICS.get(name)
         if m is None:
-            raise InputError(f"unknown metric {name!r}; known: {', '.join(R.METRICS)}")
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(registry.METRICS)}")
         per_head = self.metric(m.token_map or name)
-        return M.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
+        return metrics.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
 
 
 @dataclass
