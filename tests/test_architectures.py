@@ -22,6 +22,8 @@ supported is no longer, or when fewer than :data:`MIN_SUPPORTED` types are suppo
 from __future__ import annotations
 
 import re
+
+import numpy as np
 import time
 import warnings
 from dataclasses import dataclass
@@ -380,3 +382,101 @@ def test_matrix(matrix):
     assert len(hybrids) >= 2, hybrids
     assert all(r.reason and "\n" not in r.reason for r in matrix.values() if r.status != "supported")
     assert set(SUPPORTED_ARCHITECTURES) == set(supported), set(SUPPORTED_ARCHITECTURES) ^ set(supported)
+    assert "bias" in matrix["doge"].reason                               # a per-head mask bias is refused
+    assert "latent attention" in matrix["deepseek_v2"].reason            # value heads 24, q/k heads 16
+    assert "learned sink logits" in matrix["gpt_oss"].reason
+
+
+# --------------------------------------------------------------------------------------------
+# Semantics beyond the papers (docs/SPEC.md §1, "Architectures beyond the papers")
+# --------------------------------------------------------------------------------------------
+
+
+class _Blocks:
+    def __init__(self, *names):
+        self.names, self.seen = names, {}
+
+    def observe(self, block) -> None:
+        self.seen[block.layer] = {n: getattr(block, n) for n in self.names}
+        self.seen[block.layer]["contribution"] = block.contribution
+        self.seen[block.layer]["a"] = block.a
+
+
+def test_output_projection_bias_is_added_once_and_belongs_to_no_source():
+    """GPT-2: the c_proj output is ``o_i + b_O`` with ``o_i = Σ_h W_O^h o_i^h`` built from the blocks,
+    and the contributions (defined on ``o_i``) sum to one."""
+    from attngeom.trace import Batch, forward
+    from tiny_models import tiny_tokenizer
+
+    model = build("gpt2")
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.bias.normal_()                                # initialised to zero
+    handle = ModelHandle(model=model, tokenizer=tiny_tokenizer(), spec="gpt2", name="gpt2")
+    ad = handle.adapter
+    outputs, hooks = {}, []
+    for l in range(ad.num_layers):
+        hooks.append(ad.o_proj(l).register_forward_hook(lambda m, a, y, l=l: outputs.__setitem__(l, y.detach()[0])))
+    blocks = _Blocks("layer_output")
+    try:
+        forward(handle, Batch(ids=_ids(128), lengths=torch.tensor([T]), index=[0]), Session(observers=[blocks]))
+    finally:
+        for h in hooks:
+            h.remove()
+    for l in range(ad.num_layers):
+        b = ad.b_o(l)
+        assert b is not None and float(b.detach().abs().max()) > 0
+        o = blocks.seen[l]["layer_output"][0]
+        torch.testing.assert_close(o + b, outputs[l], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(blocks.seen[l]["contribution"].sum(-1), torch.ones(1, 4, T), rtol=0, atol=1e-4)
+
+
+def test_learned_sinks_are_a_virtual_source_of_zero_value():
+    """gpt-oss: the captured rows equal eager's weights over the real tokens, the learned sink takes
+    the rest of each row, the entropy counts it as one more outcome, the sink rate includes it and
+    the contributions of the real tokens still sum to one."""
+    import numpy as np
+
+    from attngeom.reducers import HeadStats
+    from attngeom.trace import Batch, forward, stream
+    from tiny_models import tiny_tokenizer
+
+    model = build("gpt_oss")
+    model.set_attn_implementation("eager")
+    ids = _ids(128)
+    with torch.no_grad():
+        eager = model(ids, output_attentions=True, use_cache=False).attentions      # [1, H, T, T] per layer
+    handle = ModelHandle(model=model, tokenizer=tiny_tokenizer(), spec="gpt_oss", name="gpt_oss")
+    blocks = _Blocks("learned_sink", "entropy")
+    forward(handle, Batch(ids=ids, lengths=torch.tensor([T]), index=[0]), Session(observers=[blocks]))
+    for l, ref in enumerate(eager):
+        got = blocks.seen[l]
+        torch.testing.assert_close(got["a"], ref.float(), rtol=1e-5, atol=1e-6)
+        sink = got["learned_sink"]
+        assert float(sink.min()) > 0
+        torch.testing.assert_close(got["a"].sum(-1) + sink, torch.ones_like(sink), rtol=0, atol=1e-5)
+        a = got["a"].double()
+        expected = -(torch.special.xlogy(a, a)).sum(-1) - torch.special.xlogy(sink.double(), sink.double())
+        torch.testing.assert_close(got["entropy"].double(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["contribution"].sum(-1), torch.ones_like(sink), rtol=0, atol=1e-4)
+    stats = stream(handle, [ids[0].tolist()], [HeadStats(fields=("sink_rate",))], progress=False)[0].result()
+    for l in range(len(eager)):
+        a, sink = blocks.seen[l]["a"][0], blocks.seen[l]["learned_sink"][0]          # [H, T, T], [H, T]
+        expected = (a[:, 1:, 0] + sink[:, 1:]).mean(-1).numpy()                      # queries i > 0
+        np.testing.assert_allclose(stats[stats.layer == l].sort_values("head").sink_rate, expected, rtol=1e-5)
+
+
+def test_hybrid_models_analyse_their_attention_layers_only():
+    """Jamba with a Mamba layer then an attention layer: one attention layer, numbered 0, which is
+    decoder layer 1; analysis sees exactly it and the logits are unchanged."""
+    from attngeom.trace import analyze
+    from tiny_models import tiny_tokenizer
+
+    model = build("jamba")
+    handle = ModelHandle(model=model, tokenizer=tiny_tokenizer(), spec="jamba", name="jamba")
+    ad = handle.adapter
+    assert ad.hybrid and ad.num_layers == handle.num_layers == 1 and ad.decoder_index == [1]
+    assert ad.decoder_layer(0) is model.model.layers[1]
+    trace = analyze(handle, list(range(4, 4 + T)))
+    assert [lt.index for lt in trace.layers] == [0]
+    np.testing.assert_allclose(trace.layers[0].contribution.sum(-1), 1.0, atol=1e-4)

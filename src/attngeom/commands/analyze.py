@@ -409,6 +409,8 @@ def build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_
         "attngeom_version": __version__,
         "model": {"name": handle.name, "spec": args.model, "architecture": handle.architecture,
                   "layers": handle.num_layers, "heads": handle.num_heads, "kv_heads": handle.num_kv_heads,
+                  # attention layer l is decoder layer decoder_layers[l] (they differ in hybrid models)
+                  "decoder_layers": getattr(getattr(handle, "adapter", None), "decoder_index", None),
                   "head_dim": handle.head_dim, "dtype": str(handle.dtype).removeprefix("torch."),
                   "device": str(handle.device), "max_positions": handle.max_positions},
         "input": {"source": source, "tokens": len(ids),

@@ -484,7 +484,8 @@ def _site(model, layer: int, call: _Call, names, io, hidden) -> AttentionSite:
     x, y = io[out_module]
     out = _verified_projection(out_module, out_name, x, y)
     if out is None:
-        raise _refuse(model, f"{out_name}: the output projection is not an affine map of the attention output")
+        raise _refuse(model, f"{out_name} receives the attention output but is not an affine map of it (a norm or "
+                             "gate before the output projection), so W_O cannot be established")
     value, missing = _value_projection(module, call, names, io, hidden)
     decoder_prefix, decoder_index = _decoder_place(model, name)
     window = call.kwargs.get("sliding_window", getattr(module, "sliding_window", None))
