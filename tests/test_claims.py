@@ -207,7 +207,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert res["settings"]["bootstrap"] == 200
     heads = res["detail"]["heads"]
     assert sorted(heads["regime_order_chosen"]) == sorted(REGIMES)
-    assert heads["regime_order_fixed"] == list(CL.FIXED_REGIME_ORDER)
+    assert heads["regime_order_fixed"] == list(CL.DEFAULTS.fixed_order)
     assert len(heads["removal_curves"]) == 6
     md = (out / "claims.md").read_text()
     assert md.count("\n| ") >= len(CL.CLAIMS) + 1

@@ -8,6 +8,7 @@ import pytest
 from attngeom import bootstrap as bs
 from attngeom.experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.runner import Memory
+from attngeom.settings import HeadsSettings, SinksSettings
 
 
 def test_perplexity_scalar_array_and_zero_tokens():
@@ -48,7 +49,7 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     rng = np.random.default_rng(0)
     ids = [[int(x) for x in rng.integers(1, h.model.config.vocab_size, 12)] for _ in range(4)]
 
-    res = heads.experiment(h, Memory(), [ids], calib_windows=2, retentions=(100.0, 50.0), batch_size=1)
+    res = heads.experiment(h, Memory(), [ids], HeadsSettings(calib_windows=2, retentions=(100.0, 50.0), batch_size=1))
     assert isinstance(res, ExperimentResult) and set(res.tables) >= {"heads", "removal", "taxonomy_calibration"}
     rem = res.per_window["removal"]
     assert rem["nll"].shape == (len(rem["keys"]), 2)
@@ -62,11 +63,11 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     sens = np.array([ppl(r.sum(), sum(t["tokens"] for t in tax[:2])) - base for r in res.per_window["sensitivity"]])
     assert np.allclose(sens, res.tables["heads"].sort_values(["layer", "head"])["single_delta_ppl"], rtol=1e-12)
 
-    res = sinks.experiment(h, Memory(), ids, batch_size=1)
+    res = sinks.experiment(h, Memory(), ids, SinksSettings(batch_size=1))
     recs = res.per_window["records"]
     pp = res.tables["ppl"].set_index("pass")
     assert len(recs) == 4 and pp.loc["none", "nll"] == pytest.approx(sum(r["nll"]["none"] for r in recs), rel=1e-12)
-    assert "records" not in sinks.experiment(h, Memory(), ids, batch_size=2).per_window   # batched: no per-window
+    assert "records" not in sinks.experiment(h, Memory(), ids).per_window   # batched (2 per record): none
 
     res = selection.experiment(h, Memory(), ids, batch_size=1, ns=(2,), repeats=1, predict=False)
     assert set(res.tables) == {"selection", "regime"} and set(res.tables["selection"]["window"]) == {0, 1, 2, 3}

@@ -28,7 +28,6 @@ the Markdown.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -37,42 +36,12 @@ import numpy as np
 from . import bootstrap as bs
 from . import registry
 from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
+from .settings import ClaimsSettings as Settings
+from .settings import HeadsSettings, SinksSettings
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
-FIXED_REGIME_ORDER = ("Mixer", "Reset", "Retriever")
-"""The a-priori taxonomy order (first removed first); see ``docs/claims.md``."""
 MODERATE = (90.0, 75.0)
 """Retentions (percent of heads kept) that count as moderate removal."""
-
-@dataclass(frozen=True)
-class Settings:
-    """The claims experiment's settings. ``window`` and ``max_windows`` say how the command cuts the
-    corpus; the others are the reduced experiments' options: faithfulness ``ratios`` and ``seeds`` of
-    the random ranking, selection sizes ``ns`` and random ``repeats``, head-removal ``retentions``
-    (percent of heads kept) with the first ``calib_windows`` windows as calibration split and the
-    a-priori ``fixed_order`` of regimes beside the calibrated one, and the bootstrap
-    (``n_resamples`` resamples seeded by ``seed``; ``critical_k`` the critical-head threshold)."""
-
-    window: int = 128
-    max_windows: int = 12
-    calib_windows: int = 2
-    ratios: tuple[float, ...] = (0.2, 0.5, 0.8)
-    seeds: tuple[int, ...] = (0,)
-    ns: tuple[int, ...] = (2, 4, 8, 16)
-    repeats: int = 4
-    retentions: tuple[float, ...] = (100.0, 90.0, 75.0, 50.0, 25.0)
-    fixed_order: tuple[str, ...] = FIXED_REGIME_ORDER
-    n_resamples: int = 1000
-    seed: int = 0
-    critical_k: float = 3.0
-
-    def record(self) -> dict:
-        """What a result records of them (``bootstrap``: the resamples; ``level``: the interval's)."""
-        return {"calib_windows": self.calib_windows, "ratios": list(self.ratios), "seeds": list(self.seeds),
-                "ns": list(self.ns), "repeats": self.repeats, "retentions": list(self.retentions),
-                "fixed_order": list(self.fixed_order), "bootstrap": self.n_resamples, "seed": self.seed,
-                "level": bs.DEFAULT_LEVEL, "critical_k": self.critical_k}
-
 
 DEFAULTS = Settings()
 
@@ -683,7 +652,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, setting
 
     order = {c["id"]: i for i, c in enumerate(CLAIMS)}
     rows.sort(key=lambda r: order[r["id"]])
-    recorded = st.record()
+    recorded = st.record(bs.DEFAULT_LEVEL)
     table = pd.DataFrame([{k: r[k] for k in ("id", "verdict", "value", "low", "high", "interval")} for r in rows],
                          columns=["id", "verdict", "value", "low", "high", "interval"])
     return ExperimentResult("claims", tables={"claims": table},
@@ -715,7 +684,7 @@ def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds
 def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:
     from . import sinks
 
-    X = sink_arrays(_one_per_window(sinks.experiment(handle, run, ids, batch_size=1), "records"))
+    X = sink_arrays(_one_per_window(sinks.experiment(handle, run, ids, SinksSettings(batch_size=1)), "records"))
     W = len(ids)
     return _sink_claims(sink_stats(X, np.ones((1, W))), sink_stats(X, counts_for(W, 2)))
 
@@ -740,8 +709,8 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     from . import heads
     from .taxonomy import REGIMES
 
-    res = heads.experiment(handle, run, [ids], calib_windows=calib_windows, retentions=retentions, seed=seed,
-                           critical_k=critical_k, batch_size=1)
+    res = heads.experiment(handle, run, [ids], HeadsSettings(calib_windows=calib_windows, retentions=tuple(retentions),
+                                                             seed=seed, critical_k=critical_k, batch_size=1))
     W = len(ids)
     tax = _one_per_window(res, "taxonomy")
     Xw = winner_arrays(tax)

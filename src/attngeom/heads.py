@@ -45,10 +45,11 @@ from .experiment import ExperimentResult, ModelHandleLike, RunLike, window_recor
 from .experiment import perplexity as perplexity_of
 from .interventions import HeadRemoval
 from .model.adapter import adapter_for
+from .settings import HeadsSettings
 from .taxonomy import REGIMES
 from .trace import batch_nll, make_batches, scored_tokens, to_ids
 
-RETENTIONS = (100.0, 90.0, 75.0, 50.0, 25.0)
+RETENTIONS = HeadsSettings.retentions
 ORDERS = ("taxonomy", "weight", "entropy", "random", "sensitivity")
 REGIME_LABEL = {"Retriever": "winner_self", "Mixer": "winner_sink", "Reset": "winner_other"}
 
@@ -352,13 +353,12 @@ def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.D
     return df, perplexity_of(merged["nll"], merged["tokens"])
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence], *, calib_windows: int = 4,
-               retentions: Sequence[float] = RETENTIONS, winner_norm: str = "raw", sink: int = 0, seed: int = 0,
-               critical_k: float = 3.0, batch_size: int = 4,
+def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence],
+               settings: HeadsSettings = HeadsSettings(), *,
                names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:
-    """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``:
-    taxonomy of every window of the first corpus (calibration = its first ``calib_windows``
-    windows, the rest held out) and of the second corpus if given, single-head sensitivity and the
+    """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``, with
+    ``settings`` (:class:`~attngeom.settings.HeadsSettings`): taxonomy of every window of the first
+    corpus (calibration = its first ``calib_windows`` windows, the rest held out) and of the second corpus if given, single-head sensitivity and the
     regime order search on the calibration split, removal curves on the held-out split.
 
     Returns an :class:`~attngeom.experiment.ExperimentResult`: ``tables`` ``heads`` (one row per
@@ -370,6 +370,8 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
     order)."""
     from .taxonomy import corpus_agreement, regime_alignment, regime_shares, shares_by_depth, shares_by_layer
 
+    calib_windows, retentions, winner_norm = settings.calib_windows, settings.retentions, settings.winner_norm
+    sink, seed, critical_k, batch_size = settings.sink, settings.seed, settings.critical_k, settings.batch_size
     windows = corpora[0]
     if len(windows) <= calib_windows:
         raise InputError(f"{names[0]} gives {len(windows)} window(s){f' of {len(windows[0])} tokens' if windows else ''}: "
@@ -452,5 +454,4 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
         "heads", tables={"heads": heads, "removal": curves, "order_search": search, "regimes_by_layer": by_layer,
                          "taxonomy_calibration": cal_df},
         summary=summary, per_window=per_window,
-        settings={"calib_windows": calib_windows, "retentions": list(retentions), "winner_norm": winner_norm,
-                  "sink": sink, "seed": seed, "critical_k": critical_k, "batch_size": batch_size, "names": list(names)})
+        settings={**settings.record(), "names": list(names)})

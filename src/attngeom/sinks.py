@@ -59,6 +59,7 @@ from .capture import Block
 from .experiment import (ExperimentResult, ModelHandleLike, RunLike, perplexity,
                          window_records)
 from .interventions import SOURCE_REMOVALS, remove_source
+from .settings import SinksSettings
 from .reducers import Batch, Reducer
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
@@ -938,13 +939,16 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     return out
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows, *, sink: int = 0, layers=None,
-               removal_layers=None, batch_size: int = 2) -> ExperimentResult:
+def experiment(handle: ModelHandleLike, run: RunLike, windows,
+               settings: SinksSettings = SinksSettings()) -> ExperimentResult:
     """The sinks experiment over ``windows`` as one stage (``sinks``) of ``run`` (resumable, shareable
-    among processes). Returns an :class:`~attngeom.experiment.ExperimentResult`: the tables of
-    :func:`results_from`, ``summary`` (:func:`summarize`) and, when every record covers one window
-    (``batch_size=1``), ``per_window["records"]``: the records of :func:`window_work` in window
-    order, the additive sums a bootstrap over windows resamples."""
+    among processes), with ``settings`` (:class:`~attngeom.settings.SinksSettings`). Returns an
+    :class:`~attngeom.experiment.ExperimentResult`: the tables of :func:`results_from`, ``summary``
+    (:func:`summarize`) and, when every record covers one window (``batch_size=1``),
+    ``per_window["records"]``: the records of :func:`window_work` in window order, the additive sums
+    a bootstrap over windows resamples."""
+    sink, layers, removal_layers = settings.sink, settings.layers, settings.removal_layers
+    batch_size = settings.batch_size
     from .runner import fingerprint, merge_sums
     from .trace import to_ids
 
@@ -960,5 +964,4 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows, *, sink: int = 0,
     if recs is not None:
         per_window["records"] = recs
     return ExperimentResult("sinks", tables=tables, summary=summary, per_window=per_window,
-                            settings={"sink": sink, "layers": layers, "removal_layers": removal_layers,
-                                      "batch_size": batch_size})
+                            settings=settings.record())

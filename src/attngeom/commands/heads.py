@@ -29,6 +29,9 @@ TABLES = ("heads", "removal", "order_search", "regimes_by_layer")
 
 
 def add_parser(subparsers) -> None:
+    from ..settings import HeadsSettings
+
+    d = HeadsSettings()
     p = subparsers.add_parser(
         "heads", help="head taxonomy (Retriever/Mixer/Reset), corpus agreement, head removal curves",
         description="Classify every head by its source winner (self -> Retriever, sink -> Mixer, other -> Reset), "
@@ -37,17 +40,20 @@ def add_parser(subparsers) -> None:
                     "reporting held-out perplexity against retention and the individually critical heads.")
     common.add_model_args(p)
     common.add_data_args(p, repeat=True)
-    p.add_argument("--calib-windows", type=int, default=4,
-                   help="windows of the first corpus used for calibration (the rest are held out; default 4)")
-    p.add_argument("--retentions", default="100,90,75,50,25",
-                   help="percent of heads kept, comma-separated, each in (0, 100] (default 100,90,75,50,25)")
-    p.add_argument("--winner-norm", choices=("raw", "projected"), default="raw",
+    p.add_argument("--calib-windows", type=int, default=d.calib_windows,
+                   help=f"windows of the first corpus used for calibration (the rest are held out; default "
+                        f"{d.calib_windows})")
+    p.add_argument("--retentions", default=",".join(f"{r:g}" for r in d.retentions),
+                   help="percent of heads kept, comma-separated, each in (0, 100] (default %(default)s)")
+    p.add_argument("--winner-norm", choices=("raw", "projected"), default=d.winner_norm,
                    help="source winner argmax a_ij*||v_j|| (raw, default) or a_ij*||v_j W_O|| (projected)")
-    p.add_argument("--sink", type=int, default=0, help="sink position (default 0, the BOS token)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random order (default 0)")
-    p.add_argument("--critical-k", type=float, default=3.0,
-                   help="critical head: single-removal dPPL > mean + k*std of the other heads of its regime (default 3)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--sink", type=int, default=d.sink, help="sink position (default %(default)s, the BOS token)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random order (default %(default)s)")
+    p.add_argument("--critical-k", type=float, default=d.critical_k,
+                   help="critical head: single-removal dPPL > mean + k*std of the other heads of its regime "
+                        "(default %(default)g)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="windows per forward pass (default %(default)s)")
     p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
     common.add_progress_arg(p)
     common.add_out_arg(p)
@@ -78,6 +84,7 @@ def check_args(args) -> list[float]:
 def run(args) -> int:
     from ..data import load_windows
     from ..heads import experiment
+    from ..settings import HeadsSettings
     from ..taxonomy import REGIMES
 
     retentions = check_args(args)
@@ -91,9 +98,9 @@ def run(args) -> int:
             return 0
         handle = common.load(args)
         corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
-        res = experiment(handle, run, corpora, calib_windows=args.calib_windows, retentions=retentions,
-                         winner_norm=args.winner_norm, sink=args.sink, seed=args.seed, critical_k=args.critical_k,
-                         batch_size=args.batch_size, names=args.data)
+        res = experiment(handle, run, corpora, HeadsSettings(
+            calib_windows=args.calib_windows, retentions=tuple(retentions), winner_norm=args.winner_norm, sink=args.sink,
+            seed=args.seed, critical_k=args.critical_k, batch_size=args.batch_size), names=args.data)
         model_name = getattr(handle, "name", args.model)
         summary = {"command": "heads", "model": model_name, "data": args.data, "window": args.window,
                    **res.summary, "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}

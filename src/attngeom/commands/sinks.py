@@ -26,6 +26,9 @@ TABLES = ("heads", "curve", "drift", "hist", "removal", "ppl")
 
 
 def add_parser(subparsers) -> None:
+    from ..settings import SinksSettings
+
+    d = SinksSettings()
     p = subparsers.add_parser(
         "sinks", help="attention sinks: anti-alignment, convex sink-rate/output-norm relation, removal",
         description="Check the contribution-weights paper's claims about attention sinks on a model: "
@@ -37,8 +40,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", default=None, help="layers analysed, e.g. 0,5,10 (default: all)")
     p.add_argument("--removal-layers", default=None,
                    help="layers where the sink (and the control source) is removed (default: all)")
-    p.add_argument("--sink", type=int, default=0, help="sink position (default 0, the BOS token)")
-    p.add_argument("--batch-size", type=int, default=2, help="windows per forward pass (default 2)")
+    p.add_argument("--sink", type=int, default=d.sink, help="sink position (default %(default)s, the BOS token)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per forward pass (default %(default)s)")
     p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
     common.add_progress_arg(p)
     common.add_out_arg(p)
@@ -47,6 +50,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..data import check_layers, load_windows, read_texts
+    from ..settings import SinksSettings
     from ..sinks import experiment
 
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)
@@ -70,8 +74,9 @@ def run(args) -> int:
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
         if all(len(w) <= args.sink + 1 for w in windows):
             raise InputError(f"no window is longer than the sink position {args.sink} + 1")
-        res = experiment(handle, run, windows, sink=args.sink, layers=layers, removal_layers=removal_layers,
-                         batch_size=args.batch_size)
+        res = experiment(handle, run, windows, SinksSettings(
+            sink=args.sink, layers=None if layers is None else tuple(layers),
+            removal_layers=None if removal_layers is None else tuple(removal_layers), batch_size=args.batch_size))
         model_name = getattr(handle, "name", args.model)
         summary = {
             "command": "sinks",

@@ -1,0 +1,79 @@
+"""The settings of the corpus experiments with their defaults: one frozen dataclass per experiment.
+
+What belongs here: the options an experiment runs with and their defaults, said once for the
+experiment (:func:`attngeom.heads.experiment`, :func:`attngeom.sinks.experiment`,
+:func:`attngeom.claims.experiment` take them) and for its command (whose options default to these
+fields). Plain dataclasses, nothing heavy imported: the commands read them to build ``--help``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+@dataclass(frozen=True)
+class HeadsSettings:
+    """The head experiment (SPEC §6): the first ``calib_windows`` windows of the first corpus are
+    the calibration split; held-out perplexity at each of the ``retentions`` (percent of heads
+    kept); source winners by ``winner_norm`` (``raw`` ``a_ij‖v_j‖`` or ``projected``
+    ``a_ij‖v_j W_O‖``) with the sink at position ``sink``; ``seed`` of the random order; a critical
+    head exceeds ``mean + critical_k·std`` of its regime; ``batch_size`` windows per forward."""
+
+    calib_windows: int = 4
+    retentions: tuple[float, ...] = (100.0, 90.0, 75.0, 50.0, 25.0)
+    winner_norm: str = "raw"
+    sink: int = 0
+    seed: int = 0
+    critical_k: float = 3.0
+    batch_size: int = 4
+
+    def record(self) -> dict:
+        return {**asdict(self), "retentions": list(self.retentions)}
+
+
+@dataclass(frozen=True)
+class SinksSettings:
+    """The sinks experiment (SPEC §4): the sink at position ``sink``; statistics at ``layers`` and
+    the sink (and control) removed at ``removal_layers`` (None: every layer); ``batch_size``
+    windows per forward."""
+
+    sink: int = 0
+    layers: tuple[int, ...] | None = None
+    removal_layers: tuple[int, ...] | None = None
+    batch_size: int = 2
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+FIXED_REGIME_ORDER = ("Mixer", "Reset", "Retriever")
+"""The a-priori taxonomy order of the claims (first removed first); see ``docs/claims.md``."""
+
+
+@dataclass(frozen=True)
+class ClaimsSettings:
+    """The claims experiment. ``window`` and ``max_windows`` say how the command cuts the corpus;
+    the others are the reduced experiments' options: faithfulness ``ratios`` and ``seeds`` of the
+    random ranking, selection sizes ``ns`` and random ``repeats``, head-removal ``retentions``
+    (percent of heads kept) with the first ``calib_windows`` windows as calibration split and the
+    a-priori ``fixed_order`` of regimes beside the calibrated one, and the bootstrap
+    (``n_resamples`` resamples seeded by ``seed``; ``critical_k`` the critical-head threshold)."""
+
+    window: int = 128
+    max_windows: int = 12
+    calib_windows: int = 2
+    ratios: tuple[float, ...] = (0.2, 0.5, 0.8)
+    seeds: tuple[int, ...] = (0,)
+    ns: tuple[int, ...] = (2, 4, 8, 16)
+    repeats: int = 4
+    retentions: tuple[float, ...] = (100.0, 90.0, 75.0, 50.0, 25.0)
+    fixed_order: tuple[str, ...] = FIXED_REGIME_ORDER
+    n_resamples: int = 1000
+    seed: int = 0
+    critical_k: float = 3.0
+
+    def record(self, level: float) -> dict:
+        """What a result records of them (``bootstrap``: the resamples; ``level``: the interval's)."""
+        return {"calib_windows": self.calib_windows, "ratios": list(self.ratios), "seeds": list(self.seeds),
+                "ns": list(self.ns), "repeats": self.repeats, "retentions": list(self.retentions),
+                "fixed_order": list(self.fixed_order), "bootstrap": self.n_resamples, "seed": self.seed,
+                "level": level, "critical_k": self.critical_k}
