@@ -349,7 +349,7 @@ class Workspace:
 class Session:
     """Observers and an intervention active for the forward passes run inside :meth:`active`.
 
-    ``layers``: the attention layers (``module.layer_idx``) that are observed and intervened on;
+    ``layers``: the attention layers (``attngeom.model.adapter.attention_layer``) observed and intervened on;
     None means all. Layers outside it still run through the exact blocked path, unobserved.
     ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :data:`DEFAULT_BLOCK_ELEMENTS`)."""
 

@@ -244,23 +244,23 @@ class RowCollector(Reducer):
 class ResidualShares:
     """Forward hooks that record ``r_i^l = ⟨y_i, x_i⟩/‖y_i‖²`` per decoder layer (module docstring).
 
-    ``x`` is the decoder layer's input; ``Δ`` is what the layer adds to it after attention: the
-    attention module's output, or, where a norm follows attention before the residual add (Gemma 2/3:
-    the layer has a ``pre_feedforward_layernorm``), that norm's output."""
+    ``x`` is the input of the decoder layer that holds the attention layer; ``Δ`` is what the attention
+    adds to it: the attention module's output, or, where a norm follows attention before the residual
+    add (Gemma 2/3, OLMo 2), that norm's output (``adapter.attention_delta_module``)."""
 
     def __init__(self, handle: ModelHandleLike, layers):
         self.shares: dict[int, np.ndarray] = {}
         self._x: dict[int, torch.Tensor] = {}
         self._hooks = []
-        dec = handle.adapter.decoder_layers if hasattr(handle, "adapter") else None
-        if dec is None:
+        adapter = getattr(handle, "adapter", None)
+        if adapter is None:
             return
         for l in layers:
-            layer = dec[l]
-            post = getattr(layer, "post_attention_layernorm", None) if hasattr(layer, "pre_feedforward_layernorm") else None
+            layer = adapter.decoder_layer(l)
+            if layer is None:
+                continue
             self._hooks.append(layer.register_forward_pre_hook(self._pre(l), with_kwargs=True))
-            target = post if post is not None else layer.self_attn
-            self._hooks.append(target.register_forward_hook(self._post(l)))
+            self._hooks.append(adapter.attention_delta_module(l).register_forward_hook(self._post(l)))
 
     def _pre(self, l):
         def hook(module, args, kwargs):
