@@ -17,6 +17,7 @@ from attngeom.cli import main
 from attngeom.io import decode_record, encode_record
 from attngeom.reports.claims import escape
 from attngeom.runner import Memory, merge_sums
+from attngeom.settings import SelectionSettings
 from attngeom.taxonomy import REGIMES, regime_shares, regimes_of
 from tiny_models import tiny_model
 
@@ -124,8 +125,8 @@ def test_faithfulness_stats_equal_summarize(tiny):
 
 def test_selection_stats_equal_summarize(tiny):
     h, ids = tiny
-    res = SE.experiment(h, Memory(), ids, batch_size=1, ns=(2, 4), repeats=2, distances=("euclidean",),
-                        predict=False)
+    res = SE.experiment(h, Memory(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
+                                                           predict=False, batch_size=1))
     sel, summary = res.tables["selection"], res.summary
     X = CL.selection_arrays(sel, len(ids), [2, 4])
     got = CL.selection_stats(X, np.ones((1, len(ids))))

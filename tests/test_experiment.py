@@ -8,7 +8,7 @@ import pytest
 from attngeom import bootstrap as bs
 from attngeom.experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.runner import Memory
-from attngeom.settings import HeadsSettings, SinksSettings
+from attngeom.settings import HeadsSettings, SelectionSettings, SinksSettings
 
 
 def test_perplexity_scalar_array_and_zero_tokens():
@@ -69,7 +69,7 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     assert len(recs) == 4 and pp.loc["none", "nll"] == pytest.approx(sum(r["nll"]["none"] for r in recs), rel=1e-12)
     assert "records" not in sinks.experiment(h, Memory(), ids).per_window   # batched (2 per record): none
 
-    res = selection.experiment(h, Memory(), ids, batch_size=1, ns=(2,), repeats=1, predict=False)
+    res = selection.experiment(h, Memory(), ids, SelectionSettings(ns=(2,), repeats=1, predict=False, batch_size=1))
     assert set(res.tables) == {"selection", "regime"} and set(res.tables["selection"]["window"]) == {0, 1, 2, 3}
 
     variants = faithfulness.build_variants(["attention"], [0.5])

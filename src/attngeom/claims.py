@@ -37,7 +37,7 @@ from . import bootstrap as bs
 from . import registry
 from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from .settings import ClaimsSettings as Settings
-from .settings import HeadsSettings, SinksSettings
+from .settings import HeadsSettings, SelectionSettings, SinksSettings
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
 MODERATE = (90.0, 75.0)
@@ -692,8 +692,8 @@ def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple
 def _selection_part(handle: ModelHandleLike, run: RunLike, ids, ns, repeats, seed, counts_for) -> tuple[list[dict], dict]:
     from . import selection
 
-    res = selection.experiment(handle, run, ids, batch_size=1, ns=tuple(ns), repeats=repeats,
-                               distances=("euclidean",), predict=False, seed=seed)
+    res = selection.experiment(handle, run, ids, SelectionSettings(ns=tuple(ns), distances=("euclidean",), repeats=repeats,
+                                                                   seed=seed, predict=False, batch_size=1))
     sel = res.tables["selection"]
     ns_used = sorted(int(n) for n in sel["N"].unique())
     W = len(ids)

@@ -60,11 +60,8 @@ from .capture import Block
 from .errors import InputError
 from .experiment import ExperimentResult, ModelHandleLike, RunLike
 from .reducers import Batch, Reducer
+from .settings import DISTANCES, POWERS, SelectionSettings
 
-POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""The default sizes ``N``."""
-
-DISTANCES = ("euclidean", "cosine")
 KINDS = ("topn", "random", "topn_nosink", "random_nosink")
 EPS = 1e-12
 
@@ -606,10 +603,12 @@ class SelectionStats(Reducer):
 
     STATE = ("frames", "regime_frames", "violations", "selections")
 
-    def __init__(self, ns: Sequence[int] = POWERS, distances: Sequence[str] = DISTANCES, repeats: int = 8,
-                 seed: int = 0, queries: str | int = "last", sink: int = 0, predict: bool = True,
-                 max_lag: int = 256, small_n_max: int = 16, dtype: torch.dtype = torch.float32,
-                 random_without_sink: bool = True):
+    def __init__(self, ns: Sequence[int] = SelectionSettings.ns, distances: Sequence[str] = SelectionSettings.distances,
+                 repeats: int = SelectionSettings.repeats, seed: int = SelectionSettings.seed,
+                 queries: str | int = SelectionSettings.queries, sink: int = SelectionSettings.sink,
+                 predict: bool = SelectionSettings.predict, max_lag: int = SelectionSettings.max_lag,
+                 small_n_max: int = SelectionSettings.small_n_max, dtype: torch.dtype = torch.float32,
+                 random_without_sink: bool = SelectionSettings.random_without_sink):
         for dist in distances:
             if dist not in DISTANCES:
                 raise InputError(f"unknown distance {dist!r}; choose from {', '.join(DISTANCES)}")
@@ -780,20 +779,22 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows, *, layers=None, batch_size: int = 2,
-               **options) -> ExperimentResult:
+def experiment(handle: ModelHandleLike, run: RunLike, windows,
+               settings: SelectionSettings = SelectionSettings()) -> ExperimentResult:
     """Selection geometry over ``windows`` as one stage (``selection``) of ``run`` (resumable,
-    shareable): each record is the :class:`SelectionStats` state of its windows (``options`` are its
-    arguments). Returns an :class:`~attngeom.experiment.ExperimentResult` with ``tables["selection"]``
-    and ``tables["regime"]`` (rows per window: the ``window`` column is what a bootstrap over windows
+    shareable), with ``settings`` (:class:`~attngeom.settings.SelectionSettings`): each record is
+    the :class:`SelectionStats` state of its windows. Returns an
+    :class:`~attngeom.experiment.ExperimentResult` with ``tables["selection"]`` and
+    ``tables["regime"]`` (rows per window: the ``window`` column is what a bootstrap over windows
     resamples) and ``summary`` (:func:`summarize`)."""
     from .trace import reduce_stage
 
-    (reducer,) = reduce_stage(handle, run, "selection", windows, lambda: [SelectionStats(**options)], layers=layers,
-                              batch_size=batch_size)
+    options = settings.stats_options()
+    (reducer,) = reduce_stage(handle, run, "selection", windows, lambda: [SelectionStats(**options)],
+                              layers=settings.layers, batch_size=settings.batch_size)
     sel, reg = reducer.result()
     if not len(sel):
         raise InputError("no query had at least 2 candidate sources; use longer windows")
     summary = summarize(sel, reg, reducer.violations, reducer.selections, reducer.small_n_max)
     return ExperimentResult("selection", tables={"selection": sel, "regime": reg}, summary=summary,
-                            settings={"layers": layers, "batch_size": batch_size, **options})
+                            settings=settings.record())

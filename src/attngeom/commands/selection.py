@@ -26,6 +26,9 @@ TABLES = ("selection", "regime")
 
 
 def add_parser(subparsers) -> None:
+    from ..settings import SelectionSettings
+
+    d = SelectionSettings()
     p = subparsers.add_parser(
         "selection", help="geometry of token selection: precision/recall/F of top-N vs random, sink-aware prediction",
         description="Treat each head as a classifier of its top-N sources in the space of attention-scaled "
@@ -37,20 +40,23 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ns", default=None,
                    help="selection sizes N, comma-separated (default 1,2,4,...,256 below the window length); "
                         "every N must be below --window")
-    p.add_argument("--distances", default="euclidean,cosine", help="euclidean, cosine or both (default both)")
-    p.add_argument("--repeats", type=int, default=8, help="random subsets per N (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random subsets (default 0)")
+    p.add_argument("--distances", default=",".join(d.distances),
+                   help="euclidean, cosine or both (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="random subsets per N (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random subsets (default %(default)s)")
     p.add_argument("--no-random-nosink", action="store_true",
                    help="draw the random control only from all candidates, not also from the non-sink ones")
-    p.add_argument("--queries", default="last",
+    p.add_argument("--queries", default=d.queries,
                    help="queries analysed per window: last (default), all, or a number K (a seeded sample of K, "
                         "the last included)")
     p.add_argument("--layers", default=None, help="layers analysed, e.g. 0,5,10 (default: all)")
-    p.add_argument("--sink", type=int, default=0, help="sink position (default 0, the BOS token)")
+    p.add_argument("--sink", type=int, default=d.sink, help="sink position (default %(default)s, the BOS token)")
     p.add_argument("--no-predict", action="store_true", help="skip the sink-aware prediction")
-    p.add_argument("--max-lag", type=int, default=256, help="largest position distance of the cosine-decay fit")
-    p.add_argument("--small-n-max", type=int, default=16, help="largest N considered for the best small N (default 16)")
-    p.add_argument("--batch-size", type=int, default=2, help="windows per forward pass (default 2)")
+    p.add_argument("--max-lag", type=int, default=d.max_lag,
+                   help="largest position distance of the cosine-decay fit (default %(default)s)")
+    p.add_argument("--small-n-max", type=int, default=d.small_n_max,
+                   help="largest N considered for the best small N (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per forward pass (default %(default)s)")
     p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
     common.add_progress_arg(p)
     common.add_out_arg(p)
@@ -101,6 +107,7 @@ def check_corpus(spec: str, args) -> None:
 def run(args) -> int:
     from ..data import check_layers, load_windows
     from ..selection import experiment
+    from ..settings import SelectionSettings
 
     ns, distances, queries, layers = parse_args_checked(args)
     fields = common.fields_of(args)
@@ -116,7 +123,9 @@ def run(args) -> int:
         handle = common.load(args)
         layers = check_layers(layers, handle.num_layers)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
-        res = experiment(handle, run, windows, layers=layers, batch_size=args.batch_size, **options)
+        res = experiment(handle, run, windows, SelectionSettings(
+            **{**options, "ns": tuple(ns), "distances": tuple(distances)},
+            layers=None if layers is None else tuple(layers), batch_size=args.batch_size))
         model_name = getattr(handle, "name", args.model)
         summary = {
             "command": "selection",
