@@ -8,7 +8,7 @@ import pytest
 from attngeom import bootstrap as bs
 from attngeom.experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.runner import Memory
-from attngeom.settings import HeadsSettings, SelectionSettings, SinksSettings
+from attngeom.settings import FaithfulnessSettings, HeadsSettings, SelectionSettings, SinksSettings
 
 
 def test_perplexity_scalar_array_and_zero_tokens():
@@ -72,7 +72,8 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     res = selection.experiment(h, Memory(), ids, SelectionSettings(ns=(2,), repeats=1, predict=False, batch_size=1))
     assert set(res.tables) == {"selection", "regime"} and set(res.tables["selection"]["window"]) == {0, 1, 2, 3}
 
-    variants = faithfulness.build_variants(["attention"], [0.5])
-    res = faithfulness.experiment(h, units=faithfulness.window_units(ids), variants=variants, progress=False)
+    settings = FaithfulnessSettings(metrics=("attention",), ratios=(0.5,))
+    res = faithfulness.experiment(h, units=faithfulness.window_units(ids), settings=settings, progress=False)
+    assert [v.key for v in res.per_window["variants"]] == [v.key for v in faithfulness.variants_of(settings)]
     clean = res.tables["table"]["clean"].iloc[0]
     assert clean == ppl(res.per_window["nll"][:, 0].sum(), res.per_window["tokens"].sum())

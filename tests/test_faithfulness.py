@@ -18,6 +18,7 @@ from attngeom.faithfulness import (CLEAN, build_variants, experiment, run_units,
 from attngeom.interventions import RankIntervention, Variant
 from attngeom.reducers import Batch
 from attngeom.runner import Run
+from attngeom.settings import FaithfulnessSettings
 from attngeom.tasks import load_task
 from attngeom.trace import forward
 from tiny_models import tiny_model
@@ -37,8 +38,12 @@ def llama():
     return tiny_model("llama")
 
 
+def _settings(**kw):
+    return FaithfulnessSettings(metrics=("attention", "contribution", "random"), ratios=(0.3, 0.7), seeds=(0, 1), **kw)
+
+
 def _variants():
-    return build_variants(["attention", "contribution", "random"], [0.3, 0.7], seeds=[0, 1])
+    return F.variants_of(_settings())
 
 
 def _run(out, **settings):
@@ -58,7 +63,7 @@ def _table_summary(*args, **kw):
 
 def test_clean_ppl_equals_plain_model(llama, tmp_path):
     wins = _windows(llama)
-    res = experiment(llama, _run(tmp_path), units=window_units(wins), variants=_variants(), progress=False)
+    res = experiment(llama, _run(tmp_path), units=window_units(wins), settings=_settings(), progress=False)
     table, summary = res.tables["table"], res.summary
     nll, n = 0.0, 0
     with torch.no_grad():
@@ -111,8 +116,8 @@ def test_batched_rows_equal_one_variant_per_forward(llama):
 def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
     units = window_units(_windows(llama, n=4))
     variants = _variants()
-    full, full_s = _table_summary(llama, _run(tmp_path / "full"), units=units, variants=variants, progress=False,
-                                  rows=5)
+    full, full_s = _table_summary(llama, _run(tmp_path / "full"), units=units, settings=_settings(rows=5),
+                                  progress=False)
 
     class Killed(Exception):
         pass
@@ -130,7 +135,7 @@ def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
 
     monkeypatch.setattr(F, "_pair_nll", dies_after(5))  # 4 forwards per window (17 variants, 5 rows)
     with pytest.raises(Killed):
-        experiment(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False, rows=5)
+        experiment(llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5), progress=False)
     # a kill in the middle of a write leaves a cut line: it is ignored and redone
     log = next((tmp_path / "part" / "checkpoint").glob("records-*.jsonl"))
     assert len(log.read_text().splitlines()) == 5
@@ -138,15 +143,15 @@ def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
         f.write('{"stage": "faithfulness", "units": [15, 16], "da')
     calls.clear()
     monkeypatch.setattr(F, "_pair_nll", dies_after(10**9))
-    part, part_s = _table_summary(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False,
-                                  rows=5)
+    part, part_s = _table_summary(llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5),
+                                  progress=False)
     assert len(calls) == 4 * 4 - 5  # finished forwards were skipped
     pd.testing.assert_frame_equal(part, full)
     for k in ("clean", "metrics", "order_comprehensiveness", "order_sufficiency", "units_done"):
         assert part_s[k] == full_s[k]
     # a rerun of a finished run computes nothing
     calls.clear()
-    again, _ = _table_summary(llama, _run(tmp_path / "part"), units=units, variants=variants, progress=False)
+    again, _ = _table_summary(llama, _run(tmp_path / "part"), units=units, settings=_settings(), progress=False)
     assert calls == []
     pd.testing.assert_frame_equal(again, full)
 
@@ -219,9 +224,10 @@ def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
     examples = load_task(_write(tmp_path / f"{task}.jsonl", rows), task)
     assert [ex.answer for ex in examples] == {"mmlu": [1, 0, 2], "winogrande": [0, 1], "boolq": [1, 0]}[task]
     units = task_units(llama, examples)
-    variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
-    table, summary = _table_summary(llama, _run(tmp_path / "out"), units=units, variants=variants,
-                                    examples=examples, progress=False, rows=3)
+    settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,), rows=3)
+    variants = F.variants_of(settings)
+    table, summary = _table_summary(llama, _run(tmp_path / "out"), units=units, settings=settings,
+                                    examples=examples, progress=False)
     slow = _slow_logliks(llama, examples)
     results = run_units(llama, units, variants, rows=3, progress=False, run=_run(tmp_path / "out"))
     for i, tu in enumerate(units):
@@ -375,8 +381,8 @@ def test_default_model_one_short_window(tmp_path):
 
     h = load_model("smollm2-135m")
     units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
-    variants = build_variants(["contribution", "random"], [0.5], seeds=[0])
-    table, s = _table_summary(h, units=units, variants=variants, progress=False)
+    settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,))
+    table, s = _table_summary(h, units=units, settings=settings, progress=False)
     assert s["clean"] < 1e4 and len(table) == 4
     # masking the most important half hurts more than masking the least important half
     c = table[table.metric == "contribution"].set_index("mode")["change"]

@@ -37,7 +37,7 @@ from . import bootstrap as bs
 from . import registry
 from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from .settings import ClaimsSettings as Settings
-from .settings import HeadsSettings, SelectionSettings, SinksSettings
+from .settings import FaithfulnessSettings, HeadsSettings, SelectionSettings, SinksSettings
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
 MODERATE = (90.0, 75.0)
@@ -672,13 +672,13 @@ def _one_per_window(result: ExperimentResult, key: str) -> list:
 def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds, counts_for) -> tuple[list[dict], dict]:
     from . import faithfulness
 
-    variants = faithfulness.build_variants(faithfulness.DEFAULT_METRICS, ratios, seeds)
-    res = faithfulness.experiment(handle, run, units=faithfulness.window_units(ids), variants=variants)
-    nll, tok = res.per_window["nll"], res.per_window["tokens"]
+    settings = FaithfulnessSettings(ratios=tuple(ratios), seeds=tuple(seeds))
+    res = faithfulness.experiment(handle, run, units=faithfulness.window_units(ids), settings=settings)
+    nll, tok, variants = res.per_window["nll"], res.per_window["tokens"], res.per_window["variants"]
     W = len(tok)
     point = faithfulness_stats(nll, tok, variants, np.ones((1, W)))
     samples = faithfulness_stats(nll, tok, variants, counts_for(W, 1))
-    return _faith_claims(point, samples, faithfulness.DEFAULT_METRICS)
+    return _faith_claims(point, samples, settings.metrics)
 
 
 def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:

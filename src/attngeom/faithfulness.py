@@ -35,19 +35,17 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import registry
 from .capture import Session
 from .errors import InputError
 from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from .reducers import Batch
 from .runner import fingerprint
+from .settings import FaithfulnessSettings
 from .trace import batch_nll
 
-DEFAULT_METRICS = (*registry.hierarchy(), "random")
-"""The paper's hierarchy (:func:`attngeom.registry.hierarchy`) and the random control."""
-DEFAULT_RATIOS = tuple(round(0.1 * k, 1) for k in range(1, 10))
-DEFAULT_SEEDS = (0, 1, 2)
+DEFAULT_RATIOS = FaithfulnessSettings.ratios
+DEFAULT_SEEDS = FaithfulnessSettings.seeds
 
 
 
@@ -94,6 +92,12 @@ def build_variants(metrics: Sequence[str], ratios: Sequence[float], seeds: Seque
                 for s in (seeds if m == "random" else (0,)):
                     out.append(Variant(m, mode, float(r), int(s), per_head=per_head, absolute=absolute))
     return out
+
+
+def variants_of(settings: FaithfulnessSettings) -> list[Variant]:
+    """The variants ``settings`` runs (:func:`build_variants`; bad settings raise InputError)."""
+    return build_variants(settings.metrics, settings.ratios, settings.seeds, per_head=settings.per_head,
+                          absolute=settings.absolute)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,24 +294,27 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 
 
 def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Sequence[Unit],
-               variants: Sequence[Variant], layers=None, rows: int | None = None, progress: bool | str = True,
-               examples=None, meta: dict | None = None) -> ExperimentResult:
-    """Run (or, with a ``run`` holding records, resume) the experiment.
+               settings: FaithfulnessSettings = FaithfulnessSettings(), progress: bool | str = True, examples=None,
+               meta: dict | None = None) -> ExperimentResult:
+    """Run (or, with a ``run`` holding records, resume) the experiment on ``units`` with ``settings``
+    (:class:`~attngeom.settings.FaithfulnessSettings`; ``examples``: score a multiple-choice task).
 
     Returns an :class:`~attngeom.experiment.ExperimentResult`: ``tables["table"]``, one row per
     intervened variant (:func:`ppl_table` or :func:`task_table`); ``summary``, :func:`summarize` plus
-    units done/total and ``settings`` (``meta``); for perplexity ``per_window`` holds ``nll``
-    (summed NLL ``[W, V]`` per finished window and variant, columns in the order of ``variants``),
-    ``tokens [W]`` and ``windows`` (their indices). Only units on which every variant has finished
-    enter the result."""
+    units done/total and ``settings`` (``meta``); ``per_window["variants"]`` (:func:`variants_of`)
+    and, for perplexity, ``nll`` (summed NLL ``[W, V]`` per finished window and variant, columns in
+    the order of the variants), ``tokens [W]`` and ``windows`` (their indices). Only units on which
+    every variant has finished enter the result."""
+    variants = variants_of(settings)
     measure = "accuracy" if examples is not None else "ppl"
-    results = run_units(handle, units, variants, layers=layers, rows=rows, progress=progress, run=run)
-    per_window: dict = {}
+    results = run_units(handle, units, variants, layers=settings.layers, rows=settings.rows, progress=progress,
+                        run=run)
+    per_window: dict = {"variants": variants}
     if examples is None:
         done = complete_units(results, len(units), variants)
         table = ppl_table(results, done, variants)
         n_done, n_all = len(done), len(units)
-        per_window = {"windows": done,
+        per_window |= {"windows": done,
                       "nll": np.array([[results[(u, v.key)]["nll"] for v in variants] for u in done],
                                       dtype=np.float64).reshape(len(done), len(variants)),
                       "tokens": np.array([units[u].n_scored for u in done], dtype=np.float64)}
@@ -320,4 +327,4 @@ def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Se
                     "unit": "example" if examples is not None else "window",
                     "variants": len(variants), "settings": dict(meta or {})})
     return ExperimentResult("faithfulness", tables={"table": table}, summary=summary, per_window=per_window,
-                            settings=dict(meta or {}))
+                            settings=settings.record())

@@ -1,14 +1,41 @@
 """The settings of the corpus experiments with their defaults: one frozen dataclass per experiment.
 
 What belongs here: the options an experiment runs with and their defaults, said once for the
-experiment (:func:`attngeom.heads.experiment`, :func:`attngeom.sinks.experiment`,
-:func:`attngeom.claims.experiment` take them) and for its command (whose options default to these
+experiment (the ``experiment()`` of :mod:`attngeom.faithfulness`, :mod:`~attngeom.sinks`,
+:mod:`~attngeom.selection`, :mod:`~attngeom.heads` and :mod:`~attngeom.claims` take them) and for its command (whose options default to these
 fields). Plain dataclasses, nothing heavy imported: the commands read them to build ``--help``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from . import registry
+
+def default_rankings() -> tuple[str, ...]:
+    """The faithfulness experiment's default rankings: the paper's hierarchy
+    (:func:`attngeom.registry.hierarchy`) and the random control."""
+    return (*registry.hierarchy(), "random")
+
+
+@dataclass(frozen=True)
+class FaithfulnessSettings:
+    """The faithfulness experiment (SPEC §3): the rankings ``metrics`` (registry metrics and
+    ``random``), removal ``ratios`` in (0, 1), ``seeds`` of the random ranking, ranking per head
+    (``per_head``) and by absolute score (``absolute``), the intervened ``layers`` (None: all) and
+    the variants of one unit per batched forward (``rows``; None: as many as fit ~3 GB of logits)."""
+
+    metrics: tuple[str, ...] = field(default_factory=default_rankings)
+    ratios: tuple[float, ...] = tuple(round(0.1 * k, 1) for k in range(1, 10))
+    seeds: tuple[int, ...] = (0, 1, 2)
+    per_head: bool = False
+    absolute: bool = False
+    layers: tuple[int, ...] | None = None
+    rows: int | None = None
+
+    def record(self) -> dict:
+        return asdict(self)
+
 
 @dataclass(frozen=True)
 class HeadsSettings:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
-from .. import registry
 from ..errors import InputError
+from ..settings import FaithfulnessSettings
 from . import common
 from .common import (add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list,
                      data_identity, fields_of, model_identity, open_run, write_json, write_parquet)
 
 
 def add_parser(subparsers) -> None:
+    from .. import registry
+
+    d = FaithfulnessSettings()
     p = subparsers.add_parser(
         "faithfulness",
         help="mask the top/bottom-ranked sources of every query and measure the change in perplexity "
@@ -26,12 +30,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--task", choices=["mmlu", "winogrande", "boolq"], default=None,
                    help="score a multiple-choice JSONL file (--data) by option log-likelihood instead of perplexity")
     p.add_argument("--max-examples", type=int, default=None, help="task examples to use (default: all)")
-    p.add_argument("--metrics", default=",".join((*registry.hierarchy(), "random")),
+    p.add_argument("--metrics", default=",".join(d.metrics),
                    help="ranking metrics, comma-separated (default %(default)s; known: "
                         f"{', '.join((*registry.rank_names(), 'random'))}; attngeom.registry)")
-    p.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
-                   help="removal ratios in (0, 1), comma-separated")
-    p.add_argument("--seeds", default="0,1,2", help="seeds of the random ranking (default 0,1,2)")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in d.ratios),
+                   help="removal ratios in (0, 1), comma-separated (default %(default)s)")
+    p.add_argument("--seeds", default=",".join(str(x) for x in d.seeds),
+                   help="seeds of the random ranking (default %(default)s)")
     p.add_argument("--layers", default="all", help="layers intervened on: all (default) or e.g. 0,3,5")
     p.add_argument("--per-head", action="store_true", help="rank per head (default: per token, all heads)")
     p.add_argument("--absolute", action="store_true", help="rank by absolute score (default: signed)")
@@ -44,14 +49,16 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..data import check_layers, parse_float_list, parse_int_list, resolve_texts
-    from ..faithfulness import DEFAULT_SEEDS, build_variants, experiment, task_units, window_units
+    from ..faithfulness import experiment, task_units, variants_of, window_units
 
     # ---- everything that needs no model, before loading it ---------------------------------
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     ratios = parse_float_list(args.ratios, "--ratios")
-    seeds = parse_int_list(args.seeds, "--seeds") or list(DEFAULT_SEEDS)
-    variants = build_variants(metrics, ratios, seeds, per_head=args.per_head, absolute=args.absolute)
+    seeds = parse_int_list(args.seeds, "--seeds") or list(FaithfulnessSettings.seeds)
     layers = check_layer_list(args.layers)
+    options = FaithfulnessSettings(metrics=tuple(metrics), ratios=tuple(ratios), seeds=tuple(seeds),
+                                   per_head=args.per_head, absolute=args.absolute, rows=args.batch_rows)
+    variants_of(options)  # bad metrics, ratios or seeds fail here, before the model loads
     check_at_least(args, window=2, max_windows=1, stride=1, batch_rows=1)
     fields = fields_of(args)
     examples = None
@@ -84,8 +91,8 @@ def run(args) -> int:
                                 max_windows=args.max_windows, fields=fields)
             units = window_units(wins)
         info = {"model_name": getattr(handle, "name", args.model), **settings}
-        res = experiment(handle, run, units=units, variants=variants, layers=layers, rows=args.batch_rows,
-                         progress=not args.no_progress, examples=examples, meta=info)
+        res = experiment(handle, run, units=units, progress=not args.no_progress, examples=examples, meta=info,
+                         settings=dataclasses.replace(options, layers=None if layers is None else tuple(layers)))
         table, summary = res.tables["table"], res.summary
 
         def write(staging: Path) -> list[str]:
