@@ -6,8 +6,8 @@ What belongs here: the shape every ``experiment()`` function of attngeom returns
 :class:`ModelHandleLike` and :class:`RunLike` protocols), :func:`window_records` and
 :func:`perplexity`. No model code, no experiment's own logic.
 
-An experiment is **settings** (its keyword arguments, or a frozen ``Settings`` dataclass as in
-:mod:`attngeom.claims`; recorded in the result), **stages of units**
+An experiment is **settings** (one frozen dataclass of :mod:`attngeom.settings`, recorded in the
+result), **stages of units**
 run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
 is a record), and a **result**: its ``tables`` (DataFrames, what a command writes), its ``summary``
 (a JSON-able dict) and its ``per_window`` statistics (additive sums per window, the rows a
@@ -118,7 +118,7 @@ class ExperimentResult:
     """The result of an experiment: ``tables`` (name -> DataFrame, what a command writes),
     ``summary`` (a JSON-able dict), ``per_window`` (additive per-window statistics a bootstrap over
     windows resamples: arrays or lists with one entry per window, in window order) and
-    ``settings`` (the options it ran with)."""
+    ``settings`` (the options it ran with, as the settings dataclass records them)."""
 
     name: str
     tables: dict[str, "pd.DataFrame"] = field(default_factory=dict)
