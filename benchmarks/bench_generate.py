@@ -14,9 +14,11 @@ ids after BOS) is answered with exactly ``N`` tokens (stop tokens off) by:
 ``answer``
     the same with :class:`~attngeom.generate.AnswerSources` on all layers (the answer tables).
 ``analyze``
-    the same with :class:`~attngeom.reducers.HeadStats`, :class:`~attngeom.reducers.TokenStats`
-    and ``AnswerSources``: what ``attngeom analyze --generate N`` runs (all five metrics of SPEC §2
-    on every step).
+    what ``attngeom analyze --generate N`` runs: ``answer``, and :class:`~attngeom.reducers.HeadStats`
+    and :class:`~attngeom.reducers.TokenStats` (all five metrics of SPEC §2) as text reducers: the
+    prompt's call, then the answer in one call against the cached prompt (the same rows as the steps).
+``stepwise``
+    ``HeadStats``, ``TokenStats`` and ``AnswerSources`` all observing every step.
 
 The methods alternate within each repeat (the order rotates from one repeat to the next), so load
 from other jobs hits them alike; the median of the repeats is reported with the ratio to
@@ -39,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("generate", "capture", "answer", "analyze")
+METHODS = ("generate", "capture", "answer", "analyze", "stepwise")
 
 
 def _ints(text: str) -> list[int]:
@@ -92,8 +94,9 @@ def main(argv=None) -> int:
         elif method == "capture":
             answer = generate(handle, ids, dec, Session())
         else:
-            reducers = [AnswerSources()] if method == "answer" else [HeadStats(), TokenStats(), AnswerSources()]
-            answer = _stream_ids(handle, ids, reducers, dec)[len(ids):]
+            reducers = [HeadStats(), TokenStats(), AnswerSources()] if method == "stepwise" else [AnswerSources()]
+            text = [HeadStats(), TokenStats()] if method == "analyze" else []
+            answer = _stream_ids(handle, ids, reducers, dec, text_reducers=text)[len(ids):]
         sync()
         return time.perf_counter() - t0, answer
 

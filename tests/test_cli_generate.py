@@ -74,6 +74,13 @@ def test_analyze_generate_writes_the_answer_tables(run_generate, tiny_llama_dir)
     first = tokens[tokens["layer"] == 0]
     assert first["token_id"].tolist() == trace.ids
     assert first["generated"].tolist() == trace.generated.tolist()
+    # the summaries (seen as a text during the generation) are those of prompt + answer analysed as a text
+    from attngeom import TokenStats, stream
+
+    (ref,) = stream(handle, [trace.ids], [TokenStats()], progress=False)
+    ref = ref.result()
+    num = [c for c in ref.columns if c not in ("text", "layer", "position", "token_id")]
+    assert np.allclose(tokens[num].to_numpy(float), ref[num].to_numpy(float), rtol=1e-4, atol=1e-5)
     shares = pd.read_parquet(run_generate / "answer_shares.parquet")
     assert len(shares) == (T - P) * (L + 1)
     # the tables' contribution rows are the full trace's C_ij rows (producing row = position - 1)

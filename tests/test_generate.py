@@ -116,11 +116,28 @@ def test_stop_token_ends_the_answer_and_is_kept():
     assert got == free[:len(ids) + first + 1]
 
 
-def test_reducers_during_generation_equal_the_full_forward():
-    handle = tiny_model("gemma3_text")
+@pytest.mark.parametrize("arch, mode", [("gemma3_text", "steps"), ("gemma3_text", "text"), ("mistral", "text")])
+def test_reducers_during_generation_equal_the_full_forward(arch, mode):
+    """Reducers at every step, or as text reducers (the prompt's call, then the answer in one call
+    against the cached prompt, beside AnswerSources at every step): the full forward's results."""
+    handle = tiny_model(arch)
     ids = handle.encode(PROMPT)
     heads, tokens = HeadStats(), TokenStats()
-    full_ids = stream(handle, ids, [heads, tokens], Decoding(N, stop=()))
+    if mode == "steps":
+        full_ids = stream(handle, ids, [heads, tokens], Decoding(N, stop=()))
+    else:
+        T = len(ids) + N
+        rows = StepRows(T)
+        answer = AnswerSources()
+        full_ids = stream(handle, ids, [answer], Decoding(N, stop=()), text_reducers=[heads, tokens, rows])
+        assert len(answer.result()["shares"]) == N * (handle.num_layers + 1)
+        full = analyze(handle, full_ids)
+        assert {q for _, q in rows.rows} == set(range(T))
+        assert not rows.single                              # the answer's rows came in one call, not per step
+        for lt in full.layers:
+            for q in range(T):
+                for m in METRICS:
+                    assert _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m) < 1e-5, (lt.index, q, m)
     h2, t2 = HeadStats(), TokenStats()
     stream_texts(handle, [full_ids], [h2, t2], progress=False)
     a, b = heads.result(), h2.result()

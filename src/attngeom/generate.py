@@ -205,35 +205,56 @@ def check_context(handle, prompt_length: int, decoding: Decoding) -> None:
 
 
 @torch.no_grad()
-def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | None = None) -> list[int]:
+def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
+             steps: Session | None = None, last_step: bool = True, cache=None) -> list[int]:
     """Generate from prompt ``ids`` with the model's KV cache; every forward call runs through the
-    capture plug-in with ``session`` (default: a session without observers). Returns the answer's
-    ids (ending with a stop token when one came). The last answer token is run through the model
-    too, so the session has seen every position ``0 .. P + len(answer) - 1``."""
+    capture plug-in. ``session`` (default: no observers) is active for the prompt's forward call
+    and, unless ``steps`` is given, for the decoding steps too. Returns the answer's ids (ending with
+    a stop token when one came). With ``last_step`` the last answer token is run through the model
+    too, so the sessions have seen every position ``0 .. P + len(answer) - 1``. ``cache``: the
+    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer)."""
     from transformers import DynamicCache
 
     model = handle.model
     device = model.device
     session = session or Session()
+    steps = steps or session
     ids = [int(i) for i in ids]
     if not ids:
         raise InputError("empty prompt: no tokens to generate from")
     check_context(handle, len(ids), decoding)
     stop = set(decoding.stop_ids(handle))
     gen = decoding.generator(device)
-    cache = DynamicCache()  # no config: full layers, every earlier token kept (module docstring)
+    cache = DynamicCache() if cache is None else cache  # no config: full layers (module docstring)
     step = torch.tensor([ids], device=device)
     answer: list[int] = []
     with attngeom_attention_implementation(model):
         while True:
             length = len(ids) + len(answer)
-            with session.active(torch.tensor([length], device=device)):
+            with (steps if answer else session).active(torch.tensor([length], device=device)):
                 out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
-            if len(answer) == decoding.max_new_tokens or (answer and answer[-1] in stop):
+            done = len(answer) == decoding.max_new_tokens or bool(answer and answer[-1] in stop)
+            if done:
                 return answer
             token = decoding.choose(out.logits[0, -1].float(), gen)
             answer.append(token)
+            if not last_step and (len(answer) == decoding.max_new_tokens or token in stop):
+                return answer
             step = torch.tensor([[token]], device=device)
+
+
+@torch.no_grad()
+def _answer_as_text(handle, cache, ids: list[int], answer: list[int], session: Session) -> None:
+    """Run the answer through the model in one call against the cached prompt, ``session`` active:
+    its blocks are rows ``P .. T-1`` of prompt + answer (the cache is cut back to the prompt first)."""
+    P = len(ids)
+    cached = cache.get_seq_length()
+    if cached > P:
+        cache.crop(P - cached)                                # a negative count: tokens removed from the end
+    model = handle.model
+    device = model.device
+    with attngeom_attention_implementation(model), session.active(torch.tensor([P + len(answer)], device=device)):
+        model(input_ids=torch.tensor([answer], device=device), cache=cache, use_cache=True, logits_to_keep=1)
 
 
 class GrowingNorms:
@@ -272,30 +293,49 @@ class GenerationBatch(Batch):
     prompt_length: int = 0
 
 
-def stream(handle, prompt, reducers: Sequence[Reducer], decoding: Decoding, *, chat: bool = False,
-           system: str | None = None, layers: Iterable[int] | None = None, block_elements: int | None = None,
-           index: int = 0) -> list[int]:
+def stream(handle, prompt, reducers: Sequence[Reducer], decoding: Decoding, *, text_reducers: Sequence[Reducer] = (),
+           chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
+           block_elements: int | None = None, index: int = 0) -> list[int]:
     """Generate an answer to ``prompt`` (see :func:`prompt_ids`) with ``reducers`` observing
     ``layers`` (default all) at every step; no full maps are kept. Returns prompt + answer ids
-    (``reducers`` saw ``GenerationBatch`` with ``index=[index]``)."""
+    (the reducers saw ``GenerationBatch`` with ``index=[index]``).
+
+    ``text_reducers`` see prompt + answer as a text instead: the prompt's blocks during its forward
+    call, then the answer's in one more call against the cached prompt after the generation. Their
+    rows are the steps' rows (tests/test_generate.py) and a reducer's Python work is paid per block
+    instead of per token and layer: what suits summaries of every position (``HeadStats``,
+    ``TokenStats``)."""
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
-    return _stream_ids(handle, ids, reducers, decoding, layers=layers, block_elements=block_elements, index=index)
+    return _stream_ids(handle, ids, reducers, decoding, text_reducers=text_reducers, layers=layers,
+                       block_elements=block_elements, index=index)
 
 
-def _stream_ids(handle, ids, reducers, decoding, *, layers=None, block_elements=None, index=0) -> list[int]:
+def _stream_ids(handle, ids, reducers, decoding, *, text_reducers=(), layers=None, block_elements=None,
+                index=0) -> list[int]:
+    from transformers import DynamicCache
+
     P, N = len(ids), decoding.max_new_tokens
     check_context(handle, P, decoding)
     padded = torch.zeros(1, P + N, dtype=torch.long)
     padded[0, :P] = torch.tensor(ids)
     start = GenerationBatch(ids=padded, lengths=torch.tensor([P + N]), index=[index], prompt_length=P)
-    for r in reducers:
+    everyone = [*reducers, *text_reducers]
+    for r in everyone:
         r.begin(start)
-    session = Session(observers=[GrowingNorms(), *reducers], layers=layers, block_elements=block_elements)
-    answer = generate(handle, ids, decoding, session)
+    norms = GrowingNorms()
+
+    def session(observers):
+        return Session(observers=observers, layers=layers, block_elements=block_elements)
+
+    cache = DynamicCache()
+    answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
+                      last_step=bool(reducers) or not text_reducers, cache=cache)
+    if text_reducers:
+        _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(), *text_reducers]))
     full = list(ids) + answer
     end = GenerationBatch(ids=torch.tensor([full]), lengths=torch.tensor([len(full)]), index=[index],
                           prompt_length=P)
-    for r in reducers:
+    for r in everyone:
         r.end(end)
     return full
 
@@ -462,12 +502,13 @@ class Answers(Reducer):
 
 def generation_stage(handle, run, name: str, prompts: Sequence[list[int]], decoding: Decoding,
                      make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None,
-                     desc: str | None = None) -> list[Reducer]:
+                     desc: str | None = None, text: int = 0) -> list[Reducer]:
     """Generate an answer to each of ``prompts`` (token ids, :func:`prompt_ids`) with fresh reducers
     ``make()`` observing, as stage ``name`` of ``run`` (an :class:`attngeom.runner.Run`: one record
     per prompt, resumable and shared among processes; None: in memory), and return ``make()`` loaded
     with the merged states (as :func:`attngeom.trace.reduce_stage` does for texts). The decoding
-    settings belong in the run's settings: a record is reused only for the same prompt ids."""
+    settings belong in the run's settings: a record is reused only for the same prompt ids. The last
+    ``text`` reducers of ``make()`` are ``text_reducers`` (:func:`stream`)."""
     from .runner import Memory, fingerprint, merge_sums
 
     for ids in prompts:
@@ -475,8 +516,10 @@ def generation_stage(handle, run, name: str, prompts: Sequence[list[int]], decod
 
     def work(units: list[int]) -> dict:
         reducers = make()
+        cut = len(reducers) - text
         for u in units:
-            _stream_ids(handle, prompts[u], reducers, decoding, layers=layers, index=u)
+            _stream_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
+                        index=u)
         return {str(k): r.state() for k, r in enumerate(reducers)}
 
     records = (run or Memory()).stage(name, len(prompts), work, desc=desc or name, unit="prompt",

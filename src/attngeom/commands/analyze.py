@@ -16,6 +16,13 @@ length checked against the model's context (longer inputs need ``--window``), th
 Outputs in ``--out``: ``tokens.parquet``, ``heads.parquet``, ``summary.json``, ``maps_layer{L}.png``,
 ``heads_layer{L}.png``, ``sinks_per_layer.png`` and ``report.md``.
 
+**Generation** (``--generate N``, docs/generation.md): the text is a prompt; the answer is generated
+with :class:`~attngeom.generate.AnswerSources` observing every step and the summaries of 1. seeing
+prompt + answer as a text (one stage ``generate``), then 2. draws its maps, and the answer tables
+are written beside
+(``answer_shares``, ``answer_sources``, ``answer_summary``). ``--data`` answers every prompt of a
+file instead (corpus mode: ``answers.parquet`` and the answer tables).
+
 **Windowing** (``--window N [--stride S]``): the input's tokens (BOS excluded) are cut into windows
 of ``N-1`` tokens starting every ``S`` tokens (default ``S = N-1``: no overlap), each window gets the
 BOS token (the sink) in front and is analysed as a text of its own. The last window ends at the last
@@ -327,9 +334,11 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, 
 
 
 def _generate(handle, run, args, prompt, decoding, layers) -> dict:
-    """Generate the answer with the summaries' reducers and the answer tables observing every step
-    (stage ``generate`` of the run: one record, resumable). Returns the prompt + answer ids, the
-    per-head and per-token summaries and the answer tables (with token strings)."""
+    """Generate the answer with the answer tables observing every step and the per-head and
+    per-token summaries seeing prompt + answer as a text (text reducers of
+    :func:`attngeom.generate.stream`: the same rows, one call for the answer instead of one per
+    token), as stage ``generate`` of the run (one record, resumable). Returns the prompt + answer
+    ids, the summaries and the answer tables (with token strings)."""
     from ..generate import AnswerSources, Answers, generation_stage, prompt_ids
     from ..reducers import HeadStats, TokenStats
 
@@ -337,10 +346,9 @@ def _generate(handle, run, args, prompt, decoding, layers) -> dict:
     ids = prompt_ids(handle, prompt, chat=args.chat, system=args.system, stop=stop)
     if args.sink >= len(ids):
         raise InputError(f"--sink {args.sink} is beyond the prompt ({len(ids)} tokens)")
-    heads, tokens, tables, answers = generation_stage(
-        handle, run, "generate", [ids], decoding, layers=layers, desc="generate",
-        make=lambda: [HeadStats(sink=args.sink), TokenStats(sink=args.sink), AnswerSources(sink=args.sink),
-                      Answers(stop)])
+    tables, answers, heads, tokens = generation_stage(
+        handle, run, "generate", [ids], decoding, layers=layers, desc="generate", text=2,
+        make=lambda: [AnswerSources(sink=args.sink), Answers(stop), HeadStats(sink=args.sink), TokenStats(sink=args.sink)])
     row = answers.result().iloc[0]
     answer_ids = [int(x) for x in str(row["answer_ids"]).split()]
     full = list(ids) + answer_ids
