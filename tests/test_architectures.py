@@ -39,7 +39,7 @@ from attngeom.model.adapter import SUPPORTED_ARCHITECTURES, adapter_for, check_s
 
 T = 12
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
-MIN_SUPPORTED = 94
+MIN_SUPPORTED = 97
 REQUIRED = ("gpt2", "gpt_neox", "gptj", "opt", "olmo", "olmo2", "phi", "phi3", "stablelm", "starcoder2", "cohere",
             "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "smollm3")
 """Types the project promises (issue 18)."""
@@ -65,6 +65,15 @@ TWEAKS: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
     "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=8, mamba_chunk_size=16),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), d_model=64, n_heads=4, n_layers=2,
+                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), max_seq_len=256),
+    # cross-layer KV sharing: layers 2 and 3 reuse the keys and values of layers 0 and 1
+    "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, intermediate_size=[128] * 4,
+                         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+                         altup_num_inputs=2, laurel_rank=8, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=128),
 }
 """Per-type settings a tiny config needs beyond :data:`SMALL`."""
 
@@ -385,6 +394,7 @@ def test_matrix(matrix):
     assert "bias" in matrix["doge"].reason                               # a per-head mask bias is refused
     assert "latent attention" in matrix["deepseek_v2"].reason            # value heads 24, q/k heads 16
     assert "learned sink logits" in matrix["gpt_oss"].reason
+    assert matrix["gemma3n_text"].status == "supported"                  # cross-layer KV sharing
 
 
 # --------------------------------------------------------------------------------------------
