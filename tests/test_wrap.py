@@ -77,7 +77,7 @@ def test_cli_runs_a_saved_gpt2_and_refuses_bloom_with_exit_2(tmp_path):
 
 def test_hub_ids_fail_in_one_line_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for spec in ("EleutherAI/pythia-160m", "openai-community/gpt2"):
+    for spec in ("EleutherAI/pythia-160m", "openai-community/gpt2", "gpt2"):
         with pytest.raises(ModelLoadError) as info:
             attngeom.load_model(spec, device="cpu")
         assert spec in str(info.value) and "\n" not in str(info.value)

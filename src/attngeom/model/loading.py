@@ -9,7 +9,8 @@
   minutes) and caches float32 safetensors under :func:`cache_dir`; later loads take about a second.
 * a local ``.gguf`` file: dequantised and cached the same way, keyed by path, size and mtime.
 * a local Hugging Face model directory (one holding ``config.json``).
-* a Hugging Face Hub id ``"org/name"``: needs the network unless it is already in the local HF cache.
+* a Hugging Face Hub id ``"org/name"`` (or a bare ``"name"`` such as ``"gpt2"``): needs the network unless it is
+  already in the local HF cache.
 
 Every load checks the device first (:func:`~attngeom.model.device.resolve_device`), then what the
 config alone tells about the architecture (:func:`~attngeom.model.adapter.check_supported`), puts the
@@ -49,7 +50,8 @@ ACCEPTED_SPECS = (
     "'org/name'"
 )
 
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""'org/name', or a bare 'name' (the Hub's older ids, e.g. 'gpt2')."""
 
 
 def attn_implementation_for(config, requested: str | None, trust_remote_code: bool) -> str | None:
@@ -152,7 +154,8 @@ def load_model(
 
 
 def _looks_like_hub_id(spec: str) -> bool:
-    """'org/name' with Hub-legal characters, and not written as a path or a .gguf file."""
+    """'org/name' (or a bare 'name' such as 'gpt2') with Hub-legal characters, and not written as a
+    path or a .gguf file."""
     if spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf"):
         return False
     return bool(_HUB_ID_RE.match(spec))
