@@ -33,7 +33,7 @@ def _read_logits(handle, cache, ids, chunk, session=None):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3"])       # GQA 4/2, MHA, head_dim != hidden/heads
+@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3", "gemma3_text"])  # GQA, MHA, head_dim != hidden/heads, hybrid
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_budget_at_least_length_equals_full_cache(arch, chunk):
     h = tiny_model(arch)
@@ -413,3 +413,17 @@ def test_generate_with_the_compressed_cache():
     finally:
         h.model.set_attn_implementation(sdpa)
     assert all(layer.size <= 6 for layer in small.layers)
+
+
+def test_hybrid_models_compress_only_their_full_attention_layers():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from attngeom.kvcache import CompressedLayer
+
+    h = tiny_model("gemma3_text")                                    # sliding, sliding, full (window 8)
+    cache = CompressedCache(h.model.config, "contribution", 6)
+    logits = _read_logits(h, cache, _ids(30), 2)
+    assert torch.isfinite(logits).all()
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, DynamicSlidingWindowLayer, CompressedLayer]
+    assert cache.layers[2].size <= 6 and cache.layers[2].seen == 30
