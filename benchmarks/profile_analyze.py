@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Where the time of a streaming analysis goes, beside the SDPA forward, under the current CPU kernels.
+
+One process, the bundled model in float32 at ``--T`` tokens: times the SDPA forward, the attngeom
+forward with no observer (``capture``), attention-level statistics and all metrics (as
+``benchmarks/bench_analyze.py`` defines them), alternating, and prints their ratios to SDPA; then
+profiles one all-metrics pass with ``torch.profiler`` and prints the operators by self CPU time,
+beside the same table for the SDPA forward. Run it under several kernel settings to see which
+operators grow when the kernels change::
+
+    ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/profile_analyze.py --T 2048 --threads 0
+    ATEN_CPU_CAPABILITY=default python benchmarks/profile_analyze.py --T 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--top", type=int, default=18)
+    args = ap.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_analyze import ATTENTION_FIELDS, _bench_ids
+    from attngeom import trace as tr
+    from attngeom.model import load_model
+    from attngeom.reducers import HeadStats, TokenStats
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    handle = load_model("smollm2-135m", dtype="float32", device="cpu")
+    model = handle.model
+    ids = _bench_ids(handle, args.T)
+    x = torch.tensor([ids])
+
+    def sdpa():
+        model.set_attn_implementation("sdpa")
+        with torch.inference_mode():
+            model(x, logits_to_keep=1)
+
+    def streamed(observers):
+        def run():
+            tr.stream(handle, [ids], observers(), progress=False)
+        return run
+
+    methods = {
+        "sdpa": sdpa,
+        "capture": streamed(lambda: []),
+        "attention_stats": streamed(lambda: [HeadStats(fields=ATTENTION_FIELDS),
+                                             TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]),
+        "analyze": streamed(lambda: [HeadStats(), TokenStats()]),
+    }
+    for f in methods.values():  # warm-up
+        f()
+    times = {k: [] for k in methods}
+    for r in range(args.repeats):
+        order = list(methods)[r % len(methods):] + list(methods)[: r % len(methods)]
+        for k in order:
+            t0 = time.perf_counter()
+            methods[k]()
+            times[k].append(time.perf_counter() - t0)
+    best = {k: min(v) for k, v in times.items()}
+    print(f"T={args.T} threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()}")
+    for k, t in best.items():
+        print(f"  {k:16s} {t:7.3f} s  {t / best['sdpa']:5.2f}x SDPA")
+    for name in ("sdpa", "analyze"):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            methods[name]()
+        print(f"\n== {name}: operators by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
