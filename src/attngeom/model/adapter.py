@@ -579,6 +579,9 @@ class ArchitectureAdapter:
         self.sites = discover(model)
         for site in self.sites:
             _SITES[site.module] = site
+        # (parent, attribute, module) of every module found: checked before each forward (cheaply)
+        self._anchors = [(_parent(model, name), name.rsplit(".", 1)[-1], module)
+                         for s in self.sites for name, module in ((s.name, s.module), (s.out.name, s.out.module))]
         first = self.sites[0]
         w_o = first.out.weight()
         H = first.heads
@@ -594,11 +597,7 @@ class ArchitectureAdapter:
     def current(self) -> bool:
         """Whether the modules found are still where discovery found them (a module replaced since,
         e.g. by peft's ``merge_and_unload`` or ``get_peft_model``, means discovering again)."""
-        try:
-            return all(self.model.get_submodule(s.name) is s.module
-                       and self.model.get_submodule(s.out.name) is s.out.module for s in self.sites)
-        except AttributeError:
-            return False
+        return all(parent._modules.get(attr) is module for parent, attr, module in self._anchors)
 
     # ---- geometry ------------------------------------------------------------------------------
 
