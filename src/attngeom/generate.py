@@ -224,7 +224,7 @@ def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | 
         raise InputError("empty prompt: no tokens to generate from")
     check_context(handle, len(ids), decoding)
     stop = set(decoding.stop_ids(handle))
-    gen = decoding.generator(device)
+    gen = None                                          # made on the logits' device (the last one under device_map)
     cache = DynamicCache() if cache is None else cache  # no config: full layers (module docstring)
     step = torch.tensor([ids], device=device)
     answer: list[int] = []
@@ -236,7 +236,9 @@ def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | 
             done = len(answer) == decoding.max_new_tokens or bool(answer and answer[-1] in stop)
             if done:
                 return answer
-            token = decoding.choose(out.logits[0, -1].float(), gen)
+            logits = out.logits[0, -1].float()
+            gen = gen or decoding.generator(logits.device)
+            token = decoding.choose(logits, gen)
             answer.append(token)
             if not last_step and (len(answer) == decoding.max_new_tokens or token in stop):
                 return answer
