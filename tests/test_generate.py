@@ -40,7 +40,7 @@ class StepRows(Reducer):
             out = {}
             for m in METRICS:
                 row = np.zeros((H, self.T), dtype=np.float32)
-                row[:, block.k_start:block.k_start + S] = block.metric(m)[0, :, r].numpy()
+                row[:, block.k_start:block.k_start + S] = block.metric(m)[0, :, r].cpu().numpy()
                 out[m] = row
             self.rows[(block.layer, q)] = out
 
@@ -350,3 +350,25 @@ def test_bundled_model_chat_answer():
     for a, b in zip(trace.layers, full.layers):
         for m in METRICS:
             assert _close(getattr(a, m)[:, P:], getattr(b, m)[:, P:], m) < 1e-4, (a.index, m)
+
+
+def test_device_generation_is_exact(test_device):
+    """On ``$ATTNGEOM_TEST_DEVICE`` (benchmarks/gpu_check.sh: cuda): greedy steps equal
+    model.generate, each step's rows equal one forward pass, and a seeded sample repeats."""
+    handle = tiny_model("mistral")
+    handle.model.to(test_device)
+    ids = handle.encode(PROMPT)
+    rows = StepRows(len(ids) + 8)
+    full_ids = stream(handle, ids, [rows], Decoding(8, stop=()))
+    with torch.no_grad():
+        ref = handle.model.generate(torch.tensor([ids], device=test_device), max_new_tokens=8, min_new_tokens=8,
+                                    do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                               device=test_device))
+    assert full_ids == ref[0].tolist()
+    full = analyze(handle, full_ids)
+    for lt in full.layers:
+        for q in range(len(ids), len(full_ids)):
+            for m in METRICS:
+                assert _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m) < 1e-4, (lt.index, q, m)
+    a = stream(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
+    assert a == stream(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
