@@ -29,7 +29,7 @@ token is chosen, one more step runs it through the model so that the trace has e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
