@@ -8,7 +8,8 @@
 - :func:`generate` — the decoding loop alone: every forward call runs through the capture plug-in
   with a :class:`~attngeom.capture.Session`, so its observers see the prompt's blocks and then one
   one-query block per layer and step (SPEC §1-2: the same ``a_ij^h``, ``v_j^h`` and metrics).
-- :func:`stream` — reducers over the generation (no ``T x T`` map kept).
+- :func:`stream` — reducers over the generation, at every step, or as ``text_reducers`` over prompt +
+  answer as a text (the answer in one call against the cached prompt); no ``T x T`` map kept.
 - :func:`analyze` — a full :class:`~attngeom.trace.Trace` of prompt + answer (``trace.prompt_length``,
   ``trace.generated``) whose maps are the per-step rows.
 - :class:`AnswerSources` — per generated token its top prompt sources and where its contribution
@@ -24,7 +25,8 @@ its metrics equal row ``t`` of a full forward of prompt + answer (tests/test_gen
 length) is predicted by the output at position ``t - 1``: its *producing row* is query ``t - 1``
 (the last prompt token for the first answer token). Answer tables use producing rows. After the last
 token is chosen, one more step runs it through the model so that the trace has every token's row
-(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``).
+(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``), unless only text
+reducers need the answer's rows.
 """
 
 from __future__ import annotations
