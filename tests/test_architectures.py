@@ -490,3 +490,23 @@ def test_hybrid_models_analyse_their_attention_layers_only():
     trace = analyze(handle, list(range(4, 4 + T)))
     assert [lt.index for lt in trace.layers] == [0]
     np.testing.assert_allclose(trace.layers[0].contribution.sum(-1), 1.0, atol=1e-4)
+
+
+def test_learned_sinks_survive_a_saved_trace(tmp_path):
+    """A gpt-oss trace keeps the learned sink's share of each row (rows over real tokens sum to
+    1 − a_i∅), and saved with or without weights it reloads with the same maps and entropies."""
+    from attngeom.trace import Trace, analyze
+    from tiny_models import tiny_tokenizer
+
+    handle = ModelHandle(model=build("gpt_oss"), tokenizer=tiny_tokenizer(), spec="gpt_oss", name="gpt_oss")
+    trace = analyze(handle, list(range(4, 4 + T)))
+    for lt in trace.layers:
+        sink = lt.learned_sink.numpy()
+        assert sink.min() > 0
+        np.testing.assert_allclose(lt.attention.sum(-1) + sink, 1.0, atol=1e-5)
+    for weights in (False, True):
+        back = Trace.load(trace.save(tmp_path / f"w{weights}", weights=weights))
+        for lt, lb in zip(trace.layers, back.layers):
+            np.testing.assert_allclose(lb.learned_sink.numpy(), lt.learned_sink.numpy())
+            for name in ("contribution", "entropy"):
+                np.testing.assert_allclose(getattr(lb, name), getattr(lt, name), rtol=1e-5, atol=1e-6)

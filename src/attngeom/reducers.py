@@ -372,6 +372,8 @@ class FullCapture(Reducer):
                 "kv_head": block.state.kv_head.cpu(),
             }
         st["a"][:, :, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.a.cpu()
+        if block.learned_sink is not None:   # gpt-oss: the learned sink's share of each row (SPEC §1)
+            st.setdefault("sink", torch.zeros(B, H, T))[:, :, block.q_start:block.q_start + Q] = block.learned_sink.cpu()
         if block.state.v.shape[2] > st["v"].shape[2]:
             st["v"] = block.state.v.cpu()
 

@@ -238,6 +238,7 @@ class LayerTrace:
     v: torch.Tensor        # [H, T, d]
     G: torch.Tensor        # [H, d, d]
     w_o: torch.Tensor      # [D, H*d]
+    learned_sink: torch.Tensor | None = None  # [H, T] a_i∅: the learned sink's share (gpt-oss; SPEC §1)
 
     @property
     def num_heads(self) -> int:
@@ -250,7 +251,10 @@ class LayerTrace:
         state = LayerState(layer=self.index, module=None, v=self.v[None], w_o=self.w_o, G=self.G,
                            G_full=metrics.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
                            lengths=torch.tensor([T]))
-        return Block(state=state, a=self.a[None], q_start=0, k_start=0)
+        return Block(state=state, a=self.a[None], q_start=0, k_start=0, learned_sink=self._sink())
+
+    def _sink(self) -> torch.Tensor | None:
+        return None if self.learned_sink is None else self.learned_sink[None]
 
     def _np(self, x: torch.Tensor) -> np.ndarray:
         return x[0].numpy()
@@ -390,10 +394,11 @@ _ROW_TOL = 1e-2                                    # attention row sums (bf16 mo
 
 
 def _layer_tensors(lt: LayerTrace, weights: bool) -> dict[str, torch.Tensor]:
+    sink = {} if lt.learned_sink is None else {"sink": lt.learned_sink}
     if weights:
-        return {"a": lt.a, "v": lt.v, "G": lt.G, "w_o": lt.w_o}
+        return {"a": lt.a, "v": lt.v, "G": lt.G, "w_o": lt.w_o, **sink}
     blk = lt.block
-    return {"a": lt.a, "v": lt.v, "value_norm": blk.value_norm[0], "uG": blk.uG[0], "p": blk.pulled_back[0]}
+    return {"a": lt.a, "v": lt.v, "value_norm": blk.value_norm[0], "uG": blk.uG[0], "p": blk.pulled_back[0], **sink}
 
 
 def _frozen_layer(index: int, t: dict[str, torch.Tensor]) -> LayerTrace:
@@ -401,11 +406,11 @@ def _frozen_layer(index: int, t: dict[str, torch.Tensor]) -> LayerTrace:
     quantities, so every metric is computed by the same :class:`Block` code as before saving."""
     a, v = t["a"], t["v"]
     H, T = a.shape[0], a.shape[-1]
-    lt = LayerTrace(index=index, a=a, v=v, G=None, w_o=None)
+    lt = LayerTrace(index=index, a=a, v=v, G=None, w_o=None, learned_sink=t.get("sink"))
     state = LayerState(layer=index, module=None, v=v[None], w_o=None, G=None, G_full=None,
                        kv_head=torch.arange(H), lengths=torch.tensor([T]))
     state.__dict__["value_norm"] = t["value_norm"][None]        # LayerState.value_norm is cached
-    block = Block(state=state, a=a[None], q_start=0, k_start=0)
+    block = Block(state=state, a=a[None], q_start=0, k_start=0, learned_sink=lt._sink())
     block._cache.update(uG=t["uG"][None], p=t["p"][None])
     lt.__dict__["block"] = block                                  # LayerTrace.block is cached
     return lt
@@ -470,13 +475,14 @@ def _load_trace(cls, path: Path) -> "Trace":
     missing = [(i, k) for i in layers for k in kinds if f"{i}.{k}" not in t]
     if missing:
         raise bad(f"layer {missing[0][0]} has no {missing[0][1]!r} tensor")
+    expected |= {f"{i}.sink" for i in layers if f"{i}.sink" in t}       # learned sink shares (optional)
     if set(t) - expected:
         raise bad(f"{TRACE_TENSORS} holds an unexpected tensor {sorted(set(t) - expected)[0]!r}")
     T = len(ids)
     out = []
     for i in layers:
         lt = {}
-        for k in kinds:
+        for k in kinds + (("sink",) if f"{i}.sink" in t else ()):
             x = t[f"{i}.{k}"]
             if x.dtype != torch.float32:
                 raise bad(f"layer {i}: {k!r} is {str(x.dtype).replace('torch.', '')}, expected float32")
@@ -491,6 +497,7 @@ def _load_trace(cls, path: Path) -> "Trace":
             raise bad(f"layer {i}: 'v' has shape {list(v.shape)}, expected [{H}, {T}, head_dim]")
         d = v.shape[2]
         shapes = ({"G": (H, d, d)} if weights else {"value_norm": (H, T), "uG": (H, T, d), "p": (H, T, d)})
+        shapes.update({"sink": (H, T)} if "sink" in lt else {})
         for k, shape in shapes.items():
             if tuple(lt[k].shape) != shape:
                 raise bad(f"layer {i}: {k!r} has shape {list(lt[k].shape)}, expected {list(shape)}")
@@ -502,13 +509,18 @@ def _load_trace(cls, path: Path) -> "Trace":
         above = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
         if bool((a < -_ROW_TOL).any()) or bool((a[:, above].abs() > _ROW_TOL).any()):
             raise bad(f"layer {i}: attention is not causal probabilities (negative, or weight on later tokens)")
-        err = (a.double().sum(-1) - 1).abs()
+        sink = lt["sink"].double() if "sink" in lt else 0.0            # a learned sink takes the rest of a row
+        if "sink" in lt and bool(((lt["sink"] < -_ROW_TOL) | (lt["sink"] > 1 + _ROW_TOL)).any()):
+            raise bad(f"layer {i}: 'sink' holds shares outside [0, 1]")
+        err = (a.double().sum(-1) + sink - 1).abs()
         if bool((err > _ROW_TOL).any()):
             h, q = divmod(int(err.argmax()), T)
-            raise bad(f"layer {i}: attention row (head {h}, query {q}) sums to {float(a[h, q].double().sum()):.6g}, not 1")
+            total = float(a[h, q].double().sum()) + (float(lt["sink"][h, q]) if "sink" in lt else 0.0)
+            raise bad(f"layer {i}: attention row (head {h}, query {q}) sums to {total:.6g}, not 1")
         if not weights and bool((lt["value_norm"] < 0).any()):
             raise bad(f"layer {i}: 'value_norm' holds negative norms")
-        out.append(LayerTrace(index=i, a=a, v=v, G=lt["G"], w_o=lt["w_o"]) if weights else _frozen_layer(i, lt))
+        out.append(LayerTrace(index=i, a=a, v=v, G=lt["G"], w_o=lt["w_o"], learned_sink=lt.get("sink")) if weights
+                   else _frozen_layer(i, lt))
     if checksum is not None and hashlib.sha256(data).hexdigest() != checksum:
         raise bad(f"{TRACE_TENSORS} does not match the checksum in {TRACE_META} (changed or damaged)")
     return cls(ids=ids, tokens=tokens, layers=out, model_name=name, prompt_length=prompt_length)
@@ -530,7 +542,8 @@ def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[
             L = int(batch.lengths[b])
             ids = batch.ids[b, :L].tolist()
             lts = [
-                LayerTrace(layer, st["a"][b, :, :L, :L].clone(), st["v"][b, :, :L].clone(), st["G"], st["w_o"])
+                LayerTrace(layer, st["a"][b, :, :L, :L].clone(), st["v"][b, :, :L].clone(), st["G"], st["w_o"],
+                           learned_sink=st["sink"][b, :, :L].clone() if "sink" in st else None)
                 for layer, st in sorted(capture.result().items())
             ]
             traces[i] = Trace(ids=ids, tokens=handle.tokens(ids), layers=lts, model_name=getattr(handle, "name", ""))
