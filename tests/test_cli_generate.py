@@ -83,6 +83,7 @@ def test_analyze_generate_writes_the_answer_tables(run_generate, tiny_llama_dir)
     assert np.allclose(tokens[num].to_numpy(float), ref[num].to_numpy(float), rtol=1e-4, atol=1e-5)
     shares = pd.read_parquet(run_generate / "answer_shares.parquet")
     assert len(shares) == (T - P) * (L + 1)
+    assert str(shares["layer"].dtype) == "Int64" and shares["layer"].isna().sum() == T - P   # null: the model
     # the tables' contribution rows are the full trace's C_ij rows (producing row = position - 1)
     for layer in range(L):
         C = trace.layers[layer].contribution_inter.sum(0)

@@ -470,13 +470,14 @@ class AnswerSources(Reducer):
         return out
 
     def result(self) -> dict[str, pd.DataFrame]:
-        return {name: (pd.concat(getattr(self, name), ignore_index=True) if getattr(self, name) else pd.DataFrame())
-                for name in self.STATE}
+        """The three tables; ``layer`` is a nullable integer (null: the model) however the state travelled."""
+        return {name: (_nullable_layer(pd.concat(getattr(self, name), ignore_index=True)) if getattr(self, name)
+                       else pd.DataFrame()) for name in self.STATE}
 
 
 def _nullable_layer(df: pd.DataFrame) -> pd.DataFrame:
     if "layer" in df:
-        df["layer"] = df["layer"].astype("Int64")
+        df["layer"] = pd.array([None if pd.isna(x) else int(x) for x in df["layer"]], dtype="Int64")
     return df
 
 
