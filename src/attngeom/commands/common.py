@@ -31,6 +31,23 @@ def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[st
     return [f"{t}.parquet" for t in names]
 
 
+def write_outputs(staging: Path, tables: dict, names, model_name: str, summary: dict,
+                  report: str | None) -> list[str]:
+    """An experiment command's outputs: its tables (:func:`write_tables`), the figures of
+    ``attngeom.reports.<report>`` (its ``render(staging)``, which reads the tables just written;
+    listed in ``summary["figures"]``; none when ``report`` is None), then ``summary.json``.
+    Returns the file names."""
+    files = write_tables(staging, tables, names, model_name)
+    if report is not None:
+        import importlib
+
+        render = importlib.import_module(f"..reports.{report}", __package__).render
+        summary["figures"] = [p.name for p in render(staging)]
+        files += summary["figures"]
+    write_json(staging / "summary.json", summary)
+    return files + ["summary.json"]
+
+
 def add_model_args(p) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="model spec: 'smollm2-135m' (bundled, default), 'gemma3-270m' (bundled, optional), "

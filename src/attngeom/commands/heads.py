@@ -106,15 +106,8 @@ def run(args) -> int:
                    **res.summary, "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}
 
         def write(staging) -> list[str]:
-            files = common.write_tables(staging, res.tables, TABLES, model_name)
-            if not args.no_figures:
-                from ..reports.heads import render
-
-                summary["figures"] = [p.name for p in render(staging, res.tables["heads"], res.tables["removal"],
-                                                             res.tables["regimes_by_layer"])]
-                files += summary["figures"]
-            common.write_json(staging / "summary.json", summary)
-            return files + ["summary.json"]
+            return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
+                                        None if args.no_figures else "heads")
 
         run.finish(write)
     if run.comm.rank == 0:

@@ -147,14 +147,8 @@ def run(args) -> int:
         }
 
         def write(staging) -> list[str]:
-            files = common.write_tables(staging, res.tables, TABLES, model_name)
-            if not args.no_figures:
-                from ..reports.selection import render
-
-                summary["figures"] = [p.name for p in render(staging, res.tables["selection"], res.tables["regime"])]
-                files += summary["figures"]
-            common.write_json(staging / "summary.json", summary)
-            return files + ["summary.json"]
+            return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
+                                        None if args.no_figures else "selection")
 
         run.finish(write)
     if run.comm.rank == 0:

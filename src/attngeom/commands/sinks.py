@@ -93,14 +93,8 @@ def run(args) -> int:
         }
 
         def write(staging) -> list[str]:
-            files = common.write_tables(staging, res.tables, TABLES, model_name)
-            if not args.no_figures:
-                from ..reports.sinks import render
-
-                summary["figures"] = [p.name for p in render(staging)]
-                files += summary["figures"]
-            common.write_json(staging / "summary.json", summary)
-            return files + ["summary.json"]
+            return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
+                                        None if args.no_figures else "sinks")
 
         run.finish(write)
     m = res.summary
