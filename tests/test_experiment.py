@@ -77,3 +77,28 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     assert [v.key for v in res.per_window["variants"]] == [v.key for v in faithfulness.variants_of(settings)]
     clean = res.tables["table"]["clean"].iloc[0]
     assert clean == ppl(res.per_window["nll"][:, 0].sum(), res.per_window["tokens"].sum())
+
+
+def test_every_experiment_has_the_contract_signature_and_claims_uses_only_public_names():
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from attngeom import claims, faithfulness, heads, selection, sinks
+
+    for mod in (faithfulness, sinks, selection, heads, claims):
+        sig = inspect.signature(mod.experiment)
+        params = list(sig.parameters.values())
+        assert sig.return_annotation == "ExperimentResult", mod.__name__
+        assert [p.name for p in params[:2]] == ["handle", "run"], mod.__name__
+        assert params[0].annotation == "ModelHandleLike" and params[1].annotation.startswith("RunLike")
+        assert "settings" in sig.parameters, mod.__name__
+    # claims composes the experiments through their results: no private names of other modules, no
+    # records read by stage name, no run.stage of its own
+    tree = ast.parse(Path(claims.__file__).read_text(encoding="utf-8"))
+    others = {"faithfulness", "heads", "selection", "sinks", "taxonomy"}
+    bad = [f"{n.value.id}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+           and isinstance(n.value, ast.Name) and n.value.id in others and n.attr.startswith("_")]
+    bad += [f"line {n.lineno}: .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and n.attr in ("stage", "records")]
+    assert not bad, bad
