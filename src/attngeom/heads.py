@@ -358,8 +358,9 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
                names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:
     """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``, with
     ``settings`` (:class:`~attngeom.settings.HeadsSettings`): taxonomy of every window of the first
-    corpus (calibration = its first ``calib_windows`` windows, the rest held out) and of the second corpus if given, single-head sensitivity and the
-    regime order search on the calibration split, removal curves on the held-out split.
+    corpus (calibration = its first ``calib_windows`` windows, the rest held out) and of the second
+    corpus if given, single-head sensitivity and the regime order search on the calibration split,
+    removal curves on the held-out split.
 
     Returns an :class:`~attngeom.experiment.ExperimentResult`: ``tables`` ``heads`` (one row per
     layer and head), ``removal``, ``order_search``, ``regimes_by_layer`` and
@@ -398,27 +399,8 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
     curves = curves_table(orders, retentions, removal)
     crit = critical_heads(sens, cal_df, k=critical_k)
 
-    heads = all_df.copy()
-    heads["regime_calibration"] = cal_df["regime"].to_numpy()
-    heads["entropy_calibration"] = cal_df["entropy"].to_numpy()
-    if second is not None:
-        heads["regime_corpus2"] = second["regime"].to_numpy()
-        for c in ("winner_self", "winner_sink", "winner_other"):
-            heads[f"{c}_corpus2"] = second[c].to_numpy()
-    lh = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
-    heads["weight_norm"] = [weights[l, h] for l, h in lh]
-    heads["single_delta_ppl"] = [sens[l, h] for l, h in lh]
-    crit_set = {(c["layer"], c["head"]) for c in crit}
-    heads["critical"] = [x in crit_set for x in lh]
-    for name, order in orders.items():
-        rank = {x: i for i, x in enumerate(order)}
-        heads[f"removal_rank_{name}"] = [rank[x] for x in lh]
-    by_layer = shares_by_layer(all_df)
-    by_layer.insert(0, "corpus", names[0])
-    if second is not None:
-        b2 = shares_by_layer(second)
-        b2.insert(0, "corpus", names[1])
-        by_layer = pd.concat([by_layer, b2], ignore_index=True)
+    heads = _heads_table(all_df, cal_df, second, weights, sens, crit, orders)
+    by_layer = _regimes_by_layer([all_df] + ([second] if second is not None else []), names)
 
     ppl = {name: {f"{r:g}": float(curves[(curves["order"] == name) & (curves["retention"] == r)]["ppl"].iloc[0])
                   for r in retentions} for name in orders}
@@ -455,3 +437,38 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
                          "taxonomy_calibration": cal_df},
         summary=summary, per_window=per_window,
         settings={**settings.record(), "names": list(names)})
+
+
+def _heads_table(all_df: pd.DataFrame, cal_df: pd.DataFrame, second: pd.DataFrame | None, weights: np.ndarray,
+                 sens: np.ndarray, crit: list[dict], orders: dict[str, list[tuple[int, int]]]) -> pd.DataFrame:
+    """One row per layer and head: the taxonomy of all windows, the calibration split's regime and
+    entropy, the second corpus's regime and winner shares, weight norm, single-removal ΔPPL, the
+    critical flag and the rank in every removal order."""
+    heads = all_df.copy()
+    heads["regime_calibration"] = cal_df["regime"].to_numpy()
+    heads["entropy_calibration"] = cal_df["entropy"].to_numpy()
+    if second is not None:
+        heads["regime_corpus2"] = second["regime"].to_numpy()
+        for c in ("winner_self", "winner_sink", "winner_other"):
+            heads[f"{c}_corpus2"] = second[c].to_numpy()
+    lh = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
+    heads["weight_norm"] = [weights[l, h] for l, h in lh]
+    heads["single_delta_ppl"] = [sens[l, h] for l, h in lh]
+    crit_set = {(c["layer"], c["head"]) for c in crit}
+    heads["critical"] = [x in crit_set for x in lh]
+    for name, order in orders.items():
+        rank = {x: i for i, x in enumerate(order)}
+        heads[f"removal_rank_{name}"] = [rank[x] for x in lh]
+    return heads
+
+
+def _regimes_by_layer(tables: Sequence[pd.DataFrame], names: Sequence[str]) -> pd.DataFrame:
+    """Regime shares per layer of each corpus's taxonomy, with a ``corpus`` column."""
+    from .taxonomy import shares_by_layer
+
+    parts = []
+    for df, name in zip(tables, names):
+        part = shares_by_layer(df)
+        part.insert(0, "corpus", name)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
