@@ -218,3 +218,38 @@ def test_corpus_mode_refusals(monkeypatch, capsys, tmp_path):
     _fails(capsys, ["analyze", "--data", str(data), "--fields", "prompt", "--out", o], "--data needs --generate")
     _fails(capsys, ["analyze", "--data", str(data), "--text", "x", "--generate", "2", "--out", o], "replaces --text")
     _fails(capsys, ["analyze", "--fields", "prompt", "--generate", "2", "--out", o], "go with --data")
+
+
+def test_corpus_mode_two_processes_equal_one(tiny_llama_dir, tmp_path):
+    """Corpus mode under torchrun (2 CPU processes): each rank answers its share of the prompts and
+    the tables equal one process's, bit for bit."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attngeom.runner import MANIFEST, verify
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("The cat sat", "a b c", "hello", "xyz")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNGEOM_DIST_TIMEOUT": "120"}
+
+    def argv(out):
+        return ["analyze", "--model", str(tiny_llama_dir), "--data", str(data), "--fields", "prompt",
+                "--generate", "3", "--out", str(out), "--no-progress"]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = subprocess.run([sys.executable, "-m", "attngeom", *argv(one)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "attngeom", *argv(two)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((two / MANIFEST).read_text())["world_size"] == 2 and not verify(two)
+    assert len(list((two / "checkpoint").glob("records-r1-*.jsonl"))) == 1      # rank 1 answered its own prompts
+    for f in ("answers.parquet", "answer_shares.parquet", "answer_sources.parquet", "answer_summary.parquet"):
+        pd.testing.assert_frame_equal(pd.read_parquet(one / f), pd.read_parquet(two / f))
