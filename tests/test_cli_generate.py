@@ -253,3 +253,37 @@ def test_corpus_mode_two_processes_equal_one(tiny_llama_dir, tmp_path):
     assert len(list((two / "checkpoint").glob("records-r1-*.jsonl"))) == 1      # rank 1 answered its own prompts
     for f in ("answers.parquet", "answer_shares.parquet", "answer_sources.parquet", "answer_summary.parquet"):
         pd.testing.assert_frame_equal(pd.read_parquet(one / f), pd.read_parquet(two / f))
+
+
+def test_corpus_mode_resumes_after_an_interruption(tiny_llama_dir, tmp_path, monkeypatch):
+    """Interrupted at the second prompt, the same command answers only the prompts without a record
+    and writes the tables a run without interruption writes."""
+    import attngeom.generate as G
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("The cat sat", "a b c", "hello")))
+    def argv(out):
+        return ["analyze", "--model", str(tiny_llama_dir), "--data", str(data), "--fields", "prompt",
+                "--generate", "3", "--out", str(out), "--no-progress"]
+
+    real, seen = G._stream_ids, []
+
+    def interrupted(handle, ids, *a, index=0, **k):
+        if index == 1:
+            raise KeyboardInterrupt
+        return real(handle, ids, *a, index=index, **k)
+
+    monkeypatch.setattr(G, "_stream_ids", interrupted)
+    assert main(argv(tmp_path / "o")) == 130
+    assert not (tmp_path / "o" / "answers.parquet").exists()
+
+    def counted(handle, ids, *a, index=0, **k):
+        seen.append(index)
+        return real(handle, ids, *a, index=index, **k)
+
+    monkeypatch.setattr(G, "_stream_ids", counted)
+    assert main(argv(tmp_path / "o")) == 0
+    assert seen == [1, 2]                                   # prompt 0 came from its record
+    assert main(argv(tmp_path / "fresh")) == 0
+    for f in ("answers.parquet", "answer_shares.parquet", "answer_sources.parquet"):
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "o" / f), pd.read_parquet(tmp_path / "fresh" / f))
