@@ -310,12 +310,14 @@ def stream(handle, prompt, reducers: Sequence[Reducer], decoding: Decoding, *, t
     instead of per token and layer: what suits summaries of every position (``HeadStats``,
     ``TokenStats``)."""
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
-    return _stream_ids(handle, ids, reducers, decoding, text_reducers=text_reducers, layers=layers,
+    return stream_ids(handle, ids, reducers, decoding, text_reducers=text_reducers, layers=layers,
                        block_elements=block_elements, index=index)
 
 
-def _stream_ids(handle, ids, reducers, decoding, *, text_reducers=(), layers=None, block_elements=None,
-                index=0) -> list[int]:
+def stream_ids(handle, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding, *,
+               text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
+               block_elements: int | None = None, index: int = 0) -> list[int]:
+    """:func:`stream` for a prompt already given as the model's token ids (:func:`prompt_ids`)."""
     from transformers import DynamicCache
 
     P, N = len(ids), decoding.max_new_tokens
@@ -358,7 +360,7 @@ def analyze(handle, prompt, *, generate: int, chat: bool = False, system: str | 
                         stop=None if stop is None else tuple(stop))
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
     capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
-    full = _stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
+    full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
     T = len(full)
     lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"])
            for layer, st in sorted(capture.result().items())]
@@ -523,7 +525,7 @@ def generation_stage(handle, run, name: str, prompts: Sequence[list[int]], decod
         reducers = make()
         cut = len(reducers) - text
         for u in units:
-            _stream_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
+            stream_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
                         index=u)
         return {str(k): r.state() for k, r in enumerate(reducers)}
 
