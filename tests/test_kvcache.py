@@ -413,6 +413,9 @@ def test_generate_with_the_compressed_cache():
     finally:
         h.model.set_attn_implementation(sdpa)
     assert all(layer.size <= 6 for layer in small.layers)
+    scored = CompressedCache(h.model.config, "h2o", 6)                   # scores need compressing()
+    with pytest.raises(RuntimeError, match="compressing"):
+        h.model.generate(prompt, cache=scored, **kw)
 
 
 def test_hybrid_models_compress_only_their_full_attention_layers():

@@ -142,6 +142,9 @@ class CompressedLayer(DynamicLayer):
         if bool((valid.sum(-1) <= keep).all()):
             return
         B, n_kv, n = self.pos.shape
+        if self.acc is None and self.policy.needs:
+            raise RuntimeError(f"the {self.policy.name} policy evicts by scores that were never recorded: run the "
+                               "model inside attngeom.kvcache.compressing(model, cache)")
         acc = self.acc if self.acc is not None else torch.zeros(B, self.num_heads, n, device=self.pos.device)
         ctx = EvictionContext(pos=self.pos, valid=valid, score=pool_heads(acc, n_kv, self.policy.pool),
                               values=self.values, seen=self.seen, budget=self.budget.to(self.pos.device),
