@@ -430,3 +430,46 @@ def test_hybrid_models_compress_only_their_full_attention_layers():
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, DynamicSlidingWindowLayer, CompressedLayer]
     assert cache.layers[2].size <= 6 and cache.layers[2].seen == 30
+
+
+SLOW_CLI = """
+import sys, time
+import attngeom.runner as R
+real = R.Run._append
+def slow(self, rec):
+    real(self, rec)
+    time.sleep(3)
+R.Run._append = slow
+from attngeom.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 6)
+    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "32", "--max-windows", "2",
+            "--policies", "full,h2o", "--budgets", "8", "--no-figures", "--no-progress", "--out"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert main(args + [str(tmp_path / "whole")]) == 0
+    part = tmp_path / "part"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args, str(part)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    records = lambda: sum(len(f.read_text().splitlines()) for f in (part / "checkpoint").glob("records-*.jsonl")) \
+        if (part / "checkpoint").is_dir() else 0
+    while records() < 1 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert 1 <= records() < 4 and not (part / "run.json").exists()          # killed mid-run
+    assert main(args + [str(part)]) == 0
+    a, b = (pd.read_parquet(d / "reads.parquet") for d in (tmp_path / "whole", part))
+    cols = ["window", "policy", "budget", "nll", "tokens", "ppl", "peak_bytes"]
+    pd.testing.assert_frame_equal(a[cols], b[cols])
