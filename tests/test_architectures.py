@@ -262,12 +262,15 @@ def _stream_every_reducer(handle, ids) -> None:
     from attngeom.explore import RowCollector
     from attngeom.reducers import FullCapture, HeadStats, TokenStats
     from attngeom.selection import SelectionStats
-    from attngeom.sinks import SinkStats
+    from attngeom.sinks import SinkStats, SourceRemoval
     from attngeom.trace import stream
 
     reducers = [HeadStats(), TokenStats(), FullCapture(), SinkStats(),
                 SelectionStats(ns=(1, 2), repeats=2, max_lag=4), RowCollector(T, handle.num_heads, top_k=4)]
     stream(handle, [ids[0].tolist()], reducers, progress=False)
+    removal = SourceRemoval(mode="sink")                       # the reducer that is an intervention
+    stream(handle, [ids[0].tolist()], [], intervention=removal, progress=False)
+    assert removal.calls > 0
     heads = reducers[0].result()
     assert len(heads) == handle.num_layers * handle.num_heads
     assert np.isfinite(heads[["sink_rate", "entropy", "head_share"]].to_numpy()).all()
