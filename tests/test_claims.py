@@ -195,7 +195,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     corpus.write_text("The sink collects attention | but adds *little* to the output. " * 40)
     out = tmp_path / "claims"
     args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "5",
-            "--calib-windows", "2", "--ratios", "0.5", "--ns", "2,4", "--repeats", "2", "--retentions", "100,75",
+            "--calib-windows", "2", "--ratios", "0.3,0.6", "--ns", "2,4", "--repeats", "2", "--retentions", "100,75",
             "--bootstrap", "200", "--out", str(out), "--no-progress"]
     assert main(args) == 0
     res = json.loads((out / "claims.json").read_text())
@@ -210,7 +210,14 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert sorted(heads["regime_order_chosen"]) == sorted(REGIMES)
     assert heads["regime_order_fixed"] == list(CL.DEFAULTS.fixed_order)
     assert len(heads["removal_curves"]) == 6
+    # the four faithfulness claims are judged at each ratio too, and the report says so
+    faith = [r for r in res["rows"] if r["id"].startswith(("hierarchy_", "contribution_best_"))]
+    assert len(faith) == 4
+    for r in faith:
+        assert list(r["per_ratio"]["ratios"]) == ["0.3", "0.6"]
+        assert all(d["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE) for d in r["per_ratio"]["ratios"].values())
     md = (out / "claims.md").read_text()
+    assert md.count("Per removal ratio: r=0.3: ") == 4 and "ΔPPL per removal ratio" in md
     assert md.count("\n| ") >= len(CL.CLAIMS) + 1
     for c in CL.CLAIMS:
         assert c["id"].replace("_", "\\_") in md
@@ -233,3 +240,31 @@ def test_side_by_side_table():
     lines = md.strip().split("\n")
     assert len(lines) == 3 and "values \\| small" in lines[2]
     assert "**holds**" in lines[2] and "**refuted**" in lines[2]
+    assert lines[0].endswith("same verdict |") and lines[2].endswith("**no** |")
+    same = side_by_side({"A": {"rows": [row]}, "B": {"rows": [row]}}).strip().split("\n")
+    assert same[2].endswith("| yes |")
+
+
+def test_per_ratio_verdicts_on_a_hand_made_case():
+    """Two metrics, three ratios, sufficiency (smaller ΔPPL is better). Resamples are made so the
+    intervals are known: at r=0.2 'contribution' is worse (its ΔPPL larger in every resample), at 0.5
+    the two overlap, at 0.8 it is better. The verdicts are refuted, inconclusive, holds, with two
+    crossovers, while the AOC (the mean over ratios) alone would hide the change."""
+    R = 1000
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.01, R)
+    delta = {("attention", "sufficiency", 0.2): 1.0 + noise, ("contribution", "sufficiency", 0.2): 2.0 + noise,
+             ("attention", "sufficiency", 0.5): 5.0 + noise, ("contribution", "sufficiency", 0.5): 5.0 + rng.normal(0, 1, R),
+             ("attention", "sufficiency", 0.8): 20.0 + noise, ("contribution", "sufficiency", 0.8): 10.0 + noise}
+    point = {"delta": {k: np.array([float(np.mean(v))]) for k, v in delta.items()}}
+    out = CL.per_ratio_verdicts(point, {"delta": delta}, "sufficiency", [("contribution", "attention")], [0.2, 0.5, 0.8])
+    got = {r: d["verdict"] for r, d in out["ratios"].items()}
+    assert got == {"0.2": CL.REFUTED, "0.5": CL.INCONCLUSIVE, "0.8": CL.HOLDS}
+    d02 = out["ratios"]["0.2"]["numbers"]["contribution vs attention"]
+    assert d02["value"] == pytest.approx(-1.0, abs=1e-3) and d02["high"] < 0      # attention − contribution
+    assert out["crossover"] == [f"0.2–0.5: {CL.REFUTED} → {CL.INCONCLUSIVE}", f"0.5–0.8: {CL.INCONCLUSIVE} → {CL.HOLDS}"]
+    # comprehensiveness reads the other way: larger ΔPPL is better
+    comp = {(m, "comprehensiveness", r): v for (m, _, r), v in delta.items()}
+    pc = {"delta": {k: np.array([float(np.mean(v))]) for k, v in comp.items()}}
+    out = CL.per_ratio_verdicts(pc, {"delta": comp}, "comprehensiveness", [("contribution", "attention")], [0.2, 0.8])
+    assert [d["verdict"] for d in out["ratios"].values()] == [CL.HOLDS, CL.REFUTED]

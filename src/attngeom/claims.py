@@ -298,16 +298,44 @@ def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[l
         diffs = {f"{b} vs {w}": diff(b, w) for b, w in adj}
         verdict = verdict_all([(d["low"], d["high"]) for d in diffs.values()])
         order = detail["order"][mode]
+        ratios = sorted({r for (m, md, r) in samples["delta"] if md == mode and m in hierarchy})
+        per_ratio = per_ratio_verdicts(point, samples, mode, adj, ratios)
         rows.append(_row(f"hierarchy_{mode}", value=" > ".join(m for m in order if m in hierarchy),
                          interval="; ".join(f"{k.replace(' vs ', ' beats ')} in {d['beats_share']:.0%}" for k, d in diffs.items()),
-                         verdict=verdict, numbers=diffs))
-        best = {f"{hierarchy[-1]} vs {w}": diff(hierarchy[-1], w) for w in hierarchy[:-1]}
+                         verdict=verdict, numbers=diffs, per_ratio=per_ratio))
+        pairs = [(hierarchy[-1], w) for w in hierarchy[:-1]]
+        best = {f"{b} vs {w}": diff(b, w) for b, w in pairs}
         low = min(best.values(), key=lambda d: d["value"] if d["value"] is not None else np.inf)
         rows.append(_row(f"contribution_best_{mode}", value=_fmt_num(low["value"]), low=low["low"], high=low["high"],
                          verdict=verdict_all([(d["low"], d["high"]) for d in best.values()]), numbers=best,
+                         per_ratio=per_ratio_verdicts(point, samples, mode, pairs, ratios),
                          note="value: the smallest AOC margin of contribution over another metric "
                               "(ΔPPL units; positive = contribution better)"))
     return rows, detail
+
+
+def per_ratio_verdicts(point: dict, samples: dict, mode: str, pairs: Sequence[tuple[str, str]],
+                       ratios: Sequence[float]) -> dict:
+    """A faithfulness claim judged at each removal ratio alone, by the rule it has over the AOC: for
+    each ratio, ``(better, worse)`` pairs compared by ΔPPL at that ratio (comprehensiveness: larger is
+    better; sufficiency: smaller), every difference with its 95 % interval, and the verdict of all
+    pairs. ``crossover``: the ratios between which the verdict changes (an AOC verdict that holds at
+    some ratios and not at others is carried by those ratios, and the report says so)."""
+    sign = 1.0 if mode == "comprehensiveness" else -1.0
+    out: dict = {"ratios": {}}
+    for r in ratios:
+        numbers = {}
+        for b, w in pairs:
+            s = sign * (samples["delta"][(b, mode, r)] - samples["delta"][(w, mode, r)])
+            p = sign * (point["delta"][(b, mode, r)][0] - point["delta"][(w, mode, r)][0])
+            numbers[f"{b} vs {w}"] = bs.interval_dict(p, s)
+        out["ratios"][f"{r:g}"] = {"verdict": verdict_all([(d["low"], d["high"]) for d in numbers.values()]),
+                                   "numbers": numbers}
+    keys = list(out["ratios"])
+    out["crossover"] = [f"{a}–{b}: {out['ratios'][a]['verdict']} → {out['ratios'][b]['verdict']}"
+                        for a, b in zip(keys, keys[1:]) if out["ratios"][a]["verdict"] != out["ratios"][b]["verdict"]]
+    out["summary"] = " · ".join(f"r={k}: {v['verdict']}" for k, v in out["ratios"].items())
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,7 +604,7 @@ def _removal_claim(claim_id: str, regime_order: Sequence[str], ppl_point: dict, 
 
 
 def _row(claim_id: str, *, value, verdict: str, low=None, high=None, interval: str | None = None, unit: str = "",
-         numbers: dict | None = None, note: str | None = None) -> dict:
+         numbers: dict | None = None, note: str | None = None, per_ratio: dict | None = None) -> dict:
     c = CLAIM_BY_ID[claim_id]
     if interval is None:
         if low is None or high is None:
@@ -587,7 +615,7 @@ def _row(claim_id: str, *, value, verdict: str, low=None, high=None, interval: s
             interval = f"[{_fmt_num(low)}, {_fmt_num(high)}]"
     return {"id": claim_id, "paper": c["paper"], "claim": c["wording"], "measure": c["measure"], "rule": c["rule"],
             "value": value, "low": low, "high": high, "interval": interval, "verdict": verdict,
-            "numbers": numbers or {}, "note": note}
+            "numbers": numbers or {}, "note": note, **({"per_ratio": per_ratio} if per_ratio else {})}
 
 
 def _fmt_num(x, suffix: str = "", signed: bool = False) -> str:

@@ -125,7 +125,7 @@ class ClaimsSettings:
     window: int = 128
     max_windows: int = 12
     calib_windows: int = 2
-    ratios: tuple[float, ...] = (0.2, 0.5, 0.8)
+    ratios: tuple[float, ...] = tuple(round(0.1 * k, 1) for k in range(1, 10))  # SPEC §3.3's grid
     seeds: tuple[int, ...] = (0,)
     ns: tuple[int, ...] = (2, 4, 8, 16)
     repeats: int = 4

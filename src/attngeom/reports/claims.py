@@ -38,6 +38,10 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
         lines.append(f"**{k}. {escape(r['id'])}** — measured: {escape(r['measure'])}. Rule: {escape(r['rule'])}.")
         if r.get("note"):
             lines.append(f"Note: {escape(r['note'])}.")
+        pr = r.get("per_ratio")
+        if pr:
+            cross = "; ".join(pr["crossover"]) or "none (the same verdict at every ratio)"
+            lines.append(f"Per removal ratio: {escape(pr['summary'])}. Crossover: {escape(cross)}.")
         for name, d in (r.get("numbers") or {}).items():
             if isinstance(d, dict) and "value" in d:
                 extra = f", beats in {d['beats_share']:.0%} of resamples" if "beats_share" in d else ""
@@ -65,6 +69,19 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
             lines.append(f"| {escape(m)} | {_num(c['value'])} [{_num(c['low'])}, {_num(c['high'])}] | "
                          + (f"{_num(u['value'])} [{_num(u['low'])}, {_num(u['high'])}]" if u else "") + " |")
         lines.append("")
+        for mode, arrow in (("comprehensiveness", "↑"), ("sufficiency", "↓")):
+            per = faith.get("delta_ppl", {}).get(mode)
+            if not per:
+                continue
+            ratios = list(next(iter(per.values())))
+            lines += [f"### {mode.capitalize()} ΔPPL per removal ratio ({arrow}; 95 % intervals)", "",
+                      "| metric | " + " | ".join(f"r = {escape(r)}" for r in ratios) + " |",
+                      "|---|" + "---:|" * len(ratios)]
+            for m, by in per.items():
+                lines.append(f"| {escape(m)} | " + " | ".join(
+                    f"{_num(by[r]['value'])} [{_num(by[r]['low'])}, {_num(by[r]['high'])}]" if r in by else ""
+                    for r in ratios) + " |")
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -79,7 +96,8 @@ def _num(x) -> str:
 
 def side_by_side(results: dict[str, dict]) -> str:
     """One Markdown table comparing several models' ``claims.json`` contents (``{model label:
-    result}``): one row per claim, per model the measured value, its 95 % interval and the verdict."""
+    result}``): one row per claim, per model the measured value, its 95 % interval and the verdict; with
+    two results (two models, or one model on two corpora) a last column says whether the verdicts agree."""
     names = list(results)
     ids: list[str] = []
     wording: dict[str, str] = {}
@@ -89,8 +107,10 @@ def side_by_side(results: dict[str, dict]) -> str:
             if r["id"] not in ids:
                 ids.append(r["id"])
                 wording[r["id"]] = r["claim"]
-    head = "| # | claim | " + " | ".join(f"{escape(n)}: measured [95 % interval] | verdict" for n in names) + " |"
-    lines = [head, "|--:|---|" + "---|---|" * len(names)]
+    agree = len(names) == 2
+    head = "| # | claim | " + " | ".join(f"{escape(n)}: measured [95 % interval] | verdict" for n in names) + \
+        (" | same verdict |" if agree else " |")
+    lines = [head, "|--:|---|" + "---|---|" * len(names) + ("---|" if agree else "")]
     for k, i in enumerate(ids, 1):
         cells = []
         for n in names:
@@ -100,5 +120,9 @@ def side_by_side(results: dict[str, dict]) -> str:
                 continue
             iv = "" if r["interval"] in (None, "n/a") else f" {r['interval']}"
             cells += [escape(f"{r['value']}{iv}"), VERDICT_MARK.get(r["verdict"], escape(r["verdict"]))]
-        lines.append(f"| {k} | {escape(wording[i])} | " + " | ".join(cells) + " |")
+        same = ""
+        if agree:
+            rs = [by[n].get(i) for n in names]
+            same = " | " + ("n/a" if None in rs else "yes" if rs[0]["verdict"] == rs[1]["verdict"] else "**no**")
+        lines.append(f"| {k} | {escape(wording[i])} | " + " | ".join(cells) + same + " |")
     return "\n".join(lines) + "\n"
