@@ -288,6 +288,9 @@ def test_cli_runs_resumes_and_refuses_bad_input(tiny_llama_dir, tmp_path, capsys
     assert np.allclose(reads.ppl, np.exp(reads.nll / reads.tokens))
     summ = pd.read_parquet(out / "summary.parquet")
     assert (summ.ppl_low <= summ.ppl).all() and (summ.ppl <= summ.ppl_high).all()
+    pairs = pd.read_parquet(out / "pairs.parquet")
+    assert len(pairs) == 2 * 4 * 3                                     # budgets x ordered pairs of 4 policies
+    assert (pairs.a_better.between(0, 1)).all()
     full = summ[summ.policy == "full"]
     assert (full.delta_ppl == 0).all()
     assert (summ[summ.policy == "streamingllm"].memory_saved > 0.5).all()
@@ -473,3 +476,16 @@ def test_cli_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp_pat
     a, b = (pd.read_parquet(d / "reads.parquet") for d in (tmp_path / "whole", part))
     cols = ["window", "policy", "budget", "nll", "tokens", "ppl", "peak_bytes"]
     pd.testing.assert_frame_equal(a[cols], b[cols])
+
+
+def test_pairwise_differences_on_shared_resamples():
+    from attngeom.kvcache import pairwise
+
+    # policy a is better than b in every window: it wins every resample; deltas are antisymmetric
+    df = pd.DataFrame({"window": [0, 1, 2] * 2, "policy": ["a"] * 3 + ["b"] * 3, "budget": 8,
+                       "nll": [10.0, 12.0, 11.0, 11.0, 13.0, 12.5], "tokens": [10] * 6})
+    p = pairwise(df, B=200).set_index(["a", "b"])
+    want = np.exp(33 / 30) - np.exp(36.5 / 30)
+    assert np.isclose(p.loc[("a", "b"), "delta_ppl"], want) and np.isclose(p.loc[("b", "a"), "delta_ppl"], -want)
+    assert p.loc[("a", "b"), "a_better"] == 1 and p.loc[("b", "a"), "a_better"] == 0
+    assert p.loc[("a", "b"), "delta_low"] <= want <= p.loc[("a", "b"), "delta_high"] < 0

@@ -569,3 +569,28 @@ def summarise_answers(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.Data
                     "ref_delta_low": float(dlo), "ref_delta_high": float(dhi)})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def pairwise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Every pair of policies at every budget, on the same bootstrap resamples of the windows:
+    ``ppl_a − ppl_b`` (pooled perplexities) with its 95 % interval, and ``a_better``, the share of
+    resamples where ``a`` has the lower perplexity (``full`` included)."""
+    from .bootstrap import percentile_interval, perplexity, resample_counts
+
+    windows = sorted(df["window"].unique())
+    counts = resample_counts(len(windows), B, seed)
+    rows = []
+    for budget, g in df.groupby("budget", sort=True):
+        boots, ppl = {}, {}
+        for policy, h in g.groupby("policy"):
+            h = h.set_index("window").loc[windows]
+            boots[policy] = perplexity(counts, h["nll"].to_numpy(), h["tokens"].to_numpy())
+            ppl[policy] = float(math.exp(h["nll"].sum() / h["tokens"].sum()))
+        for a in sorted(boots):
+            for b in sorted(boots):
+                if a != b:
+                    lo, hi = percentile_interval(boots[a] - boots[b])
+                    rows.append({"budget": int(budget), "a": a, "b": b, "delta_ppl": ppl[a] - ppl[b],
+                                 "delta_low": float(lo), "delta_high": float(hi),
+                                 "a_better": float(np.mean(boots[a] < boots[b]))})
+    return pd.DataFrame(rows)

@@ -16,6 +16,8 @@ corpus (disjoint from the evaluated ones). Writes to ``--out``:
   row per (policy, budget, example): the reference's NLL read after the compressed prompt, the
   greedy tokens and their agreement with the full cache's (``match``, ``first_divergence``);
   ``answers-summary.parquet`` — means with 95 % bootstrap intervals over examples;
+- ``pairs.parquet`` — every pair of policies per budget on the same resamples: the perplexity
+  difference with its 95 % interval and the share of resamples where the first is better;
 - ``regimes.parquet`` (with ``taxonomy``) — the calibration taxonomy;
 - ``summary.json`` and the figures of :mod:`attngeom.reports.kvcache`.
 """
@@ -84,7 +86,7 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)
-    pairs = _answer_texts(args) if args.answers else None
+    qa_pairs = _answer_texts(args) if args.answers else None
     calib_n = args.calibration_windows if "taxonomy" in policies else 0
     settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
                 "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
@@ -105,16 +107,17 @@ def run(args) -> int:
                 raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
                                  f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
             regimes = _regimes(handle, run, calib)
-        from ..kvcache import experiment, summarise
+        from ..kvcache import experiment, pairwise, summarise
 
         reads = experiment(handle, run, evaluated, policies, budgets, args.chunk, regimes)
         summary_df = summarise(reads)
+        pairs_df = pairwise(reads)
         answers_df = answers_summary = None
-        if pairs:
+        if qa_pairs:
             from ..kvcache import answers, summarise_answers
             from ..trace import to_ids
 
-            examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in pairs]
+            examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]
             answers_df = answers(handle, run, examples, policies, budgets, args.new_tokens, regimes)
             answers_summary = summarise_answers(answers_df)
         model_name = getattr(handle, "name", args.model)
@@ -124,13 +127,14 @@ def run(args) -> int:
                    "gqa_pooling": "mean over the query heads of a key/value head (tova: mean over the layer)",
                    "results": summary_df.to_dict(orient="records"), "settings": settings}
         if answers_summary is not None:
-            summary.update({"examples": len(pairs), "new_tokens": args.new_tokens,
+            summary.update({"examples": len(qa_pairs), "new_tokens": args.new_tokens,
                             "answers": answers_summary.to_dict(orient="records")})
 
         def write(staging) -> list[str]:
-            files = ["reads.parquet", "summary.parquet"]
+            files = ["reads.parquet", "summary.parquet", "pairs.parquet"]
             common.write_parquet(reads.assign(model=model_name), staging / "reads.parquet")
             common.write_parquet(summary_df.assign(model=model_name), staging / "summary.parquet")
+            common.write_parquet(pairs_df.assign(model=model_name), staging / "pairs.parquet")
             if answers_df is not None:
                 common.write_parquet(answers_df.assign(model=model_name), staging / "answers.parquet")
                 common.write_parquet(answers_summary.assign(model=model_name), staging / "answers-summary.parquet")
