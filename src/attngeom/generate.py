@@ -166,8 +166,14 @@ class Decoding:
 
     def __post_init__(self):
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InputError(f"the number of tokens to generate must be at least 1, got {n!r}")
+        try:
+            n = int(n.__index__()) if not isinstance(n, bool) else None   # ints, numpy ints; not 2.0 or True
+        except (AttributeError, TypeError):
+            n = None
+        if n is None or n < 1:
+            raise InputError(f"the number of tokens to generate must be a whole number, at least 1, got "
+                             f"{self.max_new_tokens!r}")
+        object.__setattr__(self, "max_new_tokens", n)
         if not self.sample:
             given = [k for k in ("temperature", "top_p", "seed") if getattr(self, k) is not None]
             if given:
