@@ -27,11 +27,20 @@ pooled at eviction (``Policy.pool``: mean by default).
 mask is replaced by the layer's own (cached entries visible where valid, new entries causal), then
 the ``"attngeom"`` function runs (SDPA, or the exact capture inside a session).
 
+**Use** (:func:`compressing`): run the model's forward or ``generate`` with ``cache=`` inside
+``with compressing(model, cache):`` (the plug-in and the policy's scoring, restored after).
+
 **Reading under a budget** (:func:`read`): a text is read token by token (``chunk = 1``, the
 reference) or ``chunk`` tokens per forward with eviction between chunks, and the next-token NLL,
-the peak cache bytes and the time are recorded. :func:`experiment` runs every (window, policy,
-budget) as a resumable unit of a :class:`~attngeom.runner.Run`; :func:`summarise` gives perplexities
-with 95 % bootstrap intervals over windows.
+the peak cache bytes and the time are recorded. **Answers under a budget** (:func:`answer`): a
+prompt is read whole, then the reference continuation's NLL and greedy tokens follow from the
+compressed cache. :func:`experiment` and :func:`answers` run every (window or example, policy,
+budget) as a resumable unit of a :class:`~attngeom.runner.Run`; :func:`summarise`,
+:func:`summarise_answers` and :func:`pairwise` give 95 % bootstrap intervals over windows/examples.
+
+What belongs here: the cache, its scoring and the evaluations. Not here: the policies' scores
+(:mod:`attngeom.kvpolicies`), figures (:mod:`attngeom.reports.kvcache`), argument parsing
+(:mod:`attngeom.commands.kvcache`).
 """
 
 from __future__ import annotations
@@ -506,11 +515,16 @@ def answers(handle, run, examples: Sequence[tuple[Sequence[int], Sequence[int]]]
     return df
 
 
+# --------------------------------------------------------------------------------------------
+# Summaries with bootstrap intervals
+# --------------------------------------------------------------------------------------------
+
+
 def summarise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Per (policy, budget): perplexity over windows (``exp(Σ NLL / Σ tokens)``) with its 95 %
-    bootstrap interval, the difference to the full cache's on the same resamples (when ``full``
-    was run), the share of resamples where the policy beats the full cache... and the memory and
-    time per token against the full cache's."""
+    bootstrap interval; when ``full`` was run, the difference to the full cache's perplexity on the
+    same resamples (``delta_ppl``, ``delta_low``, ``delta_high``), ``memory_saved`` (1 − peak cache
+    bytes / the full cache's) and ``time_ratio`` (time per token / the full cache's)."""
     from .bootstrap import percentile_interval, perplexity, resample_counts
 
     windows = sorted(df["window"].unique())
