@@ -236,11 +236,15 @@ def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | 
     cache = DynamicCache() if cache is None else cache  # no config: full layers (module docstring)
     step = torch.tensor([ids], device=device)
     answer: list[int] = []
+    kw = {_cache_argument(model): cache}
     with attngeom_attention_implementation(model):
         while True:
             length = len(ids) + len(answer)
             with (steps if answer else session).active(torch.tensor([length], device=device)):
-                out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+                out = model(input_ids=step, use_cache=True, logits_to_keep=1, **kw)
+            if cache.get_seq_length() != length:    # a model that ignored the cache would see one token a step
+                raise RuntimeError(f"the model's KV cache holds {cache.get_seq_length()} tokens after "
+                                   f"{length}; attngeom cannot generate with this model")
             done = len(answer) == decoding.max_new_tokens or bool(answer and answer[-1] in stop)
             if done:
                 return answer
@@ -251,6 +255,13 @@ def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | 
             if not last_step and (len(answer) == decoding.max_new_tokens or token in stop):
                 return answer
             step = torch.tensor([[token]], device=device)
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for the KV cache: ``cache`` (recent transformers 5 releases) or ``past_key_values`` (earlier ones)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
@@ -264,7 +275,8 @@ def _answer_as_text(handle, cache, ids: list[int], answer: list[int], session: S
     model = handle.model
     device = model.device
     with attngeom_attention_implementation(model), session.active(torch.tensor([P + len(answer)], device=device)):
-        model(input_ids=torch.tensor([answer], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=torch.tensor([answer], device=device), use_cache=True, logits_to_keep=1,
+              **{_cache_argument(model): cache})
 
 
 class GrowingNorms:
