@@ -258,7 +258,8 @@ def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | 
 
 
 def _cache_argument(model) -> str:
-    """The forward's name for the KV cache: ``cache`` (recent transformers 5 releases) or ``past_key_values`` (earlier ones)."""
+    """The forward's name for the KV cache: ``cache`` (recent transformers 5 releases) or
+    ``past_key_values`` (earlier ones)."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
