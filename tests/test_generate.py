@@ -256,7 +256,8 @@ def test_chat_prompt_goes_through_the_template(chat_handle):
     ids = prompt_ids(chat_handle, "hi", chat=True, system="be brief")
     text = "<s>system: be brief</s>\n<s>user: hi</s>\n<s>assistant:"
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "more"}]
     ids = prompt_ids(chat_handle, msgs)
     assert tok.decode(ids) == "<s>user: hi</s>\n<s>assistant: ok</s>\n<s>user: more</s>\n<s>assistant:"
     trace = analyze(chat_handle, "hi", generate=3, chat=True, stop=())

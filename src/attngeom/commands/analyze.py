@@ -205,7 +205,8 @@ def _answer_prompts(handle, run, args, texts, decoding, layers) -> dict:
         except InputError as e:
             raise InputError(f"prompt {k + 1} of {args.data}: {e}") from None
         if args.sink >= len(prompts[-1]):
-            raise InputError(f"prompt {k + 1} of {args.data}: --sink {args.sink} is beyond it ({len(prompts[-1])} tokens)")
+            raise InputError(f"prompt {k + 1} of {args.data}: --sink {args.sink} is beyond it "
+                             f"({len(prompts[-1])} tokens)")
     answers, sources = generation_stage(
         handle, run, "generate", prompts, decoding, layers=layers, desc="generate",
         make=lambda: [Answers(stop), AnswerSources(sink=args.sink)])
@@ -348,7 +349,8 @@ def _generate(handle, run, args, prompt, decoding, layers) -> dict:
         raise InputError(f"--sink {args.sink} is beyond the prompt ({len(ids)} tokens)")
     tables, answers, heads, tokens = generation_stage(
         handle, run, "generate", [ids], decoding, layers=layers, desc="generate", text=2,
-        make=lambda: [AnswerSources(sink=args.sink), Answers(stop), HeadStats(sink=args.sink), TokenStats(sink=args.sink)])
+        make=lambda: [AnswerSources(sink=args.sink), Answers(stop),
+                      HeadStats(sink=args.sink), TokenStats(sink=args.sink)])
     row = answers.result().iloc[0]
     answer_ids = [int(x) for x in str(row["answer_ids"]).split()]
     full = list(ids) + answer_ids
