@@ -24,7 +24,8 @@ def add_generation_args(p) -> None:
                                                              "up to this probability (default 1: all)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default 0: runs are reproducible)")
     g.add_argument("--chat", action="store_true",
-                   help="the text is a user message: put it through the tokenizer's chat template")
+                   help="the text is a user message: put it through the tokenizer's chat template (a --file "
+                        "ending in .json holds a list of chat messages and always goes through it)")
     g.add_argument("--system", default=None, help="a system message (with --chat)")
 
 
