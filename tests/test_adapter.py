@@ -257,3 +257,18 @@ def test_attention_delta_is_what_attention_adds_to_the_residual(arch):
             h.remove()
     for l in range(ad.num_layers):
         torch.testing.assert_close(seen["x", l] + seen["d", l], seen["r", l])
+
+
+def test_a_dropped_model_is_freed():
+    """Discovery's tables hold models and modules weakly: analysing a model does not keep it alive."""
+    import gc
+    import weakref
+
+    from attngeom.trace import analyze
+
+    handle = tiny_model("llama")
+    analyze(handle, "The cat sat.")
+    ref = weakref.ref(handle.model)
+    del handle
+    gc.collect()
+    assert ref() is None

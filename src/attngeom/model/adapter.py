@@ -315,7 +315,8 @@ class AttentionSite:
     heads: tuple[int, int, int, int]  # (H, H_kv, d_v, d_qk) as the attention call received them
 
 
-_SITES: "weakref.WeakKeyDictionary[torch.nn.Module, AttentionSite]" = weakref.WeakKeyDictionary()
+_SITES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, Projection]]" = weakref.WeakKeyDictionary()
+"""Attention module -> (attention-layer number, output projection), for the attention function."""
 _ADAPTERS: "weakref.WeakKeyDictionary[torch.nn.Module, ArchitectureAdapter]" = weakref.WeakKeyDictionary()
 
 
@@ -323,7 +324,7 @@ def attention_layer(module: torch.nn.Module) -> int:
     """The attention-layer number of an attention module (discovered), else its ``layer_idx``, else -1."""
     site = _SITES.get(module)
     if site is not None:
-        return site.layer
+        return site[0]
     return int(getattr(module, "layer_idx", -1))
 
 
@@ -335,13 +336,13 @@ def attention_w_o(module: torch.nn.Module) -> torch.Tensor:
         raise UnsupportedArchitectureError(
             f"{type(module).__name__}: this attention module was not discovered (wrap the model with "
             "attngeom.wrap or load it with attngeom.load_model first)")
-    return site.out.weight()
+    return site[1].weight()
 
 
 def attention_w_o_version(module: torch.nn.Module) -> tuple:
     """Changes whenever :func:`attention_w_o` of ``module`` would change (for caches)."""
     site = _SITES.get(module)
-    return () if site is None else site.out.version()
+    return () if site is None else site[1].version()
 
 
 def _refuse(model, what: str) -> UnsupportedArchitectureError:
@@ -572,13 +573,13 @@ class ArchitectureAdapter:
     """Structure of one loaded model, by attention layer (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        self._model = weakref.ref(model)   # the adapter lives as long as the model, never longer
         self.config = model.config.get_text_config(decoder=True)
         if self.architecture in EXCEPTIONS:
             raise _refuse(model, EXCEPTIONS[self.architecture])
         self.sites = discover(model)
         for site in self.sites:
-            _SITES[site.module] = site
+            _SITES[site.module] = (site.layer, site.out)   # (nothing in the value refers to the key)
         # (parent, attribute, module) of every module found: checked before each forward (cheaply)
         self._anchors = [(_parent(model, name), name.rsplit(".", 1)[-1], module)
                          for s in self.sites for name, module in ((s.name, s.module), (s.out.name, s.out.module))]
@@ -593,6 +594,11 @@ class ArchitectureAdapter:
         g = self.geometry
         return (f"{type(self).__name__}({self.architecture}: {g.num_layers} attention layers, {g.num_heads} heads, "
                 f"{g.num_kv_heads} kv heads, head_dim {g.head_dim})")
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model (the adapter holds it weakly: a model dropped by its user is freed)."""
+        return self._model()
 
     def current(self) -> bool:
         """Whether the modules found are still where discovery found them (a module replaced since,
