@@ -25,8 +25,10 @@ with state-space or linear-attention layers these are only the attention layers;
 function, which sees only the module, reads the layer and ``W_O`` through :func:`attention_layer`
 and :func:`attention_w_o`: one dictionary look-up, no per-architecture branch.
 
-:data:`EXCEPTIONS` holds what cannot be seen by watching (today: which norm, if any, follows the
-attention output before the residual add is found by the probe too; the table is empty).
+The norm that receives the attention output before the residual add, where there is one (Gemma 2/3,
+OLMo 2), is found the same way (:meth:`ArchitectureAdapter.attention_delta_module`). Discovery runs
+once per model and again only when a module it found has been replaced (``adapter.current()``).
+:data:`EXCEPTIONS` is for what watching cannot tell (none known: the table is empty).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import contextlib
 import contextvars
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
