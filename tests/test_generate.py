@@ -45,17 +45,19 @@ class StepRows(Reducer):
             self.rows[(block.layer, q)] = out
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text", "gemma2"])
-def test_every_step_equals_the_full_forward_row(arch):
-    """llama: grouped-query attention; mistral: multi-query + sliding window 8 on every layer;
-    gemma3: sliding/sliding/full layers with q/k norms; gemma2: soft-capping and a sliding layer."""
+@pytest.mark.parametrize("arch, block_elements", [("llama", None), ("llama", 40), ("mistral", None),
+                                                  ("gemma3_text", None), ("gemma2", None)])
+def test_every_step_equals_the_full_forward_row(arch, block_elements):
+    """llama: grouped-query attention (also with the prompt in blocks of a few queries); mistral:
+    multi-query + sliding window 8 on every layer; gemma3: sliding/sliding/full layers with q/k
+    norms; gemma2: soft-capping and a sliding layer."""
     handle = tiny_model(arch)
     ids = handle.encode(PROMPT)
     P = len(ids)
     if arch != "llama":
         assert P > handle.model.config.sliding_window                  # every step is past the window
     rows = StepRows(P + N)
-    full_ids = stream(handle, ids, [rows], Decoding(N, stop=()))
+    full_ids = stream(handle, ids, [rows], Decoding(N, stop=()), block_elements=block_elements)
     T = len(full_ids)
     assert T == P + N
     full = analyze(handle, full_ids)                                  # one forward, no cache
