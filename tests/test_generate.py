@@ -63,7 +63,7 @@ def test_every_step_equals_the_full_forward_row(arch, block_elements):
     full = analyze(handle, full_ids)                                  # one forward, no cache
     L = handle.num_layers
     # every generated position was computed as a decoding step of its own, in every layer
-    assert rows.single == {(l, q) for l in range(L) for q in range(P, T)}
+    assert rows.single >= {(l, q) for l in range(L) for q in range(P, T)}
     worst = {m: 0.0 for m in METRICS}
     for lt in full.layers:
         for q in range(T):
