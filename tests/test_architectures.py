@@ -58,7 +58,7 @@ MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim
 TWEAKS: dict[str, dict] = {
     "deepseek_v2": MLA, "deepseek_v3": dict(MLA, first_k_dense_replace=1, n_group=1, topk_group=1),
     "glm4_moe_lite": MLA, "minicpm3": MLA, "sarvam_mla": MLA, "youtu": MLA, "longcat_flash": MLA,
-    "kimi_linear": MLA,
+    "kimi_linear": MLA, "axk2": MLA, "bailing_hybrid": MLA, "deepseek_v32": MLA, "glm_moe_dsa": MLA,
     "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8),
