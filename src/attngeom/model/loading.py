@@ -187,6 +187,7 @@ def _finish(model, tokenizer, spec: str, name: str, opts: _Options) -> ModelHand
     if opts.device_map is None and model.device != opts.device:
         model = model.to(opts.device)
     model.eval()
+    adapter_for(model)   # discovery now: an architecture attngeom cannot capture is refused before any work
     return _configured(model, tokenizer, spec, name)
 
 
