@@ -57,14 +57,14 @@ def add_model_args(p) -> None:
                                                    "under torchrun each process takes its local GPU)")
 
 
-def add_data_args(p, required: bool = True, repeat: bool = False) -> None:
+def add_data_args(p, required: bool = True, repeat: bool = False, window: int = 256, max_windows: int = 16) -> None:
     p.add_argument("--data", required=required, action="append" if repeat else "store",
                    help="corpus: a text file, WikiText raw file, .jsonl/.csv/.parquet file, a folder written by "
                         "datasets' save_to_disk, or hf:NAME[:CONFIG][@SPLIT]")
     p.add_argument("--fields", default=None, help="JSONL/CSV/Parquet/dataset fields joined per record, e.g. question,answer")
-    p.add_argument("--window", type=int, default=256, help="tokens per window, BOS included (default 256)")
+    p.add_argument("--window", type=int, default=window, help=f"tokens per window, BOS included (default {window})")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: no overlap)")
-    p.add_argument("--max-windows", type=int, default=16, help="windows to use (default 16)")
+    p.add_argument("--max-windows", type=int, default=max_windows, help=f"windows to use (default {max_windows})")
 
 
 def add_out_arg(p, default: str | None = None) -> None:

@@ -39,8 +39,7 @@ def add_parser(subparsers) -> None:
                     "under each policy and report perplexity against the full cache, with bootstrap intervals, "
                     "the memory saved and the time per token.")
     common.add_model_args(p)
-    common.add_data_args(p)
-    p.set_defaults(window=1024, max_windows=4)
+    common.add_data_args(p, window=1024, max_windows=4)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default="64,128,256", help="entries per key/value head, e.g. 64,256 (default 64,128,256)")
     p.add_argument("--chunk", type=int, default=1,
