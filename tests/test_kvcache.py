@@ -416,6 +416,11 @@ def test_generate_with_the_compressed_cache():
     finally:
         h.model.set_attn_implementation(sdpa)
     assert all(layer.size <= 6 for layer in small.layers)
+    beams = dict(kw, num_beams=3, num_return_sequences=2)                # batch reordering of every per-row tensor
+    cache = CompressedCache(h.model.config, "h2o", 32)
+    with compressing(h.model, cache):
+        got = h.model.generate(prompt, cache=cache, **beams)
+    assert torch.equal(got, h.model.generate(prompt, **beams))
     scored = CompressedCache(h.model.config, "h2o", 6)                   # scores need compressing()
     with pytest.raises(RuntimeError, match="compressing"):
         h.model.generate(prompt, cache=scored, **kw)

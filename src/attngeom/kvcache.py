@@ -191,6 +191,25 @@ class CompressedLayer(DynamicLayer):
         self.n_new = C
         return self.keys, self.values
 
+    # batch operations of generate (beam search, batch expansion): every per-row tensor alike
+    def _map_batch(self, fn) -> None:
+        for name in ("keys", "values", "pos", "valid", "acc", "step"):
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor) and t.dim() > 1:
+                setattr(self, name, fn(t))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a compressed KV cache cannot be cropped: evicted entries are gone")
+
     def get_seq_length(self) -> int:
         """Tokens read so far (the next token's position), not entries held."""
         return self.seen
