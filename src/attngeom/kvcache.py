@@ -425,10 +425,11 @@ def configurations(policies: Sequence[str], budgets: Sequence[int]) -> list[tupl
 
 def _budgets_for(handle, name: str, budget: int | None, regimes: pd.DataFrame | None,
                  chunk: int = 1) -> tuple[dict | None, dict | None]:
-    if name != "taxonomy" or budget is None:
+    """Per-head budgets and streaming flags of a policy with per-head budgets (else None, None)."""
+    if budget is None or not get_policy(name).per_head_budgets:
         return None, None
     if regimes is None:
-        raise InputError("the taxonomy policy needs head regimes (a taxonomy table)")
+        raise InputError(f"the {name} policy needs head regimes (a taxonomy table)")
     return taxonomy_budgets(regimes, handle.num_heads, handle.num_kv_heads, budget, chunk=chunk)
 
 

@@ -238,3 +238,8 @@ def get_policy(name: str) -> Policy:
     if name not in POLICIES:
         raise InputError(f"unknown KV-cache policy {name!r}; choose from {', '.join(POLICIES)}")
     return POLICIES[name]()
+
+
+def needs_regimes(names) -> bool:
+    """Whether any of the policies ``names`` takes per-head budgets from a head taxonomy."""
+    return any(get_policy(n).per_head_budgets for n in names)

@@ -73,6 +73,7 @@ def _policies(spec: str) -> list[str]:
 
 def run(args) -> int:
     from ..data import load_windows, parse_int_list, read_texts
+    from ..kvpolicies import needs_regimes
 
     common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1, max_examples=1,
                           new_tokens=1)
@@ -86,7 +87,7 @@ def run(args) -> int:
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)
     qa_pairs = _answer_texts(args) if args.answers else None
-    calib_n = args.calibration_windows if "taxonomy" in policies else 0
+    calib_n = args.calibration_windows if needs_regimes(policies) else 0
     settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
                 "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
                 "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
@@ -101,7 +102,7 @@ def run(args) -> int:
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows + calib_n, fields)
         evaluated, calib = windows[: args.max_windows], windows[args.max_windows:]
         regimes = None
-        if "taxonomy" in policies:
+        if calib_n:
             if not calib:
                 raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
                                  f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
