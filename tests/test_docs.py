@@ -1,7 +1,7 @@
-"""The documentation: every name SPEC.md gives as implementing a section exists in ``src/attngeom``
-(read statically), and the site (``mkdocs.yml``: the pages in ``docs/`` and an API reference
-generated from the docstrings by ``mkdocs_hooks.py``) builds with ``mkdocs build --strict`` and
-prints no warning. The site test is skipped, with the install command as the reason, where the
+"""The documentation: docs/index.md links every page of docs/; every name SPEC.md gives as
+implementing a section exists in ``src/attngeom`` (read statically); and the site (``mkdocs.yml``:
+the pages in ``docs/`` and an API reference generated from the docstrings by ``mkdocs_hooks.py``)
+builds with ``mkdocs build --strict`` and prints no warning. The site test is skipped, with the install command as the reason, where the
 ``docs`` extra is not installed (``pip install -e '.[docs]'``; ``make`` installs it)."""
 
 from __future__ import annotations
@@ -81,6 +81,14 @@ def _build(tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_index_maps_every_page():
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", index))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")} - {"index.md"}
+    assert not pages - linked, f"docs/index.md does not link {sorted(pages - linked)}"
+    assert not linked - pages - {p for p in linked if p.startswith("api/")}, "docs/index.md links pages that do not exist"
 
 
 @needs_mkdocs
