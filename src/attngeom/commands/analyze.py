@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..analysis import TOP_K, cut_windows, summarize
 from ..errors import InputError
 from . import common
 from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
@@ -44,11 +45,6 @@ from .common import (add_model_args, add_out_arg, add_text_args, already_complet
 from .generation_args import add_generation_args, decoding_of, prompt_of, settings_of
 
 DEFAULT_OUT = "out/analyze"
-TOP_K = 5
-MIN_SEEN_BY = 8
-"""The top-k rankings in ``summary.json`` leave out the sources seen by fewer than
-``max(8, T/4)`` queries (at most ``T/2``): a late token's 'received' mean averages over a few nearby
-queries only, which mostly attend locally, and would fill the ranking with the last positions."""
 
 
 def add_parser(subparsers) -> None:
@@ -92,19 +88,6 @@ def add_parser(subparsers) -> None:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def cut_windows(ids: list[int], window: int, stride: int | None, bos: int | None) -> tuple[list[tuple[int, list[int]]], bool]:
-    """Windows covering every token of ``ids`` (:func:`attngeom.data.windows` with ``keep_last``)
-    and whether they start with BOS: ``([(offset, window_ids), ...], has_bos)``; window position
-    ``p`` is input position ``offset + p`` (the BOS of a window is input position 0)."""
-    from ..data import windows as cut
-
-    has_bos = bool(bos is not None and ids and ids[0] == bos)
-    body = ids[1:] if has_bos else list(ids)
-    step = stride or (window - 1 if has_bos else window)
-    wins = cut(body, window, step, bos=bos if has_bos else None, keep_last=True)
-    return [(k * step, w) for k, w in enumerate(wins)], has_bos
 
 
 def _pick_figure_layers(layers: list[int]) -> list[int]:
@@ -384,35 +367,7 @@ def generation_summary(handle, answer: dict, decoding, sink: int = 0) -> dict:
 
 
 def build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df) -> dict:
-    import numpy as np
-
     from .. import __version__
-
-    per_layer = []
-    for layer, g in heads_df.groupby("layer", sort=True):
-        per_layer.append({
-            "layer": int(layer),
-            "sink_attention": float(g["sink_rate"].mean()),
-            "sink_attention_min": float(g["sink_rate"].min()),
-            "sink_attention_max": float(g["sink_rate"].max()),
-            "sink_contribution": float(g["sink_contribution"].mean()),
-            "sink_contribution_min": float(g["sink_contribution"].min()),
-            "sink_contribution_max": float(g["sink_contribution"].max()),
-            "sink_contribution_to_layer_output": float(g["sink_contribution_inter"].sum()),
-        })
-    mid = layers[len(layers) // 2]
-    t = tokens_df[tokens_df["layer"] == mid].copy()
-    lengths = {i: len(w) for i, (_, w) in enumerate(windows)}
-    t["seen_by"] = t["text"].map(lengths) - t["position"]
-    span = int(t["seen_by"].max()) if len(t) else 1
-    need = max(1, min(MIN_SEEN_BY, span // 2), span // 4)
-    t = t[t["seen_by"] >= need]
-
-    def top(col):
-        rows = t.sort_values(col, ascending=False, kind="stable").head(TOP_K)
-        return [{"position": int(r.input_position), "token": r.token, "score": float(r[col]),
-                 **({"window": int(r.text)} if len(windows) > 1 else {})}
-                for _, r in rows.iterrows()]
 
     return {
         "command": "analyze",
@@ -430,16 +385,7 @@ def build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_
         "sink": args.sink,
         "layers": layers,
         "figure_layers": fig_layers,
-        "per_layer": per_layer,
-        "mean_sink_attention": float(np.mean([r["sink_attention"] for r in per_layer])),
-        "mean_sink_contribution": float(np.mean([r["sink_contribution"] for r in per_layer])),
-        "top_tokens": {
-            "layer": int(mid),
-            "ranked_over": f"positions seen by at least {need} queries",
-            "min_seen_by": int(need),
-            "by_contribution_received": top("contribution_received"),
-            "by_attention_received": top("attention_received"),
-        },
+        **summarize(heads_df, tokens_df, [len(w) for _, w in windows], layers),
         "definitions": {
             "sink_attention": "mean over heads of the per-head mean over queries i>0 of a_i0^h",
             "sink_contribution": "mean over heads of the per-head mean over queries i>0 of c_i0^h (intra-head)",
