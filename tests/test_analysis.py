@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from attngeom.analysis import cut_windows, per_layer_sinks, top_tokens
+from attngeom.analysis import add_input_positions, cut_windows, per_layer_sinks, top_tokens
 
 
 def test_cut_windows_cover_every_token_with_bos_repeated():
@@ -14,6 +14,11 @@ def test_cut_windows_cover_every_token_with_bos_repeated():
     assert covered == set(range(1, len(ids)))             # every token after BOS, at its input position
     for off, w in wins:
         assert [ids[off + p] for p in range(1, len(w))] == w[1:]
+    tokens = pd.DataFrame([{"text": k, "position": p, "token_id": t} for k, (_, w) in enumerate(wins)
+                           for p, t in enumerate(w)])
+    add_input_positions(tokens, wins, has_bos)
+    assert list(tokens.columns) == ["text", "position", "input_position", "token_id"]
+    assert all(ids[i] == t for i, t in zip(tokens["input_position"], tokens["token_id"]))   # BOS -> position 0
     wins, has_bos = cut_windows(list(range(10, 17)), window=4, stride=None, bos=1)
     assert not has_bos and sum(len(w) for _, w in wins) == 7
 

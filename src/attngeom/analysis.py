@@ -36,6 +36,17 @@ def cut_windows(ids: list[int], window: int, stride: int | None,
     return [(k * step, w) for k, w in enumerate(wins)], has_bos
 
 
+def add_input_positions(tokens: "pd.DataFrame", windows: Sequence[tuple[int, list[int]]], has_bos: bool) -> None:
+    """Insert ``input_position`` after ``position`` in a ``TokenStats`` table of the windows of
+    :func:`cut_windows`: the token's position in the whole input (``offset + position``; a window's
+    repeated BOS is input position 0)."""
+    offsets = {i: off for i, (off, _) in enumerate(windows)}
+    pos = tokens["position"].to_numpy()
+    off = tokens["text"].map(offsets).to_numpy()
+    tokens.insert(tokens.columns.get_loc("position") + 1, "input_position",
+                  ((pos + off) * (pos > 0)) if has_bos else (pos + off))
+
+
 def per_layer_sinks(heads: "pd.DataFrame") -> list[dict]:
     """Per layer: the sink's attention and intra-head contribution (mean, min and max over heads of
     the per-head means over queries ``i > 0``) and its share of the layer output (the sum over heads

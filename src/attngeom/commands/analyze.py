@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..analysis import TOP_K, cut_windows, summarize
+from ..analysis import TOP_K, add_input_positions, cut_windows, summarize
 from ..errors import InputError
 from . import common
 from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
@@ -258,14 +258,8 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, 
         heads_df, tokens_df = answer["heads"], answer["tokens"]
     else:
         heads_df, tokens_df = summaries(handle, run, [w for _, w in windows], layers=layers, sink=args.sink)
-    offsets = {i: off for i, (off, _) in enumerate(windows)}
-    uniq = sorted(set(ids))
-    strings = dict(zip(uniq, handle.tokens(uniq)))
-    tokens_df.insert(tokens_df.columns.get_loc("token_id") + 1, "token", tokens_df["token_id"].map(strings))
-    pos = tokens_df["position"].to_numpy()
-    off = tokens_df["text"].map(offsets).to_numpy()
-    tokens_df.insert(tokens_df.columns.get_loc("position") + 1, "input_position",
-                     ((pos + off) * (pos > 0)) if has_bos else (pos + off))
+    _with_token_strings(handle, {"tokens": tokens_df}, ids)
+    add_input_positions(tokens_df, windows, has_bos)
     summary = build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df)
     summary["settings"] = settings
     if answer is not None:
