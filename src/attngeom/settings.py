@@ -2,8 +2,9 @@
 
 What belongs here: the options an experiment runs with and their defaults, said once for the
 experiment (the ``experiment()`` of :mod:`attngeom.faithfulness`, :mod:`~attngeom.sinks`,
-:mod:`~attngeom.selection`, :mod:`~attngeom.heads` and :mod:`~attngeom.claims` take them) and for its command (whose options default to these
-fields). Plain dataclasses, nothing heavy imported: the commands read them to build ``--help``.
+:mod:`~attngeom.selection`, :mod:`~attngeom.heads` and :mod:`~attngeom.claims` take them) and for
+its command (whose options default to these fields). Plain dataclasses, nothing heavy imported:
+the commands read them to build ``--help``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from . import registry
+
 
 def default_rankings() -> tuple[str, ...]:
     """The faithfulness experiment's default rankings: the paper's hierarchy
