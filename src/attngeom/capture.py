@@ -32,8 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import metrics as M
-from . import registry as R
+from . import metrics
+from . import registry
 from .model.adapter import adapter_for, attention_implementation, attention_layer, attention_w_o, attention_w_o_version
 
 ATTN_NAME = "attngeom"
@@ -77,7 +77,7 @@ class LayerState:
     @cached_property
     def value_norm(self) -> torch.Tensor:
         """``‖ṽ_j^h‖``: ``[B, H, S]``."""
-        return M.projected_value_norm(self.v, self.G)
+        return metrics.projected_value_norm(self.v, self.G)
 
     @cached_property
     def raw_value_norm(self) -> torch.Tensor:
@@ -168,7 +168,7 @@ class Block:
     @property
     def head_output(self) -> torch.Tensor:
         """``u_i^h`` in head space: ``[B, H, Q, d]``."""
-        return self._memo("u", lambda: M.head_output(self.a, self.v))
+        return self._memo("u", lambda: metrics.head_output(self.a, self.v))
 
     @property
     def uG(self) -> torch.Tensor:
@@ -188,7 +188,7 @@ class Block:
     @property
     def pulled_back(self) -> torch.Tensor:
         """``p_i^h = o_i W_O^{hᵀ}`` (``⟨o_i, ṽ_j^h⟩ = p_i^h·v_j``): ``[B, H, Q, d]``."""
-        return self._memo("p", lambda: M.pulled_back(self.head_output, self.state.G_full))
+        return self._memo("p", lambda: metrics.pulled_back(self.head_output, self.state.G_full))
 
     @property
     def head_dot_output(self) -> torch.Tensor:
@@ -208,12 +208,12 @@ class Block:
     @property
     def layer_output(self) -> torch.Tensor:
         """``o_i`` (model space, before the o_proj bias): ``[B, Q, D]``."""
-        return self._memo("o", lambda: M.layer_output(self.head_output, self.state.w_o))
+        return self._memo("o", lambda: metrics.layer_output(self.head_output, self.state.w_o))
 
     @property
     def head_share(self) -> torch.Tensor:
         """``⟨o_i, o_i^h⟩/‖o_i‖²``: ``[B, H, Q]``."""
-        return self._memo("share", lambda: M.safe_div(self.head_dot_output, self.output_sq.unsqueeze(1)))
+        return self._memo("share", lambda: metrics.safe_div(self.head_dot_output, self.output_sq.unsqueeze(1)))
 
     @property
     def entropy(self) -> torch.Tensor:
@@ -222,10 +222,10 @@ class Block:
         logarithm per element), else ``−Σ_j a_ij log a_ij``; with a learned sink its share
         ``a_i∅`` is one more outcome of the row (``− a_i∅ log a_i∅`` is added)."""
         if self.learned_sink is not None:
-            return self._memo("entropy", lambda: M.entropy(self.a) + M.entropy(self.learned_sink.unsqueeze(-1)))
+            return self._memo("entropy", lambda: metrics.entropy(self.a) + metrics.entropy(self.learned_sink.unsqueeze(-1)))
         if self.scores is not None:
-            return self._memo("entropy", lambda: M.entropy_from_logits(self.a, self.scores))
-        return self._memo("entropy", lambda: M.entropy(self.a))
+            return self._memo("entropy", lambda: metrics.entropy_from_logits(self.a, self.scores))
+        return self._memo("entropy", lambda: metrics.entropy(self.a))
 
     # ---- maps [B, H, Q, S]: the metrics of attngeom.registry ----------------------------------
     @property
@@ -233,38 +233,38 @@ class Block:
         return self.a
 
     def map_value_weighted(self) -> torch.Tensor:
-        return M.value_weighted(self.a, self.value_norm)
+        return metrics.value_weighted(self.a, self.value_norm)
 
     def map_output_normalized(self) -> torch.Tensor:
-        return M.output_normalized(self.a, self.value_norm, self.head_output_norm)
+        return metrics.output_normalized(self.a, self.value_norm, self.head_output_norm)
 
     def map_contribution(self) -> torch.Tensor:
-        return M.contribution_from(self.a, self.uG, self.v, self.head_output_sq)
+        return metrics.contribution_from(self.a, self.uG, self.v, self.head_output_sq)
 
     def map_contribution_inter(self) -> torch.Tensor:
-        return M.contribution_inter_from(self.a, self.pulled_back, self.v, self.output_sq)
+        return metrics.contribution_inter_from(self.a, self.pulled_back, self.v, self.output_sq)
 
     def __getattr__(self, name: str):
         """``block.<metric>`` for every metric of :mod:`attngeom.registry` (e.g. ``block.contribution``)."""
-        if not name.startswith("_") and name in R.METRICS:
+        if not name.startswith("_") and name in registry.METRICS:
             return self.metric(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def factors(self) -> dict[str, torch.Tensor]:
         """The three factors of the intra-head contribution, each ``[B, H, Q, S]``."""
-        return M.contribution_factors_from(self.a, self.uG, self.v, self.value_norm, self.head_output_norm)
+        return metrics.contribution_factors_from(self.a, self.uG, self.v, self.value_norm, self.head_output_norm)
 
     def contribution_column(self, col: int) -> torch.Tensor:
         """``c_ij^h`` for the block's source column ``col`` (position ``k_start + col``): ``[B, H, Q]``."""
         if "contribution" in self._cache:
             return self._cache["contribution"][..., col]
-        return M.contribution_column(self.a[..., col], self.uG, self.v[:, :, col], self.head_output_sq)
+        return metrics.contribution_column(self.a[..., col], self.uG, self.v[:, :, col], self.head_output_sq)
 
     def contribution_inter_column(self, col: int) -> torch.Tensor:
         """``C_ij^h`` for the block's source column ``col``: ``[B, H, Q]``."""
         if "contribution_inter" in self._cache:
             return self._cache["contribution_inter"][..., col]
-        return M.contribution_inter_column(self.a[..., col], self.pulled_back, self.v[:, :, col], self.output_sq)
+        return metrics.contribution_inter_column(self.a[..., col], self.pulled_back, self.v[:, :, col], self.output_sq)
 
     def received(self, weight: torch.Tensor, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """``Σ_i weight_i s_ij`` for the token-level scores ``s`` of the metrics ``names`` (default:
@@ -274,13 +274,13 @@ class Block:
         ``weight [B, Q]``. The built-in metrics are one ``Xᵀa`` product for all of them, computing
         only the pieces they need (``attention`` alone: one ``wᵀa``); any other registered metric
         sums its token-level score map."""
-        received = R.received_names()
+        received = registry.received_names()
         names = tuple(received if names is None else names)
         fast = [n for n in names if n in received]
         out: dict[str, torch.Tensor] = {}
         if fast:
             need_norm = "value_weighted" in fast or "output_normalized" in fast
-            out.update(M.received(
+            out.update(metrics.received(
                 self.a, weight, fast,
                 v=self.v if "contribution" in fast else None,
                 value_norm=self.value_norm if need_norm else None,
@@ -295,7 +295,7 @@ class Block:
 
     def metric(self, name: str) -> torch.Tensor:
         """A per-head map of :mod:`attngeom.registry` (SPEC §2) by name: ``[B, H, Q, S]``."""
-        m = R.get(name)
+        m = registry.get(name)
         return self._memo(name, lambda: m.per_head(self))
 
     def token_score(self, name: str) -> torch.Tensor:
@@ -303,8 +303,8 @@ class Block:
 
         Each registry entry says which per-head map it combines and how (``contribution`` at token
         level is ``C_ij = Σ_h C_ij^h``, the inter-head map; ``attention`` is the mean over heads)."""
-        m = R.get(name)
-        return M.token_scores(self.metric(m.token_map or name), m.heads)
+        m = registry.get(name)
+        return metrics.token_scores(self.metric(m.token_map or name), m.heads)
 
 
 class Observer(Protocol):
@@ -402,7 +402,7 @@ def output_grams(module: torch.nn.Module, num_heads: int) -> tuple[torch.Tensor,
     if hit is not None and hit[0] == key:
         return hit[1]
     w_o = attention_w_o(module).detach().float()
-    value = (w_o, M.gram(w_o, num_heads), M.full_gram(w_o))
+    value = (w_o, metrics.gram(w_o, num_heads), metrics.full_gram(w_o))
     _GRAMS[module] = (key, value)
     return value
 
