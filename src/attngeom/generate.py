@@ -40,6 +40,7 @@ import torch
 
 from .capture import Block, Session, attngeom_attention_implementation
 from .errors import InputError
+from .experiment import ModelHandleLike, RunLike
 from .reducers import Batch, FullCapture, Reducer
 
 DEFAULT_TOP_K = 5
@@ -73,7 +74,7 @@ def chat_messages(prompt, system: str | None = None) -> list[dict]:
     return messages
 
 
-def prompt_ids(handle, prompt, *, chat: bool = False, system: str | None = None,
+def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None,
                stop: Iterable[int] = ()) -> list[int]:
     """The token ids the model reads for ``prompt``.
 
@@ -120,7 +121,7 @@ def prompt_ids(handle, prompt, *, chat: bool = False, system: str | None = None,
     return ids
 
 
-def _check_no_stop(handle, texts: Sequence[str], stop: Iterable[int]) -> None:
+def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable[int]) -> None:
     stop = set(int(s) for s in stop)
     if not stop:
         return
@@ -132,7 +133,7 @@ def _check_no_stop(handle, texts: Sequence[str], stop: Iterable[int]) -> None:
                              "ends generation; the model would read it as an end of text inside the prompt")
 
 
-def model_stop_ids(handle) -> tuple[int, ...]:
+def model_stop_ids(handle: ModelHandleLike) -> tuple[int, ...]:
     """The model's end-of-generation ids: ``generation_config.eos_token_id`` and the tokenizer's EOS."""
     out: list[int] = []
     gc = getattr(handle.model, "generation_config", None)
@@ -183,7 +184,7 @@ class Decoding:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
 
-    def stop_ids(self, handle) -> tuple[int, ...]:
+    def stop_ids(self, handle: ModelHandleLike) -> tuple[int, ...]:
         return model_stop_ids(handle) if self.stop is None else tuple(int(s) for s in self.stop)
 
     def generator(self, device) -> torch.Generator | None:
@@ -203,7 +204,7 @@ class Decoding:
         return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def check_context(handle, prompt_length: int, decoding: Decoding) -> None:
+def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decoding) -> None:
     """Refuse a prompt whose answer would run past the model's context."""
     limit = getattr(handle, "max_positions", None)
     total = prompt_length + decoding.max_new_tokens
@@ -213,7 +214,7 @@ def check_context(handle, prompt_length: int, decoding: Decoding) -> None:
 
 
 @torch.no_grad()
-def generate(handle, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
+def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
              steps: Session | None = None, last_step: bool = True, cache=None) -> list[int]:
     """Generate from prompt ``ids`` with the model's KV cache; every forward call runs through the
     capture plug-in. ``session`` (default: no observers) is active for the prompt's forward call
@@ -266,7 +267,7 @@ def _cache_argument(model) -> str:
 
 
 @torch.no_grad()
-def _answer_as_text(handle, cache, ids: list[int], answer: list[int], session: Session) -> None:
+def _answer_as_text(handle: ModelHandleLike, cache, ids: list[int], answer: list[int], session: Session) -> None:
     """Run the answer through the model in one call against the cached prompt, ``session`` active:
     its blocks are rows ``P .. T-1`` of prompt + answer (the cache is cut back to the prompt first)."""
     P = len(ids)
@@ -316,8 +317,8 @@ class GenerationBatch(Batch):
     prompt_length: int = 0
 
 
-def stream(handle, prompt, reducers: Sequence[Reducer], decoding: Decoding, *, text_reducers: Sequence[Reducer] = (),
-           chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
+def stream(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decoding: Decoding, *,
+           text_reducers: Sequence[Reducer] = (), chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
            block_elements: int | None = None, index: int = 0) -> list[int]:
     """Generate an answer to ``prompt`` (see :func:`prompt_ids`) with ``reducers`` observing
     ``layers`` (default all) at every step; no full maps are kept. Returns prompt + answer ids
@@ -333,7 +334,7 @@ def stream(handle, prompt, reducers: Sequence[Reducer], decoding: Decoding, *, t
                        block_elements=block_elements, index=index)
 
 
-def stream_ids(handle, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding, *,
+def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding, *,
                text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
                block_elements: int | None = None, index: int = 0) -> list[int]:
     """:func:`stream` for a prompt already given as the model's token ids (:func:`prompt_ids`)."""
@@ -365,7 +366,7 @@ def stream_ids(handle, ids: Sequence[int], reducers: Sequence[Reducer], decoding
     return full
 
 
-def analyze(handle, prompt, *, generate: int, chat: bool = False, system: str | None = None,
+def analyze(handle: ModelHandleLike, prompt, *, generate: int, chat: bool = False, system: str | None = None,
             sample: bool = False, temperature: float | None = None, top_p: float | None = None,
             seed: int | None = None, stop: Sequence[int] | None = None, layers: Iterable[int] | None = None,
             block_elements: int | None = None):
@@ -526,7 +527,7 @@ class Answers(Reducer):
         return pd.concat(self.answers, ignore_index=True) if self.answers else pd.DataFrame()
 
 
-def generation_stage(handle, run, name: str, prompts: Sequence[list[int]], decoding: Decoding,
+def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: Sequence[list[int]], decoding: Decoding,
                      make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None,
                      desc: str | None = None, text: int = 0) -> list[Reducer]:
     """Generate an answer to each of ``prompts`` (token ids, :func:`prompt_ids`) with fresh reducers
