@@ -8,7 +8,8 @@ import pytest
 from attngeom import bootstrap as bs
 from attngeom.experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.runner import Memory
-from attngeom.settings import FaithfulnessSettings, HeadsSettings, SelectionSettings, SinksSettings
+from attngeom.settings import (FaithfulnessSettings, HeadsSettings, KVCacheSettings, SelectionSettings,
+                               SinksSettings)
 
 
 def test_perplexity_scalar_array_and_zero_tokens():
@@ -39,9 +40,9 @@ def test_memory_run_and_a_handle_satisfy_the_protocols():
 
 
 def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_tables():
-    """heads, sinks, selection and faithfulness return an ExperimentResult; the per-window sums a
+    """heads, sinks, selection, faithfulness and kvcache return an ExperimentResult; the per-window sums a
     bootstrap resamples add up to the experiment's own tables (the claims read nothing else)."""
-    from attngeom import faithfulness, heads, selection, sinks
+    from attngeom import faithfulness, heads, kvcache, selection, sinks
     from attngeom.experiment import perplexity as ppl
     from tiny_models import tiny_model
 
@@ -78,15 +79,23 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     clean = res.tables["table"]["clean"].iloc[0]
     assert clean == ppl(res.per_window["nll"][:, 0].sum(), res.per_window["tokens"].sum())
 
+    res = kvcache.experiment(h, Memory(), ids, KVCacheSettings(policies=("full", "window"), budgets=(6,), n_resamples=50))
+    assert isinstance(res, ExperimentResult) and set(res.tables) == {"reads", "summary", "pairs"}
+    pw, summary = res.per_window, res.tables["summary"].set_index(["policy", "budget"])["ppl"]
+    assert pw["nll"].shape == (4, 2) and list(pw["tokens"]) == [11] * 4
+    for k, col in zip(pw["keys"], pw["nll"].T):
+        assert summary[k] == pytest.approx(ppl(col.sum(), pw["tokens"].sum()), rel=1e-12)
+    assert res.settings["policies"] == ("full", "window") and res.settings["n_resamples"] == 50
+
 
 def test_every_experiment_has_the_contract_signature_and_claims_uses_only_public_names():
     import ast
     import inspect
     from pathlib import Path
 
-    from attngeom import claims, faithfulness, heads, selection, sinks
+    from attngeom import claims, faithfulness, heads, kvcache, selection, sinks
 
-    for mod in (faithfulness, sinks, selection, heads, claims):
+    for mod in (faithfulness, sinks, selection, heads, kvcache, claims):
         sig = inspect.signature(mod.experiment)
         params = list(sig.parameters.values())
         assert sig.return_annotation == "ExperimentResult", mod.__name__

@@ -350,7 +350,7 @@ def test_per_head_budgets_pad_smaller_heads_and_the_padding_is_invisible():
 
 
 def test_answers_agree_with_the_full_cache_when_nothing_is_evicted():
-    from attngeom.kvcache import answer, answers, summarise_answers
+    from attngeom.kvcache import answer, answers, summarize_answers
 
     h = tiny_model("llama")
     prompt, ref = _ids(12, seed=3), _ids(5, seed=4)
@@ -366,7 +366,7 @@ def test_answers_agree_with_the_full_cache_when_nothing_is_evicted():
     assert np.allclose(big.groupby("example").ref_nll.std().fillna(0), 0, atol=1e-4)
     small = df[(df.budget == 4) & (df.policy != "full")]
     assert not np.allclose(small.ref_nll.to_numpy(), big[big.policy != "full"].ref_nll.to_numpy())
-    s = summarise_answers(df)
+    s = summarize_answers(df)
     assert len(s) == 3 * 2 and (s[s.budget == 32].match == 1).all()
     assert ((s.match_low <= s.match) & (s.match <= s.match_high)).all()
 
@@ -489,7 +489,7 @@ def test_pairwise_differences_on_shared_resamples():
     # policy a is better than b in every window: it wins every resample; deltas are antisymmetric
     df = pd.DataFrame({"window": [0, 1, 2] * 2, "policy": ["a"] * 3 + ["b"] * 3, "budget": 8,
                        "nll": [10.0, 12.0, 11.0, 11.0, 13.0, 12.5], "tokens": [10] * 6})
-    p = pairwise(df, B=200).set_index(["a", "b"])
+    p = pairwise(df, n_resamples=200).set_index(["a", "b"])
     want = np.exp(33 / 30) - np.exp(36.5 / 30)
     assert np.isclose(p.loc[("a", "b"), "delta_ppl"], want) and np.isclose(p.loc[("b", "a"), "delta_ppl"], -want)
     assert p.loc[("a", "b"), "a_better"] == 1 and p.loc[("b", "a"), "a_better"] == 0

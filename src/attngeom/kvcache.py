@@ -35,8 +35,8 @@ reference) or ``chunk`` tokens per forward with eviction between chunks, and the
 the peak cache bytes and the time are recorded. **Answers under a budget** (:func:`answer`): a
 prompt is read whole, then the reference continuation's NLL and greedy tokens follow from the
 compressed cache. :func:`experiment` and :func:`answers` run every (window or example, policy,
-budget) as a resumable unit of a :class:`~attngeom.runner.Run`; :func:`summarise`,
-:func:`summarise_answers` and :func:`pairwise` give 95 % bootstrap intervals over windows/examples.
+budget) as a resumable unit of a :class:`~attngeom.runner.Run`; :func:`summarize`,
+:func:`summarize_answers` and :func:`pairwise` give 95 % bootstrap intervals over windows/examples.
 
 What belongs here: the cache, its scoring and the evaluations. Not here: the policies' scores
 (:mod:`attngeom.kvpolicies`), figures (:mod:`attngeom.reports.kvcache`), argument parsing
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import time
 from typing import Sequence
 
@@ -60,7 +59,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .capture import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
 from .errors import InputError
+from .experiment import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from .kvpolicies import SINKS, EvictionContext, Policy, get_policy
+from .settings import KVCacheSettings
 
 KV_ATTN = "attngeom_kv"
 
@@ -334,7 +335,7 @@ def compressing(model, cache: Cache, session: Session | None = None):
             model.set_attn_implementation(ATTN_NAME)
 
 
-def new_cache(handle, policy: Policy, budget: int | None, head_budgets: dict | None = None,
+def new_cache(handle: ModelHandleLike, policy: Policy, budget: int | None, head_budgets: dict | None = None,
               streaming: dict | None = None) -> Cache:
     """The full ``DynamicCache`` for the ``full`` policy (or no budget), else a :class:`CompressedCache`."""
     if policy.name == "full" or budget is None:
@@ -342,7 +343,7 @@ def new_cache(handle, policy: Policy, budget: int | None, head_budgets: dict | N
     return CompressedCache(handle.model.config, policy, budget, head_budgets, streaming)
 
 
-def step(handle, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+def step(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward pass of ``ids [B, C]`` with ``cache`` (inside :func:`compressing`): float32
     logits ``[B, C, V]``."""
     return handle.model(input_ids=ids.to(handle.device), cache=cache, use_cache=True).logits.float()
@@ -354,7 +355,7 @@ def step(handle, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def read(handle, ids: Sequence[int], policy: Policy | str, budget: int | None, chunk: int = 1,
+def read(handle: ModelHandleLike, ids: Sequence[int], policy: Policy | str, budget: int | None, chunk: int = 1,
          head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
     """Read ``ids`` with a compressed cache, ``chunk`` tokens per forward pass: ``{"nll": Σ NLL of
     tokens 1..T−1, "tokens": T−1, "seconds", "peak_bytes": largest cache storage after a pass,
@@ -423,7 +424,7 @@ def configurations(policies: Sequence[str], budgets: Sequence[int]) -> list[tupl
     return out
 
 
-def _budgets_for(handle, name: str, budget: int | None, regimes: pd.DataFrame | None,
+def _budgets_for(handle: ModelHandleLike, name: str, budget: int | None, regimes: pd.DataFrame | None,
                  chunk: int = 1) -> tuple[dict | None, dict | None]:
     """Per-head budgets and streaming flags of a policy with per-head budgets (else None, None)."""
     if budget is None or not get_policy(name).per_head_budgets:
@@ -433,7 +434,7 @@ def _budgets_for(handle, name: str, budget: int | None, regimes: pd.DataFrame | 
     return taxonomy_budgets(regimes, handle.num_heads, handle.num_kv_heads, budget, chunk=chunk)
 
 
-def _config_stage(handle, run, name: str, items: Sequence[Sequence[int]], configs, one, column: str,
+def _config_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequence[Sequence[int]], configs, one, column: str,
                   regimes: pd.DataFrame | None, chunk: int = 1) -> pd.DataFrame:
     """Rows of ``one(i, policy, budget, head_budgets, streaming) -> dict`` for every (item ``i``,
     configuration), each a unit of stage ``name`` of ``run`` (resumable); ``full`` rows repeated
@@ -462,20 +463,32 @@ def _config_stage(handle, run, name: str, items: Sequence[Sequence[int]], config
     return pd.concat([rest, full], ignore_index=True).sort_values(["policy", "budget", column]).reset_index(drop=True)
 
 
-def experiment(handle, run, windows: Sequence[Sequence[int]], policies: Sequence[str], budgets: Sequence[int],
-               chunk: int = 1, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Language modelling under a budget: one row per (window, policy, budget) with ``nll, tokens,
-    ppl, seconds, seconds_per_token, peak_bytes, final_bytes``; each (window, configuration) is a
-    unit of stage ``"read"`` of ``run`` (resumable). ``full`` is read once per window and its row
-    repeated for every budget (``budget`` is then the budget it is compared at). ``regimes``: the
-    taxonomy table the ``taxonomy`` policy's budgets come from."""
-    configs = configurations(policies, budgets)
+def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence[Sequence[int]],
+               settings: KVCacheSettings = KVCacheSettings(), regimes: pd.DataFrame | None = None) -> ExperimentResult:
+    """Language modelling under a budget, with ``settings`` (:class:`~attngeom.settings.KVCacheSettings`).
+    Each (window, configuration) is a unit of stage ``"read"`` of ``run`` (resumable); ``full`` is
+    read once per window and its row repeated for every budget (``budget`` is then the budget it is
+    compared at). ``regimes``: the taxonomy table the ``taxonomy`` policy's budgets come from.
+
+    Returns an :class:`~attngeom.experiment.ExperimentResult` with tables ``reads`` (one row per
+    (window, policy, budget): ``nll, tokens, ppl, seconds, seconds_per_token, peak_bytes,
+    final_bytes``), ``summary`` (:func:`summarize`) and ``pairs`` (:func:`pairwise`); ``per_window``:
+    ``nll [windows, configurations]`` (summed NLL, columns ``keys`` = (policy, budget)) and
+    ``tokens [windows]``, in window order."""
+    configs = configurations(settings.policies, settings.budgets)
+    chunk = settings.chunk
     df = _config_stage(handle, run, "read", windows, configs,
                        lambda i, p, b, hb, st: read(handle, windows[i], p, b, chunk, hb, st), "window", regimes,
                        chunk)
-    df["ppl"] = np.exp(df["nll"] / df["tokens"])
+    df["ppl"] = perplexity(df["nll"].to_numpy(), df["tokens"].to_numpy())
     df["seconds_per_token"] = df["seconds"] / df["tokens"]
-    return df
+    summary_df = summarize(df, settings.n_resamples)
+    tables = {"reads": df, "summary": summary_df, "pairs": pairwise(df, settings.n_resamples)}
+    wide = df.pivot(index="window", columns=["policy", "budget"], values="nll").sort_index()
+    per_window = {"keys": [(p, int(b)) for p, b in wide.columns], "nll": wide.to_numpy(),
+                  "tokens": df.groupby("window")["tokens"].first().sort_index().to_numpy()}
+    return ExperimentResult("kvcache", tables, {"results": summary_df.to_dict(orient="records")}, per_window,
+                            settings.record())
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +497,7 @@ def experiment(handle, run, windows: Sequence[Sequence[int]], policies: Sequence
 
 
 @torch.no_grad()
-def answer(handle, prompt: Sequence[int], reference: Sequence[int], policy: Policy | str, budget: int | None,
+def answer(handle: ModelHandleLike, prompt: Sequence[int], reference: Sequence[int], policy: Policy | str, budget: int | None,
            new_tokens: int = 16, head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
     """Read ``prompt`` in one forward pass (the compressed cache evicts it down to the budget at the
     next step, with the scores of the prompt's queries: SnapKV's setting), then (1) the reference
@@ -513,7 +526,7 @@ def answer(handle, prompt: Sequence[int], reference: Sequence[int], policy: Poli
             "seconds": time.perf_counter() - t0}
 
 
-def answers(handle, run, examples: Sequence[tuple[Sequence[int], Sequence[int]]], policies: Sequence[str],
+def answers(handle: ModelHandleLike, run: RunLike, examples: Sequence[tuple[Sequence[int], Sequence[int]]], policies: Sequence[str],
             budgets: Sequence[int], new_tokens: int = 16, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
     """Answers under a budget: one row per (example, policy, budget) with the reference's ``ref_nll``
     and ``ref_tokens``, and the greedy tokens' agreement with the full cache's: ``match`` (share of
@@ -540,15 +553,16 @@ def answers(handle, run, examples: Sequence[tuple[Sequence[int], Sequence[int]]]
 # --------------------------------------------------------------------------------------------
 
 
-def summarise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
+def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Per (policy, budget): perplexity over windows (``exp(Σ NLL / Σ tokens)``) with its 95 %
     bootstrap interval; when ``full`` was run, the difference to the full cache's perplexity on the
     same resamples (``delta_ppl``, ``delta_low``, ``delta_high``), ``memory_saved`` (1 − peak cache
     bytes / the full cache's) and ``time_ratio`` (time per token / the full cache's)."""
-    from .bootstrap import percentile_interval, perplexity, resample_counts
+    from .bootstrap import percentile_interval, resample_counts
+    from .bootstrap import perplexity as resampled
 
     windows = sorted(df["window"].unique())
-    counts = resample_counts(len(windows), B, seed)
+    counts = resample_counts(len(windows), n_resamples, seed)
     pos = {w: i for i, w in enumerate(windows)}
 
     def per_window(g, col):
@@ -559,16 +573,16 @@ def summarise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
     rows = []
     for (policy, budget), g in df.groupby(["policy", "budget"], sort=True):
         nll, tok = per_window(g, "nll"), per_window(g, "tokens")
-        boot = perplexity(counts, nll, tok)
+        boot = resampled(counts, nll, tok)
         lo, hi = percentile_interval(boot)
         row = {"policy": policy, "budget": int(budget), "windows": int(len(g)),
-               "ppl": float(math.exp(np.nansum(nll) / np.nansum(tok))), "ppl_low": float(lo), "ppl_high": float(hi),
+               "ppl": float(perplexity(np.nansum(nll), np.nansum(tok))), "ppl_low": float(lo), "ppl_high": float(hi),
                "peak_bytes": float(g["peak_bytes"].mean()), "seconds_per_token": float(g["seconds"].sum() / g["tokens"].sum())}
         f = df[(df["policy"] == "full") & (df["budget"] == budget)]
         if len(f):
-            fb = perplexity(counts, per_window(f, "nll"), per_window(f, "tokens"))
+            fb = resampled(counts, per_window(f, "nll"), per_window(f, "tokens"))
             dlo, dhi = percentile_interval(boot - fb)
-            row.update({"delta_ppl": row["ppl"] - float(math.exp(f["nll"].sum() / f["tokens"].sum())),
+            row.update({"delta_ppl": row["ppl"] - perplexity(f["nll"].sum(), f["tokens"].sum()),
                         "delta_low": float(dlo), "delta_high": float(dhi),
                         "memory_saved": 1.0 - row["peak_bytes"] / float(f["peak_bytes"].mean()),
                         "time_ratio": row["seconds_per_token"] / float(f["seconds"].sum() / f["tokens"].sum())})
@@ -576,14 +590,15 @@ def summarise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def summarise_answers(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
+def summarize_answers(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Per (policy, budget): mean greedy agreement with the full cache (``match``) and mean first
     divergence, each with a 95 % bootstrap interval over examples, and the reference's perplexity
     (``exp(Σ NLL / Σ tokens)``) with its interval and its difference to the full cache's."""
-    from .bootstrap import percentile_interval, perplexity, ratio_of_sums, resample_counts
+    from .bootstrap import percentile_interval, ratio_of_sums, resample_counts
+    from .bootstrap import perplexity as resampled
 
     examples = sorted(df["example"].unique())
-    counts = resample_counts(len(examples), B, seed)
+    counts = resample_counts(len(examples), n_resamples, seed)
     rows = []
     for (policy, budget), g in df.groupby(["policy", "budget"], sort=True):
         g = g.set_index("example").loc[examples]
@@ -592,34 +607,35 @@ def summarise_answers(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.Data
         for col in ("match", "first_divergence"):
             lo, hi = percentile_interval(ratio_of_sums(counts, g[col].to_numpy(float), ones))
             row.update({col: float(g[col].mean()), f"{col}_low": float(lo), f"{col}_high": float(hi)})
-        boot = perplexity(counts, g["ref_nll"].to_numpy(), g["ref_tokens"].to_numpy())
+        boot = resampled(counts, g["ref_nll"].to_numpy(), g["ref_tokens"].to_numpy())
         lo, hi = percentile_interval(boot)
-        row.update({"ref_ppl": float(math.exp(g["ref_nll"].sum() / g["ref_tokens"].sum())),
+        row.update({"ref_ppl": perplexity(g["ref_nll"].sum(), g["ref_tokens"].sum()),
                     "ref_ppl_low": float(lo), "ref_ppl_high": float(hi)})
         f = df[(df["policy"] == "full") & (df["budget"] == budget)].set_index("example").loc[examples]
-        fb = perplexity(counts, f["ref_nll"].to_numpy(), f["ref_tokens"].to_numpy())
+        fb = resampled(counts, f["ref_nll"].to_numpy(), f["ref_tokens"].to_numpy())
         dlo, dhi = percentile_interval(boot - fb)
-        row.update({"ref_delta_ppl": row["ref_ppl"] - float(math.exp(f["ref_nll"].sum() / f["ref_tokens"].sum())),
+        row.update({"ref_delta_ppl": row["ref_ppl"] - perplexity(f["ref_nll"].sum(), f["ref_tokens"].sum()),
                     "ref_delta_low": float(dlo), "ref_delta_high": float(dhi)})
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def pairwise(df: pd.DataFrame, B: int = 1000, seed: int = 0) -> pd.DataFrame:
+def pairwise(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Every pair of policies at every budget, on the same bootstrap resamples of the windows:
     ``ppl_a − ppl_b`` (pooled perplexities) with its 95 % interval, and ``a_better``, the share of
     resamples where ``a`` has the lower perplexity (``full`` included)."""
-    from .bootstrap import percentile_interval, perplexity, resample_counts
+    from .bootstrap import percentile_interval, resample_counts
+    from .bootstrap import perplexity as resampled
 
     windows = sorted(df["window"].unique())
-    counts = resample_counts(len(windows), B, seed)
+    counts = resample_counts(len(windows), n_resamples, seed)
     rows = []
     for budget, g in df.groupby("budget", sort=True):
         boots, ppl = {}, {}
         for policy, h in g.groupby("policy"):
             h = h.set_index("window").loc[windows]
-            boots[policy] = perplexity(counts, h["nll"].to_numpy(), h["tokens"].to_numpy())
-            ppl[policy] = float(math.exp(h["nll"].sum() / h["tokens"].sum()))
+            boots[policy] = resampled(counts, h["nll"].to_numpy(), h["tokens"].to_numpy())
+            ppl[policy] = perplexity(h["nll"].sum(), h["tokens"].sum())
         for a in sorted(boots):
             for b in sorted(boots):
                 if a != b:

@@ -74,6 +74,23 @@ class SinksSettings:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class KVCacheSettings:
+    """The KV-cache experiment (docs/kvcache.md): the eviction ``policies``
+    (:mod:`attngeom.kvpolicies`), the ``budgets`` (entries kept per key/value head), ``chunk``
+    tokens per forward pass (eviction between passes) and the ``n_resamples`` of the bootstrap
+    intervals over windows."""
+
+    policies: tuple[str, ...] = ("full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
+                                 "contribution_signed", "taxonomy")
+    budgets: tuple[int, ...] = (64, 128, 256)
+    chunk: int = 1
+    n_resamples: int = 1000
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """The default selection sizes ``N`` (SPEC §5)."""
 DISTANCES = ("euclidean", "cosine")

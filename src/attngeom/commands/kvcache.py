@@ -29,7 +29,10 @@ import sys
 from ..errors import InputError
 from . import common
 
-DEFAULT_POLICIES = "full,window,streamingllm,h2o,tova,snapkv,vatp,contribution,contribution_signed,taxonomy"
+from ..settings import KVCacheSettings
+
+DEFAULT_POLICIES = ",".join(KVCacheSettings().policies)
+DEFAULT_BUDGETS = ",".join(map(str, KVCacheSettings().budgets))
 
 
 def add_parser(subparsers) -> None:
@@ -41,8 +44,9 @@ def add_parser(subparsers) -> None:
     common.add_model_args(p)
     common.add_data_args(p, window=1024, max_windows=4)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})")
-    p.add_argument("--budgets", default="64,128,256", help="entries per key/value head, e.g. 64,256 (default 64,128,256)")
-    p.add_argument("--chunk", type=int, default=1,
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                   help=f"entries per key/value head, e.g. 64,256 (default {DEFAULT_BUDGETS})")
+    p.add_argument("--chunk", type=int, default=KVCacheSettings().chunk,
                    help="tokens per forward pass, eviction between passes (default 1: token by token)")
     p.add_argument("--calibration-windows", type=int, default=2,
                    help="windows after the evaluated ones for the taxonomy policy's head regimes (default 2)")
@@ -107,19 +111,19 @@ def run(args) -> int:
                 raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
                                  f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
             regimes = _regimes(handle, run, calib)
-        from ..kvcache import experiment, pairwise, summarise
+        from ..kvcache import experiment
 
-        reads = experiment(handle, run, evaluated, policies, budgets, args.chunk, regimes)
-        summary_df = summarise(reads)
-        pairs_df = pairwise(reads)
+        result = experiment(handle, run, evaluated, KVCacheSettings(tuple(policies), tuple(budgets), args.chunk),
+                            regimes)
+        reads, summary_df, pairs_df = (result.tables[k] for k in ("reads", "summary", "pairs"))
         answers_df = answers_summary = None
         if qa_pairs:
-            from ..kvcache import answers, summarise_answers
+            from ..kvcache import answers, summarize_answers
             from ..trace import to_ids
 
             examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]
             answers_df = answers(handle, run, examples, policies, budgets, args.new_tokens, regimes)
-            answers_summary = summarise_answers(answers_df)
+            answers_summary = summarize_answers(answers_df)
         model_name = getattr(handle, "name", args.model)
         summary = {"command": "kvcache", "model": model_name, "data": args.data, "window": args.window,
                    "windows": len(evaluated), "tokens": int(sum(len(w) - 1 for w in evaluated)),
