@@ -205,3 +205,27 @@ def test_sensitivity_batches_equal_one_removal_at_a_time_and_replace_no_forward(
     base = HD.perplexity(h, ws)
     one = np.array([[HD.perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
     assert np.allclose(batched, one, rtol=1e-5, atol=1e-6)
+
+
+def test_latent_attention_is_refused_before_any_stage_runs():
+    """deepseek_v2 (multi-head latent attention) has no W_V: the head experiment refuses in one line
+    before its taxonomy stages run (the weight-norm order needs ``‖W_V‖``)."""
+    from attngeom.errors import UnsupportedArchitectureError
+    from attngeom.model import ModelHandle
+    from attngeom.runner import Memory
+    from attngeom.settings import HeadsSettings
+    from test_architectures import build
+    from tiny_models import tiny_tokenizer
+
+    handle = ModelHandle(model=build("deepseek_v2"), tokenizer=tiny_tokenizer(), spec="deepseek_v2", name="deepseek_v2")
+    stages = []
+
+    class Counting(Memory):
+        def stage(self, name, *args, **kw):
+            stages.append(name)
+            return super().stage(name, *args, **kw)
+
+    windows = [[1, 5, 7, 9, 11, 13, 15, 17]] * 3
+    with pytest.raises(UnsupportedArchitectureError, match="W_V cannot be established") as err:
+        HD.experiment(handle, Counting(), [windows], HeadsSettings(calib_windows=1, batch_size=1))
+    assert stages == [] and "\n" not in str(err.value)

@@ -378,6 +378,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
         raise InputError(f"{names[0]} gives {len(windows)} window(s){f' of {len(windows[0])} tokens' if windows else ''}: "
                          f"not enough for {calib_windows} calibration window(s) and at least one held-out window")
     calib, held = windows[:calib_windows], windows[calib_windows:]
+    weights = weight_norms(handle)      # refuses up front (one line) where W_V does not exist (latent attention)
     L = handle.num_layers
     recs = taxonomy_stage(handle, run, "taxonomy", windows, sink=sink, winner_norm=winner_norm, batch_size=batch_size,
                           split=calib_windows)
@@ -393,7 +394,6 @@ def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence
     sens_nll = sensitivity_nll(handle, calib, batch_size, run)
     sens = _sensitivity(handle, calib, sens_nll, base_cal)
     regime_order, search = choose_regime_order(handle, calib, cal_df, retentions, batch_size, run=run)
-    weights = weight_norms(handle)
     orders = build_orders(cal_df, weights, sens, regime_order, seed=seed)
     removal = heldout_removal_nll(handle, held, orders, retentions, batch_size, run)
     curves = curves_table(orders, retentions, removal)
