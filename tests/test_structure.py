@@ -64,3 +64,46 @@ def test_explore_defaults_of_the_command_match_the_core():
     from attngeom.commands import explore as cmd
 
     assert (cmd.DEFAULT_TOP_K, cmd.DEFAULT_EXACT_MAX_TOKENS) == (explore.DEFAULT_TOP_K, explore.DEFAULT_EXACT_MAX_TOKENS)
+
+
+def test_trace_is_in_no_import_cycle():
+    """Static import graph of the package (module-level and function-level imports alike): no cycle
+    passes through attngeom.trace (the explorer, saved traces, forward passes and runner stages
+    import nothing that imports the trace module back)."""
+    import ast
+    from pathlib import Path
+
+    import attngeom
+
+    root = Path(attngeom.__file__).parent
+    mods = {".".join(("attngeom",) + p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.ImportFrom):
+                base = pkg
+                for _ in range(max(n.level - 1, 0)):
+                    base = base.rsplit(".", 1)[0]
+                target = (f"{base}.{n.module}" if n.module else base) if n.level else (n.module or "")
+                deps |= {t for t in [target] + [f"{target}.{a.name}" for a in n.names] if t in mods}
+            elif isinstance(n, ast.Import):
+                deps |= {a.name for a in n.names if a.name in mods}
+        graph[name] = deps - {name, "attngeom"}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, ()))
+        return False
+
+    assert "attngeom.explore" in graph["attngeom.trace"] or reaches("attngeom.trace", "attngeom.explore")
+    back = [m for m in graph["attngeom.trace"] if reaches(m, "attngeom.trace")]
+    assert not back, back

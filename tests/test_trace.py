@@ -326,7 +326,7 @@ def test_bundled_model_trace_of_ten_tokens_is_small(tmp_path):
 @pytest.mark.parametrize("chunk", [1, 7 * 50, 1 << 20])
 def test_token_nll_in_chunks_equals_one_log_softmax(monkeypatch, chunk):
     """The chunked NLL gives exactly the values of one log-softmax over all positions, padding 0."""
-    from attngeom import trace as TR
+    from attngeom import passes as TR
     from attngeom.reducers import Batch
 
     g = torch.Generator().manual_seed(0)

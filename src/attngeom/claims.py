@@ -650,7 +650,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, setting
     ``numbers`` (the intervals behind the verdict)."""
     import pandas as pd
 
-    from .trace import to_ids
+    from .passes import to_ids
 
     ids = [to_ids(handle, w) for w in windows]
     W = len(ids)

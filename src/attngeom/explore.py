@@ -333,7 +333,7 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     ``decoding`` (an :class:`attngeom.generate.Decoding`): ``text`` is a prompt (``chat``/``system``
     as in :func:`attngeom.generate.prompt_ids`); the same collectors observe the generation step by
     step, the page covers prompt + answer and :attr:`ExploreData.answer` is filled."""
-    from . import trace as tr
+    from .passes import check_length, stream, to_ids
     from .data import check_layers
     from .reducers import HeadStats
 
@@ -343,8 +343,8 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
         ids = prompt_ids(handle, text, chat=chat, system=system, stop=decoding.stop_ids(handle))
         T = len(ids) + decoding.max_new_tokens                     # at most; the answer may stop early
     else:
-        ids = tr.to_ids(handle, text)
-        tr.check_length(handle, len(ids))
+        ids = to_ids(handle, text)
+        check_length(handle, len(ids))
         T = len(ids)
     H, L = handle.num_heads, handle.num_layers
     if T < 2:
@@ -359,7 +359,7 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     answer = None
     try:
         if decoding is None:
-            tr.stream(handle, [ids], [rows, stats], layers=layers, progress=False)
+            stream(handle, [ids], [rows, stats], layers=layers, progress=False)
         else:
             from .generate import AnswerSources, stream_ids
 

@@ -42,7 +42,7 @@ from .interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from .reducers import Batch
 from .runner import fingerprint
 from .settings import FaithfulnessSettings
-from .trace import batch_nll
+from .passes import batch_nll
 
 DEFAULT_RATIOS = FaithfulnessSettings.ratios
 DEFAULT_SEEDS = FaithfulnessSettings.seeds

@@ -10,8 +10,9 @@
   one-query block per layer and step (SPEC §1-2: the same ``a_ij^h``, ``v_j^h`` and metrics).
 - :func:`stream` — reducers over the generation, at every step, or as ``text_reducers`` over prompt +
   answer as a text (the answer in one call against the cached prompt); no ``T x T`` map kept.
-- :func:`analyze` — a full :class:`~attngeom.trace.Trace` of prompt + answer (``trace.prompt_length``,
-  ``trace.generated``) whose maps are the per-step rows.
+- :func:`attngeom.trace.analyze_generation` (``attngeom.analyze(model, prompt, generate=N)``) — a
+  full :class:`~attngeom.trace.Trace` of prompt + answer (``trace.prompt_length``,
+  ``trace.generated``) whose maps are the per-step rows, built from :func:`stream_ids` here.
 - :class:`AnswerSources` — per generated token its top prompt sources and where its contribution
   comes from (prompt, earlier answer, sink), per layer and for the model; :func:`generation_stage`
   runs prompts through an :class:`attngeom.runner.Run` (resumable, data-parallel).
@@ -41,7 +42,7 @@ import torch
 from .capture import Block, Session, attngeom_attention_implementation
 from .errors import InputError
 from .experiment import ModelHandleLike, RunLike
-from .reducers import Batch, FullCapture, Reducer
+from .reducers import Batch, Reducer
 
 DEFAULT_TOP_K = 5
 """Prompt sources listed per generated token and metric in :class:`AnswerSources`."""
@@ -100,7 +101,7 @@ def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: s
         raise InputError("a system message needs chat=True (--chat)")
     if messages is None:
         if not isinstance(prompt, str):
-            from .trace import to_ids
+            from .passes import to_ids
 
             return to_ids(handle, prompt)
         _check_no_stop(handle, [prompt], stop)
@@ -364,28 +365,6 @@ def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[R
     for r in everyone:
         r.end(end)
     return full
-
-
-def analyze(handle: ModelHandleLike, prompt, *, generate: int, chat: bool = False, system: str | None = None,
-            sample: bool = False, temperature: float | None = None, top_p: float | None = None,
-            seed: int | None = None, stop: Sequence[int] | None = None, layers: Iterable[int] | None = None,
-            block_elements: int | None = None):
-    """Generate up to ``generate`` tokens after ``prompt`` and return the :class:`~attngeom.trace.Trace`
-    of prompt + answer: ``trace.ids`` is exactly what the model saw, ``trace.prompt_length`` where
-    the answer starts, and each layer's maps are the rows captured step by step (equal to a full
-    forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``."""
-    from .trace import LayerTrace, Trace
-
-    decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
-                        stop=None if stop is None else tuple(stop))
-    ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
-    capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
-    full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
-    T = len(full)
-    lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"])
-           for layer, st in sorted(capture.result().items())]
-    return Trace(ids=full, tokens=handle.tokens(full), layers=lts, model_name=getattr(handle, "name", ""),
-                 prompt_length=len(ids))
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from .interventions import HeadRemoval
 from .model.adapter import adapter_for
 from .settings import HeadsSettings
 from .taxonomy import REGIMES
-from .trace import batch_nll, make_batches, scored_tokens, to_ids
+from .passes import batch_nll, make_batches, scored_tokens, to_ids
 
 RETENTIONS = HeadsSettings.retentions
 ORDERS = ("taxonomy", "weight", "entropy", "random", "sensitivity")

@@ -787,7 +787,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
     :class:`~attngeom.experiment.ExperimentResult` with ``tables["selection"]`` and
     ``tables["regime"]`` (rows per window: the ``window`` column is what a bootstrap over windows
     resamples) and ``summary`` (:func:`summarize`)."""
-    from .trace import reduce_stage
+    from .stages import reduce_stage
 
     options = settings.stats_options()
     (reducer,) = reduce_stage(handle, run, "selection", windows, lambda: [SelectionStats(**options)],

@@ -809,7 +809,7 @@ def window_work(handle: ModelHandleLike, windows, *, sink: int = 0, layers=None,
     ``removal_layers``. The record holds the reducers' additive states and the summed NLL and token
     count of each pass."""
     from .capture import Session
-    from .trace import batch_nll, make_batches, scored_tokens
+    from .passes import batch_nll, make_batches, scored_tokens
 
     session_layers = None
     if layers is not None and removal_layers is not None:
@@ -950,7 +950,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
     sink, layers, removal_layers = settings.sink, settings.layers, settings.removal_layers
     batch_size = settings.batch_size
     from .runner import fingerprint, merge_sums
-    from .trace import to_ids
+    from .passes import to_ids
 
     ids = [to_ids(handle, w) for w in windows]
     work = window_work(handle, ids, sink=sink, layers=layers, removal_layers=removal_layers, batch_size=batch_size)

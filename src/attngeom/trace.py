@@ -3,8 +3,12 @@
 - :func:`analyze` — one text (or token ids) -> :class:`Trace` with every layer's metric maps.
 - :func:`analyze_batch` — several texts, right-padded into batches; per-text results equal
   one-at-a-time results.
-- :func:`stream` — any number of texts through a list of reducers (per-head, per-token summaries,
-  and the later analyses), keeping no full maps.
+- :func:`stream` (:mod:`attngeom.passes`, re-exported here) — any number of texts through a list of
+  reducers (per-head, per-token summaries, and the later analyses), keeping no full maps.
+
+What belongs here: full traces (:class:`Trace`, :class:`LayerTrace`) and their building. Not here:
+inputs, forward passes and streaming (:mod:`attngeom.passes`), runner stages (:mod:`attngeom.stages`),
+saved traces' format (:mod:`attngeom.trace_io`), the explorer (:mod:`attngeom.explore`).
 """
 
 from __future__ import annotations
@@ -12,212 +16,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from . import metrics
 from . import registry
-from .capture import Block, Intervention, LayerState, Session, attngeom_attention_implementation
+from .capture import Block, LayerState, Session
 from .errors import InputError
-from .experiment import ModelHandleLike, RunLike
-from .reducers import Batch, FullCapture, Reducer
+from .experiment import ModelHandleLike
+from .passes import Batch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
+from .reducers import FullCapture
+from .stages import reduce_stage, summaries
 
-
-# --------------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------------
-
-
-def to_ids(handle: ModelHandleLike, item) -> list[int]:
-    """A text (BOS prepended where the tokenizer has one) or token ids -> list of ids."""
-    if isinstance(item, str):
-        return list(handle.encode(item))
-    if isinstance(item, torch.Tensor):
-        item = item.reshape(-1).tolist()
-    ids = [int(x) for x in item]
-    if not ids:
-        raise InputError("empty input: no tokens to analyse")
-    vocab = handle.model.config.vocab_size
-    bad = [x for x in ids if not 0 <= x < vocab]
-    if bad:
-        raise InputError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
-    return ids
-
-
-def check_length(handle: ModelHandleLike, n: int) -> None:
-    """Inputs longer than the model's context are refused: use :func:`attngeom.data.windows`."""
-    limit = getattr(handle, "max_positions", None)
-    if limit and n > limit:
-        raise InputError(
-            f"input has {n} tokens but {getattr(handle, 'name', 'the model')} handles at most {limit}; "
-            "cut it into windows (attngeom.data.windows, or --window/--stride on the command line)"
-        )
-
-
-def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
-                 index: Sequence[int] | None = None) -> Iterator[Batch]:
-    """Group inputs into right-padded batches of at most ``batch_size`` texts. ``index``: each
-    input's number in the whole stream (default ``0, 1, ...``): reducers see it as ``batch.index``."""
-    pad = handle.tokenizer.pad_token_id if handle.tokenizer.pad_token_id is not None else 0
-    chunk: list[tuple[int, list[int]]] = []
-
-    def flush():
-        T = max(len(ids) for _, ids in chunk)
-        ids = torch.full((len(chunk), T), pad, dtype=torch.long)
-        for b, (_, x) in enumerate(chunk):
-            ids[b, : len(x)] = torch.tensor(x)
-        return Batch(ids=ids, lengths=torch.tensor([len(x) for _, x in chunk]), index=[i for i, _ in chunk])
-
-    for i, item in enumerate(items):
-        ids = to_ids(handle, item)
-        check_length(handle, len(ids))
-        chunk.append((i if index is None else int(index[i]), ids))
-        if len(chunk) == batch_size:
-            yield flush()
-            chunk = []
-    if chunk:
-        yield flush()
-
-
-# --------------------------------------------------------------------------------------------
-# Forward passes
-# --------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def forward(handle: ModelHandleLike, batch: Batch, session: Session, logits: bool = False) -> torch.Tensor | None:
-    """One forward pass of ``batch`` with ``session`` active. Returns float32 logits ``[B, T, V]``
-    when ``logits`` is set (else only the last position's are computed, and None is returned)."""
-    model = handle.model
-    device = model.device
-    with attngeom_attention_implementation(model), session.active(batch.lengths.to(device)):
-        out = model(
-            input_ids=batch.ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            use_cache=False,
-            logits_to_keep=0 if logits else 1,
-        )
-    return out.logits.float() if logits else None
-
-
-NLL_CHUNK_ELEMENTS = 1 << 20
-"""Logits per log-softmax call in :func:`token_nll` (4 MiB of float32)."""
-
-
-def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Negative log-likelihood of each next token: ``logits [B, T, V]`` -> ``[B, T-1]`` (0 on padding).
-
-    Position ``t`` holds ``-log p(x_{t+1} | x_{<=t})``; the first token is never predicted."""
-    ids = batch.ids.to(logits.device)
-    B, T, V = logits.shape
-    flat = logits.reshape(B * T, V)
-    target = torch.roll(ids, -1, dims=1).reshape(B * T, 1)           # the last position's is never kept
-    out = torch.empty(B * T, dtype=torch.float32, device=logits.device)
-    rows = max(1, NLL_CHUNK_ELEMENTS // max(1, V))
-    for r0 in range(0, B * T, rows):
-        # a few positions at a time: the log-softmax of a chunk stays in cache instead of a
-        # [B, T, V] copy of the logits (identical values: each position is normalised on its own)
-        lp = torch.log_softmax(flat[r0:r0 + rows].float(), dim=-1)
-        out[r0:r0 + rows] = -lp.gather(-1, target[r0:r0 + rows]).squeeze(-1)
-    nll = out.view(B, T)[:, :-1]
-    valid = torch.arange(ids.shape[1] - 1, device=ids.device)[None, :] < (batch.lengths.to(ids.device)[:, None] - 1)
-    return nll * valid
-
-
-@torch.no_grad()
-def batch_nll(handle: ModelHandleLike, batch: Batch, session: Session | None = None,
-              last: int | None = None) -> torch.Tensor:
-    """Summed next-token NLL of each text of ``batch`` under ``session`` (default: unedited):
-    float64 ``[B]``. ``last``: score only the last ``last`` predictions of each row (e.g. the
-    continuation of a multiple-choice option); default every prediction (``lengths - 1``).
-    The one NLL loop every perplexity in attngeom goes through."""
-    logits = forward(handle, batch, session or Session(), logits=True)
-    nll = token_nll(logits, batch)
-    del logits
-    if last is not None:
-        T = nll.shape[1]
-        keep = torch.arange(T, device=nll.device)[None, :] >= (batch.lengths.to(nll.device)[:, None] - 1 - last)
-        nll = nll * keep
-    return nll.double().sum(-1).cpu()
-
-
-def scored_tokens(batch: Batch) -> int:
-    """Next-token predictions in ``batch``: ``Σ (length - 1)``."""
-    return int((batch.lengths - 1).clamp_min(0).sum())
-
-
-def stream(
-    handle: ModelHandleLike,
-    items: Iterable,
-    reducers: Sequence[Reducer],
-    *,
-    layers: Iterable[int] | None = None,
-    batch_size: int = 1,
-    intervention: Intervention | None = None,
-    progress: bool | str = True,
-    total: int | None = None,
-    block_elements: int | None = None,
-    index: Sequence[int] | None = None,
-) -> Sequence[Reducer]:
-    """Run every input through the model with ``reducers`` observing ``layers`` (default: all).
-
-    Keeps no full maps: each reducer keeps its own summaries. ``index``: the inputs' numbers in the
-    whole stream (see :func:`make_batches`). Returns the reducers."""
-    from tqdm.auto import tqdm
-
-    session = Session(observers=reducers, intervention=intervention, layers=layers,
-                      block_elements=block_elements)
-    desc = progress if isinstance(progress, str) else "analyse"
-    if total is None and hasattr(items, "__len__"):
-        total = len(items)  # type: ignore[arg-type]
-    bar = tqdm(total=total, desc=desc, unit="text", disable=not progress)
-    for batch in make_batches(handle, items, batch_size, index=index):
-        for r in reducers:
-            r.begin(batch)
-        forward(handle, batch, session)
-        for r in reducers:
-            r.end(batch)
-        bar.update(len(batch.index))
-    bar.close()
-    return reducers
-
-
-def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequence,
-                 make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None, batch_size: int = 1,
-                 desc: str | None = None) -> list[Reducer]:
-    """Stream ``items`` through fresh reducers ``make()`` as stage ``name`` of ``run`` (an
-    :class:`attngeom.runner.Run`: one record of reducer states per group of items, resumable and
-    shareable among processes; None: in memory), then return ``make()`` loaded with the merged
-    states of every record: the reducers as if one pass had seen every item. Each item keeps its
-    index in ``items`` as ``batch.index``."""
-    from .runner import Memory, fingerprint, merge_sums
-
-    ids = [to_ids(handle, x) for x in items]
-
-    def work(units: list[int]) -> dict:
-        reducers = make()
-        stream(handle, [ids[u] for u in units], reducers, layers=layers, batch_size=batch_size, progress=False,
-               index=units)
-        return {str(k): r.state() for k, r in enumerate(reducers)}
-
-    records = (run or Memory()).stage(name, len(ids), work, group=batch_size, desc=desc or name, unit="window",
-                                      fingerprints=[fingerprint(x) for x in ids])
-    merged = merge_sums(records.values())
-    return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]
-
-
-def summaries(handle: ModelHandleLike, run: RunLike, items: Sequence, *, layers: Iterable[int] | None = None,
-              sink: int = 0, batch_size: int = 1, stage: str = "summaries"):
-    """Per-head (:class:`~attngeom.reducers.HeadStats`) and per-token
-    (:class:`~attngeom.reducers.TokenStats`) summaries of ``items`` as one stage of ``run``
-    (:func:`reduce_stage`). Returns ``(heads, tokens)`` DataFrames; ``tokens.text`` is the item's index."""
-    from .reducers import HeadStats, TokenStats
-
-    hs, ts = reduce_stage(handle, run, stage, items, lambda: [HeadStats(sink=sink), TokenStats(sink=sink)],
-                          layers=layers, batch_size=batch_size, desc="analyse")
-    return hs.result(), ts.result()
+__all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation",
+           # re-exported: the forward passes (attngeom.passes) and runner stages (attngeom.stages)
+           "Batch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
+           "token_nll", "reduce_stage", "summaries"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +113,7 @@ class LayerTrace:
 @dataclass
 class Trace:
     """Everything :func:`analyze` captured for one text. ``prompt_length``: for a generation
-    (:func:`attngeom.generate.analyze`), the number of prompt tokens (the answer follows); None
+    (:func:`analyze_generation`), the number of prompt tokens (the answer follows); None
     for a text analysed as given."""
 
     ids: list[int]
@@ -383,6 +199,28 @@ def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[
     return [traces[i] for i in sorted(traces)]
 
 
+def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: bool = False,
+                       system: str | None = None, sample: bool = False, temperature: float | None = None,
+                       top_p: float | None = None, seed: int | None = None, stop: Sequence[int] | None = None,
+                       layers: Iterable[int] | None = None, block_elements: int | None = None) -> Trace:
+    """Generate up to ``generate`` tokens after ``prompt`` (:mod:`attngeom.generate`) and return the
+    :class:`Trace` of prompt + answer: ``trace.ids`` is exactly what the model saw, ``trace.prompt_length`` where
+    the answer starts, and each layer's maps are the rows captured step by step (equal to a full
+    forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``."""
+    from .generate import Decoding, prompt_ids, stream_ids
+
+    decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
+                        stop=None if stop is None else tuple(stop))
+    ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
+    capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
+    full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
+    T = len(full)
+    lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"])
+           for layer, st in sorted(capture.result().items())]
+    return Trace(ids=full, tokens=handle.tokens(full), layers=lts, model_name=getattr(handle, "name", ""),
+                 prompt_length=len(ids))
+
+
 def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
             generate: int | None = None, **generation) -> Trace:
     """Full trace of one text (a string, or token ids): every layer's metric maps.
@@ -393,13 +231,11 @@ def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = Non
     ``generate=N``: ``text`` is a prompt (or a list of chat messages) and the trace covers prompt +
     the model's answer of up to ``N`` tokens, captured step by step with the KV cache;
     ``generation`` takes ``chat``, ``system``, ``sample``, ``temperature``, ``top_p``, ``seed`` and
-    ``stop`` (:func:`attngeom.generate.analyze`, docs/generation.md)."""
+    ``stop`` (:func:`analyze_generation`, docs/generation.md)."""
     if generate is not None or generation:
-        from . import generate as gen
-
         if generate is None:
             raise InputError(f"{sorted(generation)[0]} is an option of generation; give generate=N")
-        return gen.analyze(handle, text, generate=generate, layers=layers, block_elements=block_elements,
+        return analyze_generation(handle, text, generate=generate, layers=layers, block_elements=block_elements,
                            **generation)
     if isinstance(text, (list, tuple)) and text and isinstance(text[0], str):
         raise InputError("analyze takes one text; use analyze_batch for several")

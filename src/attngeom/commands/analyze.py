@@ -252,7 +252,7 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, 
 
 
     # ---- 1. streaming pass: per-head and per-token summaries ---------------------------------
-    from ..trace import summaries
+    from ..stages import summaries
 
     if answer is not None:
         heads_df, tokens_df = answer["heads"], answer["tokens"]

@@ -119,7 +119,7 @@ def run(args) -> int:
         answers_df = answers_summary = None
         if qa_pairs:
             from ..kvcache import answers, summarize_answers
-            from ..trace import to_ids
+            from ..passes import to_ids
 
             examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]
             answers_df = answers(handle, run, examples, policies, budgets, args.new_tokens, regimes)
@@ -178,7 +178,7 @@ def _answer_texts(args) -> list[tuple[str, str]]:
 def _regimes(handle, run, calib):
     """The head taxonomy (``layer, head, regime``) of the calibration windows (stage ``calibration``)."""
     from ..taxonomy import TaxonomyStats
-    from ..trace import reduce_stage
+    from ..stages import reduce_stage
 
     tax, = reduce_stage(handle, run, "calibration", calib, lambda: [TaxonomyStats()], desc="calibration")
     return tax.result()[["layer", "head", "regime"]]

@@ -1,0 +1,52 @@
+"""Runner stages of reducers: :func:`reduce_stage` streams items through reducers as one resumable
+stage of a run and merges the records; :func:`summaries` is the per-head and per-token stage of
+``attngeom analyze`` (SPEC §2).
+
+What belongs here: reducers as stages of :class:`attngeom.runner.Run`. Not here: the forward pass
+and streaming themselves (:mod:`attngeom.passes`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from .experiment import ModelHandleLike, RunLike
+from .passes import stream, to_ids
+from .reducers import Reducer
+
+
+
+def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequence,
+                 make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None, batch_size: int = 1,
+                 desc: str | None = None) -> list[Reducer]:
+    """Stream ``items`` through fresh reducers ``make()`` as stage ``name`` of ``run`` (an
+    :class:`attngeom.runner.Run`: one record of reducer states per group of items, resumable and
+    shareable among processes; None: in memory), then return ``make()`` loaded with the merged
+    states of every record: the reducers as if one pass had seen every item. Each item keeps its
+    index in ``items`` as ``batch.index``."""
+    from .runner import Memory, fingerprint, merge_sums
+
+    ids = [to_ids(handle, x) for x in items]
+
+    def work(units: list[int]) -> dict:
+        reducers = make()
+        stream(handle, [ids[u] for u in units], reducers, layers=layers, batch_size=batch_size, progress=False,
+               index=units)
+        return {str(k): r.state() for k, r in enumerate(reducers)}
+
+    records = (run or Memory()).stage(name, len(ids), work, group=batch_size, desc=desc or name, unit="window",
+                                      fingerprints=[fingerprint(x) for x in ids])
+    merged = merge_sums(records.values())
+    return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]
+
+
+def summaries(handle: ModelHandleLike, run: RunLike, items: Sequence, *, layers: Iterable[int] | None = None,
+              sink: int = 0, batch_size: int = 1, stage: str = "summaries"):
+    """Per-head (:class:`~attngeom.reducers.HeadStats`) and per-token
+    (:class:`~attngeom.reducers.TokenStats`) summaries of ``items`` as one stage of ``run``
+    (:func:`reduce_stage`). Returns ``(heads, tokens)`` DataFrames; ``tokens.text`` is the item's index."""
+    from .reducers import HeadStats, TokenStats
+
+    hs, ts = reduce_stage(handle, run, stage, items, lambda: [HeadStats(sink=sink), TokenStats(sink=sink)],
+                          layers=layers, batch_size=batch_size, desc="analyse")
+    return hs.result(), ts.result()
