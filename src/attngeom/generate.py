@@ -293,7 +293,7 @@ class GrowingNorms:
         self.norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def observe(self, block: Block) -> None:
-        from . import metrics as M
+        from . import metrics
 
         st = block.state
         if "value_norm" in st.__dict__:                        # this call's layer state has them already
@@ -302,7 +302,7 @@ class GrowingNorms:
         have = self.norms.get(block.layer)
         m = 0 if have is None or have[0].shape[-1] > S else have[0].shape[-1]
         new = st.v[:, :, m:]
-        parts = (M.projected_value_norm(new, st.G), new.norm(dim=-1))
+        parts = (metrics.projected_value_norm(new, st.G), new.norm(dim=-1))
         if m:
             parts = tuple(torch.cat([old, x], dim=-1) for old, x in zip(have, parts))
         self.norms[block.layer] = parts
