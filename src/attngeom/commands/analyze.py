@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..analysis import TOP_K, add_input_positions, cut_windows, summarize
 from ..errors import InputError
@@ -43,6 +44,9 @@ from . import common
 from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
                      model_identity, open_run, text_identity, text_input, write_json, write_parquet)
 from .generation_args import add_generation_args, decoding_of, prompt_of, settings_of
+
+if TYPE_CHECKING:
+    from ..experiment import ModelHandleLike, RunLike
 
 DEFAULT_OUT = "out/analyze"
 
@@ -175,7 +179,7 @@ def _run_corpus(args, layers, t_start) -> int:
     return 0
 
 
-def _answer_prompts(handle, run, args, texts, decoding, layers) -> dict:
+def _answer_prompts(handle: ModelHandleLike, run: RunLike, args, texts, decoding, layers) -> dict:
     """``answers`` (one row per prompt: its text, the answer's text and ids) and the answer tables
     of :class:`~attngeom.generate.AnswerSources` for every prompt (column ``text``: its index)."""
     from ..generate import AnswerSources, Answers, generation_stage, prompt_ids
@@ -201,7 +205,7 @@ def _answer_prompts(handle, run, args, texts, decoding, layers) -> dict:
     return _with_token_strings(handle, tables, ids)
 
 
-def _with_token_strings(handle, tables: dict, ids) -> dict:
+def _with_token_strings(handle: ModelHandleLike, tables: dict, ids) -> dict:
     """Each table's ``token_id``/``source_id`` column followed by the token's string."""
     ids = sorted(set(ids))
     strings = dict(zip(ids, handle.tokens(ids)))
@@ -212,7 +216,7 @@ def _with_token_strings(handle, tables: dict, ids) -> dict:
     return tables
 
 
-def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, decoding=None) -> int:
+def _run(args, run: RunLike, settings, text, source, layers, fig_layers, heads, t_start, decoding=None) -> int:
     from ..data import check_layers
 
     # ---- the model and the input ------------------------------------------------------------
@@ -311,7 +315,7 @@ def _run(args, run, settings, text, source, layers, fig_layers, heads, t_start, 
     return 0
 
 
-def _generate(handle, run, args, prompt, decoding, layers) -> dict:
+def _generate(handle: ModelHandleLike, run: RunLike, args, prompt, decoding, layers) -> dict:
     """Generate the answer with the answer tables observing every step and the per-head and
     per-token summaries seeing prompt + answer as a text (text reducers of
     :func:`attngeom.generate.stream`: the same rows, one call for the answer instead of one per
@@ -336,7 +340,7 @@ def _generate(handle, run, args, prompt, decoding, layers) -> dict:
             "heads": heads.result(), "tokens": tokens.result(), "tables": tables}
 
 
-def generation_summary(handle, answer: dict, decoding, sink: int = 0) -> dict:
+def generation_summary(handle: ModelHandleLike, answer: dict, decoding, sink: int = 0) -> dict:
     """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
     layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole
     answer drew on."""
@@ -360,7 +364,7 @@ def generation_summary(handle, answer: dict, decoding, sink: int = 0) -> dict:
     }
 
 
-def build_summary(handle, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df) -> dict:
+def build_summary(handle: ModelHandleLike, args, source, ids, windows, layers, fig_layers, heads_df, tokens_df) -> dict:
     from .. import __version__
 
     return {

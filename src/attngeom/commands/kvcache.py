@@ -25,11 +25,14 @@ corpus (disjoint from the evaluated ones). Writes to ``--out``:
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
+from ..settings import KVCacheSettings
 from . import common
 
-from ..settings import KVCacheSettings
+if TYPE_CHECKING:
+    from ..experiment import ModelHandleLike, RunLike
 
 DEFAULT_POLICIES = ",".join(KVCacheSettings().policies)
 DEFAULT_BUDGETS = ",".join(map(str, KVCacheSettings().budgets))
@@ -175,7 +178,7 @@ def _answer_texts(args) -> list[tuple[str, str]]:
     return list(zip(prompts, refs))[: args.max_examples]
 
 
-def _regimes(handle, run, calib):
+def _regimes(handle: ModelHandleLike, run: RunLike, calib):
     """The head taxonomy (``layer, head, regime``) of the calibration windows (stage ``calibration``)."""
     from ..taxonomy import TaxonomyStats
     from ..stages import reduce_stage
