@@ -215,7 +215,8 @@ def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: 
     capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
     full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
     T = len(full)
-    lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"])
+    lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"],
+                      learned_sink=st["sink"][0, :, :T].clone() if "sink" in st else None)
            for layer, st in sorted(capture.result().items())]
     return Trace(ids=full, tokens=handle.tokens(full), layers=lts, model_name=getattr(handle, "name", ""),
                  prompt_length=len(ids))
