@@ -12,39 +12,32 @@ statistics <= 1.3x, all metrics <= 1.6x)::
 
 Settings: the machine's defaults, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``,
 ``ATEN_CPU_CAPABILITY=avx2`` and ``ATEN_CPU_CAPABILITY=default`` (no vectorised ATen kernels: the
-slowest setting a CPU without AVX2 would get). ``--settings`` picks some of them by index.
+slowest setting a CPU without AVX2 would get). ``--settings`` picks some of them by index into
+``benchmarks/kernel_settings.py``'s ``SETTINGS`` (the list the precision sweep uses too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = [
-    {},
-    {"ONEDNN_MAX_CPU_ISA": "AVX2"},
-    {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-    {"ATEN_CPU_CAPABILITY": "avx2"},
-    {"ATEN_CPU_CAPABILITY": "default"},
-]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernel_settings import SETTINGS, environ, file_stem, label  # noqa: E402
+
+DEFAULT_SETTINGS = "0,1,2,4,3"   # indices into SETTINGS: every setting but ATEN_CPU_CAPABILITY=avx512
 METHODS = ("sdpa", "capture", "attention_stats", "analyze")
 TARGETS = {"attention_stats": 1.3, "analyze": 1.6}
 
 
-def label(env: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in env.items()) or "machine defaults"
-
-
 def run_setting(env: dict, args, out: Path) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    e.update(env)
-    js = out / (label(env).replace(", ", "_").replace("=", "-").replace(" ", "-") + ".json")
+    e = environ(env)
+    js = out / (file_stem(label(env)) + ".json")
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_analyze.py"), "--sizes", str(args.T), "--threads",
            str(args.threads), "--repeats", str(args.repeats), "--methods", ",".join(METHODS), "--json", str(js)]
     subprocess.run(cmd, env=e, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -59,7 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: all cores)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--settings", default=",".join(str(i) for i in range(len(SETTINGS))))
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS,
+                    help="indices into kernel_settings.SETTINGS (default %(default)s)")
     ap.add_argument("--json", default="out/bench-kernels.json")
     args = ap.parse_args(argv)
     out = Path(args.json).parent / "bench-kernels"

@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-SETTINGS = [
-    {},
-    {"ONEDNN_MAX_CPU_ISA": "AVX2"},
-    {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-    {"ATEN_CPU_CAPABILITY": "default"},
-    {"ATEN_CPU_CAPABILITY": "avx2"},
-    {"ATEN_CPU_CAPABILITY": "avx512"},
-]
+from kernel_settings import SETTINGS, environ, file_stem  # noqa: E402
+from kernel_settings import label as kernel_label  # noqa: E402
+
+
 THREADS = (1, 2)
 
 # the quantities tests/test_precision.py bounds: (path in the report, larger is worse)
@@ -53,15 +49,12 @@ MAPS = ("attention", "value_weighted", "output_normalized", "contribution", "con
 
 
 def label(env: dict, threads: int) -> str:
-    parts = [f"{k}={v}" for k, v in env.items()] or ["default kernels"]
-    return ", ".join(parts) + f", {threads} thread" + ("s" if threads > 1 else "")
+    return kernel_label(env) + f", {threads} thread" + ("s" if threads > 1 else "")
 
 
 def run_one(env: dict, threads: int, out: Path) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    e.update(env)
-    e["OMP_NUM_THREADS"] = str(threads)
-    js = out / (label(env, threads).replace(", ", "_").replace("=", "-").replace(" ", "") + ".json")
+    e = environ(env, OMP_NUM_THREADS=str(threads))
+    js = out / (file_stem(label(env, threads)) + ".json")
     cmd = [sys.executable, str(ROOT / "tests/precision_check.py"), "--data", "", "--window", "128",
            "--windows", "2", "--faith-windows", "1", "--threads", str(threads), "--json", str(js)]
     subprocess.run(cmd, env=e, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
