@@ -36,6 +36,7 @@ from attngeom.capture import Session
 from attngeom.errors import UnsupportedArchitectureError
 from attngeom.model import ModelHandle
 from attngeom.model.adapter import SUPPORTED_ARCHITECTURES, adapter_for, check_supported
+from test_capture import _o_proj_inputs
 
 T = 12
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
@@ -200,24 +201,9 @@ class Checker:
         self.worst["rows"] = max(self.worst["rows"], float((mass - 1).abs().max()))
 
 
-def _out_inputs(adapter, run):
-    seen, hooks = {}, []
-
-    def hook(l):
-        def record(module, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()))
-            if x.shape[0] == 1 and x.shape[1] == T:   # not an affine map being read (adapter.Projection)
-                seen.setdefault(l, x.detach()[0].clone())
-        return record
-
-    for l in range(adapter.num_layers):
-        hooks.append(adapter.o_proj(l).register_forward_pre_hook(hook(l), with_kwargs=True))
-    try:
-        out = run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen, out
+def _first_rows(seen: dict, out):
+    """The first row of each layer's o_proj input (the matrix runs one text)."""
+    return {layer: x[0] for layer, x in seen.items()}, out
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -239,11 +225,11 @@ def check_model(model, model_type: str) -> str:
     adapter = adapter_for(model)
     handle = ModelHandle(model=model, tokenizer=tiny_tokenizer(), spec=model_type, name=model_type)
     ids = _ids(model.config.get_text_config(decoder=True).vocab_size)
-    own, ref = _out_inputs(adapter, lambda: own_forward(model))
+    own, ref = _first_rows(*_o_proj_inputs(adapter, lambda: own_forward(model), T))
     checker = Checker()
     session = Session(observers=[checker])
     batch = Batch(ids=ids, lengths=torch.tensor([T]), index=[0])
-    under, got = _out_inputs(adapter, lambda: forward(handle, batch, session, logits=True))
+    under, got = _first_rows(*_o_proj_inputs(adapter, lambda: forward(handle, batch, session, logits=True), T))
     L = adapter.num_layers
     assert session.layers_seen == list(range(L)), session.layers_seen
     for l in range(L):

@@ -27,14 +27,22 @@ def _reference_impl(handle):
     return "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
 
 
-def _o_proj_inputs(model, run):
-    """Run ``run()`` and return every attention layer's o_proj input ``[B, T, H*d]`` by layer."""
+def _o_proj_inputs(adapter, run, tokens: int):
+    """Run ``run()`` and return, by attention layer, the input ``[B, T, H*d]`` of the module the
+    adapter found as that layer's output projection, whatever it is called (its first call with
+    ``tokens`` positions: reads of the projection as an affine map, ``adapter.Projection``, have
+    other shapes)."""
     seen, hooks = {}, []
-    for name, mod in model.named_modules():
-        if name.endswith("self_attn"):
-            idx = mod.layer_idx
-            hooks.append(mod.o_proj.register_forward_pre_hook(
-                lambda m, args, idx=idx: seen.__setitem__(idx, args[0].detach().clone())))
+
+    def hook(layer):
+        def record(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            if x.shape[-2] == tokens:
+                seen.setdefault(layer, x.detach().clone())
+        return record
+
+    for layer in range(adapter.num_layers):
+        hooks.append(adapter.o_proj(layer).register_forward_pre_hook(hook(layer), with_kwargs=True))
     try:
         out = run()
     finally:
@@ -50,7 +58,7 @@ def test_reconstructs_module_output(arch):
     ids = _ids(handle)
     model.set_attn_implementation(_reference_impl(handle))
     with torch.no_grad():
-        own, ref = _o_proj_inputs(model, lambda: model(ids[None]).logits)
+        own, ref = _o_proj_inputs(handle.adapter, lambda: model(ids[None]).logits, T)
     trace = analyze(handle, ids, block_elements=256)  # many small blocks
     assert [lt.index for lt in trace.layers] == sorted(own)
     for lt in trace.layers:

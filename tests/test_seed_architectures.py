@@ -77,9 +77,9 @@ class CheckBlocks(Reducer):
             self.max_outside = max(self.max_outside, float(block.a[..., outside].abs().max()))
 
 
-def _o_proj_inputs(model, run):
+def _o_proj_inputs(adapter, run, tokens):
     """Every layer's o_proj input of the first row, float32 on the CPU (:func:`test_capture._o_proj_inputs`)."""
-    seen, out = capture_o_proj_inputs(model, run)
+    seen, out = capture_o_proj_inputs(adapter, run, tokens)
     return {layer: x[0].float().cpu() for layer, x in seen.items()}, out
 
 
@@ -109,10 +109,10 @@ def check_architecture(name: str, T: int, *, bitwise: bool = False, threads: int
     batch = Batch(ids=ids[None].cpu(), lengths=torch.tensor([T]), index=[0])
     t_build = time.perf_counter() - t0
     with torch.no_grad():
-        own, ref = _o_proj_inputs(model, lambda: model(ids[None], use_cache=False).logits.float().cpu())
+        own, ref = _o_proj_inputs(handle.adapter, lambda: model(ids[None], use_cache=False).logits.float().cpu(), T)
     checker = CheckBlocks(T, _windows(cfg))
     session = Session(observers=[checker], block_elements=block_elements)
-    under, got = _o_proj_inputs(model, lambda: forward(handle, batch, session, logits=True).cpu())
+    under, got = _o_proj_inputs(handle.adapter, lambda: forward(handle, batch, session, logits=True).cpu(), T)
     assert session.layers_seen == [0, 1]
     assert model.config._attn_implementation == reference_implementation(cfg)
     figures = {"build_s": t_build, "total_s": None, "T": T}
