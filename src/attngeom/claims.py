@@ -284,10 +284,8 @@ def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[l
         detail.setdefault("order", {})[mode] = sorted(present, key=lambda m: -pts[m] if larger else pts[m])
 
         def diff(better: str, worse: str) -> dict:
-            sign = 1.0 if larger else -1.0
-            s = sign * (samples["aoc"][(better, mode)] - samples["aoc"][(worse, mode)])
-            p = sign * (pts[better] - pts[worse])
-            d = bs.interval_dict(p, s)
+            d = margin(mode, point["aoc"][(better, mode)], point["aoc"][(worse, mode)],
+                       samples["aoc"][(better, mode)], samples["aoc"][(worse, mode)])
             d["beats_share"] = float(share[present.index(better), present.index(worse)])
             return d
 
@@ -314,6 +312,14 @@ def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[l
     return rows, detail
 
 
+def margin(mode: str, point_better: np.ndarray, point_worse: np.ndarray, samples_better: np.ndarray,
+           samples_worse: np.ndarray) -> dict:
+    """How far ``better`` beats ``worse`` on a faithfulness curve (comprehensiveness: larger ΔPPL is
+    better; sufficiency: smaller), point value (``[0]`` of the point arrays) and 95 % interval."""
+    sign = 1.0 if mode == "comprehensiveness" else -1.0
+    return bs.interval_dict(sign * (point_better[0] - point_worse[0]), sign * (samples_better - samples_worse))
+
+
 def per_ratio_verdicts(point: dict, samples: dict, mode: str, pairs: Sequence[tuple[str, str]],
                        ratios: Sequence[float]) -> dict:
     """A faithfulness claim judged at each removal ratio alone, by the rule it has over the AOC: for
@@ -321,14 +327,12 @@ def per_ratio_verdicts(point: dict, samples: dict, mode: str, pairs: Sequence[tu
     better; sufficiency: smaller), every difference with its 95 % interval, and the verdict of all
     pairs. ``crossover``: the ratios between which the verdict changes (an AOC verdict that holds at
     some ratios and not at others is carried by those ratios, and the report says so)."""
-    sign = 1.0 if mode == "comprehensiveness" else -1.0
     out: dict = {"ratios": {}}
     for r in ratios:
         numbers = {}
         for b, w in pairs:
-            s = sign * (samples["delta"][(b, mode, r)] - samples["delta"][(w, mode, r)])
-            p = sign * (point["delta"][(b, mode, r)][0] - point["delta"][(w, mode, r)][0])
-            numbers[f"{b} vs {w}"] = bs.interval_dict(p, s)
+            numbers[f"{b} vs {w}"] = margin(mode, point["delta"][(b, mode, r)], point["delta"][(w, mode, r)],
+                                            samples["delta"][(b, mode, r)], samples["delta"][(w, mode, r)])
         out["ratios"][f"{r:g}"] = {"verdict": verdict_all([(d["low"], d["high"]) for d in numbers.values()]),
                                    "numbers": numbers}
     keys = list(out["ratios"])
