@@ -93,9 +93,9 @@ def test_every_experiment_has_the_contract_signature_and_claims_uses_only_public
     import inspect
     from pathlib import Path
 
-    from attngeom import claims, faithfulness, heads, kvcache, selection, sinks
+    from attngeom import analysis, claims, faithfulness, heads, kvcache, selection, sinks
 
-    for mod in (faithfulness, sinks, selection, heads, kvcache, claims):
+    for mod in (faithfulness, sinks, selection, heads, kvcache, claims, analysis):
         sig = inspect.signature(mod.experiment)
         params = list(sig.parameters.values())
         assert sig.return_annotation == "ExperimentResult", mod.__name__
@@ -111,3 +111,69 @@ def test_every_experiment_has_the_contract_signature_and_claims_uses_only_public
     bad += [f"line {n.lineno}: .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
             and n.attr in ("stage", "records")]
     assert not bad, bad
+
+
+def _same_as_written(res, out, summary_keys):
+    """``res``'s tables equal the Parquet files the command wrote into ``out``; its summary holds
+    summary.json's keys (less the command's own, ``runtime_s`` and ``files``) with the same values,
+    ``settings`` aside (the command records its run's, model and input identity included)."""
+    import json
+
+    import pandas as pd
+
+    from attngeom.io import dumps
+
+    for name, df in res.tables.items():
+        pd.testing.assert_frame_equal(pd.read_parquet(out / f"{name}.parquet"), df, obj=name)
+    written = json.loads((out / "summary.json").read_text())
+    assert set(written) == set(res.summary) | {"runtime_s", "files"} and set(res.summary) >= set(summary_keys)
+    assert sorted(f for f in written["files"] if f.endswith(".parquet")) == sorted(f"{n}.parquet" for n in res.tables)
+    mine = json.loads(dumps(res.summary))
+    assert written["settings"].items() >= mine.pop("settings").items()
+    assert {k: written[k] for k in mine} == mine
+
+
+def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path):
+    """attngeom.analysis.experiment on a text in windows, and on a prompt with its answer
+    (--generate), returns the tables attngeom analyze writes and summary.json's numbers; the
+    per-window sums add up to the per-layer sinks of the summary."""
+    from attngeom import analysis, load_model
+    from attngeom.cli import main
+    from attngeom.generate import Decoding
+    from attngeom.settings import AnalyzeSettings
+
+    handle = load_model(str(tiny_llama_dir))
+    text = "The cat sat on the mat; the dog lay by the door."
+    out = tmp_path / "text"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", text, "--layers", "0,2", "--figure-layers", "2",
+                 "--window", "8", "--out", str(out), "--no-progress"]) == 0
+    settings = AnalyzeSettings(layers=(0, 2), figure_layers=(2,), window=8)
+    res = analysis.experiment(handle, Memory(), text, settings, source="--text")
+    assert isinstance(res, ExperimentResult) and res.name == "analyze" and res.settings == settings.record()
+    _same_as_written(res, out, ("model", "input", "per_layer", "top_tokens", "maps", "definitions"))
+    pw = res.per_window
+    W = res.summary["input"]["windows"]
+    assert W > 2 and len(pw["ids"]) == W and pw["sink_attention"].shape == (W, 2)
+    assert analysis.map_window(res) == pw["ids"][0]
+    for j, row in enumerate(res.summary["per_layer"]):
+        for k in ("sink_attention", "sink_contribution", "sink_contribution_to_layer_output"):
+            assert pw[k][:, j].sum() / pw["queries"][:, j].sum() == pytest.approx(row[k], rel=1e-12, abs=1e-15)
+
+    out = tmp_path / "generate"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", "The cat sat", "--generate", "4",
+                 "--out", str(out), "--no-progress"]) == 0
+    res = analysis.experiment(handle, Memory(), "The cat sat", AnalyzeSettings(decoding=Decoding(4)), source="--text")
+    assert {"answer_shares", "answer_sources", "answer_summary"} <= set(res.tables)
+    _same_as_written(res, out, ("generation",))
+
+    data = tmp_path / "prompts.txt"
+    data.write_text("The cat sat\na b c\n")
+    out = tmp_path / "corpus"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--data", str(data), "--generate", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    from attngeom.data import resolve_texts
+
+    res = analysis.answer_experiment(handle, Memory(), resolve_texts(str(data), None),
+                                     AnalyzeSettings(decoding=Decoding(2)), source=str(data))
+    assert set(res.tables) == {"answers", "answer_shares", "answer_sources", "answer_summary"}
+    _same_as_written(res, out, ("prompts", "answer_tokens"))

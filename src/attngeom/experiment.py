@@ -1,5 +1,5 @@
-"""The one contract of every experiment (faithfulness, sinks, selection, heads, claims), and the
-one perplexity rule they share.
+"""The one contract of every experiment (faithfulness, sinks, selection, heads, claims, kvcache,
+analysis), and the one perplexity rule they share.
 
 What belongs here: the shape every ``experiment()`` function of attngeom returns
 (:class:`ExperimentResult`), the two things an experiment is handed (a model handle and a run, as

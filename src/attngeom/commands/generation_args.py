@@ -74,8 +74,7 @@ def prompt_of(args, text: str):
 
 
 def settings_of(decoding, args) -> dict:
-    """What identifies a generation in a run's settings."""
-    if decoding is None:
-        return {}
-    return {"generate": decoding.max_new_tokens, "sample": decoding.sample, "temperature": decoding.temperature,
-            "top_p": decoding.top_p, "seed": decoding.seed, "chat": bool(args.chat), "system": args.system}
+    """What identifies a generation in a run's settings (:func:`attngeom.settings.generation_record`)."""
+    from ..settings import generation_record
+
+    return generation_record(decoding, args.chat, args.system)
