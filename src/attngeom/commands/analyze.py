@@ -1,20 +1,16 @@
 """``attngeom analyze``: per-token and per-head summaries of one text, with maps and sink figures.
 
-With no ``--text``/``--file`` it analyses the built-in sample text (:data:`attngeom.data.SAMPLE_TEXT`)
-with the bundled model: that is ``make demo``. The analysis is :func:`attngeom.analysis.experiment`
-(windows with ``--window N [--stride S]``; the model's own answer with ``--generate N``, see
-docs/generation.md), corpus mode (``--data``) :func:`attngeom.analysis.answer_experiment`.
-
-Order of work (bad input fails before any compute): arguments are checked, the output directory is
-created and proved writable, the input file is read, the model is loaded, the experiment checks the
-input against the model and runs (stage ``summaries``, or ``generate``: resumable), then the write
-step draws, for the figure layers only and only when the (first) input window is at most
-``--max-map-tokens`` long, the maps of a full :func:`attngeom.trace.analyze`.
-
-Outputs in ``--out``: ``tokens.parquet``, ``heads.parquet``, ``summary.json``, ``maps_layer{L}.png``,
-``heads_layer{L}.png``, ``sinks_per_layer.png`` and ``report.md``; generating also
-``answer_shares``, ``answer_sources`` and ``answer_summary`` (``.parquet``); corpus mode
-``answers.parquet``, the answer tables and ``summary.json``.
+With no ``--text``/``--file``: the built-in sample text (:data:`attngeom.data.SAMPLE_TEXT`), ``make
+demo``. The analysis (windows, ``--generate N``: docs/generation.md) is
+:func:`attngeom.analysis.experiment`, corpus mode (``--data``)
+:func:`attngeom.analysis.answer_experiment`. Bad input fails before any compute: the arguments, the
+output directory (claimed, proved writable) and the input file are checked before the model loads,
+the input against the model before the experiment's stage (resumable) runs. The write step draws
+the maps of the figure layers (a full :func:`attngeom.trace.analyze` of the first window, when it
+has at most ``--max-map-tokens`` tokens) and writes, in ``--out``: ``tokens.parquet``,
+``heads.parquet`` (generating also ``answer_shares``, ``answer_sources``, ``answer_summary``),
+``maps_layer{L}.png``, ``heads_layer{L}.png``, ``sinks_per_layer.png``, ``summary.json`` and
+``report.md``; corpus mode ``answers.parquet``, the answer tables and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -177,8 +173,7 @@ def _write_tables(staging: Path, tables: dict) -> list[str]:
 
 
 def _draw(staging: Path, handle, res) -> list[str]:
-    """The maps of the figure layers (a full trace of the first window), the per-head grids and the
-    per-layer sink figure."""
+    """The maps and per-head grids of the figure layers (first window) and the per-layer sink figure."""
     from .. import trace as tr
     from ..analysis import map_window
     from ..reports import analyze as rep
