@@ -266,23 +266,21 @@ def input_windows(handle: ModelHandleLike, ids: list[int], window: int | None, s
 
 def window_sums(heads: Sequence["pd.DataFrame"], layers: Sequence[int]) -> dict:
     """Per window (one ``HeadStats`` table each) and layer, ``[windows, layers]`` arrays: the
-    ``queries`` ``i > 0``, and the sums over them of the mean over heads of ``a_i0^h``
-    (``sink_attention``) and of ``c_i0^h`` (``sink_contribution``) and of ``Σ_h C_i0^h``
-    (``sink_contribution_to_layer_output``): their column sums divided by ``queries``' are
-    :func:`per_layer_sinks` of the whole input."""
+    ``queries`` ``i > 0``, and ``sink_attention``, ``sink_contribution`` and
+    ``sink_contribution_to_layer_output`` of :func:`per_layer_sinks` times ``queries`` (sums over
+    the window's queries): their column sums divided by ``queries``' are :func:`per_layer_sinks` of
+    the whole input."""
     import numpy as np
 
-    out = {k: np.zeros((len(heads), len(layers))) for k in
-           ("queries", "sink_attention", "sink_contribution", "sink_contribution_to_layer_output")}
+    keys = ("sink_attention", "sink_contribution", "sink_contribution_to_layer_output")
+    out = {k: np.zeros((len(heads), len(layers))) for k in ("queries", *keys)}
     for w, table in enumerate(heads):
-        by_layer = dict(list(table.groupby("layer", sort=True)))
+        rows = {r["layer"]: r for r in per_layer_sinks(table)}
+        queries = table.groupby("layer")["queries"].first()
         for j, layer in enumerate(layers):
-            g = by_layer[layer]
-            n = float(g["queries"].iloc[0])
-            out["queries"][w, j] = n
-            out["sink_attention"][w, j] = g["sink_rate"].mean() * n
-            out["sink_contribution"][w, j] = g["sink_contribution"].mean() * n
-            out["sink_contribution_to_layer_output"][w, j] = g["sink_contribution_inter"].sum() * n
+            out["queries"][w, j] = n = float(queries[layer])
+            for k in keys:
+                out[k][w, j] = rows[layer][k] * n
     return out
 
 
