@@ -139,6 +139,7 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
     per-window sums add up to the per-layer sinks of the summary."""
     from attngeom import analysis, load_model
     from attngeom.cli import main
+    from attngeom.errors import InputError
     from attngeom.generate import Decoding
     from attngeom.settings import AnalyzeSettings
 
@@ -165,6 +166,8 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
     res = analysis.experiment(handle, Memory(), "The cat sat", AnalyzeSettings(decoding=Decoding(4)), source="--text")
     assert {"answer_shares", "answer_sources", "answer_summary"} <= set(res.tables)
     _same_as_written(res, out, ("generation",))
+    with pytest.raises(InputError, match="windows do not apply"):
+        analysis.experiment(handle, Memory(), "The cat sat", AnalyzeSettings(decoding=Decoding(4), window=8))
 
     data = tmp_path / "prompts.txt"
     data.write_text("The cat sat\na b c\n")

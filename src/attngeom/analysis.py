@@ -175,6 +175,8 @@ def experiment(handle: ModelHandleLike, run: RunLike, text_or_ids, settings: Ana
     from .passes import to_ids
     from .stages import summaries
 
+    if settings.decoding is not None and settings.window is not None:
+        raise InputError("windows do not apply to a generation: the prompt and its answer are analysed whole")
     layers = analysed_layers(handle, settings.layers)
     fig_layers = figure_layers(handle, settings.figure_layers, layers)
     check_heads(handle, settings.heads)
