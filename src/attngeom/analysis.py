@@ -167,8 +167,8 @@ def experiment(handle: ModelHandleLike, run: RunLike, text_or_ids, settings: Ana
     and ``heads`` (per layer and head, over the queries of every window), with a decoding also
     ``answer_shares``, ``answer_sources`` and ``answer_summary``; the ``summary`` of summary.json
     (model, input, per-layer sinks, top tokens, generation, maps; the command adds ``runtime_s`` and
-    ``files`` and records its run's settings); ``per_window`` (window order): ``offset`` (input
-    position of each window's first token after BOS), ``ids`` and, per window and analysed layer
+    ``files`` and records its run's settings); ``per_window`` (window order): ``offset`` (window
+    position ``p`` is input position ``offset + p``, BOS aside), ``ids`` and, per window and analysed layer
     (columns in ``summary["layers"]`` order), the additive sums over its queries ``i > 0`` that
     ``summary["per_layer"]`` is the ratio of (:func:`window_sums`)."""
     from .experiment import ExperimentResult
