@@ -118,13 +118,20 @@ def _winner_is_self_or_sink(block: Block, norms: torch.Tensor, sink_col: int,
 
     ``norms [B, H, T]`` the value norms ``n_j``; ``sink_col`` the sink's column in the block. No
     ``argmax`` pass: a source is the first maximum iff it equals the row maximum and every earlier
-    source is below it, and "every source before the query" is one row maximum after the sources
-    from the query on are set to ``-inf`` (only the ``[Q, Q]`` part from the block's first query).
-    The ``[B, H, Q, S]`` product is written into ``workspace`` when one is given."""
+    source is below it. The columns before ``c0`` (the block's first query) precede every query, so
+    their row maximum serves both the row maximum and "every source before the query"; only the
+    columns from ``c0`` on are reduced twice, once as they are and once with the sources from the
+    query on set to ``-inf``: one pass over the block and one over its ``[Q, Q]`` part, not two
+    over the block. The ``[B, H, Q, S]`` product is written into ``workspace`` when one is given."""
     B, H, Q, S = block.shape
     out = None if workspace is None else workspace.take("winner", block.a.shape, block.a.dtype, block.a.device)
     x = torch.mul(block.a, norms[:, :, block.k_start:block.k_start + S].unsqueeze(-2), out=out)  # [B, H, Q, S]
-    top = x.amax(-1)                                                                # [B, H, Q]
+    c0 = min(S, max(0, block.q_start - block.k_start))           # columns before c0 precede every query
+    early = x[..., :c0].amax(-1) if c0 > 0 else None                                # [B, H, Q]
+    late = x[..., c0:]
+    top = late.amax(-1) if c0 < S else early
+    if early is not None and c0 < S:
+        top = torch.maximum(early, top)
     if 0 <= sink_col < S:
         w_sink = x[..., sink_col] == top
         if sink_col > 0:
@@ -134,10 +141,11 @@ def _winner_is_self_or_sink(block: Block, norms: torch.Tensor, sink_col: int,
     self_col = block.q_positions - block.k_start                                    # [Q]
     in_block = (self_col >= 0) & (self_col < S)
     x_self = x.gather(-1, self_col.clamp(0, S - 1).view(1, 1, Q, 1).expand(B, H, Q, 1)).squeeze(-1)
-    c0 = max(0, block.q_start - block.k_start)                                      # earlier columns are before every query
+    before = early
     if c0 < S:
-        x[..., c0:].masked_fill_(block.k_positions[None, c0:] >= block.q_positions[:, None], float("-inf"))
-    w_self = (x_self == top) & (x.amax(-1) < top) & in_block
+        late.masked_fill_(block.k_positions[None, c0:] >= block.q_positions[:, None], float("-inf"))
+        before = late.amax(-1) if early is None else torch.maximum(early, late.amax(-1))
+    w_self = (x_self == top) & (before < top) & in_block
     return w_self.float(), w_sink.float()
 
 
