@@ -387,7 +387,7 @@ def discover(model) -> list[AttentionSite]:
     calls = _run_probe(model)
     if not calls:
         raise _refuse(model, "no module calls transformers' attention interface (the model computes attention "
-                             "in its own code), so attngeom cannot capture it")
+                             "in its own code, or has none), so attngeom cannot capture it")
     order: list[torch.nn.Module] = []
     for c in calls:
         if c.module in order:
@@ -435,6 +435,9 @@ def _check_calls(model, calls: list[_Call], names) -> None:
             raise _refuse(model, f"{where} asks for non-causal attention (is_causal=False)")
         B, H, T, dqk = c.q
         Hkv = c.k[1]
+        if c.k[2] != T:
+            raise _refuse(model, f"{where} attends from {T} queries to {c.k[2]} keys of another sequence "
+                                 "(cross-attention; attngeom analyses causal self-attention)")
         if c.v.shape[1] != Hkv or H % Hkv:
             raise _refuse(model, f"{where} has {H} query heads, {Hkv} key heads and {c.v.shape[1]} value heads "
                                  "(attngeom needs value heads = key heads dividing the query heads)")
