@@ -381,3 +381,19 @@ def test_removal_recorder_matches_model_space_on_the_unedited_model():
         for h in range(H):
             if heavy[h].any():
                 assert np.isclose(sub.cone_sink_heavy.iloc[h], kappa[h, 1:][heavy[h]].mean(), atol=1e-4)
+
+
+def test_value_norm_ratio_of_a_zero_sink_value_is_inf_without_warning():
+    """A sink whose value vector is exactly zero (two heads of a tiny ZAYA) is infinitely smaller
+    than the other values: ``inf``, not a division warning; no samples or 0/0 give NaN."""
+    import warnings
+
+    from attngeom.sinks import _ratio_of_means
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _ratio_of_means(6.0, 3, 1.0, 2) == pytest.approx(4.0)
+        assert _ratio_of_means(6.0, 3, 0.0, 2) == float("inf")
+        assert np.isnan(_ratio_of_means(0.0, 3, 0.0, 2))
+        assert np.isnan(_ratio_of_means(6.0, 0, 1.0, 2))
+        assert np.isnan(_ratio_of_means(6.0, 3, 1.0, 0))

@@ -430,8 +430,8 @@ class SinkValues(_SinkPart):
     def head_columns(self, A, h) -> dict:
         nt, ns = A["n_texts"][h], A["n_sources"][h]
         row = {
-            "value_norm_ratio": (A["vj_norm_sum"][h] / ns) / (A["v0_norm_sum"][h] / nt) if ns and nt else np.nan,
-            "raw_value_norm_ratio": (A["vj_raw_norm_sum"][h] / ns) / (A["v0_raw_norm_sum"][h] / nt) if ns and nt else np.nan,
+            "value_norm_ratio": _ratio_of_means(A["vj_norm_sum"][h], ns, A["v0_norm_sum"][h], nt),
+            "raw_value_norm_ratio": _ratio_of_means(A["vj_raw_norm_sum"][h], ns, A["v0_raw_norm_sum"][h], nt),
             "cos_v0_vj": A["cos_v0_vj_sum"][h] / ns if ns else np.nan,
         }
         row.update(_quantiles("cos_v0_vj", A["hist_cos_v0_vj"][h]))
@@ -439,6 +439,17 @@ class SinkValues(_SinkPart):
 
     def head_tables(self, layer, A, h) -> dict[str, list[dict]]:
         return {"hist": _hist_rows(layer, h, "cos_v0_vj", A["hist_cos_v0_vj"][h])}
+
+
+def _ratio_of_means(num_sum, num_n, den_sum, den_n) -> float:
+    """``(num_sum / num_n) / (den_sum / den_n)``: NaN without samples on either side; a sink whose
+    value is exactly zero (some heads of ZAYA) gives ``inf`` (no warning), or NaN when both are zero."""
+    if not (num_n and den_n):
+        return np.nan
+    num, den = float(num_sum) / float(num_n), float(den_sum) / float(den_n)
+    if den == 0.0:
+        return np.inf if num > 0 else np.nan
+    return num / den
 
 
 class SinkQueries(_SinkPart):
