@@ -171,7 +171,7 @@ def test_hand_built_mask_equals_slow_reference(arch):
 def _block(a: torch.Tensor, allowed=None, q_start: int = 0, k_start: int = 0) -> Block:
     B, H, Q, S = a.shape
     d, D = 2, H * 2
-    kw = dict(layer=0, module=None, v=torch.zeros(B, H, k_start + S, d), w_o=torch.eye(D),
+    kw = dict(layer=0, module=None, value=torch.zeros(B, H, k_start + S, d), w_o=torch.eye(D),
               G=torch.eye(d).expand(H, d, d), kv_head=torch.arange(H),
               lengths=torch.full((B,), max(q_start + Q, k_start + S)))
     if "G_full" in {f.name for f in dataclasses.fields(LayerState)}:

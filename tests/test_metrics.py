@@ -144,3 +144,24 @@ def test_entropy_from_logits_equals_entropy_of_probabilities():
     s = s + mask
     a = torch.softmax(s, -1)
     assert torch.allclose(M.entropy_from_logits(a, s), M.entropy(a), atol=1e-5)
+
+
+@pytest.mark.parametrize("Q", [1, 5, 40])
+def test_grouped_values_equal_values_repeated_per_head(Q):
+    """Grouped-query attention: head outputs and received sums from the values one per key/value
+    head (never repeated) equal those from the values repeated per query head, in both orders of
+    the received-contribution sum (a decoding step, Q = 1, takes the per-group map ``X vᵀ``)."""
+    g = torch.Generator().manual_seed(Q)
+    B, Hkv, n_rep, S, d = 2, 3, 4, 40, 8
+    H = Hkv * n_rep
+    a = torch.softmax(torch.randn(B, H, Q, S, generator=g), -1)
+    value = torch.randn(B, Hkv, S, d, generator=g)
+    v = value.repeat_interleave(n_rep, dim=1)                     # [B, H, S, d], as repeat_kv lays it out
+    assert torch.allclose(M.head_output(a, value), a @ v, atol=1e-6)
+    p = torch.randn(B, H, Q, d, generator=g)
+    w = torch.rand(B, Q, generator=g)
+    out_sq = torch.rand(B, Q, generator=g) + 0.5
+    grouped = M.received(a, w, ["contribution"], v=value, p=p, out_sq=out_sq)["contribution"]
+    per_head = M.received(a, w, ["contribution"], v=v, p=p, out_sq=out_sq)["contribution"]
+    ref = torch.einsum("bhqs,bhqs->bs", a, (p / out_sq[:, None, :, None] * w[:, None, :, None]) @ v.transpose(-1, -2))
+    assert torch.allclose(grouped, ref, atol=1e-5) and torch.allclose(per_head, ref, atol=1e-5)

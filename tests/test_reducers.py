@@ -79,7 +79,7 @@ def test_winner_shares_with_padding_equal_one_text_at_a_time():
 def _block(a: torch.Tensor, v: torch.Tensor, q_start: int = 0, k_start: int = 0, allowed=None) -> Block:
     B, H, Q, S = a.shape
     d = v.shape[-1]
-    state = LayerState(layer=0, module=None, v=v, w_o=torch.eye(H * d), G=torch.eye(d).expand(H, d, d),
+    state = LayerState(layer=0, module=None, value=v, w_o=torch.eye(H * d), G=torch.eye(d).expand(H, d, d),
                        G_full=torch.eye(H * d), kv_head=torch.arange(H),
                        lengths=torch.full((B,), max(q_start + Q, k_start + S)))
     return Block(state=state, a=a, q_start=q_start, k_start=k_start, allowed=allowed)

@@ -179,7 +179,7 @@ def test_block_metric_names_come_from_the_table():
     a = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     v = torch.randn(1, 2, 3, 4)
     w_o = torch.randn(5, 8)
-    state = LayerState(layer=0, module=None, v=v, w_o=w_o, G=M.gram(w_o, 2), G_full=M.full_gram(w_o),
+    state = LayerState(layer=0, module=None, value=v, w_o=w_o, G=M.gram(w_o, 2), G_full=M.full_gram(w_o),
                        kv_head=torch.arange(2), lengths=torch.tensor([3]))
     block = Block(state=state, a=a, q_start=0, k_start=0)
     for name in R.METRICS:

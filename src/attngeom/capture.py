@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import metrics
@@ -61,18 +61,38 @@ and thin matrix products cost more than the larger maps (measured in docs/benchm
 class LayerState:
     """Per-layer quantities shared by all query blocks of one forward call.
 
-    ``v [B, H, S, d]`` float32 value states per query head; ``w_o [D, H*d]`` float32 output
-    projection; ``G [H, d, d]`` per-head Gram matrices, ``G_full [H*d, H*d] = W_Oᵀ W_O``;
+    ``value [B, Hkv, S, d]`` float32 value states as the model keeps them (one per key/value head;
+    never repeated per query head unless an observer asks for :attr:`v`); ``w_o [D, H*d]`` float32
+    output projection; ``G [H, d, d]`` per-head Gram matrices, ``G_full [H*d, H*d] = W_Oᵀ W_O``;
     ``kv_head [H]`` the key/value head of each query head."""
 
     layer: int
     module: torch.nn.Module | None
-    v: torch.Tensor
+    value: torch.Tensor
     w_o: torch.Tensor
     G: torch.Tensor
     G_full: torch.Tensor
     kv_head: torch.Tensor
     lengths: torch.Tensor  # [B] valid tokens per text (right padding)
+
+    @cached_property
+    def v(self) -> torch.Tensor:
+        """Value states per query head: ``[B, H, S, d]`` (``value`` itself when every head has its own)."""
+        if self.value.shape[1] == self.num_heads and torch.equal(self.kv_head.cpu(), torch.arange(self.num_heads)):
+            return self.value
+        return self.value[:, self.kv_head.to(self.value.device)]
+
+    @property
+    def group_values(self) -> torch.Tensor:
+        """``[B, H / n_rep, S, d]``: the values each group of :attr:`n_rep` consecutive query heads
+        shares (``value`` itself under grouped-query attention laid out as ``repeat_kv`` does; the
+        per-head :attr:`v` when the heads do not form such groups, ``n_rep = 1``)."""
+        return self.value if self.value.shape[1] * self.n_rep == self.num_heads else self.v
+
+    @property
+    def num_sources(self) -> int:
+        """``S``: the sources of this call (with a cache, every cached token)."""
+        return self.value.shape[2]
 
     @cached_property
     def value_norm(self) -> torch.Tensor:
@@ -81,12 +101,12 @@ class LayerState:
 
     @cached_property
     def raw_value_norm(self) -> torch.Tensor:
-        """``‖v_j^h‖`` in head space: ``[B, H, S]``."""
-        return self.v.norm(dim=-1)
+        """``‖v_j^h‖`` in head space: ``[B, H, S]`` (one norm per key/value head, shared by its group)."""
+        return self.value.norm(dim=-1)[:, self.kv_head.to(self.value.device)]
 
     @property
     def num_heads(self) -> int:
-        return self.v.shape[1]
+        return self.kv_head.shape[0]
 
     @cached_property
     def n_rep(self) -> int:
@@ -155,6 +175,11 @@ class Block:
         return self.state.v[:, :, self.k_start : self.k_start + self.a.shape[3]]
 
     @property
+    def group_values(self) -> torch.Tensor:
+        """The block's sources in :attr:`LayerState.group_values`: ``[B, H / n_rep, S, d]``."""
+        return self.state.group_values[:, :, self.k_start : self.k_start + self.a.shape[3]]
+
+    @property
     def value_norm(self) -> torch.Tensor:
         """``‖ṽ_j^h‖`` of the block's sources: ``[B, H, S]``."""
         return self.state.value_norm[:, :, self.k_start : self.k_start + self.a.shape[3]]
@@ -168,7 +193,7 @@ class Block:
     @property
     def head_output(self) -> torch.Tensor:
         """``u_i^h`` in head space: ``[B, H, Q, d]``."""
-        return self._memo("u", lambda: metrics.head_output(self.a, self.v))
+        return self._memo("u", lambda: metrics.head_output(self.a, self.group_values))
 
     @property
     def uG(self) -> torch.Tensor:
@@ -282,12 +307,11 @@ class Block:
             need_norm = "value_weighted" in fast or "output_normalized" in fast
             out.update(metrics.received(
                 self.a, weight, fast,
-                v=self.v if "contribution" in fast else None,
+                v=self.group_values if "contribution" in fast else None,
                 value_norm=self.value_norm if need_norm else None,
                 head_out_norm=self.head_output_norm if "output_normalized" in fast else None,
                 p=self.pulled_back if "contribution" in fast else None,
-                out_sq=self.output_sq if "contribution" in fast else None,
-                n_rep=self.state.n_rep))
+                out_sq=self.output_sq if "contribution" in fast else None))
         for n in names:
             if n not in out:
                 out[n] = (weight.unsqueeze(1) @ self.token_score(n)).squeeze(1)
@@ -478,14 +502,6 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float | N
     return scores if mask is None else scores + mask
 
 
-def _mix(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``probs @ v`` per query head, ``probs [B, H, Q, S]``, ``value [B, Hkv, S, d]`` shared by groups of
-    ``H / Hkv`` query heads: one product per key/value head (the values are never repeated)."""
-    B, H, Q, S = probs.shape
-    Hkv, d = value.shape[1], value.shape[-1]
-    return torch.bmm(probs.reshape(B * Hkv, H // Hkv * Q, S), value.reshape(B * Hkv, S, d)).view(B, H, Q, d)
-
-
 def exact_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -511,10 +527,9 @@ def exact_attention(
     observing = session is not None and session.wants(layer)
     state = None
     if observing:
-        v = repeat_kv(value, n_rep)   # per query head, for the observers (the plain path never repeats)
         w_o, G, G_full = output_grams(module, H)
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
-        state = LayerState(layer=layer, module=module, v=v.detach().float(), w_o=w_o, G=G, G_full=G_full,
+        state = LayerState(layer=layer, module=module, value=value.detach().float(), w_o=w_o, G=G, G_full=G_full,
                            kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device))
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])
@@ -551,13 +566,13 @@ def exact_attention(
             if session.intervention is not None:
                 edited = session.intervention(block)
                 if edited is not None:
-                    mixed = torch.matmul(edited.to(query.dtype), v[:, :, k0:k1])
+                    mixed = metrics.head_output(edited.to(query.dtype), value[:, :, k0:k1])
             if mixed is None and query.dtype == torch.float32:
                 # in float32 the head outputs the metrics use are the module's own output: share
                 # them (computed here only when no observer asked for them first)
                 mixed = block.head_output
         if mixed is None:
-            mixed = _mix(probs, value[:, :, k0:k1])
+            mixed = metrics.head_output(probs, value[:, :, k0:k1])
         out[:, i0:i1] = mixed.transpose(1, 2)
     return out
 

@@ -298,10 +298,10 @@ class GrowingNorms:
         st = block.state
         if "value_norm" in st.__dict__:                        # this call's layer state has them already
             return
-        S = st.v.shape[2]
+        S = st.num_sources
         have = self.norms.get(block.layer)
         m = 0 if have is None or have[0].shape[-1] > S else have[0].shape[-1]
-        new = st.v[:, :, m:]
+        new = st.value[:, :, m:][:, st.kv_head.to(st.value.device)]     # the new tokens' values per query head
         parts = (metrics.projected_value_norm(new, st.G), new.norm(dim=-1))
         if m:
             parts = tuple(torch.cat([old, x], dim=-1) for old, x in zip(have, parts))

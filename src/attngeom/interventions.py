@@ -222,7 +222,7 @@ def select_mask(scores: torch.Tensor, visible: torch.Tensor, k: torch.Tensor, to
 
 
 def _sub_state(state: LayerState, rows: torch.Tensor) -> LayerState:
-    return dataclasses.replace(state, v=state.v[rows], lengths=state.lengths[rows])
+    return dataclasses.replace(state, value=state.value[rows], lengths=state.lengths[rows])
 
 
 class RankIntervention:

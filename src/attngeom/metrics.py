@@ -49,8 +49,15 @@ def projected_value_norm(v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
 
 
 def head_output(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Head output in head space ``u_i^h = Σ_j a_ij^h v_j^h``: -> ``[B, H, Q, d]``."""
-    return a @ v
+    """Head output in head space ``u_i^h = Σ_j a_ij^h v_j^h``: ``a [B, H, Q, S]``, ``v [B, Hg, S, d]``
+    -> ``[B, H, Q, d]``. ``v`` holds one value per head (``Hg = H``) or per group of ``H / Hg``
+    consecutive query heads sharing them (grouped-query attention): one product per group, the
+    values never repeated."""
+    B, H, Q, S = a.shape
+    Hg, d = v.shape[1], v.shape[-1]
+    if Hg == H:
+        return a @ v
+    return torch.matmul(a.reshape(B, Hg, H // Hg * Q, S), v).view(B, H, Q, d)
 
 
 def layer_output(u: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
@@ -169,8 +176,7 @@ def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Ten
 
 def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | None = None,
              value_norm: torch.Tensor | None = None, head_out_norm: torch.Tensor | None = None,
-             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None,
-             n_rep: int = 1) -> dict[str, torch.Tensor]:
+             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2
     named in ``names`` (a subset of ``attention``, ``value_weighted``, ``output_normalized`` and
     ``contribution``: the metrics :mod:`attngeom.registry` flags ``received``), without forming any score map:
@@ -181,13 +187,14 @@ def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | 
     ``X = w p/‖o‖²``, and likewise ``w`` (attention, value-weighted) and ``w/‖o_i^h‖``
     (output-normalised).
 
-    ``n_rep``: query heads per key/value head (grouped-query attention; ``v`` holds each group's
-    values repeated). The heads of a group share ``v_j``, so their contribution rows are summed
-    inside one product (``[X^{h1}ᵀ … X^{hr}ᵀ] [a^{h1}; …; a^{hr}]``, the heads stacked along the
-    queries): the same arithmetic, an ``n_rep`` times smaller ``[B, H/n_rep, d, S]`` result.
-    When a group has fewer stacked queries than dimensions (:func:`contribution_by_map`: full
-    multi-head attention in blocks of few queries), the ``[Q, S]`` product ``X vᵀ`` per head is the
-    smaller one and is used instead: ``Σ_i a_ij (X vᵀ)_ij``, the same sum in the other order."""
+    ``v [B, Hg, S, d]``: one value per head (``Hg = H``) or per group of ``n_rep = H / Hg``
+    consecutive query heads (grouped-query attention, never repeated). The heads of a group share
+    ``v_j``, so their contribution rows are summed inside one product (``[X^{h1}ᵀ … X^{hr}ᵀ]
+    [a^{h1}; …; a^{hr}]``, the heads stacked along the queries): the same arithmetic, an ``n_rep``
+    times smaller ``[B, Hg, d, S]`` result. When a group has fewer stacked queries than dimensions
+    (:func:`contribution_by_map`: a decoding step, or full multi-head attention in blocks of few
+    queries), the ``[n_rep·Q, S]`` product ``X vᵀ`` per group is the smaller one and is used
+    instead: ``Σ_i a_ij (X vᵀ)_ij``, the same sum in the other order."""
     B, H, Q, S = a.shape
     names = tuple(names)
     rows = []                                                                # pieces of Xᵀ: [B, H, k, Q]
@@ -208,14 +215,15 @@ def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | 
         if "output_normalized" in names:
             out["output_normalized"] = (Rt[:, :, -1] * value_norm).sum(1)
     if "contribution" in names:
-        n_groups, d = H // n_rep, p.shape[-1]
+        n_groups, d = v.shape[1], p.shape[-1]
+        n_rep = H // n_groups
         X = p * safe_div(weight, out_sq)[:, None, :, None]                  # [B, H, Q, d]
+        Xg = X.reshape(B, n_groups, n_rep * Q, d)                            # a group's heads stacked
         if contribution_by_map(n_rep, Q, d):
-            out["contribution"] = (a * (X @ v.transpose(-1, -2))).sum(2).sum(1)
+            out["contribution"] = (a.reshape(B, n_groups, n_rep * Q, S) * (Xg @ v.transpose(-1, -2))).sum(2).sum(1)
         else:
-            Rc = (X.reshape(B, n_groups, n_rep * Q, d).transpose(-1, -2)
-                  @ a.reshape(B, n_groups, n_rep * Q, S))                              # [B, H/n_rep, d, S]
-            out["contribution"] = (Rc * v[:, ::n_rep].transpose(-1, -2)).sum(2).sum(1)
+            Rc = Xg.transpose(-1, -2) @ a.reshape(B, n_groups, n_rep * Q, S)       # [B, Hg, d, S]
+            out["contribution"] = (Rc * v.transpose(-1, -2)).sum(2).sum(1)
     return {n: out[n] for n in names}
 
 

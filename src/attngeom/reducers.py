@@ -296,7 +296,7 @@ class TokenStats(Reducer):
         acc = self._acc.get(block.layer)
         if acc is None:
             acc = self._acc[block.layer] = self._accumulators(block)
-        elif "value_norm" in acc and acc["value_norm"].shape[-1] < block.state.v.shape[2]:
+        elif "value_norm" in acc and acc["value_norm"].shape[-1] < block.state.num_sources:
             acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()   # sources grew (generation)
         w = block.query_valid.float()                              # [B, Q]
         received = block.received(w, self.metrics) if self.metrics else {}

@@ -345,7 +345,7 @@ class _SinkPart(Reducer):
     def observe(self, block: Block) -> None:
         if self.layers is not None and block.layer not in self.layers:
             return
-        if self.sink >= block.state.v.shape[2]:
+        if self.sink >= block.state.num_sources:
             return
         t = block_terms(block, self.sink)
         if t is not None:
@@ -400,7 +400,7 @@ class SinkValues(_SinkPart):
     def observe(self, block: Block) -> None:
         if self.layers is not None and block.layer not in self.layers:
             return
-        if self.sink >= block.state.v.shape[2] or block.layer in self._seen:
+        if self.sink >= block.state.num_sources or block.layer in self._seen:
             return
         self._seen.add(block.layer)
         st = block.state

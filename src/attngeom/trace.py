@@ -63,7 +63,7 @@ class LayerTrace:
     def block(self) -> Block:
         """The whole layer as one block (batch of one)."""
         T = self.a.shape[-1]
-        state = LayerState(layer=self.index, module=None, v=self.v[None], w_o=self.w_o, G=self.G,
+        state = LayerState(layer=self.index, module=None, value=self.v[None], w_o=self.w_o, G=self.G,
                            G_full=metrics.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
                            lengths=torch.tensor([T]))
         return Block(state=state, a=self.a[None], q_start=0, k_start=0, learned_sink=self._sink())

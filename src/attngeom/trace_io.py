@@ -45,7 +45,7 @@ def _frozen_layer(layer_cls, index: int, t: dict[str, torch.Tensor]):
     a, v = t["a"], t["v"]
     H, T = a.shape[0], a.shape[-1]
     lt = layer_cls(index=index, a=a, v=v, G=None, w_o=None, learned_sink=t.get("sink"))
-    state = LayerState(layer=index, module=None, v=v[None], w_o=None, G=None, G_full=None,
+    state = LayerState(layer=index, module=None, value=v[None], w_o=None, G=None, G_full=None,
                        kv_head=torch.arange(H), lengths=torch.tensor([T]))
     state.__dict__["value_norm"] = t["value_norm"][None]        # LayerState.value_norm is cached
     block = Block(state=state, a=a[None], q_start=0, k_start=0, learned_sink=lt._sink())
