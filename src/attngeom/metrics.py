@@ -49,15 +49,15 @@ def projected_value_norm(v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
 
 
 def head_output(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Head output in head space ``u_i^h = Σ_j a_ij^h v_j^h``: ``a [B, H, Q, S]``, ``v [B, Hg, S, d]``
-    -> ``[B, H, Q, d]``. ``v`` holds one value per head (``Hg = H``) or per group of ``H / Hg``
+    """Head output in head space ``u_i^h = Σ_j a_ij^h v_j^h``: ``a [..., H, Q, S]``, ``v [..., Hg, S, d]``
+    -> ``[..., H, Q, d]``. ``v`` holds one value per head (``Hg = H``) or per group of ``H / Hg``
     consecutive query heads sharing them (grouped-query attention): one product per group, the
     values never repeated."""
-    B, H, Q, S = a.shape
-    Hg, d = v.shape[1], v.shape[-1]
+    *lead, H, Q, S = a.shape
+    Hg, d = v.shape[-3], v.shape[-1]
     if Hg == H:
         return a @ v
-    return torch.matmul(a.reshape(B, Hg, H // Hg * Q, S), v).view(B, H, Q, d)
+    return torch.matmul(a.reshape(*lead, Hg, H // Hg * Q, S), v).reshape(*lead, H, Q, d)
 
 
 def layer_output(u: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
