@@ -76,18 +76,29 @@ class LayerState:
     lengths: torch.Tensor  # [B] valid tokens per text (right padding)
 
     @cached_property
+    def grouped(self) -> bool:
+        """Whether query head ``h`` uses value head ``h // (H / Hkv)``, as ``repeat_kv`` lays them out
+        (every head its own value when ``Hkv = H``)."""
+        H, Hkv = self.num_heads, self.value.shape[1]
+        return H % Hkv == 0 and torch.equal(self.kv_head.cpu(), torch.arange(H) // (H // Hkv))
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per value head of :attr:`group_values` (1 when the heads are not :attr:`grouped`)."""
+        return self.num_heads // self.value.shape[1] if self.grouped else 1
+
+    @cached_property
     def v(self) -> torch.Tensor:
         """Value states per query head: ``[B, H, S, d]`` (``value`` itself when every head has its own)."""
-        if self.value.shape[1] == self.num_heads and torch.equal(self.kv_head.cpu(), torch.arange(self.num_heads)):
+        if self.grouped and self.value.shape[1] == self.num_heads:
             return self.value
         return self.value[:, self.kv_head.to(self.value.device)]
 
     @property
     def group_values(self) -> torch.Tensor:
-        """``[B, H / n_rep, S, d]``: the values each group of :attr:`n_rep` consecutive query heads
-        shares (``value`` itself under grouped-query attention laid out as ``repeat_kv`` does; the
-        per-head :attr:`v` when the heads do not form such groups, ``n_rep = 1``)."""
-        return self.value if self.value.shape[1] * self.n_rep == self.num_heads else self.v
+        """``[B, Hg, S, d]``: the values each group of ``H / Hg`` consecutive query heads shares
+        (``value`` itself when :attr:`grouped`; else the per-head :attr:`v`, ``Hg = H``)."""
+        return self.value if self.grouped else self.v
 
     @property
     def num_sources(self) -> int:
@@ -107,14 +118,6 @@ class LayerState:
     @property
     def num_heads(self) -> int:
         return self.kv_head.shape[0]
-
-    @cached_property
-    def n_rep(self) -> int:
-        """Query heads per key/value head, when every group is ``n_rep`` consecutive heads (as
-        ``repeat_kv`` lays them out); else 1 (every head on its own)."""
-        H = self.num_heads
-        n = H // (int(self.kv_head.max()) + 1)
-        return n if torch.equal(self.kv_head.cpu(), torch.arange(H) // n) else 1
 
 
 @dataclass
@@ -176,7 +179,7 @@ class Block:
 
     @property
     def group_values(self) -> torch.Tensor:
-        """The block's sources in :attr:`LayerState.group_values`: ``[B, H / n_rep, S, d]``."""
+        """The block's sources in :attr:`LayerState.group_values`: ``[B, Hg, S, d]``."""
         return self.state.group_values[:, :, self.k_start : self.k_start + self.a.shape[3]]
 
     @property
