@@ -19,8 +19,8 @@ next), so that load from other jobs on a shared machine hits every method alike:
 ``eager_attn``
     the same with ``output_attentions=True`` (every layer's ``[H, T, T]`` map is kept).
 ``analyze``
-    :func:`attngeom.trace.stream` with :class:`~attngeom.reducers.HeadStats` and
-    :class:`~attngeom.reducers.TokenStats` on all layers. Between them they use all five metric
+    :func:`attngeom.traces.trace.stream` with :class:`~attngeom.streaming.reducers.HeadStats` and
+    :class:`~attngeom.streaming.reducers.TokenStats` on all layers. Between them they use all five metric
     maps of SPEC §2 (attention, value_weighted, output_normalized, contribution,
     contribution_inter) on every block of every layer.
 ``naive``
@@ -110,7 +110,7 @@ def _peak_bytes() -> int:
 
 def _bench_ids(handle, T: int) -> list[int]:
     """``T`` token ids: BOS, then the built-in sample text repeated (content does not change cost)."""
-    from attngeom.data import SAMPLE_TEXT
+    from attngeom.data.corpora import SAMPLE_TEXT
 
     body = handle.encode(SAMPLE_TEXT)
     bos = body[0] if handle.tokenizer.bos_token_id is not None else None
@@ -172,9 +172,9 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
         torch.set_num_threads(threads)
 
     from attngeom.model import load_model
-    from attngeom.reducers import Batch, HeadStats, TokenStats
-    from attngeom import trace as tr
-    from attngeom.capture import Session
+    from attngeom.streaming.reducers import Batch, HeadStats, TokenStats
+    from attngeom.traces import trace as tr
+    from attngeom.capture.plugin import Session
 
     torch.manual_seed(0)
     handle = load_model("smollm2-135m", dtype="float32", device="cpu")

@@ -35,7 +35,7 @@ DATA = "/work/shared/data/wikitext-2-raw-test.txt"
 
 
 def window_of(handle, data: str, T: int) -> list[int]:
-    from attngeom.data import SAMPLE_TEXT, load_windows, windows
+    from attngeom.data.corpora import SAMPLE_TEXT, load_windows, windows
 
     if os.path.exists(data):
         got = load_windows(handle, data, window=T, max_windows=1)
@@ -53,7 +53,7 @@ def timed(fn) -> tuple[float, float]:
 
 
 def measure(handle, win: list[int], n_variants: int, rows: int | None, repeats: int) -> dict:
-    from attngeom.faithfulness import auto_rows, build_variants, run_units, window_units
+    from attngeom.faithfulness.curves import auto_rows, build_variants, run_units, window_units
 
     model = handle.model
     ids = torch.tensor(win)[None]
@@ -62,7 +62,7 @@ def measure(handle, win: list[int], n_variants: int, rows: int | None, repeats: 
     for impl in clean:
         model.set_attn_implementation(impl)
         model(input_ids=ids[:, :64], use_cache=False)  # warm-up
-    from attngeom.interventions import CLEAN
+    from attngeom.capture.interventions import CLEAN
 
     units = window_units([win])
     floor = []   # attngeom's own forward with nothing masked: the explicit attention and the NLL

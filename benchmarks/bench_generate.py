@@ -9,13 +9,13 @@ ids after BOS) is answered with exactly ``N`` tokens (stop tokens off) by:
     ``model.generate(do_sample=False)`` with ``attn_implementation="sdpa"`` and its KV cache
     (``N`` forward calls: the prompt, then ``N - 1`` steps).
 ``capture``
-    :func:`attngeom.generate.generate` with no observer: every call through the capture plug-in
+    :func:`attngeom.generation.decoding.generate` with no observer: every call through the capture plug-in
     (``N + 1`` calls: attngeom also runs the last token, so the trace has its row).
 ``answer``
-    the same with :class:`~attngeom.generate.AnswerSources` on all layers (the answer tables).
+    the same with :class:`~attngeom.generation.decoding.AnswerSources` on all layers (the answer tables).
 ``analyze``
-    what ``attngeom analyze --generate N`` runs: ``answer``, and :class:`~attngeom.reducers.HeadStats`
-    and :class:`~attngeom.reducers.TokenStats` (all five metrics of SPEC §2) as text reducers: the
+    what ``attngeom analyze --generate N`` runs: ``answer``, and :class:`~attngeom.streaming.reducers.HeadStats`
+    and :class:`~attngeom.streaming.reducers.TokenStats` (all five metrics of SPEC §2) as text reducers: the
     prompt's call, then the answer in one call against the cached prompt (the same rows as the steps).
 ``stepwise``
     ``HeadStats``, ``TokenStats`` and ``AnswerSources`` all observing every step.
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     import torch
 
     from attngeom import load_model
-    from attngeom.capture import Session
-    from attngeom.generate import AnswerSources, Decoding, generate, stream_ids
-    from attngeom.reducers import HeadStats, TokenStats
+    from attngeom.capture.plugin import Session
+    from attngeom.generation.decoding import AnswerSources, Decoding, generate, stream_ids
+    from attngeom.streaming.reducers import HeadStats, TokenStats
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of generation with the compressed KV cache (:mod:`attngeom.kvcache`) on the bundled
+"""Benchmark of generation with the compressed KV cache (:mod:`attngeom.kvcache.cache`) on the bundled
 model (``load_model("smollm2-135m")``, float32, CPU unless ``--device``).
 
 For a prompt of ``P`` tokens (seeded random ids after BOS, read in one forward pass) and ``N`` new
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     import torch
 
     from attngeom import load_model
-    from attngeom.kvcache import cache_bytes, compressing, new_cache, step
-    from attngeom.kvpolicies import get_policy
+    from attngeom.kvcache.cache import cache_bytes, compressing, new_cache, step
+    from attngeom.kvcache.policies import get_policy
 
     if args.threads:
         torch.set_num_threads(args.threads)

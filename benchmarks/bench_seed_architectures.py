@@ -11,8 +11,8 @@ DeepSeek-LLM-7B, Gemma-7B, Gemma-2-9B: random weights, cut to 2 decoder layers, 
 ``eager``
     the same forward with ``attn_implementation="eager"``;
 ``analyze``
-    :func:`attngeom.trace.stream` with :class:`~attngeom.reducers.HeadStats` and
-    :class:`~attngeom.reducers.TokenStats` on both layers (all five metric maps of SPEC §2 on every
+    :func:`attngeom.traces.trace.stream` with :class:`~attngeom.streaming.reducers.HeadStats` and
+    :class:`~attngeom.streaming.reducers.TokenStats` on both layers (all five metric maps of SPEC §2 on every
     block), exact attention including soft-capping and windows.
 
 Both compute the last position's logits only (``logits_to_keep=1``), as ``stream`` does. Every
@@ -70,9 +70,9 @@ def worker(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from attngeom.capture import Session
-    from attngeom.reducers import HeadStats, TokenStats
-    from attngeom.trace import stream
+    from attngeom.capture.plugin import Session
+    from attngeom.streaming.reducers import HeadStats, TokenStats
+    from attngeom.traces.trace import stream
     from seed_configs import random_ids, seed_config, seed_model
 
     device = args.device

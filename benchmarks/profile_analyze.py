@@ -34,9 +34,9 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench_analyze import ATTENTION_FIELDS, _bench_ids
-    from attngeom import trace as tr
+    from attngeom.traces import trace as tr
     from attngeom.model import load_model
-    from attngeom.reducers import HeadStats, TokenStats
+    from attngeom.streaming.reducers import HeadStats, TokenStats
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,10 +11,20 @@ TEST_DEVICE_ENV = "ATTNGEOM_TEST_DEVICE"
 TEST_ORDER_ENV = "ATTNGEOM_TEST_ORDER"
 
 
+TIERS = ("unit", "integration", "models")
+"""The folders of tests/ and the marker each gives its tests (docs/testing.md)."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """``ATTNGEOM_TEST_ORDER=reverse`` or ``shuffle:SEED`` runs the tests in another order, to find
+    """Every test is marked with its tier (its folder: ``-m unit``, ``-m integration``, ``-m models``).
+
+    ``ATTNGEOM_TEST_ORDER=reverse`` or ``shuffle:SEED`` runs the tests in another order, to find
     tests that depend on what ran before them (module-scoped fixtures stay valid: pytest sets them
     up again where needed). Unset: pytest's own order."""
+    for item in items:
+        tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path).replace(os.sep, "/")), None)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
     order = os.environ.get(TEST_ORDER_ENV, "")
     if order == "reverse":
         items.reverse()

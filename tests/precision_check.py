@@ -54,7 +54,7 @@ FAITH_VARIANTS = (
 def sample_windows(handle, window: int, n: int, data: str | None = None) -> list[list[int]]:
     """``n`` windows of ``window`` tokens from ``data`` (a text file), or from the built-in sample
     text (repeated) when ``data`` is None or missing."""
-    from attngeom.data import SAMPLE_TEXT, load_windows, windows
+    from attngeom.data.corpora import SAMPLE_TEXT, load_windows, windows
 
     if data and Path(data).exists():
         return load_windows(handle, data, window=window, max_windows=n)
@@ -195,7 +195,7 @@ def summarize(merged: dict) -> dict:
 
 
 def measure_metrics(h32, h16, wins) -> dict:
-    from attngeom.trace import analyze
+    from attngeom.traces.trace import analyze
 
     parts = []
     for w in wins:
@@ -205,8 +205,8 @@ def measure_metrics(h32, h16, wins) -> dict:
 
 def measure_faithfulness(h32, h16, wins, variants=FAITH_VARIANTS) -> dict:
     """ΔPPL per variant in both precisions over ``wins`` (pooled PPL, as the experiment reports)."""
-    from attngeom.faithfulness import run_units, window_units
-    from attngeom.interventions import CLEAN, Variant
+    from attngeom.faithfulness.curves import run_units, window_units
+    from attngeom.capture.interventions import CLEAN, Variant
 
     vs = [CLEAN] + [Variant(m, mode, r, 0) for m, mode, r in variants]
     units = window_units(wins)

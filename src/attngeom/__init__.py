@@ -15,28 +15,37 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-from .errors import AttngeomError, InputError, ModelLoadError, OutputError, TraceFormatError, UnsupportedArchitectureError
+from attngeom.errors import AttngeomError, InputError, ModelLoadError, OutputError, TraceFormatError, UnsupportedArchitectureError
 
 _LAZY = {
-    "metrics": ".metrics",
     "ATTN_NAME": ".capture", "Block": ".capture", "Session": ".capture",
+    "RankIntervention": ".capture", "HeadRemoval": ".capture", "SourceMask": ".capture",
     "DEFAULT_MODEL": ".model", "SUPPORTED_ARCHITECTURES": ".model", "ModelHandle": ".model", "load_model": ".model",
     "wrap": ".model",
-    "Batch": ".reducers", "FullCapture": ".reducers", "HeadStats": ".reducers", "Reducer": ".reducers",
-    "TokenStats": ".reducers",
-    "LayerTrace": ".trace", "Trace": ".trace", "analyze": ".trace", "analyze_batch": ".trace", "stream": ".trace",
+    "Batch": ".streaming", "FullCapture": ".streaming", "HeadStats": ".streaming", "Reducer": ".streaming",
+    "TokenStats": ".streaming",
+    "LayerTrace": ".traces", "Trace": ".traces", "analyze": ".traces", "analyze_batch": ".traces", "stream": ".streaming",
+    "load_windows": ".data", "read_texts": ".data",
+    "CompressedCache": ".kvcache",
 }
-"""Public name -> the module that defines it."""
+"""Public name -> the package that defines it."""
 
-__all__ = sorted([*_LAZY, "AttngeomError", "InputError", "ModelLoadError", "OutputError", "TraceFormatError",
+SUBPACKAGES = ("analysis", "capture", "claims", "data", "explorer", "faithfulness", "generation", "heads", "kvcache", "metrics",
+               "model", "runs", "selection", "sinks", "stats", "streaming", "traces")
+"""The parts of attngeom (docs/design.md), reachable as attributes: ``attngeom.sinks.experiment``."""
+
+__all__ = sorted([*_LAZY, *SUBPACKAGES, "AttngeomError", "InputError", "ModelLoadError", "OutputError", "TraceFormatError",
                   "UnsupportedArchitectureError", "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from . import metrics
-    from .capture import ATTN_NAME, Block, Session
-    from .model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap
-    from .reducers import Batch, FullCapture, HeadStats, Reducer, TokenStats
-    from .trace import LayerTrace, Trace, analyze, analyze_batch, stream
+    from attngeom import (analysis, capture, claims, data, explorer, faithfulness, generation, heads, kvcache, metrics, model,
+                          runs, selection, sinks, stats, streaming, traces)
+    from attngeom.capture import ATTN_NAME, Block, HeadRemoval, RankIntervention, Session, SourceMask
+    from attngeom.data import load_windows, read_texts
+    from attngeom.kvcache import CompressedCache
+    from attngeom.model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap
+    from attngeom.streaming import Batch, FullCapture, HeadStats, Reducer, TokenStats
+    from attngeom.traces import LayerTrace, Trace, analyze, analyze_batch, stream
 
 
 def __getattr__(name: str):
@@ -49,9 +58,9 @@ def __getattr__(name: str):
             value = "0.0.0"
     elif name in _LAZY:
         module = importlib.import_module(_LAZY[name], __name__)
-        value = module if name == "metrics" else getattr(module, name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f".{name}", __name__)        # attngeom.trace, attngeom.data, ...
+        value = getattr(module, name)
+    elif name in SUBPACKAGES:
+        value = importlib.import_module(f".{name}", __name__)        # attngeom.sinks, attngeom.kvcache, ...
     else:
         raise AttributeError(f"module 'attngeom' has no attribute {name!r}")
     globals()[name] = value

@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import AttngeomError
+from attngeom.errors import AttngeomError
 
 COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads", "explore", "claims", "kvcache")
 

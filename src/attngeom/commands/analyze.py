@@ -1,12 +1,12 @@
 """``attngeom analyze``: per-token and per-head summaries of one text, with maps and sink figures.
 
-With no ``--text``/``--file``: the built-in sample text (:data:`attngeom.data.SAMPLE_TEXT`), ``make
+With no ``--text``/``--file``: the built-in sample text (:data:`attngeom.data.corpora.SAMPLE_TEXT`), ``make
 demo``. The analysis (windows, ``--generate N``: docs/generation.md) is
-:func:`attngeom.analysis.experiment`, corpus mode (``--data``)
-:func:`attngeom.analysis.answer_experiment`. Bad input fails before any compute: the arguments, the
+:func:`attngeom.analysis.single_text.experiment`, corpus mode (``--data``)
+:func:`attngeom.analysis.single_text.answer_experiment`. Bad input fails before any compute: the arguments, the
 output directory (claimed, proved writable) and the input file are checked before the model loads,
 the input against the model before the experiment's stage (resumable) runs. The write step draws
-the maps of the figure layers (a full :func:`attngeom.trace.analyze` of the first window, when it
+the maps of the figure layers (a full :func:`attngeom.traces.trace.analyze` of the first window, when it
 has at most ``--max-map-tokens`` tokens) and writes, in ``--out``: ``tokens.parquet``,
 ``heads.parquet`` (generating also ``answer_shares``, ``answer_sources``, ``answer_summary``),
 ``maps_layer{L}.png``, ``heads_layer{L}.png``, ``sinks_per_layer.png``, ``summary.json`` and
@@ -19,12 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import InputError
-from ..settings import AnalyzeSettings
-from . import common
-from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
-                     model_identity, open_run, text_identity, text_input, write_json, write_parquet)
-from .generation_args import add_generation_args, decoding_of, prompt_of
+from attngeom.errors import InputError
+from attngeom.analysis.settings import AnalyzeSettings
+from attngeom.commands import common
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input, write_json, write_parquet
+from attngeom.commands.generation_args import add_generation_args, decoding_of, prompt_of
 
 DEFAULT_OUT = "out/analyze"
 
@@ -71,7 +70,7 @@ def add_parser(subparsers) -> None:
 
 def _checked(args) -> dict:
     """The options that need no model, checked: layers, figure layers and heads as tuples (None: default)."""
-    from ..data import parse_int_list
+    from attngeom.data.corpora import parse_int_list
 
     layers = check_layer_list(args.layers)
     fig_layers = check_layer_list(args.figure_layers, "--figure-layers") if args.figure_layers else None
@@ -86,7 +85,7 @@ def _checked(args) -> dict:
 
 
 def run(args) -> int:
-    from ..analysis import experiment, map_window
+    from attngeom.analysis.single_text import experiment, map_window
 
     t_start = time.perf_counter()
     lists = _checked(args)
@@ -110,7 +109,7 @@ def run(args) -> int:
             print(f"attngeom analyze: {res.summary['maps']}", file=sys.stderr)
 
         def write(staging: Path) -> list[str]:
-            from ..reports import analyze as rep
+            from attngeom.reports import analyze as rep
 
             files = _write_tables(staging, res.tables)
             t0 = time.perf_counter()
@@ -130,9 +129,9 @@ def run(args) -> int:
 
 def _run_corpus(args, layers, t_start) -> int:
     """Corpus mode: every prompt of ``--data`` answered with analysis (stage ``generate`` of the run)."""
-    from ..analysis import answer_experiment
-    from ..data import resolve_texts
-    from .common import data_identity, fields_of
+    from attngeom.analysis.single_text import answer_experiment
+    from attngeom.data.corpora import resolve_texts
+    from attngeom.commands.common import data_identity, fields_of
 
     if args.data is None:
         raise InputError("--fields and --max-prompts go with --data")
@@ -174,9 +173,9 @@ def _write_tables(staging: Path, tables: dict) -> list[str]:
 
 def _draw(staging: Path, handle, res) -> list[str]:
     """The maps and per-head grids of the figure layers (first window) and the per-layer sink figure."""
-    from .. import trace as tr
-    from ..analysis import map_window
-    from ..reports import analyze as rep
+    from attngeom.traces import trace as tr
+    from attngeom.analysis.single_text import map_window
+    from attngeom.reports import analyze as rep
 
     files, first, s = [], map_window(res), res.summary
     if first is not None:

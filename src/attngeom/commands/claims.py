@@ -1,7 +1,7 @@
 """``attngeom claims``: every claim of the two papers scored on one model, with bootstrap intervals.
 
 Reduced runs of the faithfulness, sinks, selection and heads experiments on the same windows
-(:mod:`attngeom.claims`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
+(:mod:`attngeom.claims.catalogue`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
 resamples, default 1000) gives a 95 % interval for every number. Resumable from ``--out/checkpoint``.
 Writes to ``--out``: ``claims.md`` (one row per claim: measured value, interval, verdict; the rules;
 the numbers behind each verdict) and ``claims.json`` (the same rows and every interval).
@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 import time
 
-from ..errors import InputError
-from . import common
+from attngeom.errors import InputError
+from attngeom.commands import common
 
 
 def add_parser(subparsers) -> None:
-    from ..claims import DEFAULTS
+    from attngeom.claims.catalogue import DEFAULTS
 
     p = subparsers.add_parser(
         "claims", help="score every claim of the two papers on a model, with bootstrap intervals",
@@ -52,10 +52,10 @@ def add_parser(subparsers) -> None:
 
 def check_args(args) -> dict:
     """Everything that needs no model; returns the parsed lists."""
-    from ..data import parse_float_list, parse_int_list, read_texts
-    from ..faithfulness import check_ratios
-    from ..heads import check_retentions
-    from ..taxonomy import REGIMES
+    from attngeom.data.corpora import parse_float_list, parse_int_list, read_texts
+    from attngeom.faithfulness.curves import check_ratios
+    from attngeom.heads.removal import check_retentions
+    from attngeom.heads.taxonomy import REGIMES
 
     common.check_at_least(args, window=8, max_windows=4, calib_windows=2, stride=1, repeats=1, bootstrap=100)
     if args.max_windows <= args.calib_windows + 1:
@@ -79,10 +79,10 @@ def check_args(args) -> dict:
 
 
 def run(args) -> int:
-    from ..claims import Settings, experiment
-    from ..data import load_windows
-    from ..io import clean_json
-    from ..reports.claims import render
+    from attngeom.claims.catalogue import Settings, experiment
+    from attngeom.data.corpora import load_windows
+    from attngeom.runs.storage import clean_json
+    from attngeom.reports.claims import render
 
     opts = check_args(args)
     fields = common.fields_of(args)

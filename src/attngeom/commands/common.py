@@ -1,7 +1,7 @@
 """Pieces shared by the commands: common options, the run (output directory), model loading.
 
 A command is thin: it checks its arguments (everything that needs no model, before any compute),
-opens its :class:`~attngeom.runner.Run` (which claims the output directory), loads the model, calls
+opens its :class:`~attngeom.runs.run.Run` (which claims the output directory), loads the model, calls
 an experiment of the core and writes its outputs through :meth:`Run.finish`.
 """
 
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import InputError
-from ..io import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
+from attngeom.errors import InputError
+from attngeom.runs.storage import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..experiment import RunLike
+    from attngeom.runs.contract import RunLike
 
 
 def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[str]:
@@ -86,14 +86,14 @@ def text_input(args, verb: str) -> tuple[str, str]:
     """``(text, source)`` of ``--text`` / ``--file`` / the built-in sample, checked before any
     compute: an empty text, a missing, unreadable, non-UTF-8 or empty file are one-line errors. A
     file is read as written (``\r`` stays ``\r``)."""
-    from ..data import SAMPLE_TEXT, utf8_text
+    from attngeom.data.corpora import SAMPLE_TEXT, utf8_text
 
     if args.text is not None:
         if not args.text.strip():
             raise InputError(f"--text is empty (or only whitespace); give some text to {verb}")
         return args.text, "--text"
     if args.file is None:
-        return SAMPLE_TEXT, "built-in sample text (attngeom.data.SAMPLE_TEXT)"
+        return SAMPLE_TEXT, "built-in sample text (attngeom.data.corpora.SAMPLE_TEXT)"
     p = Path(args.file)
     if not p.exists():
         raise InputError(f"input file not found: {p}")
@@ -131,8 +131,8 @@ def check_at_least(args, **minimums: int) -> None:
 
 def check_layer_list(spec, option: str = "--layers") -> list[int] | None:
     """``all``/None -> None, else a non-empty list of layer numbers (``","`` and negative numbers are
-    refused; the model's own range is checked by :func:`attngeom.data.check_layers` once it is loaded)."""
-    from ..data import parse_int_list
+    refused; the model's own range is checked by :func:`attngeom.data.corpora.check_layers` once it is loaded)."""
+    from attngeom.data.corpora import parse_int_list
 
     layers = parse_int_list(spec, option)
     if layers is not None and not layers:
@@ -145,7 +145,7 @@ def check_layer_list(spec, option: str = "--layers") -> list[int] | None:
 def data_identity(spec: str) -> dict:
     """What identifies a corpus in a run's settings: the resolved path and its content's sha256
     (a changed file is another run), or the ``hf:`` spec as given."""
-    from ..data import corpus_digest
+    from attngeom.data.corpora import corpus_digest
 
     if spec.startswith("hf:"):
         return {"data": spec}
@@ -156,8 +156,8 @@ def data_identity(spec: str) -> dict:
 def model_identity(args) -> dict:
     """``--model``, ``--dtype`` and ``--device`` normalised without loading anything: an explicit
     ``--dtype float32`` on CPU is the same run as the default. Bad devices fail here (exit 2)."""
-    from ..distributed import local_device
-    from ..model import check_device, dtype_name, resolve_dtype
+    from attngeom.runs.distributed import local_device
+    from attngeom.model import check_device, dtype_name, resolve_dtype
 
     device = check_device(getattr(args, "device", None) or local_device())
     dtype = resolve_dtype(getattr(args, "dtype", None), device)
@@ -168,10 +168,10 @@ def model_identity(args) -> dict:
 
 
 def open_run(args, command: str, settings: dict):
-    """The :class:`~attngeom.runner.Run` of this command in ``--out`` (claimed before any compute),
+    """The :class:`~attngeom.runs.run.Run` of this command in ``--out`` (claimed before any compute),
     shared among the processes of a ``torchrun`` launch when there is one."""
-    from ..distributed import comm_from_env
-    from ..runner import Run
+    from attngeom.runs.distributed import comm_from_env
+    from attngeom.runs.run import Run
 
     comm = comm_from_env(getattr(args, "device", None))
     try:
@@ -195,8 +195,8 @@ def already_complete(run: RunLike, command: str) -> bool:
 def load(args):
     """Load the model named by ``--model`` (with a note on stderr: the first load of a bundled model
     dequantises it once)."""
-    from ..distributed import local_device, rank
-    from ..model import load_model
+    from attngeom.runs.distributed import local_device, rank
+    from attngeom.model import load_model
 
     quiet = getattr(args, "no_progress", False) or rank() != 0
     if not quiet:

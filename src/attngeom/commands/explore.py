@@ -12,16 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import InputError
-from . import common
-from .common import (add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list,
-                     model_identity, open_run, text_identity, text_input)
-from .generation_args import add_generation_args, decoding_of, prompt_of, settings_of
+from attngeom.errors import InputError
+from attngeom.commands import common
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input
+from attngeom.commands.generation_args import add_generation_args, decoding_of, prompt_of, settings_of
 
 DEFAULT_TOP_K = 8
-"""Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explore.DEFAULT_TOP_K``)."""
+"""Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explorer.data.DEFAULT_TOP_K``)."""
 DEFAULT_EXACT_MAX_TOKENS = 512
-"""Every source kept up to this many tokens (``attngeom.explore.DEFAULT_EXACT_MAX_TOKENS``)."""
+"""Every source kept up to this many tokens (``attngeom.explorer.data.DEFAULT_EXACT_MAX_TOKENS``)."""
 
 DEFAULT_OUT = "out/explore"
 PAGE = "explore.html"
@@ -64,9 +63,9 @@ def run(args) -> int:
         if already_complete(run, "explore"):
             return 0
         # ---- the model, the data, the page ---------------------------------------------------------
-        from ..data import check_layers
-        from ..explore import build
-        from ..reports import explore as rep
+        from attngeom.data.corpora import check_layers
+        from attngeom.explorer.data import build
+        from attngeom.reports import explore as rep
 
         handle = common.load(args)
         layers = check_layers(layers, handle.num_layers)

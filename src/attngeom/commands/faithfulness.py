@@ -6,15 +6,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from ..errors import InputError
-from ..settings import FaithfulnessSettings
-from . import common
-from .common import (add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list,
-                     data_identity, fields_of, model_identity, open_run, write_json, write_parquet)
+from attngeom.errors import InputError
+from attngeom.faithfulness.settings import FaithfulnessSettings
+from attngeom.commands import common
+from attngeom.commands.common import add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list, data_identity, fields_of, model_identity, open_run, write_json, write_parquet
 
 
 def add_parser(subparsers) -> None:
-    from .. import registry
+    from attngeom.metrics import registry
 
     d = FaithfulnessSettings()
     p = subparsers.add_parser(
@@ -32,7 +31,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-examples", type=int, default=None, help="task examples to use (default: all)")
     p.add_argument("--metrics", default=",".join(d.metrics),
                    help="ranking metrics, comma-separated (default %(default)s; known: "
-                        f"{', '.join((*registry.rank_names(), 'random'))}; attngeom.registry)")
+                        f"{', '.join((*registry.rank_names(), 'random'))}; attngeom.metrics.registry)")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in d.ratios),
                    help="removal ratios in (0, 1), comma-separated (default %(default)s)")
     p.add_argument("--seeds", default=",".join(str(x) for x in d.seeds),
@@ -48,8 +47,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..data import check_layers, parse_float_list, parse_int_list, resolve_texts
-    from ..faithfulness import experiment, task_units, variants_of, window_units
+    from attngeom.data.corpora import check_layers, parse_float_list, parse_int_list, resolve_texts
+    from attngeom.faithfulness.curves import experiment, task_units, variants_of, window_units
 
     # ---- everything that needs no model, before loading it ---------------------------------
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
@@ -63,7 +62,7 @@ def run(args) -> int:
     fields = fields_of(args)
     examples = None
     if args.task:
-        from ..tasks import load_task
+        from attngeom.faithfulness.tasks import load_task
 
         if args.max_examples is not None and args.max_examples < 1:
             raise InputError(f"--max-examples must be positive, got {args.max_examples}")
@@ -85,7 +84,7 @@ def run(args) -> int:
         if examples is not None:
             units = task_units(handle, examples)
         else:
-            from ..data import load_windows
+            from attngeom.data.corpora import load_windows
 
             wins = load_windows(handle, args.data, window=args.window, stride=args.stride,
                                 max_windows=args.max_windows, fields=fields)
@@ -100,7 +99,7 @@ def run(args) -> int:
             write_json(staging / "summary.json", summary)
             files = ["table.parquet", "summary.json"]
             if not table.empty:
-                from ..reports.faithfulness import plot
+                from attngeom.reports.faithfulness import plot
 
                 plot(table, staging / "faithfulness.png", measure=summary.get("measure", "ppl"),
                      title=summary.get("title"))

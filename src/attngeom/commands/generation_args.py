@@ -1,6 +1,6 @@
 """The generation options that ``attngeom analyze`` and ``attngeom explore`` share (``--generate N``,
 ``--sample``, ``--temperature``, ``--top-p``, ``--seed``, ``--chat``, ``--system``) and the prompt
-they read: checked before the model is loaded (see :mod:`attngeom.generate`, docs/generation.md).
+they read: checked before the model is loaded (see :mod:`attngeom.generation.decoding`, docs/generation.md).
 
 A prompt file whose name ends in ``.json`` holds a JSON list of chat messages
 (``[{"role": "user", "content": "..."}, ...]``), which always go through the chat template."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import InputError
+from attngeom.errors import InputError
 
 
 def add_generation_args(p) -> None:
@@ -30,9 +30,9 @@ def add_generation_args(p) -> None:
 
 
 def decoding_of(args):
-    """The :class:`~attngeom.generate.Decoding` of the options, or None without ``--generate``;
+    """The :class:`~attngeom.generation.decoding.Decoding` of the options, or None without ``--generate``;
     generation-only options without ``--generate`` are refused."""
-    from ..generate import Decoding
+    from attngeom.generation.decoding import Decoding
 
     if args.generate is None:
         given = [o for o, v in (("--sample", args.sample), ("--temperature", args.temperature),
@@ -66,7 +66,7 @@ def prompt_of(args, text: str):
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise InputError(f"{args.file}: a .json prompt file holds a non-empty list of "
                              "{\"role\": ..., \"content\": ...} messages")
-        from ..generate import chat_messages
+        from attngeom.generation.decoding import chat_messages
 
         chat_messages(messages)                                     # roles and contents checked here
         return messages
@@ -74,7 +74,7 @@ def prompt_of(args, text: str):
 
 
 def settings_of(decoding, args) -> dict:
-    """What identifies a generation in a run's settings (:func:`attngeom.settings.generation_record`)."""
-    from ..settings import generation_record
+    """What identifies a generation in a run's settings (:func:`attngeom.generation.settings.generation_record`)."""
+    from attngeom.generation.settings import generation_record
 
     return generation_record(decoding, args.chat, args.system)

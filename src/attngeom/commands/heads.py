@@ -3,13 +3,13 @@
 The first ``--data`` corpus is cut into windows; the first ``--calib-windows`` are the calibration
 split, the rest are held out. Work, in order:
 
-1. one pass over every window of the first corpus with :class:`~attngeom.taxonomy.TaxonomyStats`
+1. one pass over every window of the first corpus with :class:`~attngeom.heads.taxonomy.TaxonomyStats`
    (source winners, regimes, alignments, attention entropy) that also gives the unedited
    perplexity of both splits; the same statistics on the second corpus when ``--data`` is given twice;
 2. single-head sensitivity on the calibration split (ΔPPL of removing each head alone);
 3. the taxonomy-guided regime order chosen on the calibration split (all six orders tried);
 4. perplexity on the held-out windows for every removal order (taxonomy, weight, entropy, random,
-   sensitivity; :mod:`attngeom.heads`) at every retention (default 100, 90, 75, 50, 25 %);
+   sensitivity; :mod:`attngeom.heads.removal`) at every retention (default 100, 90, 75, 50, 25 %);
 5. individually critical heads.
 
 Writes to ``--out``: ``heads.parquet`` (one row per layer and head: winner shares, regime on the
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import InputError
-from . import common
+from attngeom.errors import InputError
+from attngeom.commands import common
 
 TABLES = ("heads", "removal", "order_search", "regimes_by_layer")
 
 
 def add_parser(subparsers) -> None:
-    from ..settings import HeadsSettings
+    from attngeom.heads.settings import HeadsSettings
 
     d = HeadsSettings()
     p = subparsers.add_parser(
@@ -62,8 +62,8 @@ def add_parser(subparsers) -> None:
 
 def check_args(args) -> list[float]:
     """Everything that needs no model; returns the retentions."""
-    from ..data import parse_float_list, read_texts
-    from ..heads import check_retentions
+    from attngeom.data.corpora import parse_float_list, read_texts
+    from attngeom.heads.removal import check_retentions
 
     data = args.data or []
     if len(data) > 2:
@@ -82,10 +82,10 @@ def check_args(args) -> list[float]:
 
 
 def run(args) -> int:
-    from ..data import load_windows
-    from ..heads import experiment
-    from ..settings import HeadsSettings
-    from ..taxonomy import REGIMES
+    from attngeom.data.corpora import load_windows
+    from attngeom.heads.removal import experiment
+    from attngeom.heads.settings import HeadsSettings
+    from attngeom.heads.taxonomy import REGIMES
 
     retentions = check_args(args)
     fields = common.fields_of(args)

@@ -1,7 +1,7 @@
 """``attngeom kvcache``: language modelling under a KV-cache budget, policy by policy.
 
-Each window of ``--data`` is read with the compressed cache of :mod:`attngeom.kvcache` under every
-policy of ``--policies`` (:mod:`attngeom.kvpolicies`) and every budget of ``--budgets`` (entries per
+Each window of ``--data`` is read with the compressed cache of :mod:`attngeom.kvcache.cache` under every
+policy of ``--policies`` (:mod:`attngeom.kvcache.policies`) and every budget of ``--budgets`` (entries per
 key/value head), ``--chunk`` tokens per forward pass (1: token by token, the reference); every
 (window, policy, budget) is one resumable unit in ``--out/checkpoint``. The ``taxonomy`` policy's
 per-head budgets come from the head taxonomy of ``--calibration-windows`` further windows of the
@@ -27,12 +27,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from ..errors import InputError
-from ..settings import KVCacheSettings
-from . import common
+from attngeom.errors import InputError
+from attngeom.kvcache.settings import KVCacheSettings
+from attngeom.commands import common
 
 if TYPE_CHECKING:
-    from ..experiment import ModelHandleLike, RunLike
+    from attngeom.runs.contract import ModelHandleLike, RunLike
 
 DEFAULT_POLICIES = ",".join(KVCacheSettings().policies)
 DEFAULT_BUDGETS = ",".join(map(str, KVCacheSettings().budgets))
@@ -68,7 +68,7 @@ def add_parser(subparsers) -> None:
 
 
 def _policies(spec: str) -> list[str]:
-    from ..kvpolicies import get_policy
+    from attngeom.kvcache.policies import get_policy
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
@@ -79,8 +79,8 @@ def _policies(spec: str) -> list[str]:
 
 
 def run(args) -> int:
-    from ..data import load_windows, parse_int_list, read_texts
-    from ..kvpolicies import needs_regimes
+    from attngeom.data.corpora import load_windows, parse_int_list, read_texts
+    from attngeom.kvcache.policies import needs_regimes
 
     common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1, max_examples=1,
                           new_tokens=1)
@@ -114,15 +114,15 @@ def run(args) -> int:
                 raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
                                  f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
             regimes = _regimes(handle, run, calib)
-        from ..kvcache import experiment
+        from attngeom.kvcache.cache import experiment
 
         result = experiment(handle, run, evaluated, KVCacheSettings(tuple(policies), tuple(budgets), args.chunk),
                             regimes)
         reads, summary_df, pairs_df = (result.tables[k] for k in ("reads", "summary", "pairs"))
         answers_df = answers_summary = None
         if qa_pairs:
-            from ..kvcache import answers, summarize_answers
-            from ..passes import to_ids
+            from attngeom.kvcache.cache import answers, summarize_answers
+            from attngeom.streaming.passes import to_ids
 
             examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]
             answers_df = answers(handle, run, examples, policies, budgets, args.new_tokens, regimes)
@@ -150,7 +150,7 @@ def run(args) -> int:
                 common.write_parquet(regimes, staging / "regimes.parquet")
                 files.append("regimes.parquet")
             if not args.no_figures:
-                from ..reports.kvcache import render
+                from attngeom.reports.kvcache import render
 
                 summary["figures"] = [p.name for p in render(staging)]
                 files += summary["figures"]
@@ -168,7 +168,7 @@ def run(args) -> int:
 
 def _answer_texts(args) -> list[tuple[str, str]]:
     """(prompt, reference) texts of ``--answers`` (checked before the model loads)."""
-    from ..data import read_texts
+    from attngeom.data.corpora import read_texts
 
     prompts = read_texts(args.answers, [args.prompt_field])
     refs = read_texts(args.answers, [args.reference_field])
@@ -180,8 +180,8 @@ def _answer_texts(args) -> list[tuple[str, str]]:
 
 def _regimes(handle: ModelHandleLike, run: RunLike, calib):
     """The head taxonomy (``layer, head, regime``) of the calibration windows (stage ``calibration``)."""
-    from ..taxonomy import TaxonomyStats
-    from ..stages import reduce_stage
+    from attngeom.heads.taxonomy import TaxonomyStats
+    from attngeom.streaming.stages import reduce_stage
 
     tax, = reduce_stage(handle, run, "calibration", calib, lambda: [TaxonomyStats()], desc="calibration")
     return tax.result()[["layer", "head", "regime"]]

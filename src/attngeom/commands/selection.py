@@ -6,7 +6,7 @@ space of attention-scaled values ``y_j = a_tj v_j``, for ``N = 1, 2, 4, …, 256
 candidate count, Euclidean and cosine; the same with the sink excluded from the candidates; seeded
 random subsets (``--repeats``, default 8) with and without the sink; inversions ``GInv_N`` and the
 bounds of SPEC §5 checked on every selection; the sink-aware regime and the prediction of ``P, R, F``
-from its fitted parameters (see :mod:`attngeom.selection`).
+from its fitted parameters (see :mod:`attngeom.selection.topn`).
 
 Writes to ``--out``: ``selection.parquet`` (one row per window, layer, query, kind, distance, head,
 N: measured P, R, F, GInv, ρ_max, ρ_min; random kinds as means over repeats with ``F_std``; the
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import InputError
-from . import common
+from attngeom.errors import InputError
+from attngeom.commands import common
 
 TABLES = ("selection", "regime")
 
 
 def add_parser(subparsers) -> None:
-    from ..settings import SelectionSettings
+    from attngeom.selection.settings import SelectionSettings
 
     d = SelectionSettings()
     p = subparsers.add_parser(
@@ -65,8 +65,8 @@ def add_parser(subparsers) -> None:
 
 def parse_args_checked(args):
     """Validate everything that does not need the model; returns (ns, distances, queries, layers)."""
-    from ..data import parse_int_list
-    from ..selection import DISTANCES, POWERS, check_ns
+    from attngeom.data.corpora import parse_int_list
+    from attngeom.selection.topn import DISTANCES, POWERS, check_ns
 
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, repeats=0, max_lag=1, stride=1,
                           small_n_max=1)
@@ -98,16 +98,16 @@ def parse_args_checked(args):
 def check_corpus(spec: str, args) -> None:
     """Refuse a missing or empty local corpus before the model is loaded (``hf:`` specs are checked
     when they are read)."""
-    from ..data import read_texts
+    from attngeom.data.corpora import read_texts
 
     if not spec.startswith("hf:"):
         read_texts(spec, common.fields_of(args))
 
 
 def run(args) -> int:
-    from ..data import check_layers, load_windows
-    from ..selection import experiment
-    from ..settings import SelectionSettings
+    from attngeom.data.corpora import check_layers, load_windows
+    from attngeom.selection.topn import experiment
+    from attngeom.selection.settings import SelectionSettings
 
     ns, distances, queries, layers = parse_args_checked(args)
     fields = common.fields_of(args)

@@ -1,7 +1,7 @@
 """``attngeom sinks``: attention sinks as active suppressors (SPEC §4).
 
-The experiment is :func:`attngeom.sinks.experiment` (three passes per window: the unedited model
-with :class:`~attngeom.sinks.SinkStats`, sink-norm removal, and the mass-matched control removal),
+The experiment is :func:`attngeom.sinks.suppression.experiment` (three passes per window: the unedited model
+with :class:`~attngeom.sinks.suppression.SinkStats`, sink-norm removal, and the mass-matched control removal),
 resumable from ``--out/checkpoint``. Writes to ``--out``:
 
 - ``heads.parquet`` — one row per (layer, head): sink rate and contribution, factor decomposition
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import InputError
-from . import common
+from attngeom.errors import InputError
+from attngeom.commands import common
 
 TABLES = ("heads", "curve", "drift", "hist", "removal", "ppl")
 
 
 def add_parser(subparsers) -> None:
-    from ..settings import SinksSettings
+    from attngeom.sinks.settings import SinksSettings
 
     d = SinksSettings()
     p = subparsers.add_parser(
@@ -49,9 +49,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..data import check_layers, load_windows, read_texts
-    from ..settings import SinksSettings
-    from ..sinks import experiment
+    from attngeom.data.corpora import check_layers, load_windows, read_texts
+    from attngeom.sinks.settings import SinksSettings
+    from attngeom.sinks.suppression import experiment
 
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)
     if args.window is not None and args.sink >= args.window - 1:

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
-from ..errors import ModelLoadError
+from attngeom.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

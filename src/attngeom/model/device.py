@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InputError
+from attngeom.errors import InputError
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,

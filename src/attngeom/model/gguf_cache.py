@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from ..errors import ModelLoadError
-from .adapter import check_supported
+from attngeom.errors import ModelLoadError
+from attngeom.model.adapter import check_supported
 
 SOURCE_MARKER = "attngeom_source.json"
 """File in a cache folder naming the GGUF it was made from."""
@@ -120,7 +120,7 @@ def dequantise_gguf(gguf: pathlib.Path, attn_implementation: str | None = None):
     """Read a GGUF file into a float32 transformers model and tokenizer (slow: tens of seconds)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from .loading import attn_implementation_for
+    from attngeom.model.loading import attn_implementation_for
 
     folder, name = str(gguf.parent), gguf.name
     try:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import InputError
-from .adapter import ArchitectureAdapter, adapter_for
+from attngeom.errors import InputError
+from attngeom.model.adapter import ArchitectureAdapter, adapter_for
 
 if TYPE_CHECKING:  # transformers is imported by whoever built the model
     import transformers

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..errors import ModelLoadError
-from . import gguf_cache as _gc
-from .adapter import adapter_for, check_supported
-from .bundled import BUNDLED_MODELS, BundledModel, find_bundled
-from .device import resolve_device, resolve_dtype
-from .gguf_cache import cache_dir, first_line, quiet_progress
-from .handle import ModelHandle
+from attngeom.errors import ModelLoadError
+from attngeom.model import gguf_cache as _gc
+from attngeom.model.adapter import adapter_for, check_supported
+from attngeom.model.bundled import BUNDLED_MODELS, BundledModel, find_bundled
+from attngeom.model.device import resolve_device, resolve_dtype
+from attngeom.model.gguf_cache import cache_dir, first_line, quiet_progress
+from attngeom.model.handle import ModelHandle
 
 DEFAULT_MODEL = "smollm2-135m"
 

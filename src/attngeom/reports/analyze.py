@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import registry
-from . import markdown as md
-from .common import DPI  # sets the Agg backend first
+from attngeom.metrics import registry
+from attngeom.reports import markdown as md
+from attngeom.reports.common import DPI  # sets the Agg backend first
 
 import matplotlib
 import numpy as np

@@ -1,8 +1,8 @@
-"""``claims.md``: the claims table of :mod:`attngeom.claims` as Markdown (cells escaped)."""
+"""``claims.md``: the claims table of :mod:`attngeom.claims.catalogue` as Markdown (cells escaped)."""
 
 from __future__ import annotations
 
-from .markdown import text as _text
+from attngeom.reports.markdown import text as _text
 
 
 def escape(value) -> str:

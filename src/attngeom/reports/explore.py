@@ -1,5 +1,5 @@
 """HTML of the explorer: one self-contained page (inline JS and CSS, no network) from an
-:class:`attngeom.explore.ExploreData`.
+:class:`attngeom.explorer.data.ExploreData`.
 
 The data travels as JSON in ``<script type="application/json">`` with ``<``, ``>``, ``&``, U+2028
 and U+2029 escaped, so no token text can close the script element or be read as markup; the page
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..explore import METRICS, PAD, ExploreData
+from attngeom.explorer.data import METRICS, PAD, ExploreData
 
 TEMPLATE = "explore_template.html"
 PLACEHOLDER = "__EXPLORE_DATA__"
@@ -78,7 +78,7 @@ def _escape_json(text: str) -> str:
 
 def payload(data: ExploreData, level: int = 9) -> dict:
     """The JSON object the page reads."""
-    from ..taxonomy import REGIMES
+    from attngeom.heads.taxonomy import REGIMES
 
     raw, blocks = pack(data)
     L = data.meta.get("num_layers")

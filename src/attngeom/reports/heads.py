@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import DPI, save_figure  # sets the Agg backend first
+from attngeom.reports.common import DPI, save_figure  # sets the Agg backend first
 
 import matplotlib
 import matplotlib.pyplot as plt

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import save_figure  # sets the Agg backend first
+from attngeom.reports.common import save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np

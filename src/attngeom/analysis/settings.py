@@ -1,0 +1,49 @@
+"""The single-text analysis' settings and defaults. Plain dataclasses, nothing heavy imported: the command reads them to build ``--help``, and its options default to these fields."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from attngeom.generation.settings import generation_record
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attngeom.generation.decoding import Decoding
+
+@dataclass(frozen=True)
+class AnalyzeSettings:
+    """The single-text analysis (:func:`attngeom.analysis.single_text.experiment`): summaries at ``layers``
+    (None: all), maps of the ``figure_layers`` (None: the first, a middle and the last analysed
+    layer) with per-head grids of ``heads`` (None: all), drawn only when the (first) window has at
+    most ``max_map_tokens`` tokens; an input longer than the context cut into windows of ``window``
+    tokens every ``stride`` (None: no windows; stride None: ``window - 1``, no overlap); the sink at
+    position ``sink``. ``decoding`` (a :class:`~attngeom.generation.decoding.Decoding`; None: no generation)
+    generates an answer to the text as a prompt, a user message through the chat template when
+    ``chat`` (with the ``system`` message)."""
+
+    layers: tuple[int, ...] | None = None
+    figure_layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    window: int | None = None
+    stride: int | None = None
+    sink: int = 0
+    max_map_tokens: int = 2048
+    decoding: Decoding | None = None
+    chat: bool = False
+    system: str | None = None
+
+    def _layers(self):
+        return "all" if self.layers is None else sorted(set(self.layers))
+
+    def record(self) -> dict:
+        """The options of one text as the run records them."""
+        return {"layers": self._layers(),
+                "figure_layers": None if self.figure_layers is None else list(self.figure_layers),
+                "heads": "all" if self.heads is None else sorted(set(self.heads)),
+                "window": self.window, "stride": self.stride, "sink": self.sink,
+                "max_map_tokens": self.max_map_tokens, **generation_record(self.decoding, self.chat, self.system)}
+
+    def answer_record(self) -> dict:
+        """The options of corpus mode (:func:`attngeom.analysis.single_text.answer_experiment`) as the run records them."""
+        return {"layers": self._layers(), "sink": self.sink,
+                **generation_record(self.decoding, self.chat, self.system)}

@@ -1,0 +1,39 @@
+"""The claims experiment's settings and defaults (docs/claims.md). Plain dataclasses, nothing heavy imported: the command reads them to build ``--help``, and its options default to these fields."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+FIXED_REGIME_ORDER = ("Mixer", "Reset", "Retriever")
+"""The a-priori taxonomy order of the claims (first removed first); see ``docs/claims.md``."""
+
+
+@dataclass(frozen=True)
+class ClaimsSettings:
+    """The claims experiment. ``window`` and ``max_windows`` say how the command cuts the corpus;
+    the others are the reduced experiments' options: faithfulness ``ratios`` and ``seeds`` of the
+    random ranking, selection sizes ``ns`` and random ``repeats``, head-removal ``retentions``
+    (percent of heads kept) with the first ``calib_windows`` windows as calibration split and the
+    a-priori ``fixed_order`` of regimes beside the calibrated one, and the bootstrap
+    (``n_resamples`` resamples seeded by ``seed``; ``critical_k`` the critical-head threshold)."""
+
+    window: int = 128
+    max_windows: int = 12
+    calib_windows: int = 2
+    ratios: tuple[float, ...] = tuple(round(0.1 * k, 1) for k in range(1, 10))  # SPEC §3.3's grid
+    seeds: tuple[int, ...] = (0,)
+    ns: tuple[int, ...] = (2, 4, 8, 16)
+    repeats: int = 4
+    retentions: tuple[float, ...] = (100.0, 90.0, 75.0, 50.0, 25.0)
+    fixed_order: tuple[str, ...] = FIXED_REGIME_ORDER
+    n_resamples: int = 1000
+    seed: int = 0
+    critical_k: float = 3.0
+
+    def record(self, level: float) -> dict:
+        """What a result records of them (``bootstrap``: the resamples; ``level``: the interval's)."""
+        return {"calib_windows": self.calib_windows, "ratios": list(self.ratios), "seeds": list(self.seeds),
+                "ns": list(self.ns), "repeats": self.repeats, "retentions": list(self.retentions),
+                "fixed_order": list(self.fixed_order), "bootstrap": self.n_resamples, "seed": self.seed,
+                "level": level, "critical_k": self.critical_k}

@@ -1,0 +1,534 @@
+"""Generation with analysis: the model's own answer to a prompt, captured step by step with its KV cache
+(SPEC §7; docs/generation.md).
+
+- :func:`prompt_ids` — a text, token ids or a list of chat messages -> the ids the model reads
+  (``chat=True``: through the tokenizer's chat template as a user message, ``system`` optional).
+- :class:`Decoding` — how tokens are chosen: greedy (default) or sampling with ``temperature``,
+  ``top_p`` and a ``seed`` (reproducible); stop tokens.
+- :func:`generate` — the decoding loop alone: every forward call runs through the capture plug-in
+  with a :class:`~attngeom.capture.plugin.Session`, so its observers see the prompt's blocks and then one
+  one-query block per layer and step (SPEC §1-2: the same ``a_ij^h``, ``v_j^h`` and metrics).
+- :func:`stream` — reducers over the generation, at every step, or as ``text_reducers`` over prompt +
+  answer as a text (the answer in one call against the cached prompt); no ``T x T`` map kept.
+- :func:`attngeom.traces.trace.analyze_generation` (``attngeom.analyze(model, prompt, generate=N)``) — a
+  full :class:`~attngeom.traces.trace.Trace` of prompt + answer (``trace.prompt_length``,
+  ``trace.generated``) whose maps are the per-step rows, built from :func:`stream_ids` here.
+- :class:`AnswerSources` — per generated token its top prompt sources and where its contribution
+  comes from (prompt, earlier answer, sink), per layer and for the model; :func:`generation_stage`
+  runs prompts through an :class:`attngeom.runs.run.Run` (resumable, data-parallel).
+
+**Exactness.** The cache is a ``DynamicCache`` that keeps every earlier token in every layer (a
+sliding-window layer sees only its window through the model's own mask, as without a cache), so a
+decoding step's block holds query ``t`` against sources ``0..t`` at their absolute positions, and
+its metrics equal row ``t`` of a full forward of prompt + answer (tests/test_generate.py).
+
+**Which row explains a token.** Generated token ``x_t`` (position ``t >= P``, ``P`` the prompt
+length) is predicted by the output at position ``t - 1``: its *producing row* is query ``t - 1``
+(the last prompt token for the first answer token). Answer tables use producing rows. After the last
+token is chosen, one more step runs it through the model so that the trace has every token's row
+(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``), unless only text
+reducers need the answer's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from attngeom.capture.plugin import Block, Session, attngeom_attention_implementation
+from attngeom.errors import InputError
+from attngeom.runs.contract import ModelHandleLike, RunLike
+from attngeom.streaming.reducers import Batch, Reducer
+
+DEFAULT_TOP_K = 5
+"""Prompt sources listed per generated token and metric in :class:`AnswerSources`."""
+TABLE_METRICS = ("attention", "contribution")
+"""Token-level scores (SPEC §2) of the answer tables: mean attention over heads, ``C_ij = Σ_h C_ij^h``."""
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt
+# --------------------------------------------------------------------------------------------
+
+
+def chat_messages(prompt, system: str | None = None) -> list[dict]:
+    """A user text (plus ``system``) or a list of ``{"role", "content"}`` messages, checked."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InputError("the prompt is empty (or only whitespace)")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise InputError("chat messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    for k, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f"chat message {k} needs a string 'role' and a string 'content'")
+    if system is not None:
+        if messages[0]["role"] == "system":
+            raise InputError("the messages already start with a system message; leave out --system")
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None,
+               stop: Iterable[int] = ()) -> list[int]:
+    """The token ids the model reads for ``prompt``.
+
+    - a text, ``chat=False``: :meth:`~attngeom.model.ModelHandle.encode` (BOS in front);
+    - a text with ``chat=True``, or a list of chat messages (always through the template): the
+      tokenizer's chat template, rendered with the generation prompt (or continuing the final
+      message when it is the assistant's), then tokenized without adding anything;
+    - token ids: taken as they are.
+
+    ``stop``: token ids that end generation; one inside the user's own text (a message's content,
+    or the plain prompt) is refused: the model would read an end of text in the middle of the
+    prompt. The special tokens a chat template puts between messages are the model's format and
+    are not checked; neither are token-id prompts."""
+    tok = handle.tokenizer
+    messages = None
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        messages = chat_messages(prompt, system)
+    elif chat:
+        if not isinstance(prompt, str):
+            raise InputError("chat=True takes a text or a list of chat messages, not token ids")
+        messages = chat_messages(prompt, system)
+    elif system is not None:
+        raise InputError("a system message needs chat=True (--chat)")
+    if messages is None:
+        if not isinstance(prompt, str):
+            from attngeom.streaming.passes import to_ids
+
+            return to_ids(handle, prompt)
+        _check_no_stop(handle, [prompt], stop)
+        return handle.encode(prompt)
+    if not getattr(tok, "chat_template", None):
+        raise InputError(f"{getattr(handle, 'name', 'the model')}'s tokenizer has no chat template; "
+                         "give a plain prompt (no --chat, no message list)")
+    _check_no_stop(handle, [m["content"] for m in messages], stop)
+    cont = messages[-1]["role"] == "assistant"
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont,
+                                       continue_final_message=cont)
+    except Exception as e:  # jinja errors of the template itself (e.g. roles it does not accept)
+        raise InputError(f"the chat template refused the messages: {str(e).splitlines()[0][:200]}") from None
+    ids = [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    if not ids:
+        raise InputError("the chat template produced no tokens")
+    return ids
+
+
+def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable[int]) -> None:
+    stop = set(int(s) for s in stop)
+    if not stop:
+        return
+    for text in texts:
+        ids = handle.tokenizer(text, add_special_tokens=False)["input_ids"]
+        hit = [i for i in ids if int(i) in stop]
+        if hit:
+            raise InputError(f"the prompt holds the stop token {handle.tokens([hit[0]])[0]!r} (id {hit[0]}), which "
+                             "ends generation; the model would read it as an end of text inside the prompt")
+
+
+def model_stop_ids(handle: ModelHandleLike) -> tuple[int, ...]:
+    """The model's end-of-generation ids: ``generation_config.eos_token_id`` and the tokenizer's EOS."""
+    out: list[int] = []
+    gc = getattr(handle.model, "generation_config", None)
+    for x in (getattr(gc, "eos_token_id", None), handle.tokenizer.eos_token_id):
+        for i in (x if isinstance(x, (list, tuple)) else [x]):
+            if i is not None and int(i) not in out:
+                out.append(int(i))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the answer is chosen. ``max_new_tokens`` (at least 1); greedy (``argmax``, the first
+    maximum) unless ``sample``: then ``softmax(logits / temperature)`` cut to the smallest set of
+    most probable tokens whose probability reaches ``top_p`` (nucleus), drawn with a
+    ``torch.Generator`` seeded by ``seed`` (default 0: a run is reproducible). ``stop``: ids that end
+    the answer (kept as its last token); None: the model's (:func:`model_stop_ids`), ``()``: none.
+    The model's other ``generation_config`` defaults (repetition penalties, ...) are not applied."""
+
+    max_new_tokens: int
+    sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        n = self.max_new_tokens
+        try:
+            n = int(n.__index__()) if not isinstance(n, bool) else None   # ints, numpy ints; not 2.0 or True
+        except (AttributeError, TypeError):
+            n = None
+        if n is None or n < 1:
+            raise InputError(f"the number of tokens to generate must be a whole number, at least 1, got "
+                             f"{self.max_new_tokens!r}")
+        object.__setattr__(self, "max_new_tokens", n)
+        if not self.sample:
+            given = [k for k in ("temperature", "top_p", "seed") if getattr(self, k) is not None]
+            if given:
+                raise InputError(f"{given[0].replace('_', '-')} is for sampling; add --sample (sample=True)")
+        if self.temperature is not None and not (self.temperature > 0 and np.isfinite(self.temperature)):
+            raise InputError(f"temperature must be a positive number, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    def stop_ids(self, handle: ModelHandleLike) -> tuple[int, ...]:
+        return model_stop_ids(handle) if self.stop is None else tuple(int(s) for s in self.stop)
+
+    def generator(self, device) -> torch.Generator | None:
+        if not self.sample:
+            return None
+        return torch.Generator(device=device).manual_seed(0 if self.seed is None else int(self.seed))
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """The next token from float32 logits ``[V]``."""
+        if not self.sample:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / (self.temperature or 1.0), dim=-1)
+        if self.top_p is not None and self.top_p < 1:
+            p, order = torch.sort(probs, descending=True, stable=True)
+            keep = (p.cumsum(0) - p) < self.top_p             # the most probable token is always kept
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], p[keep])
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decoding) -> None:
+    """Refuse a prompt whose answer would run past the model's context."""
+    limit = getattr(handle, "max_positions", None)
+    total = prompt_length + decoding.max_new_tokens
+    if limit and total > limit:
+        raise InputError(f"the prompt has {prompt_length} tokens and {decoding.max_new_tokens} more would make "
+                         f"{total}, past {getattr(handle, 'name', 'the model')}'s context of {limit} tokens")
+
+
+@torch.no_grad()
+def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
+             steps: Session | None = None, last_step: bool = True, cache=None) -> list[int]:
+    """Generate from prompt ``ids`` with the model's KV cache; every forward call runs through the
+    capture plug-in. ``session`` (default: no observers) is active for the prompt's forward call
+    and, unless ``steps`` is given, for the decoding steps too. Returns the answer's ids (ending with
+    a stop token when one came). With ``last_step`` the last answer token is run through the model
+    too, so the sessions have seen every position ``0 .. P + len(answer) - 1``. ``cache``: the
+    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer)."""
+    from transformers import DynamicCache
+
+    model = handle.model
+    device = model.device
+    session = session or Session()
+    steps = steps or session
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise InputError("empty prompt: no tokens to generate from")
+    check_context(handle, len(ids), decoding)
+    stop = set(decoding.stop_ids(handle))
+    gen = None                                          # made on the logits' device (the last one under device_map)
+    cache = DynamicCache() if cache is None else cache  # no config: full layers (module docstring)
+    step = torch.tensor([ids], device=device)
+    answer: list[int] = []
+    kw = {_cache_argument(model): cache}
+    with attngeom_attention_implementation(model):
+        while True:
+            length = len(ids) + len(answer)
+            with (steps if answer else session).active(torch.tensor([length], device=device)):
+                out = model(input_ids=step, use_cache=True, logits_to_keep=1, **kw)
+            if cache.get_seq_length() != length:    # a model that ignored the cache would see one token a step
+                raise RuntimeError(f"the model's KV cache holds {cache.get_seq_length()} tokens after "
+                                   f"{length}; attngeom cannot generate with this model")
+            done = len(answer) == decoding.max_new_tokens or bool(answer and answer[-1] in stop)
+            if done:
+                return answer
+            logits = out.logits[0, -1].float()
+            gen = gen or decoding.generator(logits.device)
+            token = decoding.choose(logits, gen)
+            answer.append(token)
+            if not last_step and (len(answer) == decoding.max_new_tokens or token in stop):
+                return answer
+            step = torch.tensor([[token]], device=device)
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for the KV cache: ``cache`` (recent transformers 5 releases) or
+    ``past_key_values`` (earlier ones)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def _answer_as_text(handle: ModelHandleLike, cache, ids: list[int], answer: list[int], session: Session) -> None:
+    """Run the answer through the model in one call against the cached prompt, ``session`` active:
+    its blocks are rows ``P .. T-1`` of prompt + answer (the cache is cut back to the prompt first)."""
+    P = len(ids)
+    cached = cache.get_seq_length()
+    if cached > P:
+        cache.crop(P - cached)                                # a negative count: tokens removed from the end
+    model = handle.model
+    device = model.device
+    with attngeom_attention_implementation(model), session.active(torch.tensor([P + len(answer)], device=device)):
+        model(input_ids=torch.tensor([answer], device=device), use_cache=True, logits_to_keep=1,
+              **{_cache_argument(model): cache})
+
+
+class GrowingNorms:
+    """Observer put first in a generation's session: per layer it keeps the value norms
+    ``‖ṽ_j^h‖`` and ``‖v_j^h‖`` of the tokens already cached and computes only the new tokens' at
+    each call, then hands the whole vectors to the call's :class:`~attngeom.capture.plugin.LayerState`
+    (a cached token's values never change during one generation). Without it every step would
+    recompute every source's ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step."""
+
+    def __init__(self):
+        self.norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def observe(self, block: Block) -> None:
+        from attngeom.metrics import formulas as metrics
+
+        st = block.state
+        if "value_norm" in st.__dict__:                        # this call's layer state has them already
+            return
+        S = st.num_sources
+        have = self.norms.get(block.layer)
+        m = 0 if have is None or have[0].shape[-1] > S else have[0].shape[-1]
+        new = st.value[:, :, m:][:, st.kv_head.to(st.value.device)]     # the new tokens' values per query head
+        parts = (metrics.projected_value_norm(new, st.G), new.norm(dim=-1))
+        if m:
+            parts = tuple(torch.cat([old, x], dim=-1) for old, x in zip(have, parts))
+        self.norms[block.layer] = parts
+        st.__dict__["value_norm"], st.__dict__["raw_value_norm"] = parts   # the cached properties' slots
+
+
+@dataclass
+class GenerationBatch(Batch):
+    """The :class:`~attngeom.streaming.reducers.Batch` reducers see during generation: ``prompt_length``
+    tokens of prompt; at ``begin`` ``ids`` is the prompt padded to the longest possible answer, at
+    ``end`` prompt + answer."""
+
+    prompt_length: int = 0
+
+
+def stream(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decoding: Decoding, *,
+           text_reducers: Sequence[Reducer] = (), chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
+           block_elements: int | None = None, index: int = 0) -> list[int]:
+    """Generate an answer to ``prompt`` (see :func:`prompt_ids`) with ``reducers`` observing
+    ``layers`` (default all) at every step; no full maps are kept. Returns prompt + answer ids
+    (the reducers saw ``GenerationBatch`` with ``index=[index]``).
+
+    ``text_reducers`` see prompt + answer as a text instead: the prompt's blocks during its forward
+    call, then the answer's in one more call against the cached prompt after the generation. Their
+    rows are the steps' rows (tests/test_generate.py) and a reducer's Python work is paid per block
+    instead of per token and layer: what suits summaries of every position (``HeadStats``,
+    ``TokenStats``)."""
+    ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
+    return stream_ids(handle, ids, reducers, decoding, text_reducers=text_reducers, layers=layers,
+                       block_elements=block_elements, index=index)
+
+
+def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding, *,
+               text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
+               block_elements: int | None = None, index: int = 0) -> list[int]:
+    """:func:`stream` for a prompt already given as the model's token ids (:func:`prompt_ids`)."""
+    from transformers import DynamicCache
+
+    P, N = len(ids), decoding.max_new_tokens
+    check_context(handle, P, decoding)
+    padded = torch.zeros(1, P + N, dtype=torch.long)
+    padded[0, :P] = torch.tensor(ids)
+    start = GenerationBatch(ids=padded, lengths=torch.tensor([P + N]), index=[index], prompt_length=P)
+    everyone = [*reducers, *text_reducers]
+    for r in everyone:
+        r.begin(start)
+    norms = GrowingNorms()
+
+    def session(observers):
+        return Session(observers=observers, layers=layers, block_elements=block_elements)
+
+    cache = DynamicCache()
+    answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
+                      last_step=bool(reducers) or not text_reducers, cache=cache)
+    if text_reducers:
+        _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(), *text_reducers]))
+    full = list(ids) + answer
+    end = GenerationBatch(ids=torch.tensor([full]), lengths=torch.tensor([len(full)]), index=[index],
+                          prompt_length=P)
+    for r in everyone:
+        r.end(end)
+    return full
+
+
+# --------------------------------------------------------------------------------------------
+# Answer tables
+# --------------------------------------------------------------------------------------------
+
+
+class AnswerSources(Reducer):
+    """Where each generated token's producing row (module docstring) draws from, per layer and
+    for the model (the mean of the analysed layers' rows), from the token-level scores of SPEC §2
+    (``attention``: mean over heads of ``a_ij^h``; ``contribution``: ``C_ij = Σ_h C_ij^h``, which
+    sums to 1 over ``j``). Only producing rows are computed (one ``wᵀa`` product per row, no map).
+
+    :meth:`result` gives three tables (one row per generated token unless said):
+
+    - ``shares``: ``step``, ``position``, ``token_id``, ``layer`` (null: the model), ``query``
+      (the producing row), and per metric ``{metric}_sink`` (the sink), ``{metric}_prompt`` (the
+      other prompt tokens) and ``{metric}_answer`` (earlier answer tokens, the query included when
+      it is one); the three sum to the row's total (1 for contribution and attention).
+    - ``sources``: the ``top_k`` prompt tokens (sink left out: it has its own share) by each
+      metric: ``metric``, ``rank`` (0 first), ``source``, ``source_id``, ``score``; ties: the
+      earlier position first.
+    - ``summary``: per layer (null: the model) and prompt position, each metric's mean over the
+      answer's producing rows: which prompt tokens the whole answer drew on."""
+
+    STATE = ("shares", "sources", "summary")
+
+    def __init__(self, sink: int = 0, top_k: int = DEFAULT_TOP_K):
+        self.sink, self.top_k = int(sink), int(top_k)
+        self.shares: list[pd.DataFrame] = []
+        self.sources: list[pd.DataFrame] = []
+        self.summary: list[pd.DataFrame] = []
+
+    def begin(self, batch: Batch) -> None:
+        super().begin(batch)
+        P = getattr(batch, "prompt_length", None)
+        if not P:
+            raise InputError("AnswerSources observes generation (attngeom.generation.decoding.stream)")
+        self.P = int(P)
+        self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, query) -> [2, T] float64
+
+    def observe(self, block: Block) -> None:
+        B, H, Q, S = block.shape
+        q0 = block.q_start
+        for r in range(max(0, self.P - 1 - q0), Q):
+            q = q0 + r
+            if q >= int(block.state.lengths[0]):
+                break
+            w = torch.zeros(1, Q, dtype=block.a.dtype, device=block.a.device)
+            w[0, r] = 1.0
+            got = block.received(w, TABLE_METRICS)
+            row = np.zeros((len(TABLE_METRICS), q + 1))
+            n = min(S, q + 1 - block.k_start)                        # sources up to the query
+            for m, name in enumerate(TABLE_METRICS):
+                row[m, block.k_start:block.k_start + n] = got[name][0, :n].double().cpu().numpy()
+            self._rows[(block.layer, q)] = row
+
+    def end(self, batch: Batch) -> None:
+        T, P, index = int(batch.lengths[0]), self.P, batch.index[0]
+        ids = batch.ids[0, :T].tolist()
+        layers = sorted({l for l, _ in self._rows})
+        queries = range(P - 1, T - 1)                             # the last token produced nothing
+        if not layers or not len(queries):
+            self._rows = {}
+            return
+        model_rows = {q: np.mean([self._rows[(l, q)] for l in layers], axis=0) for q in queries}
+        shares, sources, summary = [], [], []
+        for layer in [*layers, None]:
+            rows = {q: (self._rows[(layer, q)] if layer is not None else model_rows[q]) for q in queries}
+            for q, row in rows.items():
+                step = q + 1 - P
+                base = {"text": index, "step": step, "position": q + 1, "token_id": ids[q + 1], "layer": layer,
+                        "query": q}
+                shares.append({**base, **self._shares(row, q)})
+                sources += [{**base, **s} for s in self._top(row, ids)]
+            mean = np.mean([rows[q][:, :P] for q in queries], axis=0)         # [metrics, P]
+            summary.append(pd.DataFrame({"text": index, "layer": layer, "position": np.arange(P),
+                                         "token_id": ids[:P], **{m: mean[k] for k, m in enumerate(TABLE_METRICS)}}))
+        self.shares.append(_nullable_layer(pd.DataFrame(shares)))
+        self.sources.append(_nullable_layer(pd.DataFrame(sources)))
+        self.summary.append(_nullable_layer(pd.concat(summary, ignore_index=True)))
+        self._rows = {}
+
+    def _shares(self, row: np.ndarray, q: int) -> dict:
+        P, sink = self.P, self.sink
+        out = {}
+        for k, m in enumerate(TABLE_METRICS):
+            s = float(row[k, sink]) if sink <= q else 0.0
+            prompt = float(row[k, :P].sum()) - (s if sink < P else 0.0)
+            out.update({f"{m}_sink": s, f"{m}_prompt": prompt,
+                        f"{m}_answer": float(row[k, P:].sum()) - (s if sink >= P else 0.0)})
+        return out
+
+    def _top(self, row: np.ndarray, ids: list[int]) -> list[dict]:
+        P = self.P
+        cand = np.array([j for j in range(P) if j != self.sink], dtype=int)
+        out = []
+        for k, m in enumerate(TABLE_METRICS):
+            if not len(cand):
+                break
+            order = cand[np.lexsort((cand, -row[k, cand]))][: self.top_k]
+            out += [{"metric": m, "rank": r, "source": int(j), "source_id": ids[j], "score": float(row[k, j])}
+                    for r, j in enumerate(order)]
+        return out
+
+    def result(self) -> dict[str, pd.DataFrame]:
+        """The three tables; ``layer`` is a nullable integer (null: the model) however the state travelled."""
+        return {name: (_nullable_layer(pd.concat(getattr(self, name), ignore_index=True)) if getattr(self, name)
+                       else pd.DataFrame()) for name in self.STATE}
+
+
+def _nullable_layer(df: pd.DataFrame) -> pd.DataFrame:
+    if "layer" in df:
+        df["layer"] = pd.array([None if pd.isna(x) else int(x) for x in df["layer"]], dtype="Int64")
+    return df
+
+
+class Answers(Reducer):
+    """The generated text of each prompt (``answers`` table: ``text``, ``prompt_tokens``,
+    ``answer_tokens``, ``stopped`` (ended on a stop token), ``answer_ids`` (space-separated))."""
+
+    STATE = ("answers",)
+
+    def __init__(self, stop: Iterable[int] = ()):
+        self.stop = set(int(s) for s in stop)
+        self.answers: list[pd.DataFrame] = []
+
+    def observe(self, block: Block) -> None:
+        pass
+
+    def end(self, batch: Batch) -> None:
+        T, P = int(batch.lengths[0]), int(batch.prompt_length)
+        answer = batch.ids[0, P:T].tolist()
+        self.answers.append(pd.DataFrame([{
+            "text": batch.index[0], "prompt_tokens": P, "answer_tokens": len(answer),
+            "stopped": bool(answer) and answer[-1] in self.stop, "answer_ids": " ".join(map(str, answer))}]))
+
+    def result(self) -> pd.DataFrame:
+        return pd.concat(self.answers, ignore_index=True) if self.answers else pd.DataFrame()
+
+
+def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: Sequence[list[int]], decoding: Decoding,
+                     make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None,
+                     desc: str | None = None, text: int = 0) -> list[Reducer]:
+    """Generate an answer to each of ``prompts`` (token ids, :func:`prompt_ids`) with fresh reducers
+    ``make()`` observing, as stage ``name`` of ``run`` (an :class:`attngeom.runs.run.Run`: one record
+    per prompt, resumable and shared among processes; None: in memory), and return ``make()`` loaded
+    with the merged states (as :func:`attngeom.traces.trace.reduce_stage` does for texts). The decoding
+    settings belong in the run's settings: a record is reused only for the same prompt ids. The last
+    ``text`` reducers of ``make()`` are ``text_reducers`` (:func:`stream`)."""
+    from attngeom.runs.run import Memory, fingerprint, merge_sums
+
+    for ids in prompts:
+        check_context(handle, len(ids), decoding)
+
+    def work(units: list[int]) -> dict:
+        reducers = make()
+        cut = len(reducers) - text
+        for u in units:
+            stream_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
+                        index=u)
+        return {str(k): r.state() for k, r in enumerate(reducers)}
+
+    records = (run or Memory()).stage(name, len(prompts), work, desc=desc or name, unit="prompt",
+                                      fingerprints=[fingerprint(x) for x in prompts])
+    merged = merge_sums(records.values())
+    return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]

@@ -1,0 +1,474 @@
+"""Head removal (SPEC §6): zeroing heads' slices of the output-projection input, removal orders,
+perplexity against retention, individually critical heads.
+
+**Removal.** Removing head ``h`` of layer ``l`` zeroes its slice of the ``o_proj`` input. Inside a
+:class:`~attngeom.capture.plugin.Session` this is the intervention
+:class:`~attngeom.capture.interventions.HeadRemoval` (re-exported here), which returns zero
+mixing weights for the removed heads: the head's output ``Σ_j a_ij v_j`` becomes 0, which *is* its
+slice of the ``o_proj`` input. Every query head has its own slice (under grouped-query attention
+the value head is shared but the slices are not), so this is exact for GQA/MQA; the ``o_proj``
+bias is kept (it belongs to no head).
+
+**Orders** (each ranks all ``L·H`` heads from first-removed to last-removed; at retention ``r`` the
+first ``L·H − round(r·L·H/100)`` heads of the order are removed):
+
+- ``taxonomy``: heads grouped by regime (Retriever / Mixer / Reset, from the calibration split); the
+  order in which the three regimes are removed is the permutation of the three with the lowest
+  mean log-perplexity over the retentions below 100 % on the calibration split (all six are tried).
+  Inside a regime, heads with the largest share of their regime's label go first (the most typical
+  members of the regime), ties by (layer, head).
+- ``weight``: ascending ``‖W_O^h‖_F · ‖W_V^{g(h)}‖_F`` (output-projection block of the head times the
+  value projection of its key/value head) — smallest first.
+- ``entropy``: descending mean attention entropy on the calibration split — most diffuse first.
+- ``random``: a seeded permutation.
+- ``sensitivity``: ascending single-head ΔPPL on the calibration split — least harmful first.
+
+**Critical heads.** A head is *individually critical* when its single-removal ΔPPL on the
+calibration split exceeds ``mean + 3·std`` of the single-removal ΔPPLs of the *other* heads of its
+regime (leave-one-out, so that the outlier does not inflate its own threshold; regimes with fewer
+than 8 other heads use all other heads of the model instead), and is positive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from attngeom.capture.plugin import Session
+from attngeom.errors import InputError
+from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, window_records
+from attngeom.runs.contract import perplexity as perplexity_of
+from attngeom.capture.interventions import HeadRemoval
+from attngeom.model.adapter import adapter_for
+from attngeom.heads.settings import HeadsSettings
+from attngeom.heads.taxonomy import REGIMES
+from attngeom.streaming.passes import batch_nll, make_batches, scored_tokens, to_ids
+
+RETENTIONS = HeadsSettings.retentions
+ORDERS = ("taxonomy", "weight", "entropy", "random", "sensitivity")
+REGIME_LABEL = {"Retriever": "winner_self", "Mixer": "winner_sink", "Reset": "winner_other"}
+
+
+def check_retentions(values: Iterable[float]) -> list[float]:
+    out = []
+    for r in values:
+        r = float(r)
+        if not (0 < r <= 100) or math.isnan(r):
+            raise InputError(f"retention must be in (0, 100] percent, got {r:g}")
+        out.append(r)
+    if not out:
+        raise InputError("no retention level given")
+    return sorted(set(out), reverse=True)
+
+
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """Attention modules by ``layer_idx`` (the architecture adapter's)."""
+    return adapter_for(model).attention_modules
+
+
+def weight_norms(handle: ModelHandleLike) -> np.ndarray:
+    """``‖W_O^h‖_F · ‖W_V^{g(h)}‖_F`` per layer and head: ``[L, H]`` (``W_V`` from ``v_proj`` or the
+    value rows of a fused ``qkv_proj``, as the architecture adapter knows)."""
+    adapter = handle.adapter
+    out = np.zeros((adapter.num_layers, adapter.num_heads))
+    kv_head = adapter.geometry.kv_head()
+    for l in adapter.attention_modules:
+        wo_h = adapter.w_o_heads(l).flatten(1).norm(dim=1)              # [H]
+        wv_g = adapter.w_v_heads(l).flatten(1).norm(dim=1)              # [Hkv]
+        out[l] = (wo_h * wv_g[kv_head]).numpy()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity under removal
+# --------------------------------------------------------------------------------------------
+
+
+def window_nll(handle: ModelHandleLike, windows: Sequence, removed=(),
+               batch_size: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Summed next-token NLL and token count of each window with ``removed`` heads zeroed:
+    float64 ``[W]``, int ``[W]`` (per window, so that intervals can resample windows)."""
+    session = Session(intervention=HeadRemoval(removed) if removed else None)
+    nll, count = [], []
+    for batch in make_batches(handle, windows, batch_size):
+        nll += batch_nll(handle, batch, session).tolist()
+        count += (batch.lengths - 1).clamp_min(0).tolist()
+    return np.asarray(nll, dtype=np.float64), np.asarray(count, dtype=np.int64)
+
+
+def nll_sum(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[float, int]:
+    """Summed next-token NLL and token count of ``windows`` with ``removed`` heads zeroed."""
+    nll, count = window_nll(handle, windows, removed, batch_size)
+    return float(nll.sum()), int(count.sum())
+
+
+def perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
+    total, count = nll_sum(handle, windows, removed, batch_size)
+    return perplexity_of(total, count)
+
+
+def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence,
+                removals: Sequence[Sequence[tuple[int, int]]], batch_size: int = 4,
+                desc: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Summed NLL of every window under each removal (a list of heads), as stage ``name`` of ``run``
+    (one unit per removal; resumable): float64 ``[R, W]`` and the token count of each window
+    ``[W]`` (the per-window sums a bootstrap over windows resamples)."""
+    from attngeom.runs.run import Memory, fingerprint
+
+    def work(units: list[int]) -> dict:
+        parts = [window_nll(handle, windows, removals[u], batch_size) for u in units]
+        return {"nll": [p[0] for p in parts], "tokens": [p[1] for p in parts]}
+
+    recs = (run or Memory()).stage(name, len(removals), work, desc=desc or name, unit="removal",
+                                   fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
+    nll = np.zeros((len(removals), len(windows)))
+    tokens = np.zeros(len(windows), dtype=np.int64)
+    for key, d in recs.items():
+        for u, x, t in zip(key, d["nll"], d["tokens"]):
+            nll[u] = np.asarray(x, dtype=np.float64)
+            tokens = np.asarray(t, dtype=np.int64)
+    return nll, tokens
+
+
+def _perplexities(nll: np.ndarray, tokens: np.ndarray) -> list[float]:
+    """Perplexity of each row of per-window NLL sums ``[R, W]`` over all the windows."""
+    count = int(np.sum(tokens))
+    return [perplexity_of(float(np.sum(row)), count) for row in nll]
+
+
+def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
+                    run: RunLike | None = None) -> np.ndarray:
+    """Summed NLL of every window with each head removed alone: float64 ``[L·H, W]`` (row
+    ``layer·H + head``), one unit per head of stage ``sensitivity`` of ``run`` (resumable).
+
+    Several removals of the same layer share one forward pass: the batch holds one copy of the
+    windows per removal (:class:`HeadRemoval` with one removal per row), about ``batch_size``
+    windows per pass."""
+    from attngeom.runs.run import Memory
+
+    L, H = handle.num_layers, handle.num_heads
+    per_pass = max(1, batch_size // max(1, len(windows)))
+
+    def work(units: list[int]) -> dict:
+        group = [(u // H, u % H) for u in units]
+        items = [w for _ in group for w in windows]
+        assign = [lh for lh in group for _ in windows]
+        session = Session(intervention=HeadRemoval(rows=[[lh] for lh in assign]))
+        batch = next(make_batches(handle, items, len(items)))
+        x = batch_nll(handle, batch, session).numpy()
+        return {"nll": [x[k * len(windows):(k + 1) * len(windows)] for k in range(len(group))]}
+
+    recs = (run or Memory()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
+                                   desc="single-head removal", unit="head")
+    out = np.zeros((L * H, len(windows)))
+    for key, d in recs.items():
+        for u, v in zip(key, d["nll"]):
+            out[u] = np.asarray(v, dtype=np.float64)
+    return out
+
+
+def single_head_sensitivity(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
+                            base_ppl: float | None = None, progress: bool = True,
+                            run: RunLike | None = None) -> np.ndarray:
+    """ΔPPL of removing each head alone on ``windows``: ``[L, H]`` (from :func:`sensitivity_nll`)."""
+    if base_ppl is None:
+        base_ppl = perplexity(handle, windows, (), batch_size)
+    return _sensitivity(handle, windows, sensitivity_nll(handle, windows, batch_size, run), base_ppl)
+
+
+def _sensitivity(handle: ModelHandleLike, windows: Sequence, nll: np.ndarray, base_ppl: float) -> np.ndarray:
+    """ΔPPL ``[L, H]`` from :func:`sensitivity_nll`'s ``[L·H, W]`` sums over ``windows``."""
+    count = sum(max(0, len(to_ids(handle, w)) - 1) for w in windows)
+    deltas = [perplexity_of(float(np.sum(row)), count) - base_ppl for row in nll]
+    return np.array(deltas).reshape(handle.num_layers, handle.num_heads)
+
+
+# --------------------------------------------------------------------------------------------
+# Orders
+# --------------------------------------------------------------------------------------------
+
+
+def _rank(values: np.ndarray, ascending: bool = True) -> list[tuple[int, int]]:
+    L, H = values.shape
+    flat = values.reshape(-1)
+    keys = flat if ascending else -flat
+    idx = np.lexsort((np.arange(L * H), keys))  # stable: ties by (layer, head)
+    return [(int(i // H), int(i % H)) for i in idx]
+
+
+def taxonomy_order(tax: pd.DataFrame, regime_order: Sequence[str]) -> list[tuple[int, int]]:
+    """Heads regime by regime in ``regime_order``; inside a regime the largest label share first."""
+    out = []
+    for r in regime_order:
+        sub = tax[tax["regime"] == r].copy()
+        sub["_share"] = sub[REGIME_LABEL[r]]
+        sub = sub.sort_values(["_share", "layer", "head"], ascending=[False, True, True], kind="mergesort")
+        out.extend((int(a), int(b)) for a, b in zip(sub["layer"], sub["head"]))
+    return out
+
+
+def removed_at(order: Sequence[tuple[int, int]], retention: float) -> list[tuple[int, int]]:
+    """The heads removed at ``retention`` percent: the first ``total − round(r·total/100)``."""
+    total = len(order)
+    keep = int(round(retention * total / 100.0))
+    return list(order[: total - keep])
+
+
+def build_orders(tax: pd.DataFrame, weights: np.ndarray, sensitivity: np.ndarray, regime_order: Sequence[str],
+                 seed: int = 0) -> dict[str, list[tuple[int, int]]]:
+    """All five removal orders (module docstring). ``tax`` must hold ``layer, head, regime, entropy``
+    and the winner shares (calibration split)."""
+    L, H = weights.shape
+    ent = np.zeros((L, H))
+    for row in tax.itertuples():
+        ent[row.layer, row.head] = row.entropy
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(L * H)
+    return {
+        "taxonomy": taxonomy_order(tax, regime_order),
+        "weight": _rank(weights, ascending=True),
+        "entropy": _rank(ent, ascending=False),
+        "random": [(int(i // H), int(i % H)) for i in perm],
+        "sensitivity": _rank(sensitivity, ascending=True),
+    }
+
+
+def choose_regime_order(handle: ModelHandleLike, calib: Sequence, tax: pd.DataFrame, retentions: Sequence[float],
+                        batch_size: int = 4, progress: bool = True, run=None) -> tuple[list[str], pd.DataFrame]:
+    """Try the six regime orders on the calibration split; return the best (lowest mean log-PPL over
+    the retentions below 100 %) and the table of all tries (stage ``order_search`` of ``run``)."""
+    levels = [r for r in retentions if r < 100] or list(retentions)
+    perms = list(itertools.permutations(REGIMES))
+    jobs = [(perm, r) for perm in perms for r in levels]
+    ppl = _perplexities(*removal_nll(handle, run, "order_search", calib,
+                                     [removed_at(taxonomy_order(tax, p), r) for p, r in jobs], batch_size,
+                                     "taxonomy order search"))
+    df = pd.DataFrame([{"regime_order": " > ".join(p), "retention": r, "ppl": x} for (p, r), x in zip(jobs, ppl)])
+    score = df.assign(logppl=np.log(df["ppl"])).groupby("regime_order", sort=False)["logppl"].mean()
+    best = score.idxmin()
+    return best.split(" > "), df
+
+
+def critical_heads(sensitivity: np.ndarray, tax: pd.DataFrame, k: float = 3.0, min_group: int = 8) -> list[dict]:
+    """Heads whose single-removal ΔPPL exceeds ``mean + k·std`` of the other heads of their regime
+    (leave-one-out; fewer than ``min_group`` others -> all other heads), and is positive."""
+    regime = {(int(r.layer), int(r.head)): r.regime for r in tax.itertuples()}
+    L, H = sensitivity.shape
+    out = []
+    for (l, h), reg in sorted(regime.items()):
+        others = [sensitivity[a, b] for (a, b), rr in regime.items() if rr == reg and (a, b) != (l, h)]
+        scope = "regime"
+        if len(others) < min_group:
+            others = [sensitivity[a, b] for a in range(L) for b in range(H) if (a, b) != (l, h)]
+            scope = "model"
+        if not others:
+            continue
+        mu, sd = float(np.mean(others)), float(np.std(others))
+        x = float(sensitivity[l, h])
+        if x > 0 and x > mu + k * sd:
+            out.append({"layer": l, "head": h, "regime": reg, "delta_ppl": x, "group_mean": mu, "group_std": sd,
+                        "z": (x - mu) / sd if sd > 0 else float("inf"), "scope": scope})
+    return sorted(out, key=lambda d: -d["delta_ppl"])
+
+
+def heldout_removal_nll(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
+                        retentions: Sequence[float], batch_size: int = 4, run: RunLike | None = None) -> dict:
+    """Per-window NLL on the held-out windows for every order and retention below 100 %, and for
+    the unedited model (stage ``removal`` of ``run``): ``{"keys": [(order, retention), ..., ("",
+    100.0)], "nll": [K, W], "tokens": [W]}`` (:func:`removal_nll`)."""
+    jobs = [(name, r) for name in orders for r in retentions if r < 100]
+    removals = [removed_at(orders[name], r) for name, r in jobs] + [[]]
+    nll, tokens = removal_nll(handle, run, "removal", heldout, removals, batch_size, "removal curves")
+    return {"keys": jobs + [("", 100.0)], "nll": nll, "tokens": tokens}
+
+
+def curves_table(orders: dict[str, list[tuple[int, int]]], retentions: Sequence[float], removal: dict) -> pd.DataFrame:
+    """Held-out perplexity per order and retention from :func:`heldout_removal_nll` (100 % is the
+    unedited model, shared by every order)."""
+    ppl = dict(zip(removal["keys"], _perplexities(removal["nll"], removal["tokens"])))
+    base = ppl[("", 100.0)]
+    rows = []
+    for name in orders:
+        for r in retentions:
+            full = r >= 100
+            rows.append({"order": name, "retention": r, "heads_removed": 0 if full else len(removed_at(orders[name], r)),
+                         "ppl": base if full else ppl[(name, r)]})
+    df = pd.DataFrame(rows)
+    df["delta_ppl"] = df["ppl"] - base
+    return df
+
+
+def removal_curves(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
+                   retentions: Sequence[float], batch_size: int = 4, progress: bool = True,
+                   run: RunLike | None = None) -> pd.DataFrame:
+    """Held-out perplexity for every order and retention (100 % evaluated once and shared; stage
+    ``removal`` of ``run``)."""
+    return curves_table(orders, retentions, heldout_removal_nll(handle, heldout, orders, retentions, batch_size, run))
+
+
+# --------------------------------------------------------------------------------------------
+# The whole experiment
+# --------------------------------------------------------------------------------------------
+
+
+def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence, *, sink: int = 0,
+                   winner_norm: str = "raw", batch_size: int = 4, split: int = 0) -> dict[tuple[int, ...], dict]:
+    """Records of :class:`~attngeom.heads.taxonomy.TaxonomyStats` and the unedited NLL, per window
+    (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
+    before and after ``split`` never share a record (the calibration / held-out boundary)."""
+    from attngeom.capture.plugin import Session
+    from attngeom.runs.run import Memory, fingerprint
+    from attngeom.heads.taxonomy import TaxonomyStats
+
+    ids = [to_ids(handle, w) for w in windows]
+
+    def work(units: list[int]) -> dict:
+        tax = TaxonomyStats(sink=sink, winner_norm=winner_norm)
+        session = Session(observers=[tax])
+        nll, n = 0.0, 0
+        for batch in make_batches(handle, [ids[u] for u in units], batch_size, index=units):
+            tax.begin(batch)
+            nll += float(batch_nll(handle, batch, session).sum())
+            tax.end(batch)
+            n += scored_tokens(batch)
+        return {"tax": tax.state(), "nll": nll, "tokens": n}
+
+    return (run or Memory()).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
+                                   desc=f"taxonomy: {name}", unit="window", fingerprints=[fingerprint(w) for w in ids])
+
+
+def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.DataFrame, float]:
+    """The taxonomy table and unedited perplexity of the records whose units are in ``units``."""
+    from attngeom.runs.run import merge_sums
+    from attngeom.heads.taxonomy import TaxonomyStats
+
+    parts = [d for key, d in records.items() if key[0] in units]
+    merged = merge_sums(parts)
+    df = TaxonomyStats(sink=sink, winner_norm=winner_norm).load_state(merged["tax"]).result()
+    return df, perplexity_of(merged["nll"], merged["tokens"])
+
+
+def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence],
+               settings: HeadsSettings = HeadsSettings(), *,
+               names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:
+    """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``, with
+    ``settings`` (:class:`~attngeom.heads.settings.HeadsSettings`): taxonomy of every window of the first
+    corpus (calibration = its first ``calib_windows`` windows, the rest held out) and of the second
+    corpus if given, single-head sensitivity and the regime order search on the calibration split,
+    removal curves on the held-out split.
+
+    Returns an :class:`~attngeom.runs.contract.ExperimentResult`: ``tables`` ``heads`` (one row per
+    layer and head), ``removal``, ``order_search``, ``regimes_by_layer`` and
+    ``taxonomy_calibration`` (the taxonomy of the calibration split, from which the orders are
+    built); ``summary``; ``per_window``: ``sensitivity`` (:func:`sensitivity_nll` on the calibration
+    windows), ``removal`` (:func:`heldout_removal_nll`) and, when every taxonomy record covers one
+    window (``batch_size=1``), ``taxonomy`` (the records of :func:`taxonomy_stage` in window
+    order)."""
+    from attngeom.heads.taxonomy import corpus_agreement, regime_alignment, regime_shares, shares_by_depth, shares_by_layer
+
+    calib_windows, retentions, winner_norm = settings.calib_windows, settings.retentions, settings.winner_norm
+    sink, seed, critical_k, batch_size = settings.sink, settings.seed, settings.critical_k, settings.batch_size
+    windows = corpora[0]
+    if len(windows) <= calib_windows:
+        raise InputError(f"{names[0]} gives {len(windows)} window(s){f' of {len(windows[0])} tokens' if windows else ''}: "
+                         f"not enough for {calib_windows} calibration window(s) and at least one held-out window")
+    calib, held = windows[:calib_windows], windows[calib_windows:]
+    weights = weight_norms(handle)      # refuses up front (one line) where W_V does not exist (latent attention)
+    L = handle.num_layers
+    recs = taxonomy_stage(handle, run, "taxonomy", windows, sink=sink, winner_norm=winner_norm, batch_size=batch_size,
+                          split=calib_windows)
+    cal_df, base_cal = taxonomy_of(recs, range(calib_windows), sink, winner_norm)
+    held_df, base_held = taxonomy_of(recs, range(calib_windows, len(windows)), sink, winner_norm)
+    all_df, _ = taxonomy_of(recs, range(len(windows)), sink, winner_norm)
+    second = None
+    if len(corpora) > 1:
+        recs2 = taxonomy_stage(handle, run, "taxonomy2", corpora[1], sink=sink, winner_norm=winner_norm,
+                               batch_size=batch_size)
+        second, _ = taxonomy_of(recs2, range(len(corpora[1])), sink, winner_norm)
+
+    sens_nll = sensitivity_nll(handle, calib, batch_size, run)
+    sens = _sensitivity(handle, calib, sens_nll, base_cal)
+    regime_order, search = choose_regime_order(handle, calib, cal_df, retentions, batch_size, run=run)
+    orders = build_orders(cal_df, weights, sens, regime_order, seed=seed)
+    removal = heldout_removal_nll(handle, held, orders, retentions, batch_size, run)
+    curves = curves_table(orders, retentions, removal)
+    crit = critical_heads(sens, cal_df, k=critical_k)
+
+    heads = _heads_table(all_df, cal_df, second, weights, sens, crit, orders)
+    by_layer = _regimes_by_layer([all_df] + ([second] if second is not None else []), names)
+
+    ppl = {name: {f"{r:g}": float(curves[(curves["order"] == name) & (curves["retention"] == r)]["ppl"].iloc[0])
+                  for r in retentions} for name in orders}
+    summary = {
+        "windows": [len(c) for c in corpora],
+        "calibration_windows": len(calib),
+        "heldout_windows": len(held),
+        "winner_norm": winner_norm,
+        "sink_position": sink,
+        "regime_share": {names[0]: regime_shares(all_df), **({names[1]: regime_shares(second)} if second is not None else {})},
+        "regime_share_calibration": regime_shares(cal_df),
+        "regime_share_by_depth": shares_by_depth(all_df, L),
+        "regime_share_by_layer": {int(r.layer): {g: float(getattr(r, g)) for g in REGIMES}
+                                  for r in shares_by_layer(all_df).itertuples()},
+        "corpus_agreement": corpus_agreement(all_df, second) if second is not None else None,
+        "calibration_heldout_agreement": corpus_agreement(cal_df, held_df),
+        "regime_alignment": regime_alignment(all_df),
+        "taxonomy_regime_order": regime_order,
+        "perplexity_base": {"calibration": base_cal, "heldout": base_held},
+        "perplexity": ppl,
+        "retentions": list(retentions),
+        "critical_rule": f"single-removal dPPL > mean + {critical_k:g} std of the other heads of the regime "
+                         "(leave-one-out; calibration split)",
+        "critical_heads": crit,
+        "single_delta_ppl": {"mean": float(sens.mean()), "max": float(sens.max()),
+                             "argmax": [int(x) for x in np.unravel_index(sens.argmax(), sens.shape)]},
+    }
+    per_window = {"sensitivity": sens_nll, "removal": removal}
+    tax = window_records(recs)
+    if tax is not None:
+        per_window["taxonomy"] = tax
+    return ExperimentResult(
+        "heads", tables={"heads": heads, "removal": curves, "order_search": search, "regimes_by_layer": by_layer,
+                         "taxonomy_calibration": cal_df},
+        summary=summary, per_window=per_window,
+        settings={**settings.record(), "names": list(names)})
+
+
+def _heads_table(all_df: pd.DataFrame, cal_df: pd.DataFrame, second: pd.DataFrame | None, weights: np.ndarray,
+                 sens: np.ndarray, crit: list[dict], orders: dict[str, list[tuple[int, int]]]) -> pd.DataFrame:
+    """One row per layer and head: the taxonomy of all windows, the calibration split's regime and
+    entropy, the second corpus's regime and winner shares, weight norm, single-removal ΔPPL, the
+    critical flag and the rank in every removal order."""
+    heads = all_df.copy()
+    heads["regime_calibration"] = cal_df["regime"].to_numpy()
+    heads["entropy_calibration"] = cal_df["entropy"].to_numpy()
+    if second is not None:
+        heads["regime_corpus2"] = second["regime"].to_numpy()
+        for c in ("winner_self", "winner_sink", "winner_other"):
+            heads[f"{c}_corpus2"] = second[c].to_numpy()
+    lh = list(zip(heads["layer"].astype(int), heads["head"].astype(int)))
+    heads["weight_norm"] = [weights[l, h] for l, h in lh]
+    heads["single_delta_ppl"] = [sens[l, h] for l, h in lh]
+    crit_set = {(c["layer"], c["head"]) for c in crit}
+    heads["critical"] = [x in crit_set for x in lh]
+    for name, order in orders.items():
+        rank = {x: i for i, x in enumerate(order)}
+        heads[f"removal_rank_{name}"] = [rank[x] for x in lh]
+    return heads
+
+
+def _regimes_by_layer(tables: Sequence[pd.DataFrame], names: Sequence[str]) -> pd.DataFrame:
+    """Regime shares per layer of each corpus's taxonomy, with a ``corpus`` column."""
+    from attngeom.heads.taxonomy import shares_by_layer
+
+    parts = []
+    for df, name in zip(tables, names):
+        part = shares_by_layer(df)
+        part.insert(0, "corpus", name)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)

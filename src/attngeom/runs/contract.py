@@ -1,0 +1,151 @@
+"""The one contract of every experiment (faithfulness, sinks, selection, heads, claims, kvcache,
+analysis), and the one perplexity rule they share.
+
+What belongs here: the shape every ``experiment()`` function of attngeom returns
+(:class:`ExperimentResult`), the two things an experiment is handed (a model handle and a run, as
+:class:`ModelHandleLike` and :class:`RunLike` protocols), :func:`window_records` and
+:func:`perplexity`. No model code, no experiment's own logic.
+
+An experiment is **settings** (one frozen dataclass in the ``settings`` module of its package, recorded in the
+result), **stages of units**
+run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
+is a record), and a **result**: its ``tables`` (DataFrames, what a command writes), its ``summary``
+(a JSON-able dict) and its ``per_window`` statistics (additive sums per window, the rows a
+bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.catalogue` composes the
+other experiments through their results only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    import torch
+
+    from attngeom.model.adapter import ArchitectureAdapter
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity: one rule for every experiment
+# --------------------------------------------------------------------------------------------
+
+
+def perplexity(nll, tokens):
+    """``PPL = exp(Σ NLL / Σ tokens)`` from a summed next-token NLL and its token count.
+
+    Scalars give a float (``math.exp``), arrays an array (elementwise ``numpy.exp``, broadcast).
+    **Zero tokens give NaN**: nothing was predicted, so there is no perplexity (never ``exp(0) = 1``
+    and never a division by zero)."""
+    if np.ndim(nll) == 0 and np.ndim(tokens) == 0:
+        n, t = float(nll), float(tokens)
+        return math.exp(n / t) if t > 0 else float("nan")
+    nll = np.asarray(nll, dtype=np.float64)
+    tok = np.asarray(tokens, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(tok > 0, np.exp(nll / np.where(tok > 0, tok, 1.0)), np.nan)
+
+
+# --------------------------------------------------------------------------------------------
+# What an experiment is handed
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class ModelHandleLike(Protocol):
+    """What the experiments use of a model handle (:class:`attngeom.model.handle.ModelHandle`)."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+
+    @property
+    def adapter(self) -> "ArchitectureAdapter": ...
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def device(self) -> "torch.device": ...
+
+    @property
+    def dtype(self) -> "torch.dtype": ...
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def max_positions(self) -> int | None: ...
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def tokens(self, ids) -> list[str]: ...
+
+
+class Comm(Protocol):
+    rank: int
+    world: int
+
+    def barrier(self) -> None: ...
+
+    def all_gather(self, obj) -> list: ...
+
+    def broadcast(self, obj): ...
+
+
+@runtime_checkable
+class RunLike(Protocol):
+    """What the experiments use of a run (:class:`attngeom.runs.run.Run` with an output folder, or
+    :class:`attngeom.runs.run.Memory` in memory): stages of units whose records are returned keyed
+    by the tuple of units each record covers."""
+
+    comm: Comm
+    progress: Any
+
+    def stage(self, name: str, n_units: int, work: Callable[[list[int]], object], *, group: int = 1,
+              group_key: Callable[[int], object] | None = None, units: Sequence[int] | None = None,
+              **kw) -> dict[tuple[int, ...], Any]: ...
+
+
+# --------------------------------------------------------------------------------------------
+# What an experiment returns
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExperimentResult:
+    """The result of an experiment: ``tables`` (name -> DataFrame, what a command writes),
+    ``summary`` (a JSON-able dict), ``per_window`` (additive per-window statistics a bootstrap over
+    windows resamples: arrays or lists with one entry per window, in window order) and
+    ``settings`` (the options it ran with, as the settings dataclass records them)."""
+
+    name: str
+    tables: dict[str, "pd.DataFrame"] = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    per_window: dict[str, Any] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+
+def window_records(records: Mapping[tuple[int, ...], Any]) -> list | None:
+    """The records of a stage in window order when each covers exactly one window (unit), as a
+    bootstrap over windows needs them; None when some record covers several (a batched stage)."""
+    keys = sorted(records, key=lambda k: k[0])
+    if any(len(k) != 1 for k in keys):
+        return None
+    return [records[k] for k in keys]

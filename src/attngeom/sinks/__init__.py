@@ -1,0 +1,35 @@
+"""Attention sinks as active suppressors (SPEC §4): :mod:`.suppression`."""
+
+from attngeom._exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "SinksSettings": "settings",
+    "HISTOGRAMS": "suppression",
+    "SINK_RATE_BINS": "suppression",
+    "ENTROPY_BINS": "suppression",
+    "EPS": "suppression",
+    "rho_star_from_dots": "suppression",
+    "rho_star": "suppression",
+    "counterfactual_norm": "suppression",
+    "sink_terms": "suppression",
+    "pair_factors": "suppression",
+    "log_share_sums": "suppression",
+    "variance_shares": "suppression",
+    "histogram_counts": "suppression",
+    "histogram_quantile": "suppression",
+    "quadratic_fit": "suppression",
+    "block_terms": "suppression",
+    "SinkValues": "suppression",
+    "SinkQueries": "suppression",
+    "SinkDrift": "suppression",
+    "SinkDecomposition": "suppression",
+    "SinkStats": "suppression",
+    "REMOVAL_MODES": "suppression",
+    "SourceRemoval": "suppression",
+    "PASSES": "suppression",
+    "PASS_SUFFIX": "suppression",
+    "window_work": "suppression",
+    "results_from": "suppression",
+    "summarize": "suppression",
+    "experiment": "suppression",
+})

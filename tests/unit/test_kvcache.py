@@ -1,0 +1,495 @@
+"""The compressed KV cache (attngeom.kvcache.cache), its policies (attngeom.kvcache.policies) and `attngeom kvcache`."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from transformers import DynamicCache
+
+from attngeom.capture.plugin import Session
+from attngeom.cli import main
+from attngeom.kvcache.cache import CacheScorer, CompressedCache, cache_bytes, compressing, new_cache, pool_heads, read, select, step, taxonomy_budgets
+from attngeom.kvcache.policies import POLICIES, EvictionContext, get_policy
+from tiny_models import tiny_model
+
+T = 24
+
+
+def _ids(n=T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 128, (n,), generator=g).tolist()
+
+
+def _read_logits(handle, cache, ids, chunk, session=None):
+    with torch.no_grad(), compressing(handle.model, cache, session):
+        return torch.cat([step(handle, cache, torch.tensor([ids[s:s + chunk]])) for s in range(0, len(ids), chunk)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# exactness: a budget at least the length is the full cache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3", "gemma3_text"])  # GQA, MHA, head_dim != hidden/heads, hybrid
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_budget_at_least_length_equals_full_cache(arch, chunk):
+    h = tiny_model(arch)
+    ids = _ids()
+    whole = h.model(input_ids=torch.tensor([ids])).logits.float()
+    ref = _read_logits(h, DynamicCache(config=h.model.config), ids, chunk, None)
+    for name in ("window", "streamingllm"):                          # no scores: the same SDPA calls
+        got = _read_logits(h, CompressedCache(h.model.config, name, T), ids, chunk, None)
+        assert torch.equal(got, ref), name
+    for name in ("h2o", "contribution", "taxonomy", "snapkv"):       # scored: the same exact capture
+        got = _read_logits(h, CompressedCache(h.model.config, name, T), ids, chunk)
+        full = DynamicCache(config=h.model.config)
+        ref_s = _read_logits(h, full, ids, chunk, Session(observers=[CacheScorer(full)]))
+        assert torch.equal(got, ref_s), name
+        assert torch.allclose(got, whole, atol=1e-4), name
+    assert torch.allclose(ref, whole, atol=1e-4)
+
+
+def test_full_policy_reads_like_one_forward():
+    h = tiny_model("llama")
+    ids = _ids()
+    with torch.no_grad():
+        logits = h.model(input_ids=torch.tensor([ids])).logits.float()[0, :-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+    r = read(h, ids, "full", None)
+    assert r["tokens"] == T - 1 and abs(r["nll"] - float(nll)) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# eviction: at most `budget` entries per head, memory really freed, heads keep different positions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_eviction_bounds_entries_and_frees_storage():
+    h = tiny_model("llama")                                          # 3 layers, 4 query / 2 kv heads, d 16
+    ids, budget = _ids(40), 8
+    cache = CompressedCache(h.model.config, "h2o", budget)
+    with torch.no_grad(), compressing(h.model, cache):
+        for s in range(len(ids)):
+            step(h, cache, torch.tensor([ids[s:s + 1]]))
+            for layer in cache.layers:
+                assert layer.size <= budget and layer.keys.shape[2] == layer.size
+    d = h.head_dim
+    # storages, not views: exactly budget entries of keys and values per layer
+    assert cache_bytes(cache) == 3 * 2 * (1 * 2 * budget * d * 4)
+    pos = cache.layers[0].pos[0]
+    assert not torch.equal(pos[0], pos[1]) or not torch.equal(cache.layers[1].pos[0, 0], cache.layers[1].pos[0, 1])
+    assert int(pos[:, -1].min()) == len(ids) - 1                     # the newest token is always there
+    full = read(h, ids, "full", None)
+    comp = read(h, ids, "h2o", budget)
+    assert comp["peak_bytes"] == cache_bytes(cache)
+    assert full["peak_bytes"] == 3 * 2 * (2 * (len(ids) - 1) * d * 4)
+
+
+def test_chunk_must_leave_room():
+    h = tiny_model("llama")
+    with pytest.raises(Exception, match="chunk"):
+        read(h, _ids(), "h2o", 4, chunk=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the policies on hand-computed cases (one head, positions 0..9, budget 6, one new token: keep 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ctx(score, values=None, budget=6, n_kv=1, streaming=None):
+    score = torch.as_tensor(score, dtype=torch.float32).reshape(1, n_kv, -1)
+    n = score.shape[-1]
+    pos = torch.arange(n).expand(1, n_kv, n)
+    v = torch.ones(1, n_kv, n, 2) if values is None else torch.as_tensor(values, dtype=torch.float32).reshape(1, n_kv, n, -1)
+    budget = torch.as_tensor(budget).reshape(-1).expand(n_kv).clone()
+    return EvictionContext(pos=pos, valid=torch.ones_like(pos, dtype=torch.bool), score=score, values=v, seen=n,
+                           budget=budget, streaming=None if streaming is None else torch.tensor(streaming))
+
+
+def _kept(policy, ctx, keep=5):
+    idx, ok = select(policy, ctx, torch.as_tensor(keep).reshape(-1).expand(ctx.pos.shape[1]))
+    return [[int(p) for p, o in zip(ctx.pos[0, h].gather(-1, idx[0, h]), ok[0, h]) if o] for h in range(idx.shape[1])]
+
+
+S = [5, 0, 1, 9, 0, 0, 8, 0, 0, 0]
+
+
+def test_policy_registry_is_complete():
+    assert set(POLICIES) == {"full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
+                             "contribution_signed", "taxonomy"}
+    for name in POLICIES:
+        assert get_policy(name).name == name and get_policy(name).__class__.__name__ == "Policy"
+    with pytest.raises(Exception, match="unknown KV-cache policy"):
+        get_policy("nope")
+
+
+def test_window_keeps_the_most_recent():
+    assert _kept(get_policy("window"), _ctx(S)) == [[5, 6, 7, 8, 9]]
+
+
+def test_full_never_evicts():
+    h = tiny_model("llama")
+    assert type(new_cache(h, get_policy("full"), 4)) is DynamicCache
+
+
+def test_streamingllm_keeps_sinks_and_window():
+    from attngeom.kvcache.policies import streamingllm
+
+    assert _kept(streamingllm(sinks=2), _ctx(S)) == [[0, 1, 7, 8, 9]]
+    assert _kept(get_policy("streamingllm"), _ctx(S)) == [[0, 1, 2, 3, 9]]    # 4 sinks + 1 recent
+
+
+def test_h2o_heavy_hitters_plus_recent_half():
+    # recent = int(6 * 0.5) = 3 -> positions 7, 8, 9; then the two largest scores: 3 (9) and 6 (8)
+    assert _kept(get_policy("h2o"), _ctx(S)) == [[3, 6, 7, 8, 9]]
+
+
+def test_tova_layer_mean_of_heads():
+    # two kv heads, four query heads: the layer mean of the query heads decides for both kv heads
+    q = torch.tensor([[0, 4, 0, 0, 1, 0], [0, 0, 0, 0, 1, 0], [3, 0, 0, 0, 1, 0], [0, 0, 0, 2, 1, 0.]])[None]
+    pooled = pool_heads(q, 2, "layer")                               # [0.75, 1, 0, 0.5, 1, 0]
+    assert torch.allclose(pooled[0, 0], torch.tensor([0.75, 1, 0, 0.5, 1, 0]))
+    kept = _kept(get_policy("tova"), _ctx(pooled[0], n_kv=2, budget=4), keep=3)
+    assert kept == [[0, 1, 4], [0, 1, 4]]
+    assert torch.allclose(pool_heads(q, 2, "mean")[0, 1], torch.tensor([1.5, 0, 0, 1, 1, 0]))
+    assert torch.allclose(pool_heads(q, 2, "max")[0, 0], torch.tensor([0, 4, 0, 0, 1, 0.]))
+
+
+def test_snapkv_pools_neighbours_and_keeps_the_observation_window():
+    from attngeom.kvcache.policies import snapkv
+
+    s = [0, 0, 0, 9, 0, 0, 0, 0, 1, 0]
+    # max-pool k=3 -> [0,0,9,9,9,0,0,1,1,1]; window 2 keeps 8, 9; then 2, 3, 4
+    assert _kept(snapkv(window=2, kernel=3), _ctx(s)) == [[2, 3, 4, 8, 9]]
+
+
+def test_vatp_weights_attention_by_value_l1_norm():
+    acc = [1.0] * 10
+    values = [[float(j), -float(j)] for j in range(10)]            # |v_j|_1 = 2j
+    # sink 0, recent 7..9, then the largest 2j * 1 among 1..6: 6
+    assert _kept(get_policy("vatp"), _ctx(acc, values)) == [[0, 6, 7, 8, 9]]
+    assert _kept(get_policy("h2o"), _ctx(acc, values)) == [[0, 1, 7, 8, 9]]   # ties: earliest
+
+
+class _FakeBlock:
+    def __init__(self, a, c, q_start=0):
+        self.a, self.contribution, self.q_start = a, c, q_start
+
+
+def test_contribution_absolute_keeps_suppressors_signed_drops_them():
+    a = torch.tensor([0.5, 0.3, 0.2]).reshape(1, 1, 1, 3)
+    c = torch.tensor([[-0.4, 0.9, 0.5], [0.1, 0.2, 0.7]]).reshape(1, 1, 2, 3)   # two queries
+    blk = _FakeBlock(a, c)
+    assert torch.allclose(get_policy("contribution").step(blk, 2), torch.tensor([[[0.5, 1.1, 1.2]]]))
+    assert torch.allclose(get_policy("contribution_signed").step(blk, 2), torch.tensor([[[-0.3, 1.1, 1.2]]]))
+    assert torch.allclose(get_policy("h2o").step(blk, 1), torch.tensor([[[0.5, 0.3, 0.2]]]))
+    # keep 1 of 3 old entries (budget 4: recent = 2 -> entry 2 protected... use budget 2: recent 1)
+    score_abs = [1.5, 1.1, 0.0, 0.0]
+    score_signed = [-1.5, 1.1, 0.0, 0.0]
+    assert _kept(get_policy("contribution"), _ctx(score_abs, budget=2), keep=2) == [[0, 3]]
+    assert _kept(get_policy("contribution_signed"), _ctx(score_signed, budget=2), keep=2) == [[1, 3]]
+
+
+def test_snapkv_and_tova_read_only_the_last_queries():
+    a = torch.arange(12, dtype=torch.float32).reshape(1, 1, 4, 3)
+    blk = _FakeBlock(a, None, q_start=4)                              # queries 4..7 of a pass of 8
+    assert torch.equal(get_policy("tova").step(blk, 8), a[:, :, 3])
+    assert get_policy("tova").step(_FakeBlock(a, None, q_start=0), 8) is None
+    from attngeom.kvcache.policies import snapkv
+
+    assert torch.equal(snapkv(window=2).step(blk, 8), a[:, :, 2:].sum(2))
+
+
+def test_taxonomy_streaming_heads_keep_sinks_and_window_retrievers_h2o():
+    from attngeom.kvcache.policies import taxonomy
+
+    s = [5, 0, 1, 9, 0, 0, 8, 0, 0, 0]
+    ctx = _ctx([s, s], n_kv=2, budget=[4, 8], streaming=[True, False])
+    # head 0 (streaming, budget 4, keep 3): sink 0 then 8, 9; head 1 (H2O, budget 8, keep 7): recent 4 -> 6..9,
+    # then the largest scores among 0..5: 3 (9), 0 (5), 2 (1)
+    assert _kept(taxonomy(sinks=1), ctx, keep=[3, 7]) == [[0, 8, 9], [0, 2, 3, 6, 7, 8, 9]]
+
+
+def test_taxonomy_budgets_share_the_layer_total():
+    regimes = pd.DataFrame({"layer": [0] * 4 + [1] * 4, "head": [0, 1, 2, 3] * 2,
+                            "regime": ["Mixer", "Reset", "Retriever", "Mixer", "Mixer", "Mixer", "Reset", "Mixer"]})
+    budgets, streaming = taxonomy_budgets(regimes, num_heads=4, num_kv_heads=2, budget=64)
+    # layer 0: kv head 1 (query heads 2, 3) has a Retriever: small = max(8, 16) = 16, large = 128 - 16
+    assert budgets[0] == [16, 112] and streaming[0] == [True, False]
+    assert budgets[1] == [64, 64] and streaming[1] == [True, True]
+    # a chunk of 16 needs room: the small heads get 4 sinks + 16
+    assert taxonomy_budgets(regimes, 4, 2, 64, chunk=16)[0][0] == [20, 108]
+
+
+# ---------------------------------------------------------------------------------------------
+# scores recorded during the forward pass against independent computations
+# ---------------------------------------------------------------------------------------------
+
+
+def test_recorded_scores_match_eager_attention_and_trace_contributions():
+    from attngeom import analyze
+
+    h = tiny_model("llama")
+    ids = _ids(12)
+    eager = h.model.config._attn_implementation
+    h.model.set_attn_implementation("eager")
+    try:
+        att = h.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    finally:
+        h.model.set_attn_implementation(eager)
+    trace = analyze(h, torch.tensor(ids))
+    for name in ("h2o", "contribution", "contribution_signed"):
+        cache = CompressedCache(h.model.config, name, 64)
+        _read_logits(h, cache, ids, 1)
+        for l, layer in enumerate(cache.layers):
+            layer._fold()
+            if name == "h2o":
+                want = att[l][0].float().sum(1)                                    # Σ_i a_ij per query head
+            else:
+                c = torch.as_tensor(np.asarray(trace.layers[l].contribution))      # [H, T, T]
+                want = (c if name == "contribution_signed" else c.abs()).sum(1)
+            assert torch.allclose(layer.acc[0], want, atol=1e-5), (name, l)
+
+
+def test_chunked_reading_moves_perplexity_by_a_measured_amount():
+    """C = 1 is the reference. At a budget >= the length, C changes nothing; below it, a chunk of C
+    tokens is read with C - 1 fewer old entries per head. Measured on the tiny random Llama (64
+    tokens, seed 1): at budget 32 (half the text) C = 2 moves perplexity by at most 11 % (window
+    +2 %, StreamingLLM -2 %, H2O -11 %, contribution -8 %); at budget 16 C = 8 moves it by up to
+    37 % (H2O), so a chunk must stay small against the budget (docs/kvcache.md)."""
+    h = tiny_model("llama")
+    ids = _ids(64, seed=1)
+    for name in ("window", "streamingllm", "h2o", "contribution"):
+        assert abs(read(h, ids, name, 64, chunk=8)["nll"] - read(h, ids, name, 64)["nll"]) < 1e-3
+        one = read(h, ids, name, 32)["nll"]
+        two = read(h, ids, name, 32, chunk=2)["nll"]
+        change = abs(np.exp((two - one) / 63) - 1)
+        assert 0 < change < 0.15, (name, change)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_runs_resumes_and_refuses_bad_input(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 8)
+    out = tmp_path / "out"
+    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "40", "--max-windows", "2",
+            "--policies", "full,streamingllm,contribution,taxonomy", "--budgets", "8,16", "--chunk", "2",
+            "--calibration-windows", "1", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    reads = pd.read_parquet(out / "reads.parquet")
+    assert len(reads) == 4 * 2 * 2 and "ppl" in reads                # (policy, budget, window)
+    assert np.allclose(reads.ppl, np.exp(reads.nll / reads.tokens))
+    summ = pd.read_parquet(out / "summary.parquet")
+    assert (summ.ppl_low <= summ.ppl).all() and (summ.ppl <= summ.ppl_high).all()
+    pairs = pd.read_parquet(out / "pairs.parquet")
+    assert len(pairs) == 2 * 4 * 3                                     # budgets x ordered pairs of 4 policies
+    assert (pairs.a_better.between(0, 1)).all()
+    full = summ[summ.policy == "full"]
+    assert (full.delta_ppl == 0).all()
+    assert (summ[summ.policy == "streamingllm"].memory_saved > 0.5).all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["windows"] == 2 and "kvcache-ppl.png" in summary["figures"]
+    assert (out / "kvcache-ppl.png").stat().st_size > 0 and (out / "regimes.parquet").is_file()
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "already holds this complete run" in capsys.readouterr().err
+    # a run stopped part-way resumes from its records
+    out2 = tmp_path / "out2"
+    import attngeom.kvcache.cache as K
+
+    calls, real = [], K.read
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    K.read = flaky
+    try:
+        assert main(args[:-3] + ["--out", str(out2), "--no-progress"]) == 130
+    finally:
+        K.read = real
+    assert main(args[:-3] + ["--out", str(out2), "--no-progress"]) == 0
+    again = pd.read_parquet(out2 / "reads.parquet")
+    assert np.allclose(again.sort_values(["policy", "budget", "window"]).nll.to_numpy(),
+                       reads.sort_values(["policy", "budget", "window"]).nll.to_numpy(), atol=1e-6)
+    for bad, msg in ((["--chunk", "8"], "chunk"), (["--policies", "h2o,nope"], "unknown KV-cache policy")):
+        assert main(args[:-3] + bad + ["--out", str(tmp_path / "bad")]) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_per_head_budgets_pad_smaller_heads_and_the_padding_is_invisible():
+    h = tiny_model("llama")                                          # 2 kv heads
+    ids = _ids(30)
+    budgets = {l: [6, 16] for l in range(3)}
+    streaming = {l: [True, False] for l in range(3)}
+    caches = [CompressedCache(h.model.config, "taxonomy", 16, budgets, streaming) for _ in range(2)]
+    outs = [[], []]
+    for s in range(len(ids)):
+        for k in (0, 1):
+            with torch.no_grad(), compressing(h.model, caches[k]):
+                outs[k].append(step(h, caches[k], torch.tensor([ids[s:s + 1]])))
+        for layer in caches[1].layers:                                 # garbage in the padding of one copy
+            if layer.valid is not None:
+                pad = ~layer.valid[..., None]
+                layer.keys = layer.keys.masked_fill(pad, 1e4)
+                layer.values = layer.values.masked_fill(pad, 1e4)
+    layer = caches[0].layers[0]
+    assert layer.valid is not None and layer.size == 16
+    assert layer.valid[0].sum(-1).tolist() == [6, 16]
+    assert layer.pos[0, 0][layer.valid[0, 0]].tolist() == [0, 1, 2, 3, 28, 29]   # 4 sinks + the 2 newest
+    assert torch.equal(torch.cat(outs[0], 1), torch.cat(outs[1], 1))
+
+
+def test_answers_agree_with_the_full_cache_when_nothing_is_evicted():
+    from attngeom.kvcache.cache import answer, answers, summarize_answers
+
+    h = tiny_model("llama")
+    prompt, ref = _ids(12, seed=3), _ids(5, seed=4)
+    with torch.no_grad():
+        logits = h.model(input_ids=torch.tensor([prompt + ref])).logits.float()[0]
+    want = float(-torch.log_softmax(logits[11:16], -1)[torch.arange(5), torch.tensor(ref)].sum())
+    full = answer(h, prompt, ref, "full", None, new_tokens=6)
+    assert abs(full["ref_nll"] - want) < 1e-3 and len(full["generated"].split()) == 6
+    examples = [(prompt, ref), (_ids(10, seed=5), _ids(4, seed=6))]
+    df = answers(h, None, examples, ["h2o", "streamingllm"], [4, 32], new_tokens=6)
+    big = df[df.budget == 32]
+    assert (big.match == 1).all() and (big.first_divergence == 6).all()
+    assert np.allclose(big.groupby("example").ref_nll.std().fillna(0), 0, atol=1e-4)
+    small = df[(df.budget == 4) & (df.policy != "full")]
+    assert not np.allclose(small.ref_nll.to_numpy(), big[big.policy != "full"].ref_nll.to_numpy())
+    s = summarize_answers(df)
+    assert len(s) == 3 * 2 and (s[s.budget == 32].match == 1).all()
+    assert ((s.match_low <= s.match) & (s.match <= s.match_high)).all()
+
+
+def test_cli_answers(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 4)
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("\n".join(json.dumps({"prompt": f"The cat sat on the mat {i} times and", "reference": " the dog slept"})
+                            for i in range(3)))
+    out = tmp_path / "out"
+    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "24", "--max-windows", "1",
+            "--policies", "streamingllm", "--budgets", "8", "--answers", str(qa), "--max-examples", "2",
+            "--new-tokens", "3", "--no-progress"]
+    assert main(args + ["--out", str(out)]) == 0
+    ans = pd.read_parquet(out / "answers.parquet")
+    assert len(ans) == 2 * 2 and set(ans.policy) == {"full", "streamingllm"}
+    assert (ans[ans.policy == "full"].match == 1).all()
+    assert (out / "answers-summary.parquet").is_file() and (out / "kvcache-answers.png").is_file()
+    assert len(json.loads((out / "summary.json").read_text())["answers"]) == 2
+    qa.write_text(json.dumps({"prompt": "a prompt", "answer": "x"}) + "\n")
+    assert main(args + ["--out", str(tmp_path / "bad")]) == 2
+    assert "reference" in capsys.readouterr().err
+
+
+def test_generate_with_the_compressed_cache():
+    """transformers' generate() with the cache: equal to the full cache's greedy tokens when nothing
+    is evicted, and bounded by the budget (plain SDPA: the cache's mask sizes are the kept entries)."""
+    h = tiny_model("llama")
+    prompt = torch.tensor([_ids(10, seed=7)])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = h.model.generate(prompt, **kw)
+    for name in ("streamingllm", "h2o"):
+        cache = CompressedCache(h.model.config, name, 32)
+        with compressing(h.model, cache):
+            got = h.model.generate(prompt, cache=cache, **kw)
+        assert torch.equal(got, want), name
+        small = CompressedCache(h.model.config, name, 6)
+        with compressing(h.model, small):
+            h.model.generate(prompt, cache=small, **kw)
+        assert all(layer.size <= 6 for layer in small.layers) and small.layers[0].seen == 10 + 11
+    small = CompressedCache(h.model.config, "streamingllm", 6)
+    sdpa = h.model.config._attn_implementation
+    h.model.set_attn_implementation("sdpa")
+    try:
+        h.model.generate(prompt, cache=small, **kw)
+    finally:
+        h.model.set_attn_implementation(sdpa)
+    assert all(layer.size <= 6 for layer in small.layers)
+    beams = dict(kw, num_beams=3, num_return_sequences=2)                # batch reordering of every per-row tensor
+    cache = CompressedCache(h.model.config, "h2o", 32)
+    with compressing(h.model, cache):
+        got = h.model.generate(prompt, cache=cache, **beams)
+    assert torch.equal(got, h.model.generate(prompt, **beams))
+    scored = CompressedCache(h.model.config, "h2o", 6)                   # scores need compressing()
+    with pytest.raises(RuntimeError, match="compressing"):
+        h.model.generate(prompt, cache=scored, **kw)
+
+
+def test_hybrid_models_compress_only_their_full_attention_layers():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from attngeom.kvcache.cache import CompressedLayer
+
+    h = tiny_model("gemma3_text")                                    # sliding, sliding, full (window 8)
+    cache = CompressedCache(h.model.config, "contribution", 6)
+    logits = _read_logits(h, cache, _ids(30), 2)
+    assert torch.isfinite(logits).all()
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, DynamicSlidingWindowLayer, CompressedLayer]
+    assert cache.layers[2].size <= 6 and cache.layers[2].seen == 30
+
+
+SLOW_CLI = """
+import sys, time
+import attngeom.runs.run as R
+real = R.Run._append
+def slow(self, rec):
+    real(self, rec)
+    time.sleep(3)
+R.Run._append = slow
+from attngeom.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 6)
+    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "32", "--max-windows", "2",
+            "--policies", "full,h2o", "--budgets", "8", "--no-figures", "--no-progress", "--out"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert main(args + [str(tmp_path / "whole")]) == 0
+    part = tmp_path / "part"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args, str(part)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    records = lambda: sum(len(f.read_text().splitlines()) for f in (part / "checkpoint").glob("records-*.jsonl")) \
+        if (part / "checkpoint").is_dir() else 0
+    while records() < 1 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert 1 <= records() < 4 and not (part / "run.json").exists()          # killed mid-run
+    assert main(args + [str(part)]) == 0
+    a, b = (pd.read_parquet(d / "reads.parquet") for d in (tmp_path / "whole", part))
+    cols = ["window", "policy", "budget", "nll", "tokens", "ppl", "peak_bytes"]
+    pd.testing.assert_frame_equal(a[cols], b[cols])
+
+
+def test_pairwise_differences_on_shared_resamples():
+    from attngeom.kvcache.cache import pairwise
+
+    # policy a is better than b in every window: it wins every resample; deltas are antisymmetric
+    df = pd.DataFrame({"window": [0, 1, 2] * 2, "policy": ["a"] * 3 + ["b"] * 3, "budget": 8,
+                       "nll": [10.0, 12.0, 11.0, 11.0, 13.0, 12.5], "tokens": [10] * 6})
+    p = pairwise(df, n_resamples=200).set_index(["a", "b"])
+    want = np.exp(33 / 30) - np.exp(36.5 / 30)
+    assert np.isclose(p.loc[("a", "b"), "delta_ppl"], want) and np.isclose(p.loc[("b", "a"), "delta_ppl"], -want)
+    assert p.loc[("a", "b"), "a_better"] == 1 and p.loc[("b", "a"), "a_better"] == 0
+    assert p.loc[("a", "b"), "delta_low"] <= want <= p.loc[("a", "b"), "delta_high"] < 0
