@@ -55,6 +55,9 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present; "
                                                    "under torchrun each process takes its local GPU)")
+    p.add_argument("--allow-missing-weights", action="store_true",
+                   help="load a checkpoint whose weights do not fill the model its config.json describes "
+                        "(those weights are random; recorded in the run's settings); default: refused")
 
 
 def add_data_args(p, required: bool = True, repeat: bool = False, window: int = 256, max_windows: int = 16) -> None:
@@ -155,7 +158,12 @@ def data_identity(spec: str) -> dict:
 
 def model_identity(args) -> dict:
     """``--model``, ``--dtype`` and ``--device`` normalised without loading anything: an explicit
-    ``--dtype float32`` on CPU is the same run as the default. Bad devices fail here (exit 2)."""
+    ``--dtype float32`` on CPU is the same run as the default. Bad devices fail here (exit 2).
+    ``--allow-missing-weights`` is recorded when given, and torch's thread count always: sums over
+    another number of threads differ in their last bits, so a run resumed under another
+    ``OMP_NUM_THREADS`` is another run (docs/runs.md)."""
+    import torch
+
     from attngeom.runs.distributed import local_device
     from attngeom.model import check_device, dtype_name, resolve_dtype
 
@@ -164,7 +172,10 @@ def model_identity(args) -> dict:
     spec = args.model
     if Path(spec).exists():  # a local file or directory: the same run from any working directory
         spec = str(Path(spec).resolve())
-    return {"model": spec, "dtype": dtype_name(dtype), "device_type": device.type}
+    out = {"model": spec, "dtype": dtype_name(dtype), "device_type": device.type, "threads": torch.get_num_threads()}
+    if getattr(args, "allow_missing_weights", False):
+        out["allow_missing_weights"] = True
+    return out
 
 
 def open_run(args, command: str, settings: dict):
@@ -194,7 +205,9 @@ def already_complete(run: RunLike, command: str) -> bool:
 
 def load(args):
     """Load the model named by ``--model`` (with a note on stderr: the first load of a bundled model
-    dequantises it once)."""
+    dequantises it once). Each warning of the load is one line on stderr."""
+    import warnings
+
     from attngeom.runs.distributed import local_device, rank
     from attngeom.model import load_model
 
@@ -202,4 +215,11 @@ def load(args):
     if not quiet:
         print(f"attngeom: loading {args.model} ...", file=sys.stderr)
     device = getattr(args, "device", None) or local_device()
-    return load_model(args.model, dtype=getattr(args, "dtype", None), device=device, progress=not quiet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        handle = load_model(args.model, dtype=getattr(args, "dtype", None), device=device, progress=not quiet,
+                            allow_missing_weights=getattr(args, "allow_missing_weights", False))
+    for w in caught:
+        if rank() == 0:
+            print(f"attngeom: warning: {w.message}", file=sys.stderr)
+    return handle

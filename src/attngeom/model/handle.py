@@ -76,6 +76,13 @@ class ModelHandle:
         return self.adapter.head_dim
 
     @property
+    def weights_not_loaded(self) -> dict[str, list[str]]:
+        """Weights the checkpoint left random, by kind (``missing``, ``unexpected``, ``of another
+        shape``): empty, unless the model was loaded with ``allow_missing_weights=True``
+        (:func:`attngeom.model.loading.check_weights`)."""
+        return dict(getattr(self.model, "weights_not_loaded", None) or {})
+
+    @property
     def max_positions(self) -> int | None:
         """``config.max_position_embeddings``, or None when the config does not say."""
         mp = getattr(self.config, "max_position_embeddings", None)

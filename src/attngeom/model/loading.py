@@ -74,12 +74,15 @@ class _Options:
     device_map: object
     trust_remote_code: bool
     attn_implementation: str | None
+    allow_missing_weights: bool = False
 
     def model_kwargs(self, config) -> dict:
         """Keyword arguments for ``AutoModelForCausalLM.from_pretrained``."""
         kw = {
             "dtype": self.dtype,
             "trust_remote_code": self.trust_remote_code,
+            "output_loading_info": True,     # missing, unexpected and mismatched weights: check_weights
+            "ignore_mismatched_sizes": True,  # reported by check_weights in one line, not by transformers
         }
         attn = attn_implementation_for(config, self.attn_implementation, self.trust_remote_code)
         if attn is not None:
@@ -104,6 +107,7 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     progress: bool = True,
+    allow_missing_weights: bool = False,
 ) -> ModelHandle:
     """Load a supported causal LM and its tokenizer (see the module docstring for ``spec``).
 
@@ -113,6 +117,13 @@ def load_model(
     the model is not moved). Attention defaults to "sdpa" ("eager" for models without SDPA support,
     e.g. Gemma2). ``progress=False`` silences transformers' loading bars. A model object that is
     already loaded is taken as it is, with ``tokenizer``: :func:`wrap`.
+
+    A checkpoint whose weights do not fill the model its config describes (a weight missing, one the
+    model has no place for, or one of another shape) is refused with a :class:`ModelLoadError`
+    naming the tensors: transformers would initialise those weights at random. With
+    ``allow_missing_weights=True`` it loads anyway, says so in one warning, and the handle's
+    ``weights_not_loaded`` names them (:func:`check_weights`). Transformers' own log lines are
+    silenced while loading: what matters is in attngeom's message.
     """
     if isinstance(spec, torch.nn.Module):
         if tokenizer is None:
@@ -128,11 +139,12 @@ def load_model(
         device_map=device_map,
         trust_remote_code=bool(trust_remote_code),
         attn_implementation=attn_implementation,
+        allow_missing_weights=bool(allow_missing_weights),
     )
 
     path = pathlib.Path(spec).expanduser()
     bundle = find_bundled(spec)
-    with quiet_progress(progress):
+    with quiet_progress(progress), quiet_logs():
         if bundle is not None:
             model, tokenizer = _load_bundled(bundle, opts)
             name = bundle.name
@@ -241,13 +253,15 @@ def _refuse_pickle_only(path: pathlib.Path) -> None:
 
 
 def _from_pretrained(source, config, opts: _Options, where: str, **extra):
-    """AutoModelForCausalLM + AutoTokenizer from a directory or Hub id, errors made one-line."""
+    """AutoModelForCausalLM + AutoTokenizer from a directory or Hub id, errors made one-line, the
+    weights checked against the config (:func:`check_weights`)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             source, config=config, **opts.model_kwargs(config), **extra
         )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load the model weights from {where}: {first_line(e)}") from e
+    model.weights_not_loaded = check_weights(info, where, opts.allow_missing_weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, trust_remote_code=opts.trust_remote_code, **extra
@@ -260,6 +274,64 @@ def _from_pretrained(source, config, opts: _Options, where: str, **extra):
     if isinstance(tokenizer, bool) or not hasattr(tokenizer, "convert_ids_to_tokens"):
         raise ModelLoadError(f"{where} has no usable tokenizer")
     return model, tokenizer
+
+
+WEIGHT_PROBLEMS = {"missing_keys": "missing", "unexpected_keys": "unexpected", "mismatched_keys": "of another shape"}
+"""transformers' loading-info lists, and how :func:`check_weights` names each kind."""
+NAMED_TENSORS = 4
+"""Tensors named in the one-line refusal per kind (the rest are counted)."""
+
+
+def check_weights(info: dict, where: str, allow: bool = False) -> dict[str, list[str]]:
+    """What a checkpoint's weights leave undone, from transformers' loading info
+    (``from_pretrained(..., output_loading_info=True)``): ``{"missing": [...], "unexpected": [...],
+    "of another shape": [...]}`` (kinds with no tensor left out; tied weights, such as an output
+    layer tied to the embeddings, are not missing). Any of them refuses the load with one
+    :class:`ModelLoadError` naming the tensors, unless ``allow``: then one warning says which
+    weights are random."""
+    found = {}
+    for key, kind in WEIGHT_PROBLEMS.items():
+        names = sorted(_weight_name(k) for k in (info or {}).get(key) or ())
+        if names:
+            found[kind] = names
+    if not found:
+        return {}
+    what = "; ".join(f"{len(v)} {k} ({_some(v)})" for k, v in found.items())
+    if not allow:
+        raise ModelLoadError(f"the weights in {where} do not fit its config.json: {what}; transformers would "
+                             "initialise those at random; fix the checkpoint or its config, or pass "
+                             "--allow-missing-weights (load_model(..., allow_missing_weights=True)) to analyse it anyway")
+    warnings.warn(f"the weights in {where} do not fit its config.json: {what}; those weights are random "
+                  "(allow_missing_weights)", stacklevel=4)
+    return found
+
+
+def _weight_name(key) -> str:
+    """A tensor's name, with the two shapes of a mismatched one (``(name, checkpoint, model)``)."""
+    if isinstance(key, tuple):
+        name, ckpt, mine = (list(key) + [None, None])[:3]
+        return f"{name}: checkpoint {list(ckpt or ())} vs model {list(mine or ())}"
+    return str(key)
+
+
+def _some(names: list[str]) -> str:
+    """The first :data:`NAMED_TENSORS` names, and how many more."""
+    more = len(names) - NAMED_TENSORS
+    return ", ".join(names[:NAMED_TENSORS]) + (f", and {more} more" if more > 0 else "")
+
+
+@contextlib.contextmanager
+def quiet_logs():
+    """transformers' log messages (load reports, tying notes) off while loading, then restored:
+    attngeom's own line says what matters (:func:`check_weights`)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 # ---- Hub ids ------------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ Rules of an output directory (checked by :class:`Run` before any compute):
   directories it emptied; any other file in the directory is kept, and files that are not an
   attngeom run are never deleted;
 - a directory in use by another process (its lock is held) is refused with one line naming it;
+- an output is moved into place only over a file of this run (listed by its manifest or
+  ``outputs.json``); a directory, a link or another file in its place is refused in one line
+  (:class:`~attngeom.errors.OutputError`) and left as it is;
 - outputs are written into ``OUT/.staging-*`` and moved into place, then ``run.json`` is written:
   a kill at any moment leaves either the previous complete state or a directory without ``run.json``
   whose rerun finishes the job. Nothing of an older run is ever mixed with a newer one.
@@ -575,14 +578,13 @@ class Run:
             try:
                 staging.mkdir()
                 files = [str(f) for f in write(staging)]
+                self._check_destinations(files)
                 self._list_outputs(files)
                 (self.out / MANIFEST).unlink(missing_ok=True)
                 fsync_dir(self.out)
                 for f in files:
                     dst = self.out / f
                     dst.parent.mkdir(parents=True, exist_ok=True)
-                    if dst.is_dir():
-                        shutil.rmtree(dst)
                     os.replace(staging / f, dst)
                 fsync_dir(self.out)
             except OSError as e:
@@ -606,6 +608,27 @@ class Run:
         self.comm.barrier()
         self.close()
         return files
+
+    def _check_destinations(self, files: Sequence[str]) -> None:
+        """Refuse (:class:`OutputError`, before anything is moved) an output whose place in ``out``
+        holds something attngeom did not write there: a directory, a link, a special file, or a
+        file no manifest or ``outputs.json`` of this run lists. Moving the output in would delete it."""
+        ours: set[str] = set()
+        for doc in (read_manifest(self.out), unseal(self.checkpoint / OUTPUTS)):
+            if doc:
+                ours.update(str(n) for n in (doc.get("files") or ()))
+        for f in files:
+            dst = _inside(self.out, f)
+            if dst is None or not (dst.exists() or dst.is_symlink()):
+                continue
+            if dst.is_symlink() or not dst.is_file():
+                kind = "a link" if dst.is_symlink() else "a directory" if dst.is_dir() else "not a regular file"
+            elif f not in ours:
+                kind = "a file this run did not write"
+            else:
+                continue
+            raise OutputError(f"{dst} is {kind}; attngeom would replace it with its output {f}: move it away and "
+                              "rerun (nothing was changed)")
 
     def _list_outputs(self, files: Sequence[str]) -> None:
         """Record the output files in ``checkpoint/outputs.json`` before they are moved into place,

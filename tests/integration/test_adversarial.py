@@ -1,0 +1,118 @@
+"""Adversarial inputs at the command line: each is refused in one line with exit 2 (no traceback, no
+output that looks complete, nothing of the user's deleted), or gives a meaningful result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from attngeom.cli import main
+from attngeom.runs.run import MANIFEST, verify
+
+
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1, err  # one clear line, nothing of transformers' own logging before it
+    return lines[0]
+
+
+def _model_dir(src, dst, **config):
+    """A copy of the model folder ``src`` whose config.json has ``config`` changed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ---- weights that do not fill the model its config describes --------------------------------------
+
+
+@pytest.mark.parametrize("config,kind,tensor", [
+    ({"num_hidden_layers": 4}, "missing", "model.layers.3."),           # the config says one layer more
+    ({"num_hidden_layers": 2}, "unexpected", "model.layers.2."),                   # one layer less
+    ({"intermediate_size": 96}, "of another shape", "mlp.down_proj.weight: checkpoint [64, 128] vs model [64, 96]"),
+])
+def test_weights_that_do_not_fit_the_config_are_refused(tiny_llama_dir, tmp_path, capfd, config, kind, tensor):
+    bad = _model_dir(tiny_llama_dir, tmp_path / "bad", **config)
+    out = tmp_path / "o"
+    capfd.readouterr()
+    rc = main(["analyze", "--model", str(bad), "--text", "The cat sat.", "--out", str(out), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and f" {kind} (" in line and tensor in line and "--allow-missing-weights" in line, line
+    assert not out.exists()
+
+
+def test_allow_missing_weights_loads_and_is_recorded(tiny_llama_dir, tmp_path, capfd):
+    bad = _model_dir(tiny_llama_dir, tmp_path / "bad", num_hidden_layers=4)
+    out = tmp_path / "o"
+    args = ["analyze", "--model", str(bad), "--text", "The cat sat.", "--layers", "3", "--out", str(out),
+            "--no-progress", "--allow-missing-weights"]
+    capfd.readouterr()
+    assert main(args) == 0
+    err = capfd.readouterr().err
+    warned = [x for x in err.splitlines() if "warning" in x]
+    assert len(warned) == 1 and "model.layers.3." in warned[0] and "random" in warned[0], err
+    assert json.loads((out / MANIFEST).read_text())["settings"]["allow_missing_weights"] is True
+    # the same run without the flag is another run
+    rc = main(args[:-1])
+    assert rc == 2 and "allow_missing_weights" in _one_line(capfd.readouterr().err)
+
+
+def test_tied_output_weights_are_not_missing(tmp_path):
+    from safetensors import safe_open
+    from tiny_models import tiny_model
+
+    from attngeom import load_model
+
+    handle = tiny_model("llama", tie_word_embeddings=True)
+    handle.model.save_pretrained(tmp_path)
+    handle.tokenizer.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()   # stored once, as the embeddings
+    loaded = load_model(str(tmp_path))
+    assert loaded.weights_not_loaded == {}
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+
+
+# ---- finishing a run never deletes what attngeom did not write -------------------------------------
+
+TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. ") * 10
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "corpus.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def _sinks(model, corpus, out, *extra):
+    return main(["sinks", "--model", str(model), "--data", str(corpus), "--window", "24", "--max-windows", "1",
+                 "--out", str(out), "--no-progress", "--no-figures", *extra])
+
+
+@pytest.mark.parametrize("replacement", ["directory", "link"])
+def test_an_output_replaced_by_the_users_own_is_not_deleted(tiny_llama_dir, corpus, tmp_path, capfd, replacement):
+    out = tmp_path / "o"
+    assert _sinks(tiny_llama_dir, corpus, out) == 0
+    (out / "summary.json").unlink()
+    mine = tmp_path / "user-data.txt"
+    mine.write_text("mine")
+    if replacement == "directory":
+        (out / "summary.json").mkdir()
+        shutil.copy(mine, out / "summary.json" / "user-data.txt")
+    else:
+        (out / "summary.json").symlink_to(mine)
+    capfd.readouterr()
+    rc = _sinks(tiny_llama_dir, corpus, out)
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and f"is a {replacement if replacement == 'directory' else 'link'}" in line, line
+    if replacement == "directory":
+        assert (out / "summary.json" / "user-data.txt").read_text() == "mine"
+    else:
+        assert (out / "summary.json").is_symlink() and mine.read_text() == "mine"
+    assert verify(out) == ["summary.json is missing"] or verify(out) == ["summary.json differs from the manifest's checksum"]
