@@ -116,3 +116,96 @@ def test_an_output_replaced_by_the_users_own_is_not_deleted(tiny_llama_dir, corp
     else:
         assert (out / "summary.json").is_symlink() and mine.read_text() == "mine"
     assert verify(out) == ["summary.json is missing"] or verify(out) == ["summary.json differs from the manifest's checksum"]
+
+
+# ---- only regular files are read ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A named pipe. A daemon thread opens its writing end after a few seconds and closes it, so a
+    reader that opened it (the defect) gets an empty file instead of blocking the tests forever."""
+    import os
+    import threading
+    import time
+
+    p = tmp_path / "pipe.txt"
+    os.mkfifo(p)
+
+    def unblock():
+        time.sleep(5)
+        os.close(os.open(p, os.O_WRONLY))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    return p
+
+
+@pytest.mark.parametrize("option", ["--data", "--file"])
+def test_a_fifo_is_refused_not_read(tiny_llama_dir, fifo, tmp_path, capfd, option):
+    out = tmp_path / "o"
+    args = (["sinks", "--data", str(fifo)] if option == "--data" else ["analyze", "--file", str(fifo)])
+    rc = main([*args, "--model", str(tiny_llama_dir), "--out", str(out), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and f"{fifo} is a FIFO (named pipe), not a file" in line, line
+    assert not out.exists()
+
+
+def test_dev_zero_is_refused_not_read(tiny_llama_dir, tmp_path, capfd):
+    rc = main(["sinks", "--data", "/dev/zero", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "o"),
+               "--no-progress"])
+    assert rc == 2 and "/dev/zero is a character device, not a file" in _one_line(capfd.readouterr().err)
+
+
+# ---- JSON nested too deeply: one line, never a RecursionError ----------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("command", ["analyze", "explore"])
+def test_a_deeply_nested_chat_prompt_file(tiny_llama_dir, tmp_path, capfd, command):
+    f = tmp_path / "deep.json"
+    f.write_text(DEEP)
+    rc = main([command, "--model", str(tiny_llama_dir), "--file", str(f), "--generate", "4", "--out",
+               str(tmp_path / "o")])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and f"{f}: JSON nested deeper than 64 levels" in line, line
+
+
+def test_a_deeply_nested_trace_json_is_a_trace_format_error(tmp_path):
+    from tiny_models import tiny_model
+
+    from attngeom import Trace, analyze
+    from attngeom.errors import TraceFormatError
+
+    saved = analyze(tiny_model("llama"), "The cat sat.").save(tmp_path / "t")
+    (saved / "trace.json").write_text(DEEP)
+    with pytest.raises(TraceFormatError, match="trace.json: JSON nested deeper than 64 levels"):
+        Trace.load(saved)
+
+
+def test_a_deeply_nested_lock_file(tmp_path, monkeypatch):
+    import fcntl
+
+    from attngeom.runs import lock
+
+    def no_flock(*a):
+        raise OSError("flock not supported on this filesystem")   # the lock is judged by the pid it holds
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    (tmp_path / lock.LOCK).write_text(DEEP)
+    lock.acquire(tmp_path)        # a holder that cannot be read is not alive: the lock is taken
+    try:
+        assert json.loads((tmp_path / lock.LOCK).read_text())["pid"] > 0
+    finally:
+        lock.release(tmp_path)
+
+
+def test_a_deeply_nested_record_line_is_skipped(tiny_llama_dir, corpus, tmp_path, capfd):
+    out = tmp_path / "o"
+    assert _sinks(tiny_llama_dir, corpus, out) == 0
+    records = sorted((out / "checkpoint").glob("records-*.jsonl"))
+    (out / "summary.json").unlink()
+    records[0].write_text(records[0].read_text() + DEEP + "\n")     # a damaged line: recomputed if needed
+    capfd.readouterr()
+    assert _sinks(tiny_llama_dir, corpus, out) == 0
+    assert verify(out) == []

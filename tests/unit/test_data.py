@@ -263,6 +263,89 @@ def test_deeply_nested_jsonl_line_is_one_line(tmp_path):
     assert read_texts(f)[0].startswith("[[[[")
 
 
+def _depth_check_seconds(n: int) -> float:
+    """The fastest of three depth checks of an ``n``-character malformed line: an unterminated
+    string followed by brackets."""
+    import time
+
+    from attngeom.data.corpora import json_depth_exceeds
+
+    line = '{"text": "' + "[{" * (n // 2)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        json_depth_exceeds(line)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def test_depth_check_is_linear_on_a_malformed_line(tmp_path):
+    # ten times the text costs about ten times the time (a quadratic check: a hundred times)
+    ratio = _depth_check_seconds(1_000_000) / _depth_check_seconds(100_000)
+    assert ratio < 35, ratio
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"text": "' + "[{" * 500_000 + "\n")    # 1 MB, refused as invalid JSON
+    with pytest.raises(InputError, match=r"bad\.jsonl:1: not valid JSON at column"):
+        read_texts(f)
+
+
+@pytest.mark.parametrize("line, deep", [
+    ("[" * 65 + "]" * 65, True), ("[" * 64 + "]" * 64, False),
+    ('["' + "[" * 100 + '"]', False),                     # brackets inside a string
+    (r'["\\", ' + "[" * 70 + "]" * 70 + "]", True),     # an escaped backslash: the quote after it ends the string
+    (r'["\"' + "[" * 70 + '"]', False),                  # an escaped quote does not end the string
+    ('"' + "[" * 100, False),                             # an unterminated string: nothing after it nests
+])
+def test_depth_check_skips_strings_and_escapes(line, deep):
+    from attngeom.data.corpora import json_depth_exceeds
+
+    assert json_depth_exceeds(line) is deep
+
+
+def test_a_csv_cell_longer_than_csvs_default_limit(tmp_path):
+    import csv
+
+    f = tmp_path / "long.csv"
+    long = "word " * 40_000                                   # 200,000 characters in one cell
+    f.write_text("text,n\n" + f'"{long}",1\nshort,2\n')
+    limit = csv.field_size_limit()
+    assert read_texts(f) == [long, "short"]
+    assert csv.field_size_limit() == limit                    # the csv module's limit is left as it was
+
+
+def test_a_binary_parquet_field_is_called_binary(tmp_path):
+    path = _write("parquet", tmp_path / "bin", [{"text": "ok", "blob": b"\x00\x01"}])
+    with pytest.raises(InputError) as e:
+        read_texts(path, ["text", "blob"])
+    assert str(e.value) == f"{path}: row 1: field 'blob' is binary data (bytes); a field must be a string or a number"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "loop", "dangling"])
+def test_only_regular_files_are_read(tmp_path, kind):
+    import os
+
+    from attngeom.commands.common import data_identity
+
+    p = tmp_path / "corpus.txt"
+    if kind == "fifo":
+        os.mkfifo(p)                                          # reading it would block forever
+        said = "is a FIFO (named pipe), not a file"
+    elif kind == "device":
+        p = Path("/dev/zero")                                 # reading it would never end
+        said = "is a character device, not a file"
+    elif kind == "loop":
+        p.symlink_to(tmp_path / "other.txt")
+        (tmp_path / "other.txt").symlink_to(p)
+        said = "is a symlink loop"
+    else:
+        p.symlink_to(tmp_path / "gone.txt")
+        said = "is a dangling symlink (its target"
+    for read in (read_texts, data_identity):
+        with pytest.raises(InputError) as e:
+            read(str(p))
+        assert str(e.value).startswith(f"data file {p} {said}"), e.value
+
+
 def test_cli_reads_a_parquet_corpus(tiny_llama_dir, tmp_path, capsys):
     from attngeom.cli import main
 

@@ -89,7 +89,7 @@ def text_input(args, verb: str) -> tuple[str, str]:
     """``(text, source)`` of ``--text`` / ``--file`` / the built-in sample, checked before any
     compute: an empty text, a missing, unreadable, non-UTF-8 or empty file are one-line errors. A
     file is read as written (``\r`` stays ``\r``)."""
-    from attngeom.data.corpora import SAMPLE_TEXT, utf8_text
+    from attngeom.data.corpora import SAMPLE_TEXT, input_path, utf8_text
 
     if args.text is not None:
         if not args.text.strip():
@@ -97,9 +97,7 @@ def text_input(args, verb: str) -> tuple[str, str]:
         return args.text, "--text"
     if args.file is None:
         return SAMPLE_TEXT, "built-in sample text (attngeom.data.corpora.SAMPLE_TEXT)"
-    p = Path(args.file)
-    if not p.exists():
-        raise InputError(f"input file not found: {p}")
+    p = input_path(args.file, "input file")
     if p.is_dir():
         raise InputError(f"{p} is a directory; give a text file")
     try:
@@ -152,8 +150,8 @@ def data_identity(spec: str) -> dict:
 
     if spec.startswith("hf:"):
         return {"data": spec}
-    p = Path(spec)
-    return {"data": str(p.resolve()), "data_sha256": corpus_digest(p)}
+    digest = corpus_digest(spec)       # first: a path that is no file or folder is refused here
+    return {"data": str(Path(spec).resolve()), "data_sha256": digest}
 
 
 def model_identity(args) -> dict:

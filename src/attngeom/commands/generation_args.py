@@ -58,8 +58,12 @@ def messages_file(args) -> bool:
 def prompt_of(args, text: str):
     """The prompt: the text, or the chat messages of a ``.json`` prompt file."""
     if messages_file(args):
+        from attngeom.runs.storage import JSONDepthError, parse_json
+
         try:
-            messages = json.loads(text)
+            messages = parse_json(text)
+        except JSONDepthError as e:
+            raise InputError(f"{args.file}: {e}; a .json prompt file holds a list of chat messages") from None
         except json.JSONDecodeError as e:
             raise InputError(f"{args.file} is not valid JSON (line {e.lineno}: {e.msg}); a .json prompt file "
                              "holds a list of chat messages") from None

@@ -21,4 +21,6 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "parse_int_list": "corpora",
     "parse_float_list": "corpora",
     "check_layers": "corpora",
+    "input_path": "corpora",
+    "FILE_KINDS": "corpora",
 })

@@ -6,22 +6,25 @@ once, a BOS token (the sink) is put at the start of each window where the tokeni
 windows of ``window`` tokens are cut every ``stride`` tokens.
 
 Records (JSONL lines, CSV and Parquet rows, dataset rows) follow one rule (:func:`field_text`): a
-field is a string, or a number (not a boolean) written as text; a list, an object, null, a boolean
-or a non-finite number is refused with one line naming the file, the line or row, and the field.
+field is a string, or a number (not a boolean) written as text; a list, an object, binary data, null,
+a boolean or a non-finite number is refused with one line naming the file, the line or row, and the field.
 A UTF-8 byte-order mark at the start of a file is dropped; a JSONL line nested deeper than
 :data:`MAX_DEPTH` levels is refused before it is parsed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
-import re
+import os
+import stat
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
+from attngeom.runs.storage import MAX_DEPTH, JSONDepthError, json_depth_exceeds, parse_json  # noqa: F401
 
 SAMPLE_TEXT = (
     "Attention weights are often read as a map of what a language model looks at. "
@@ -37,8 +40,6 @@ SAMPLE_TEXT = (
 """The built-in text that ``attngeom analyze`` runs on when no text is given (``make demo``)."""
 
 BOM = "\ufeff"
-MAX_DEPTH = 64
-"""The deepest nesting of arrays and objects accepted in one JSONL line."""
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 """Files by which a folder written by ``datasets``' ``save_to_disk`` is recognised."""
 TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
@@ -54,6 +55,33 @@ def utf8_text(raw: bytes, where: str) -> str:
     return text[1:] if text.startswith(BOM) else text
 
 
+FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+"""What a path that is neither a regular file nor a directory is called in a refusal."""
+
+
+def input_path(path: str | Path, what: str = "data file") -> Path:
+    """``path`` when it is a regular file or a directory (the caller decides which folders it
+    reads), else one :class:`InputError`: not found, a dangling symlink, a symlink loop, or
+    something that is not a file (a FIFO, which would block the read forever, a device such as
+    ``/dev/zero``, which never ends, a socket). Checked with ``os.stat`` before anything is opened."""
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        if os.path.islink(p):
+            raise InputError(f"{what} {p} is a dangling symlink (its target {os.readlink(p)} does not exist)") from None
+        raise InputError(f"{what} not found: {p}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InputError(f"{what} {p} is a symlink loop (its links never reach a file)") from None
+        raise InputError(f"cannot read {p}: {e.strerror or e}") from None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return p
+    kind = next((name for test, name in FILE_KINDS if test(mode)), "not a regular file")
+    raise InputError(f"{what} {p} is {kind}, not a file; give a regular file")
+
+
 def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[str]:
     """Texts of a local corpus: one text per record, ``fields`` (default ``["text"]``) joined with a
     newline (``fields=["question", "answer"]`` for GSM8K-style files).
@@ -66,9 +94,7 @@ def read_texts(path: str | Path, fields: Sequence[str] | None = None) -> list[st
       with its heading markers (`` = Title = ``) kept, as the raw split is usually scored. Line
       endings are normalised to ``\n``.
     """
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"data file not found: {p}")
+    p = input_path(path)
     if p.is_dir():
         if not any((p / f).is_file() for f in SAVED_DATASET_FILES):
             raise InputError(f"{p} is a directory but not one written by datasets' save_to_disk (it has no "
@@ -107,7 +133,9 @@ def field_text(value, where: str, field: str) -> str:
             return str(value)
     else:
         kind = ("a boolean" if isinstance(value, bool) else "null" if value is None
-                else "an object" if isinstance(value, dict) else "a list" if hasattr(value, "__len__")
+                else "an object" if isinstance(value, dict)
+                else "binary data (bytes)" if isinstance(value, (bytes, bytearray, memoryview))
+                else "a list" if hasattr(value, "__len__")
                 else f"a {type(value).__name__}")
     raise InputError(f"{where}: field {field!r} is {kind}; a field must be a string or a number")
 
@@ -146,6 +174,8 @@ def _csv_rows(p: Path) -> Iterator[tuple[str, dict]]:
     except OSError as e:
         raise InputError(f"cannot read {p}: {e.strerror or e}") from None
     reader = csv.reader(io.StringIO(text, newline=""))
+    limit = csv.field_size_limit()
+    csv.field_size_limit(_largest_field_limit())   # one long document per cell is a normal corpus
     try:
         header = next(reader, None)
         if header is None:
@@ -159,6 +189,23 @@ def _csv_rows(p: Path) -> Iterator[tuple[str, dict]]:
             yield where, dict(zip(header, row))
     except csv.Error as e:
         raise InputError(f"{p}:{reader.line_num}: not valid CSV ({e})") from None
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _largest_field_limit() -> int:
+    """The largest cell size ``csv.field_size_limit`` accepts on this platform (a C long): the whole
+    file is in memory already, so no cell needs a smaller bound."""
+    import csv
+    import sys
+
+    n = sys.maxsize
+    while True:
+        try:
+            csv.field_size_limit(n)
+            return n
+        except OverflowError:
+            n //= 2
 
 
 def _parquet_rows(p: Path) -> Iterator[tuple[str, dict]]:
@@ -195,10 +242,11 @@ def _saved_dataset_rows(p: Path) -> Iterator[tuple[str, dict]]:
 
 def corpus_digest(path: str | Path) -> str | None:
     """sha256 of a local corpus: the file's bytes, or for a folder (a saved dataset) the relative
-    names and bytes of all its files; None when it cannot be read."""
+    names and bytes of all its regular files; None when it cannot be read, an :class:`InputError`
+    when it is not a file or a folder (:func:`input_path`)."""
     import hashlib
 
-    p = Path(path)
+    p = input_path(path)
     h = hashlib.sha256()
     try:
         files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
@@ -213,37 +261,18 @@ def corpus_digest(path: str | Path) -> str | None:
     return h.hexdigest()
 
 
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(r"[\[\]{}]")
-
-
-def json_depth_exceeds(line: str, limit: int = MAX_DEPTH) -> bool:
-    """Whether the arrays and objects of a JSON text nest deeper than ``limit`` (strings skipped),
-    checked without parsing it."""
-    if line.count("[") + line.count("{") <= limit:
-        return False
-    depth = 0
-    for m in _BRACKETS.finditer(_STRINGS.sub("", line)):
-        depth += 1 if m.group() in "[{" else -1
-        if depth > limit:
-            return True
-    return False
-
-
 def json_object(line: str, where: str) -> dict:
     """One JSONL line -> a dict, or :class:`InputError` naming ``where`` (``file:line``). A leading
     byte-order mark (the first line of a file saved with one) is dropped."""
     if line.startswith(BOM):
         line = line[1:]
-    if json_depth_exceeds(line):
-        raise InputError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
     try:
-        obj = json.loads(line)
+        obj = parse_json(line)
+    except JSONDepthError as e:
+        raise InputError(f"{where}: {e}") from None
     except json.JSONDecodeError as e:
         msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg   # "Invalid control character at"
         raise InputError(f"{where}: not valid JSON at column {e.colno} ({msg})") from None
-    except RecursionError:  # pragma: no cover - the depth check comes first
-        raise InputError(f"{where}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
         raise InputError(f"{where}: expected a JSON object, got {kind}")

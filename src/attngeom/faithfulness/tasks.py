@@ -115,13 +115,12 @@ def load_task(path: str | Path, task: str, limit: int | None = None) -> list[Exa
     """Read a task file; every line is validated (missing fields, answers out of range) before use."""
     if task not in _PARSERS:
         raise InputError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"task file not found: {p}")
+    from attngeom.data.corpora import input_path, json_object
+
+    p = input_path(path, "task file")
     if p.is_dir():
         raise InputError(f"{p} is a directory; give a .jsonl task file")
     out = []
-    from attngeom.data.corpora import json_object
 
     try:
         lines = p.read_bytes().decode("utf-8").splitlines()

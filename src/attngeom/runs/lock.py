@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from attngeom.errors import InputError, OutputError
+from attngeom.runs.storage import parse_json
 
 LOCK = ".attngeom-lock"
 
@@ -95,7 +96,7 @@ def _lock_fd(fd: int, path: Path) -> bool:
 
 def _read(path: Path) -> dict:
     try:
-        d = json.loads(path.read_bytes() or b"{}")
+        d = parse_json(path.read_bytes() or b"{}")
         return d if isinstance(d, dict) else {}
     except (OSError, ValueError):
         return {}

@@ -64,7 +64,8 @@ from typing import Callable, Iterable, Sequence
 
 from attngeom.runs import lock as runlock
 from attngeom.errors import InputError, OutputError
-from attngeom.runs.storage import clean_json, decode_record, dumps, encode_record, fsync_dir, sha256_file, write_json
+from attngeom.runs.storage import (clean_json, decode_record, dumps, encode_record, fsync_dir, parse_json, sha256_file,
+                                   write_json)
 
 FORMAT = 2
 MANIFEST = "run.json"
@@ -221,8 +222,8 @@ def unseal(path: Path) -> dict | None | bool:
     except OSError:
         return False
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        doc = parse_json(raw)
+    except ValueError:    # not UTF-8, not JSON, nested too deeply
         return False
     if (not isinstance(doc, dict) or doc.get(MARKER) != KINDS.get(path.name)
             or doc.get(CHECKSUM) != _digest(doc)):
@@ -486,7 +487,7 @@ class Run:
             with path.open(encoding="utf-8") as f:
                 for line in f:
                     try:
-                        rec = json.loads(line)
+                        rec = parse_json(line)
                         key = tuple(int(u) for u in rec["units"])
                         stage = str(rec["stage"])
                     except (ValueError, KeyError, TypeError):

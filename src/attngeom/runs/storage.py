@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -71,6 +72,51 @@ def clean_json(x):
     if isinstance(x, Path):
         return str(x)
     return x
+
+
+MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects attngeom parses in any JSON it reads (deeper text would
+make the parser recurse until Python's stack gives out)."""
+
+_JSON_SYNTAX = re.compile(r'\\.|["\[\]{}]')
+"""What decides nesting in JSON text: an escape (two characters), a quote, a bracket or a brace."""
+
+
+class JSONDepthError(ValueError):
+    """JSON text nested deeper than :data:`MAX_DEPTH` levels (refused before it is parsed)."""
+
+
+def json_depth_exceeds(text: str, limit: int = MAX_DEPTH) -> bool:
+    """Whether the arrays and objects of a JSON text nest deeper than ``limit``, found without
+    parsing it: one pass over its quotes, escapes and brackets (brackets inside strings do not
+    count), in time linear in the text's length whatever it holds (an unterminated string, say)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth, in_string = 0, False
+    for m in _JSON_SYNTAX.finditer(text):
+        c = m.group()
+        if c == '"':
+            in_string = not in_string
+        elif in_string or len(c) == 2:
+            continue
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def parse_json(text: str | bytes, limit: int = MAX_DEPTH):
+    """``json.loads(text)`` after the nesting check of :func:`json_depth_exceeds`: too deep is a
+    :class:`JSONDepthError`, text that is not JSON a ``json.JSONDecodeError`` (both ValueError);
+    bytes must be UTF-8 (else UnicodeDecodeError, a ValueError too)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    if json_depth_exceeds(text, limit):
+        raise JSONDepthError(f"JSON nested deeper than {limit} levels")
+    return json.loads(text)
 
 
 def dumps(obj, indent: int | None = 2) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from attngeom.capture.plugin import Block, LayerState
 from attngeom.errors import InputError, OutputError, TraceFormatError
+from attngeom.runs.storage import JSONDepthError, parse_json
 
 
 TRACE_FORMAT = "attngeom-trace-2"
@@ -68,8 +69,10 @@ def load_trace(path: Path, cls, layer_cls):
         if not f.is_file():
             raise bad(f"{f.name} is missing; a saved trace holds {TRACE_META} and {TRACE_TENSORS}")
     try:
-        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        meta = parse_json(meta_file.read_bytes())
+    except JSONDepthError as e:
+        raise bad(f"{TRACE_META}: {e}") from None
+    except ValueError:    # not UTF-8, not JSON
         raise bad(f"{TRACE_META} is not valid JSON") from None
     if not isinstance(meta, dict):
         raise bad(f"{TRACE_META} does not hold a JSON object")
