@@ -44,6 +44,43 @@ def test_device() -> torch.device:
     return dev
 
 
+@pytest.fixture
+def fifo(tmp_path):
+    """A named pipe. A daemon thread opens its writing end after a few seconds and closes it, so
+    code that wrongly opens it to read gets an empty file instead of blocking the tests forever."""
+    import threading
+    import time
+
+    p = tmp_path / "pipe.txt"
+    os.mkfifo(p)
+
+    def unblock():
+        time.sleep(5)
+        os.close(os.open(p, os.O_WRONLY))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    return p
+
+
+@pytest.fixture
+def dev_zero(monkeypatch):
+    """``/dev/zero``, which never ends: opening it to read fails the test at once (instead of
+    filling the memory of the machine)."""
+    import builtins
+    import io
+
+    real = io.open
+
+    def guarded(file, *args, **kwargs):
+        if str(file) == "/dev/zero":
+            raise AssertionError("/dev/zero was opened for reading")
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", guarded)
+    monkeypatch.setattr(builtins, "open", guarded)
+    return "/dev/zero"
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama saved as a Hugging Face model directory (what ``--model DIR`` loads)."""

@@ -121,25 +121,6 @@ def test_an_output_replaced_by_the_users_own_is_not_deleted(tiny_llama_dir, corp
 # ---- only regular files are read ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def fifo(tmp_path):
-    """A named pipe. A daemon thread opens its writing end after a few seconds and closes it, so a
-    reader that opened it (the defect) gets an empty file instead of blocking the tests forever."""
-    import os
-    import threading
-    import time
-
-    p = tmp_path / "pipe.txt"
-    os.mkfifo(p)
-
-    def unblock():
-        time.sleep(5)
-        os.close(os.open(p, os.O_WRONLY))
-
-    threading.Thread(target=unblock, daemon=True).start()
-    return p
-
-
 @pytest.mark.parametrize("option", ["--data", "--file"])
 def test_a_fifo_is_refused_not_read(tiny_llama_dir, fifo, tmp_path, capfd, option):
     out = tmp_path / "o"
@@ -150,7 +131,7 @@ def test_a_fifo_is_refused_not_read(tiny_llama_dir, fifo, tmp_path, capfd, optio
     assert not out.exists()
 
 
-def test_dev_zero_is_refused_not_read(tiny_llama_dir, tmp_path, capfd):
+def test_dev_zero_is_refused_not_read(tiny_llama_dir, tmp_path, capfd, dev_zero):
     rc = main(["sinks", "--data", "/dev/zero", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "o"),
                "--no-progress"])
     assert rc == 2 and "/dev/zero is a character device, not a file" in _one_line(capfd.readouterr().err)
@@ -209,3 +190,82 @@ def test_a_deeply_nested_record_line_is_skipped(tiny_llama_dir, corpus, tmp_path
     capfd.readouterr()
     assert _sinks(tiny_llama_dir, corpus, out) == 0
     assert verify(out) == []
+
+
+# ---- messages that name the real problem -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budgets", ["0", "-8", "4,0"])
+def test_budgets_below_one_are_blamed_on_budgets(corpus, tmp_path, capfd, budgets):
+    rc = main(["kvcache", "--data", str(corpus), "--budgets", budgets, "--out", str(tmp_path / "o"), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and "--budgets: a budget is a number of cache entries, at least 1" in line and "--chunk" not in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_an_out_that_is_a_broken_symlink_is_called_so(corpus, tmp_path, capfd, kind):
+    out = tmp_path / "o"
+    if kind == "dangling":
+        out.symlink_to(tmp_path / "gone")
+        said = f"--out {out} is a dangling symlink (its target {tmp_path / 'gone'} does not exist)"
+    else:
+        out.symlink_to(tmp_path / "o2")
+        (tmp_path / "o2").symlink_to(out)
+        said = f"--out {out} is a symlink loop"
+    rc = main(["analyze", "--text", "The cat sat.", "--out", str(out), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and said in line, line
+    assert out.is_symlink() and not (tmp_path / "gone").exists()
+
+
+def test_a_symlink_loop_as_data_is_called_so(corpus, tmp_path, capfd):
+    loop = tmp_path / "loop.txt"
+    loop.symlink_to(tmp_path / "loop2.txt")
+    (tmp_path / "loop2.txt").symlink_to(loop)
+    rc = main(["sinks", "--data", str(loop), "--out", str(tmp_path / "o"), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and f"data file {loop} is a symlink loop" in line and "not found" not in line
+
+
+def test_a_model_in_training_mode_is_put_in_eval_mode_and_told(capfd):
+    from tiny_models import tiny_model
+
+    from attngeom import analyze
+
+    handle = tiny_model("llama", attention_dropout=0.5)
+    expected = analyze(handle, "The cat sat.").layers[0].attention
+    handle.model.train()
+    capfd.readouterr()
+    got = analyze(handle, "The cat sat.").layers[0].attention
+    line = _one_line(capfd.readouterr().err)
+    assert "training mode (dropout active); it is now in eval mode" in line
+    assert not handle.model.training and (got == expected).all()      # no dropout in what was analysed
+    analyze(handle, "The cat sat.")
+    assert capfd.readouterr().err == ""                                # said once
+
+
+# ---- the thread count is part of a run's identity ----------------------------------------------------
+
+
+def test_a_run_resumed_under_another_thread_count_is_refused(tiny_llama_dir, corpus, tmp_path, capfd):
+    import torch
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "o"
+    try:
+        torch.set_num_threads(1)
+        assert _sinks(tiny_llama_dir, corpus, out) == 0
+        assert json.loads((out / MANIFEST).read_text())["settings"]["threads"] == 1
+        (out / MANIFEST).unlink()                     # an unfinished run: its records are kept
+        (out / "summary.json").unlink()
+        torch.set_num_threads(2)
+        capfd.readouterr()
+        rc = _sinks(tiny_llama_dir, corpus, out)
+        line = _one_line(capfd.readouterr().err)
+        assert rc == 2 and "a sinks run with other settings (threads)" in line, line
+        assert not (out / MANIFEST).exists()
+        torch.set_num_threads(1)
+        assert _sinks(tiny_llama_dir, corpus, out) == 0 and verify(out) == []
+    finally:
+        torch.set_num_threads(threads)

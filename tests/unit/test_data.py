@@ -321,17 +321,15 @@ def test_a_binary_parquet_field_is_called_binary(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "loop", "dangling"])
-def test_only_regular_files_are_read(tmp_path, kind):
-    import os
-
+def test_only_regular_files_are_read(tmp_path, kind, fifo, dev_zero):
     from attngeom.commands.common import data_identity
 
     p = tmp_path / "corpus.txt"
     if kind == "fifo":
-        os.mkfifo(p)                                          # reading it would block forever
+        p = fifo                                              # reading it would block forever
         said = "is a FIFO (named pipe), not a file"
     elif kind == "device":
-        p = Path("/dev/zero")                                 # reading it would never end
+        p = dev_zero                                          # reading it would never end
         said = "is a character device, not a file"
     elif kind == "loop":
         p.symlink_to(tmp_path / "other.txt")

@@ -30,4 +30,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "exact_attention": "plugin",
     "attngeom_attention": "plugin",
     "attngeom_attention_implementation": "plugin",
+    "in_eval_mode": "plugin",
 })

@@ -387,9 +387,12 @@ class Session:
         layers: Iterable[int] | None = None,
         block_elements: int | None = None,
     ):
+        from attngeom.data.corpora import check_layers
+
         self.observers = list(observers)
         self.intervention = intervention
-        self.layers = None if layers is None else set(int(x) for x in layers)
+        layers = check_layers(layers)       # whole numbers from 0; the model's range: check
+        self.layers = None if layers is None else set(layers)
         self.block_elements = DEFAULT_BLOCK_ELEMENTS if block_elements is None else int(block_elements)
         # the default budget keeps at least MIN_BLOCK_QUERIES queries per block: at long inputs a
         # fixed budget would leave a handful of queries per block and per-block overhead would dominate
@@ -400,6 +403,13 @@ class Session:
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
+
+    def check(self, num_layers: int) -> None:
+        """Refuse, before a forward pass of a model with ``num_layers`` attention layers, layers it
+        does not have (:func:`attngeom.data.corpora.check_layers`, the command line's check)."""
+        from attngeom.data.corpora import check_layers
+
+        check_layers(None if self.layers is None else sorted(self.layers), num_layers)
 
     @contextlib.contextmanager
     def active(self, lengths: torch.Tensor):
@@ -616,7 +626,22 @@ AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 def attngeom_attention_implementation(model):
     """Route ``model``'s attention through the plug-in for the duration of the block, then restore.
     The model's attention is discovered first (once per model: :func:`attngeom.model.adapter.adapter_for`),
-    so a model attngeom cannot capture is refused before anything runs."""
+    so a model attngeom cannot capture is refused before anything runs. A model in training mode
+    (dropout active) is put in eval mode, with one line on stderr (:func:`in_eval_mode`)."""
+    in_eval_mode(model)
     adapter_for(model)
     with attention_implementation(model, ATTN_NAME):
         yield model
+
+
+def in_eval_mode(model) -> None:
+    """Put ``model`` in eval mode when it, or any of its modules, is in training mode, and say so in
+    one line on stderr: attngeom's metrics are those of the model as it predicts (no dropout), and it
+    stays in eval mode afterwards, as ``load_model`` and ``wrap`` leave it."""
+    import sys
+
+    if any(m.training for m in model.modules()):
+        model.eval()
+        sys.stderr.write("attngeom: the model was in training mode (dropout active); it is now in eval mode "
+                         "(model.eval()) for the analysis\n")
+        sys.stderr.flush()

@@ -133,14 +133,12 @@ def check_at_least(args, **minimums: int) -> None:
 def check_layer_list(spec, option: str = "--layers") -> list[int] | None:
     """``all``/None -> None, else a non-empty list of layer numbers (``","`` and negative numbers are
     refused; the model's own range is checked by :func:`attngeom.data.corpora.check_layers` once it is loaded)."""
-    from attngeom.data.corpora import parse_int_list
+    from attngeom.data.corpora import check_layers, parse_int_list
 
     layers = parse_int_list(spec, option)
     if layers is not None and not layers:
         raise InputError(f"{option} names no layer")
-    if layers is not None and min(layers) < 0:
-        raise InputError(f"{option}: layer {min(layers)} does not exist (layers count from 0)")
-    return layers
+    return check_layers(layers, option=option)
 
 
 def data_identity(spec: str) -> dict:

@@ -88,6 +88,8 @@ def run(args) -> int:
     budgets = sorted(set(parse_int_list(args.budgets, "--budgets") or []))
     if not budgets:
         raise InputError("--budgets names no budget")
+    if min(budgets) < 1:
+        raise InputError(f"--budgets: a budget is a number of cache entries, at least 1; got {min(budgets)}")
     if min(budgets) <= args.chunk:
         raise InputError(f"--chunk {args.chunk} must be smaller than every budget (smallest {min(budgets)})")
     fields = common.fields_of(args)

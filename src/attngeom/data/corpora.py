@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import numbers
 import os
 import stat
 from pathlib import Path
@@ -392,11 +393,25 @@ def parse_float_list(text: str, name: str) -> list[float]:
         raise InputError(f"{name} must be a comma-separated list of numbers, got {text!r}") from None
 
 
-def check_layers(layers: Iterable[int] | None, num_layers: int) -> list[int] | None:
+def check_layers(layers: Iterable[int] | None, num_layers: int | None = None,
+                 option: str | None = None) -> list[int] | None:
+    """The one check of layer numbers, for the command line and the Python API alike: None (all
+    layers) stays None; anything else must be whole numbers counted from 0 and, with
+    ``num_layers``, below it. A bad one is an :class:`InputError` (``option``, e.g. ``"--layers"``,
+    starts its message)."""
     if layers is None:
         return None
+    where = f"{option}: " if option else ""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise InputError(f"{where}layers must be a list of layer numbers, not {type(layers).__name__}")
     layers = list(layers)
-    bad = [x for x in layers if not 0 <= x < num_layers]
+    odd = [x for x in layers if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+    if odd:
+        raise InputError(f"{where}layer {odd[0]!r} is not a layer number (layers are counted 0, 1, 2, ...)")
+    layers = [int(x) for x in layers]
+    if layers and min(layers) < 0:
+        raise InputError(f"{where}layer {min(layers)} does not exist (layers count from 0)")
+    bad = [x for x in layers if num_layers is not None and x >= num_layers]
     if bad:
-        raise InputError(f"layer {bad[0]} does not exist: the model has layers 0..{num_layers - 1}")
+        raise InputError(f"{where}layer {bad[0]} does not exist: the model has layers 0..{num_layers - 1}")
     return layers

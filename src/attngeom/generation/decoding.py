@@ -99,13 +99,13 @@ def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: s
         messages = chat_messages(prompt, system)
     elif system is not None:
         raise InputError("a system message needs chat=True (--chat)")
+    from attngeom.streaming.passes import check_ids, to_ids
+
     if messages is None:
         if not isinstance(prompt, str):
-            from attngeom.streaming.passes import to_ids
-
             return to_ids(handle, prompt)
         _check_no_stop(handle, [prompt], stop)
-        return handle.encode(prompt)
+        return check_ids(handle, handle.encode(prompt))
     if not getattr(tok, "chat_template", None):
         raise InputError(f"{getattr(handle, 'name', 'the model')}'s tokenizer has no chat template; "
                          "give a plain prompt (no --chat, no message list)")
@@ -119,7 +119,7 @@ def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: s
     ids = [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
     if not ids:
         raise InputError("the chat template produced no tokens")
-    return ids
+    return check_ids(handle, ids)
 
 
 def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable[int]) -> None:
@@ -229,6 +229,8 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
     device = model.device
     session = session or Session()
     steps = steps or session
+    session.check(handle.num_layers)
+    steps.check(handle.num_layers)
     ids = [int(i) for i in ids]
     if not ids:
         raise InputError("empty prompt: no tokens to generate from")

@@ -24,6 +24,7 @@ _EXPORTS = {
     "wrap": "loading",
     "DEFAULT_MODEL": "loading",
     "ACCEPTED_SPECS": "loading",
+    "check_weights": "loading",
     # handle
     "ModelHandle": "handle",
     "_byte_decoder": "handle",

@@ -52,6 +52,7 @@ experiments themselves (their own modules), figures (:mod:`attngeom.reports`), a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -352,14 +353,14 @@ class Run:
         """Create or take ``out`` under its lock (:mod:`attngeom.runs.lock`), then apply the rules of
         the module docstring. A refusal leaves the directory as it was."""
         out = self.out
-        if out.exists() and not out.is_dir():
-            raise OutputError(f"--out {out} is a file, not a directory")
+        if (out.exists() or out.is_symlink()) and not out.is_dir():
+            raise OutputError(f"--out {out} is {_what_is(out)}, not a directory")
         try:
             out.mkdir(parents=True)
             self.created = True
         except FileExistsError:
             if not out.is_dir():
-                raise OutputError(f"--out {out} is a file, not a directory") from None
+                raise OutputError(f"--out {out} is {_what_is(out)}, not a directory") from None
         except OSError as e:
             raise OutputError(f"cannot write to output directory {out}: {e.strerror or e}") from None
         runlock.acquire(out)
@@ -640,6 +641,18 @@ class Run:
         prior = unseal(self.checkpoint / OUTPUTS) or {}
         listed = sorted(set(prior.get("files") or ()) | set(files))
         write_json(self.checkpoint / OUTPUTS, seal({"files": listed}, KINDS[OUTPUTS]))
+
+
+def _what_is(path: Path) -> str:
+    """What stands at ``path`` in place of a directory, for a one-line refusal."""
+    if path.is_symlink() and not path.exists():
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "a symlink loop"
+        return f"a dangling symlink (its target {os.readlink(path)} does not exist)"
+    return "a file" if path.is_file() else "neither a file nor a directory"
 
 
 def _inside(out: Path, name: str) -> Path | None:

@@ -957,10 +957,12 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
     (:func:`summarize`) and, when every record covers one window (``batch_size=1``),
     ``per_window["records"]``: the records of :func:`window_work` in window order, the additive sums
     a bootstrap over windows resamples."""
-    sink, layers, removal_layers = settings.sink, settings.layers, settings.removal_layers
-    batch_size = settings.batch_size
+    from attngeom.data.corpora import check_layers
     from attngeom.runs.run import fingerprint, merge_sums
     from attngeom.streaming.passes import to_ids
+
+    sink, batch_size = settings.sink, settings.batch_size
+    layers, removal_layers = (check_layers(x, handle.num_layers) for x in (settings.layers, settings.removal_layers))
 
     ids = [to_ids(handle, w) for w in windows]
     work = window_work(handle, ids, sink=sink, layers=layers, removal_layers=removal_layers, batch_size=batch_size)

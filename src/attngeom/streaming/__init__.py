@@ -4,6 +4,8 @@ from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "to_ids": "passes",
+    "check_ids": "passes",
+    "vocabulary_size": "passes",
     "check_length": "passes",
     "make_batches": "passes",
     "forward": "passes",

@@ -26,15 +26,32 @@ from attngeom.streaming.reducers import Batch, Reducer
 
 
 def to_ids(handle: ModelHandleLike, item) -> list[int]:
-    """A text (BOS prepended where the tokenizer has one) or token ids -> list of ids."""
+    """A text (BOS prepended where the tokenizer has one) or token ids -> list of ids, each checked
+    against the model's embedding (:func:`check_ids`)."""
     if isinstance(item, str):
-        return list(handle.encode(item))
+        return check_ids(handle, handle.encode(item))
     if isinstance(item, torch.Tensor):
         item = item.reshape(-1).tolist()
     ids = [int(x) for x in item]
     if not ids:
         raise InputError("empty input: no tokens to analyse")
-    vocab = handle.model.config.vocab_size
+    return check_ids(handle, ids)
+
+
+def vocabulary_size(handle: ModelHandleLike) -> int:
+    """The token ids the model can read: its input embedding's rows (a tokenizer may know more
+    tokens than the model, and a config's ``vocab_size`` may not be the embedding's)."""
+    try:
+        return int(handle.model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError):
+        return int(handle.model.config.vocab_size)
+
+
+def check_ids(handle: ModelHandleLike, ids: Sequence[int]) -> list[int]:
+    """``ids`` as a list, or an :class:`InputError` naming the first id the model has no embedding for
+    (the embedding would raise a bare IndexError)."""
+    ids = [int(x) for x in ids]
+    vocab = vocabulary_size(handle)
     bad = [x for x in ids if not 0 <= x < vocab]
     if bad:
         raise InputError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
@@ -87,6 +104,7 @@ def forward(handle: ModelHandleLike, batch: Batch, session: Session, logits: boo
     when ``logits`` is set (else only the last position's are computed, and None is returned)."""
     model = handle.model
     device = model.device
+    session.check(handle.num_layers)
     with attngeom_attention_implementation(model), session.active(batch.lengths.to(device)):
         out = model(
             input_ids=batch.ids.to(device),
