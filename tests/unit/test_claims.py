@@ -11,12 +11,12 @@ from attngeom.stats import resampling as bs
 from attngeom.claims import catalogue as CL
 from attngeom.faithfulness import curves as FA
 from attngeom.heads import removal as HD
-from attngeom.selection import topn as SE
-from attngeom.sinks import suppression as SK
+from attngeom import selection as SE
+from attngeom import sinks as SK
 from attngeom.cli import main
 from attngeom.runs.storage import decode_record, encode_record
 from attngeom.reports.claims import escape
-from attngeom.runs.run import Memory, merge_sums
+from attngeom.runs.run import InMemoryRun, merge_sums
 from attngeom.selection.settings import SelectionSettings
 from attngeom.heads.taxonomy import REGIMES, regime_shares, regimes_of
 from tiny_models import tiny_model
@@ -107,7 +107,7 @@ def test_faithfulness_stats_equal_summarize(tiny):
     h, ids = tiny
     variants = FA.build_variants(["attention", "contribution", "random"], [0.3, 0.7], seeds=[0, 1])
     units = FA.window_units(ids)
-    res = FA.run_units(h, units, variants, run=Memory(), progress=False)
+    res = FA.run_units(h, units, variants, run=InMemoryRun(), progress=False)
     nll = np.array([[res[(u, v.key)]["nll"] for v in variants] for u in range(len(ids))])
     tok = np.array([u.n_scored for u in units], dtype=float)
     for counts in (np.ones(len(ids), dtype=int), np.array([0, 3, 1, 0])):
@@ -125,7 +125,7 @@ def test_faithfulness_stats_equal_summarize(tiny):
 
 def test_selection_stats_equal_summarize(tiny):
     h, ids = tiny
-    res = SE.experiment(h, Memory(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
+    res = SE.experiment(h, InMemoryRun(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
                                                            predict=False, batch_size=1))
     sel, summary = res.tables["selection"], res.summary
     X = CL.selection_arrays(sel, len(ids), [2, 4])

@@ -5,8 +5,8 @@ from attngeom._exports import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "MODERATE": "catalogue",
     "DEFAULTS": "catalogue",
-    "P1": "catalogue",
-    "P2": "catalogue",
+    "CONTRIBUTION_PAPER": "catalogue",
+    "SELECTION_PAPER": "catalogue",
     "CLAIMS": "catalogue",
     "CLAIM_BY_ID": "catalogue",
     "verdict_side": "catalogue",

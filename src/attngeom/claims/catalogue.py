@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 
-from attngeom.stats import resampling as bs
+from attngeom.stats import resampling
 from attngeom.metrics import registry
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.claims.settings import ClaimsSettings as Settings
@@ -48,11 +48,11 @@ MODERATE = (90.0, 75.0)
 
 DEFAULTS = Settings()
 
-P1 = "Contribution Weights (Cunningham & Muca Cirone)"
-P2 = "Geometric Analysis of Token Selection (Mudarisov et al.)"
+CONTRIBUTION_PAPER = "Contribution Weights (Cunningham & Muca Cirone)"
+SELECTION_PAPER = "Geometric Analysis of Token Selection (Mudarisov et al.)"
 
 CLAIMS: tuple[dict, ...] = (
-    {"id": "hierarchy_comprehensiveness", "paper": P1,
+    {"id": "hierarchy_comprehensiveness", "paper": CONTRIBUTION_PAPER,
      "wording": "a clear faithfulness hierarchy: raw attention < value-weighted attention < value-weighted "
                 "output-normalised attention < contribution weights (comprehensiveness: removing the tokens a "
                 "more faithful metric ranks highest raises ΔPPL more)",
@@ -60,83 +60,83 @@ CLAIMS: tuple[dict, ...] = (
                 "differences of the hierarchy",
      "rule": "holds when each adjacent difference (more faithful − less faithful AOC) has its whole 95 % "
              "interval above 0; refuted when at least one has its whole interval below 0; else inconclusive"},
-    {"id": "contribution_best_comprehensiveness", "paper": P1,
+    {"id": "contribution_best_comprehensiveness", "paper": CONTRIBUTION_PAPER,
      "wording": "contribution weights consistently outperform attention-based metrics (comprehensiveness)",
      "measure": "comprehensiveness AOC of contribution minus that of each of the other three metrics",
      "rule": "holds when all three differences have their whole 95 % interval above 0; refuted when one is "
              "entirely below 0; else inconclusive"},
-    {"id": "hierarchy_sufficiency", "paper": P1,
+    {"id": "hierarchy_sufficiency", "paper": CONTRIBUTION_PAPER,
      "wording": "the same hierarchy on sufficiency: removing the tokens a more faithful metric ranks lowest "
                 "keeps the model closer to its baseline (smaller ΔPPL)",
      "measure": "sufficiency AOC of each metric; the three adjacent differences (less faithful − more faithful)",
      "rule": "holds when each adjacent difference (less faithful − more faithful AOC) has its whole 95 % "
              "interval above 0; refuted when one is entirely below 0; else inconclusive"},
-    {"id": "contribution_best_sufficiency", "paper": P1,
+    {"id": "contribution_best_sufficiency", "paper": CONTRIBUTION_PAPER,
      "wording": "removing the tokens contribution weights rank least important keeps the model's accuracy, "
                 "better than the attention-based metrics (sufficiency)",
      "measure": "sufficiency AOC of each other metric minus that of contribution",
      "rule": "holds when all three differences have their whole 95 % interval above 0; refuted when one is "
              "entirely below 0; else inconclusive"},
-    {"id": "sink_value_small", "paper": P2,
+    {"id": "sink_value_small", "paper": SELECTION_PAPER,
      "wording": "the sink token's value norm is 3–10× smaller than that of the non-sink tokens",
      "measure": "median over heads of mean non-sink ‖v_j‖ / sink ‖v_0‖ (value states in head space)",
      "rule": "holds when the 95 % interval lies inside [3, 10]; refuted when it lies entirely outside "
              "[3, 10]; else inconclusive"},
-    {"id": "sink_anti_aligned", "paper": P1,
+    {"id": "sink_anti_aligned", "paper": CONTRIBUTION_PAPER,
      "wording": "the sink's value vector is systematically anti-aligned with the semantic tokens (negative "
                 "cosine), causing destructive interference",
      "measure": "share of heads whose median cos(ṽ_0, m_i) over queries is negative (m_i: the non-sink "
                 "part of the head output)",
      "rule": "holds when the 95 % interval lies above 50 % of heads; refuted when below 50 %; else inconclusive"},
-    {"id": "convex_interior_minimum", "paper": P1,
+    {"id": "convex_interior_minimum", "paper": CONTRIBUTION_PAPER,
      "wording": "the sink rate / output norm relation is convex, not monotone: the minimum output norm occurs "
                 "at an intermediate sink rate (α < 1), not when the sink takes all the attention",
      "measure": "share of heads whose least-squares quadratic of ‖o_i^h‖ in the sink rate is convex with its "
                 "vertex inside (0, 1)",
      "rule": "holds when the 95 % interval lies above 50 % of heads; refuted when below 50 %; else inconclusive"},
-    {"id": "sink_removal_raises_norm", "paper": P1,
+    {"id": "sink_removal_raises_norm", "paper": CONTRIBUTION_PAPER,
      "wording": "removing the sink's value vector (norm) raises the head output norms it was suppressing",
      "measure": "median over heads of mean ‖o^h‖ after / before sink removal",
      "rule": "holds when the 95 % interval lies above 1; refuted when below 1; else inconclusive"},
-    {"id": "sink_removal_cone_collapse", "paper": P1,
+    {"id": "sink_removal_cone_collapse", "paper": CONTRIBUTION_PAPER,
      "wording": "sink removal collapses the low-norm head outputs into the semantic cone",
      "measure": "cone measure (attention-weighted mean cosine of o_i^h with the non-sink values) on sink-heavy "
                 "queries (sink rate ≥ 0.5), mean over heads, after − before removal",
      "rule": "holds when the 95 % interval lies above 0; refuted when below 0; else inconclusive"},
-    {"id": "sink_removal_ppl", "paper": P1,
+    {"id": "sink_removal_ppl", "paper": CONTRIBUTION_PAPER,
      "wording": "sink removal increases noise and perplexity",
      "measure": "ΔPPL of removing the sink's value at every layer (control: the closest-mass non-sink source)",
      "rule": "holds when the 95 % interval lies above 0; refuted when below 0; else inconclusive"},
-    {"id": "topn_more_separable", "paper": P2,
+    {"id": "topn_more_separable", "paper": SELECTION_PAPER,
      "wording": "top-attention subsets are consistently more geometrically separable than random subsets of "
                 "the same size",
      "measure": "mean F_N (Euclidean, last query, all layers and heads) of the top-N minus that of random "
                 "N-subsets, at every N of the run; the value is the smallest difference over N",
      "rule": "holds when the difference's 95 % interval lies above 0 at every N; refuted when it lies below 0 "
              "at some N; else inconclusive"},
-    {"id": "sink_lowers_f", "paper": P2,
+    {"id": "sink_lowers_f", "paper": SELECTION_PAPER,
      "wording": "including the sink in the top-N selection lowers the separation score F_N substantially, often "
                 "by a factor of 2",
      "measure": "mean F_N of the top-N with the sink excluded from the candidates / with it, averaged over N",
      "rule": "holds when the 95 % interval lies above 1; refuted when below 1; else inconclusive (the factor "
              "of 2 is reported, not required)"},
-    {"id": "retriever_share", "paper": P2,
+    {"id": "retriever_share", "paper": SELECTION_PAPER,
      "wording": "Retriever heads are a consistent minority across models (5.8–17.2 %)",
      "measure": "share of heads whose most frequent source winner is the current token (all windows)",
      "rule": "holds when the 95 % interval lies inside [5.8 %, 17.2 %]; refuted when it lies entirely outside; "
              "else inconclusive"},
-    {"id": "taxonomy_removal_calibrated", "paper": P2,
+    {"id": "taxonomy_removal_calibrated", "paper": SELECTION_PAPER,
      "wording": "the taxonomy is a useful coarse signal for structured head removal, especially at moderate "
                 "retention (beating single-metric baselines such as weight magnitude and entropy there)",
      "measure": "held-out log(PPL_baseline / PPL_taxonomy) at 90 % and 75 % retention, for the weight-magnitude "
                 "and the attention-entropy orders; taxonomy order chosen on the calibration windows; the value "
                 "is the smallest of the four",
      "rule": "holds when all four 95 % intervals lie above 0; refuted when one lies below 0; else inconclusive"},
-    {"id": "taxonomy_removal_fixed", "paper": P2,
+    {"id": "taxonomy_removal_fixed", "paper": SELECTION_PAPER,
      "wording": "as above, with a fixed a-priori regime order (Mixer first, then Reset, Retriever last)",
      "measure": "as above with the fixed order",
      "rule": "as above"},
-    {"id": "early_critical_head", "paper": P2,
+    {"id": "early_critical_head", "paper": SELECTION_PAPER,
      "wording": "a single head in an early layer (Gemma-7B layer 0, head 12) whose removal causes a clear "
                 "failure: regime averages can hide individually critical heads",
      "measure": "largest z = (ΔPPL_h − mean) / std of the single-removal ΔPPL of the other heads of its regime "
@@ -156,7 +156,7 @@ CLAIM_BY_ID = {c["id"]: c for c in CLAIMS}
 def verdict_side(low, high, threshold: float = 0.0, claim_above: bool = True) -> str:
     """The general rule: the whole interval on the claim's side of ``threshold`` -> holds, on the
     other side -> refuted, else inconclusive."""
-    s = bs.side_of(low, high, threshold)
+    s = resampling.side_of(low, high, threshold)
     if s == 0:
         return INCONCLUSIVE
     return HOLDS if (s > 0) == claim_above else REFUTED
@@ -176,7 +176,7 @@ def verdict_range(low, high, lo: float, hi: float) -> str:
 def verdict_all(intervals: Sequence[tuple], threshold: float = 0.0) -> str:
     """Several differences that must all be above ``threshold``: all intervals above -> holds, any
     entirely below -> refuted, else inconclusive."""
-    sides = [bs.side_of(lo, hi, threshold) for lo, hi in intervals]
+    sides = [resampling.side_of(lo, hi, threshold) for lo, hi in intervals]
     if sides and all(s > 0 for s in sides):
         return HOLDS
     if any(s < 0 for s in sides):
@@ -190,7 +190,7 @@ def verdict_all(intervals: Sequence[tuple], threshold: float = 0.0) -> str:
 
 
 def hist_quantile(counts: np.ndarray, lo: float, hi: float, q: float) -> np.ndarray:
-    """:func:`attngeom.sinks.suppression.histogram_quantile` over the last axis: ``counts [..., bins + 2]`` ->
+    """:func:`attngeom.sinks.geometry.histogram_quantile` over the last axis: ``counts [..., bins + 2]`` ->
     ``[...]`` (NaN where empty)."""
     c = np.asarray(counts, dtype=np.float64)
     bins = c.shape[-1] - 2
@@ -209,7 +209,7 @@ def hist_quantile(counts: np.ndarray, lo: float, hi: float, q: float) -> np.ndar
 
 
 def quadratic_vertex_interior(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`attngeom.sinks.suppression.quadratic_fit` over the last axis: ``sums [..., 9]`` -> ``(convex,
+    """:func:`attngeom.sinks.geometry.quadratic_fit` over the last axis: ``sums [..., 9]`` -> ``(convex,
     vertex_interior)`` boolean ``[...]``."""
     s = np.asarray(sums, dtype=np.float64)
     n, s1, s2, s3, s4, y0, y1, y2 = (s[..., k] for k in range(8))
@@ -247,7 +247,7 @@ def faithfulness_stats(nll: np.ndarray, tokens: np.ndarray, variants: Sequence, 
     the clean forward), ``tokens [W]``, ``counts [R, W]``. Returns arrays ``[R]``: ``clean``,
     ``aoc[(metric, mode)]``, ``log_aoc[(metric, mode)]`` and ``delta[(metric, mode, ratio)]``
     (random: mean over seeds)."""
-    ppl = bs.perplexity(counts, nll, tokens)                      # [R, V]
+    ppl = resampling.resampled_perplexity(counts, nll, tokens)                      # [R, V]
     clean = ppl[:, 0]
     groups: dict = {}
     for k, v in enumerate(variants):
@@ -268,19 +268,19 @@ def faithfulness_stats(nll: np.ndarray, tokens: np.ndarray, variants: Sequence, 
 
 def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[list[dict], dict]:
     rows, detail = [], {"aoc": {}, "log_aoc": {}, "delta_ppl": {}, "beats": {}, "clean_ppl": None}
-    detail["clean_ppl"] = bs.interval_dict(point["clean"][0], samples["clean"])
+    detail["clean_ppl"] = resampling.interval_dict(point["clean"][0], samples["clean"])
     for (m, mode), s in samples["aoc"].items():
-        detail["aoc"].setdefault(mode, {})[m] = bs.interval_dict(point["aoc"][(m, mode)][0], s)
-        detail["log_aoc"].setdefault(mode, {})[m] = bs.interval_dict(point["log_aoc"][(m, mode)][0],
+        detail["aoc"].setdefault(mode, {})[m] = resampling.interval_dict(point["aoc"][(m, mode)][0], s)
+        detail["log_aoc"].setdefault(mode, {})[m] = resampling.interval_dict(point["log_aoc"][(m, mode)][0],
                                                                      samples["log_aoc"][(m, mode)])
     for (m, mode, r), s in samples["delta"].items():
-        detail["delta_ppl"].setdefault(mode, {}).setdefault(m, {})[f"{r:g}"] = bs.interval_dict(
+        detail["delta_ppl"].setdefault(mode, {}).setdefault(m, {})[f"{r:g}"] = resampling.interval_dict(
             point["delta"][(m, mode, r)][0], s)
     present = [m for m in metrics if (m, "comprehensiveness") in samples["aoc"]]
     for mode in ("comprehensiveness", "sufficiency"):
         larger = mode == "comprehensiveness"
         mat = np.stack([samples["aoc"][(m, mode)] for m in present], 1)
-        share = bs.beats_share(mat, larger_is_better=larger)
+        share = resampling.beats_share(mat, larger_is_better=larger)
         detail["beats"][mode] = {a: {b: float(share[i, j]) for j, b in enumerate(present) if b != a}
                                  for i, a in enumerate(present)}
         pts = {m: point["aoc"][(m, mode)][0] for m in present}
@@ -320,7 +320,7 @@ def margin(mode: str, point_better: np.ndarray, point_worse: np.ndarray, samples
     """How far ``better`` beats ``worse`` on a faithfulness curve (comprehensiveness: larger ΔPPL is
     better; sufficiency: smaller), point value (``[0]`` of the point arrays) and 95 % interval."""
     sign = 1.0 if mode == "comprehensiveness" else -1.0
-    return bs.interval_dict(sign * (point_better[0] - point_worse[0]), sign * (samples_better - samples_worse))
+    return resampling.interval_dict(sign * (point_better[0] - point_worse[0]), sign * (samples_better - samples_worse))
 
 
 def per_ratio_verdicts(point: dict, samples: dict, mode: str, pairs: Sequence[tuple[str, str]],
@@ -351,7 +351,7 @@ def per_ratio_verdicts(point: dict, samples: dict, mode: str, pairs: Sequence[tu
 
 
 def _sink_acc(stats: dict) -> dict:
-    """The per-layer sums of a :class:`~attngeom.sinks.suppression.SinkStats` state: ``{layer: {key: array}}``
+    """The per-layer sums of a :class:`~attngeom.sinks.reducer.SinkStats` state: ``{layer: {key: array}}``
     (a state of one ``acc``, or of several parts each with its own ``acc``: merged, the first part
     holding a key wins)."""
     if "acc" in stats:
@@ -384,56 +384,56 @@ def sink_arrays(records: Sequence[dict]) -> dict[str, np.ndarray]:
 
 def sink_stats(X: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.ndarray]:
     """Resampled sink numbers ``[R]`` from :func:`sink_arrays` (the definitions of
-    :func:`attngeom.sinks.suppression.summarize`)."""
-    from attngeom.sinks.suppression import HISTOGRAMS
+    :func:`attngeom.sinks.corpus.summarize`)."""
+    from attngeom.sinks.reducer import HISTOGRAMS
 
-    S = lambda k: bs.resample_sums(counts, X[k])                    # noqa: E731
+    summed = lambda k: resampling.resample_sums(counts, X[k])                    # noqa: E731
     n_resamples = counts.shape[0]
 
     def flat(x):
         return x.reshape(n_resamples, -1)
 
     with np.errstate(invalid="ignore", divide="ignore"):
-        ns, nt = S("n_sources"), S("n_texts")
+        ns, nt = summed("n_sources"), summed("n_texts")
         ok = (ns > 0) & (nt > 0)
-        raw = np.where(ok, (S("vj_raw_norm_sum") / ns) / (S("v0_raw_norm_sum") / nt), np.nan)
-        proj = np.where(ok, (S("vj_norm_sum") / ns) / (S("v0_norm_sum") / nt), np.nan)
-        hc = S("hist_cos_v0_m")
+        raw = np.where(ok, (summed("vj_raw_norm_sum") / ns) / (summed("v0_raw_norm_sum") / nt), np.nan)
+        proj = np.where(ok, (summed("vj_norm_sum") / ns) / (summed("v0_norm_sum") / nt), np.nan)
+        hc = summed("hist_cos_v0_m")
         lo, hi, _ = HISTOGRAMS["cos_v0_m"]
         med_cos = hist_quantile(hc, lo, hi, 0.5)                        # [R, L, H]
         pooled_cos = hist_quantile(flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1), lo, hi, 0.5)
         lo_r, hi_r, _ = HISTOGRAMS["rho_star"]
-        med_rho = hist_quantile(S("hist_rho_star"), lo_r, hi_r, 0.5)
-        convex, interior = quadratic_vertex_interior(S("fit"))
+        med_rho = hist_quantile(summed("hist_rho_star"), lo_r, hi_r, 0.5)
+        convex, interior = quadratic_vertex_interior(summed("fit"))
         mean = {}
         for mode in ("none", "sink", "control"):
-            n = S(f"{mode}_n")
-            hn = S(f"{mode}_heavy_n")
+            n = summed(f"{mode}_n")
+            hn = summed(f"{mode}_heavy_n")
             mean[mode] = {
-                "output_norm": np.where(n > 0, S(f"{mode}_output_norm") / n, np.nan),
-                "cone": np.where(n > 0, S(f"{mode}_cone") / n, np.nan),
-                "heavy_cone": np.where(hn > 0, S(f"{mode}_heavy_cone") / hn, np.nan),
+                "output_norm": np.where(n > 0, summed(f"{mode}_output_norm") / n, np.nan),
+                "cone": np.where(n > 0, summed(f"{mode}_cone") / n, np.nan),
+                "heavy_cone": np.where(hn > 0, summed(f"{mode}_heavy_cone") / hn, np.nan),
             }
-        tok = S("tokens")
-        ppl = {m: perplexity(S(f"nll_{m}"), tok) for m in ("none", "sink", "control")}
+        tok = summed("tokens")
+        ppl = {m: perplexity(summed(f"nll_{m}"), tok) for m in ("none", "sink", "control")}
     return {
-        "value_norm_ratio_raw": bs.nanmedian_rows(flat(raw)),
-        "value_norm_ratio_projected": bs.nanmedian_rows(flat(proj)),
+        "value_norm_ratio_raw": resampling.nanmedian_rows(flat(raw)),
+        "value_norm_ratio_projected": resampling.nanmedian_rows(flat(proj)),
         "anti_aligned_share": (flat(med_cos) < 0).mean(1),
         "cos_v0_m_pooled_median": pooled_cos,
         "fit_convex_share": flat(convex).mean(1),
         "fit_vertex_interior_share": flat(interior).mean(1),
         "rho_star_median_interior_share": flat((med_rho > 0) & (med_rho < 1)).mean(1),
-        "removal_output_norm_ratio": bs.nanmedian_rows(flat(mean["sink"]["output_norm"] / mean["none"]["output_norm"])),
-        "control_output_norm_ratio": bs.nanmedian_rows(flat(mean["control"]["output_norm"] / mean["none"]["output_norm"])),
-        "cone_base": bs.nanmean_rows(flat(mean["none"]["cone"])),
-        "cone_removed": bs.nanmean_rows(flat(mean["sink"]["cone"])),
-        "cone_control": bs.nanmean_rows(flat(mean["control"]["cone"])),
-        "cone_sink_heavy_base": bs.nanmean_rows(flat(mean["none"]["heavy_cone"])),
-        "cone_sink_heavy_removed": bs.nanmean_rows(flat(mean["sink"]["heavy_cone"])),
-        "cone_sink_heavy_control": bs.nanmean_rows(flat(mean["control"]["heavy_cone"])),
-        "cone_sink_heavy_change": bs.nanmean_rows(flat(mean["sink"]["heavy_cone"])) - bs.nanmean_rows(flat(mean["none"]["heavy_cone"])),
-        "cone_change": bs.nanmean_rows(flat(mean["sink"]["cone"])) - bs.nanmean_rows(flat(mean["none"]["cone"])),
+        "removal_output_norm_ratio": resampling.nanmedian_rows(flat(mean["sink"]["output_norm"] / mean["none"]["output_norm"])),
+        "control_output_norm_ratio": resampling.nanmedian_rows(flat(mean["control"]["output_norm"] / mean["none"]["output_norm"])),
+        "cone_base": resampling.nanmean_rows(flat(mean["none"]["cone"])),
+        "cone_removed": resampling.nanmean_rows(flat(mean["sink"]["cone"])),
+        "cone_control": resampling.nanmean_rows(flat(mean["control"]["cone"])),
+        "cone_sink_heavy_base": resampling.nanmean_rows(flat(mean["none"]["heavy_cone"])),
+        "cone_sink_heavy_removed": resampling.nanmean_rows(flat(mean["sink"]["heavy_cone"])),
+        "cone_sink_heavy_control": resampling.nanmean_rows(flat(mean["control"]["heavy_cone"])),
+        "cone_sink_heavy_change": resampling.nanmean_rows(flat(mean["sink"]["heavy_cone"])) - resampling.nanmean_rows(flat(mean["none"]["heavy_cone"])),
+        "cone_change": resampling.nanmean_rows(flat(mean["sink"]["cone"])) - resampling.nanmean_rows(flat(mean["none"]["cone"])),
         "ppl": ppl["none"],
         "removal_delta_ppl": ppl["sink"] - ppl["none"],
         "control_delta_ppl": ppl["control"] - ppl["none"],
@@ -441,7 +441,7 @@ def sink_stats(X: dict[str, np.ndarray], counts: np.ndarray) -> dict[str, np.nda
 
 
 def _sink_claims(point: dict, samples: dict) -> tuple[list[dict], dict]:
-    d = {k: bs.interval_dict(point[k][0], samples[k]) for k in samples}
+    d = {k: resampling.interval_dict(point[k][0], samples[k]) for k in samples}
     rows = []
     r = d["value_norm_ratio_raw"]
     rows.append(_row("sink_value_small", value=_fmt_num(r["value"], "×"), low=r["low"], high=r["high"],
@@ -480,7 +480,7 @@ def _sink_claims(point: dict, samples: dict) -> tuple[list[dict], dict]:
 
 def selection_arrays(sel: "pandas.DataFrame", n_windows: int, ns: Sequence[int], distance: str = "euclidean") -> dict:
     """Per-window sums of F and row counts: ``{kind: (sum [W, N], count [W, N])}`` for the kinds of
-    :data:`attngeom.selection.topn.KINDS`."""
+    :data:`attngeom.selection.separation.KINDS`."""
     d = sel[sel["distance"] == distance]
     out = {}
     ns = list(ns)
@@ -498,17 +498,17 @@ def selection_arrays(sel: "pandas.DataFrame", n_windows: int, ns: Sequence[int],
 
 def selection_stats(X: dict, counts: np.ndarray) -> dict[str, np.ndarray]:
     """Mean F per N ``[R, N]`` per kind, from :func:`selection_arrays`."""
-    return {kind: bs.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}
+    return {kind: resampling.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}
 
 
 def _selection_claims(point: dict, samples: dict, ns: Sequence[int]) -> tuple[list[dict], dict]:
-    detail = {"f_n": {kind: {str(n): bs.interval_dict(point[kind][0, i], samples[kind][:, i]) for i, n in enumerate(ns)}
+    detail = {"f_n": {kind: {str(n): resampling.interval_dict(point[kind][0, i], samples[kind][:, i]) for i, n in enumerate(ns)}
                       for kind in samples}}
     rows = []
     if "topn" in samples and "random" in samples:
         diff_s = samples["topn"] - samples["random"]
         diff_p = point["topn"] - point["random"]
-        per = {str(n): bs.interval_dict(diff_p[0, i], diff_s[:, i]) for i, n in enumerate(ns)}
+        per = {str(n): resampling.interval_dict(diff_p[0, i], diff_s[:, i]) for i, n in enumerate(ns)}
         detail["topn_minus_random"] = per
         k = int(np.nanargmin(diff_p[0]))
         m = per[str(ns[k])]
@@ -518,9 +518,9 @@ def _selection_claims(point: dict, samples: dict, ns: Sequence[int]) -> tuple[li
     if "topn" in samples and "topn_nosink" in samples:
         ratio_s = np.nanmean(samples["topn_nosink"], 1) / np.nanmean(samples["topn"], 1)
         ratio_p = np.nanmean(point["topn_nosink"], 1) / np.nanmean(point["topn"], 1)
-        r = bs.interval_dict(ratio_p[0], ratio_s)
+        r = resampling.interval_dict(ratio_p[0], ratio_s)
         detail["nosink_over_with_sink"] = r
-        per = {str(n): bs.interval_dict(point["topn_nosink"][0, i] / point["topn"][0, i],
+        per = {str(n): resampling.interval_dict(point["topn_nosink"][0, i] / point["topn"][0, i],
                                         samples["topn_nosink"][:, i] / samples["topn"][:, i]) for i, n in enumerate(ns)}
         rows.append(_row("sink_lowers_f", value=_fmt_num(r["value"], "×"), low=r["low"], high=r["high"], unit="×",
                          verdict=verdict_side(r["low"], r["high"], 1.0), numbers={"mean over N": r, **{f"N = {k}": v for k, v in per.items()}}))
@@ -544,7 +544,7 @@ def winner_arrays(tax_records: Sequence[dict]) -> np.ndarray:
 def regime_share_stats(X: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Regime shares ``[R, 3]`` (Retriever, Mixer, Reset) of resampled winner sums ``[W, L, H, 3]``;
     plurality with ties to the first (as :func:`attngeom.heads.taxonomy.regimes_of`)."""
-    s = bs.resample_sums(counts, X)                                  # [R, L, H, 3]
+    s = resampling.resample_sums(counts, X)                                  # [R, L, H, 3]
     reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [R, L*H]
     return np.stack([(reg == k).mean(1) for k in range(3)], 1)
 
@@ -578,7 +578,7 @@ def critical_z(delta: np.ndarray, regimes: np.ndarray, min_group: int = 8) -> np
 def _regime_claims(point: np.ndarray, samples: np.ndarray) -> tuple[list[dict], dict]:
     from attngeom.heads.taxonomy import REGIMES
 
-    d = {r: bs.interval_dict(point[0, k], samples[:, k]) for k, r in enumerate(REGIMES)}
+    d = {r: resampling.interval_dict(point[0, k], samples[:, k]) for k, r in enumerate(REGIMES)}
     r = d["Retriever"]
     return [_row("retriever_share", value=_fmt_pct(r["value"]), low=r["low"], high=r["high"], unit="%",
                  verdict=verdict_range(r["low"], r["high"], 0.058, 0.172),
@@ -595,7 +595,7 @@ def _removal_claim(claim_id: str, regime_order: Sequence[str], ppl_point: dict, 
                 continue
             p = math.log(ppl_point[(base, r)] / ppl_point[("taxonomy", r)])
             s = np.log(ppl_samples[(base, r)] / ppl_samples[("taxonomy", r)])
-            numbers[f"vs {base} at {r:g} %"] = bs.interval_dict(p, s)
+            numbers[f"vs {base} at {r:g} %"] = resampling.interval_dict(p, s)
     if not numbers:
         return _row(claim_id, value="n/a", verdict=INCONCLUSIVE, note="no moderate retention (90 % or 75 %) in the run")
     low = min(numbers.values(), key=lambda d: d["value"])
@@ -646,7 +646,7 @@ def _fmt_pct(x) -> str:
 def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, settings: Settings = DEFAULTS, *,
                analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
     """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a
-    :class:`~attngeom.runs.run.Run` or :class:`~attngeom.runs.run.Memory`), one window per record, and
+    :class:`~attngeom.runs.run.Run` or :class:`~attngeom.runs.run.InMemoryRun`), one window per record, and
     score every claim from their :class:`~attngeom.runs.contract.ExperimentResult` s.
 
     Returns an :class:`~attngeom.runs.contract.ExperimentResult` whose ``summary`` is ``{"rows": [one
@@ -668,7 +668,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, setting
     st = settings
 
     def counts_for(n: int, salt: int) -> np.ndarray:
-        return bs.resample_counts(n, st.n_resamples, st.seed * 1000 + salt)
+        return resampling.resample_counts(n, st.n_resamples, st.seed * 1000 + salt)
 
     if "faithfulness" in analyses:
         r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for)
@@ -687,7 +687,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, setting
 
     order = {c["id"]: i for i, c in enumerate(CLAIMS)}
     rows.sort(key=lambda r: order[r["id"]])
-    recorded = st.record(bs.DEFAULT_LEVEL)
+    recorded = st.record(resampling.DEFAULT_LEVEL)
     table = pd.DataFrame([{k: r[k] for k in ("id", "verdict", "value", "low", "high", "interval")} for r in rows],
                          columns=["id", "verdict", "value", "low", "high", "interval"])
     return ExperimentResult("claims", tables={"claims": table},
@@ -717,7 +717,7 @@ def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds
 
 
 def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:
-    from attngeom.sinks import suppression as sinks
+    from attngeom import sinks
 
     X = sink_arrays(_one_per_window(sinks.experiment(handle, run, ids, SinksSettings(batch_size=1)), "records"))
     W = len(ids)
@@ -725,7 +725,7 @@ def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple
 
 
 def _selection_part(handle: ModelHandleLike, run: RunLike, ids, ns, repeats, seed, counts_for) -> tuple[list[dict], dict]:
-    from attngeom.selection import topn as selection
+    from attngeom import selection
 
     res = selection.experiment(handle, run, ids, SelectionSettings(ns=tuple(ns), distances=("euclidean",), repeats=repeats,
                                                                    seed=seed, predict=False, batch_size=1))
@@ -769,25 +769,25 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
         nll_f, _ = heads.removal_nll(handle, run, "removal_fixed", held, removals, 1, "removal: fixed regime order")
     cnt_h = counts_for(Wh, 5)
     all_nll = np.concatenate([nll_r, nll_f], 0).T                                     # [Wh, K+F]
-    ppl_pt = bs.perplexity(np.ones((1, Wh)), all_nll, tok_h)[0]
-    ppl_s = bs.perplexity(cnt_h, all_nll, tok_h)
+    ppl_pt = resampling.resampled_perplexity(np.ones((1, Wh)), all_nll, tok_h)[0]
+    ppl_s = resampling.resampled_perplexity(cnt_h, all_nll, tok_h)
     keys = keys + [("fixed", x) for x in levels]
-    P = {k: ppl_pt[i] for i, k in enumerate(keys)}
-    S = {k: ppl_s[:, i] for i, k in enumerate(keys)}
+    ppl_point = {k: ppl_pt[i] for i, k in enumerate(keys)}
+    ppl_samples = {k: ppl_s[:, i] for i, k in enumerate(keys)}
     names = list(heads.ORDERS) + ["fixed"]
     for x in retentions:
         if x >= 100:
             for name in names:
-                P[(name, x)], S[(name, x)] = P[("", 100.0)], S[("", 100.0)]
+                ppl_point[(name, x)], ppl_samples[(name, x)] = ppl_point[("", 100.0)], ppl_samples[("", 100.0)]
     curves = {}
     for name in names:
         label = {"taxonomy": f"taxonomy, chosen on calibration ({' > '.join(chosen)})",
                  "fixed": f"taxonomy, fixed ({' > '.join(fixed)})"}.get(name, name)
-        curves[label] = {f"{x:g}": bs.interval_dict(P[(name, x)], S[(name, x)]) for x in retentions}
-    rows.append(_removal_claim("taxonomy_removal_calibrated", chosen, P, S, retentions))
-    Pf = {**P, **{("taxonomy", x): P[("fixed", x)] for x in retentions}}
-    Sf = {**S, **{("taxonomy", x): S[("fixed", x)] for x in retentions}}
-    rows.append(_removal_claim("taxonomy_removal_fixed", fixed, Pf, Sf, retentions))
+        curves[label] = {f"{x:g}": resampling.interval_dict(ppl_point[(name, x)], ppl_samples[(name, x)]) for x in retentions}
+    rows.append(_removal_claim("taxonomy_removal_calibrated", chosen, ppl_point, ppl_samples, retentions))
+    fixed_point = {**ppl_point, **{("taxonomy", x): ppl_point[("fixed", x)] for x in retentions}}
+    fixed_samples = {**ppl_samples, **{("taxonomy", x): ppl_samples[("fixed", x)] for x in retentions}}
+    rows.append(_removal_claim("taxonomy_removal_fixed", fixed, fixed_point, fixed_samples, retentions))
 
     row, head = _early_critical_claim(handle, res, tax[:Wc], cal_df, critical_k, counts_for)
     rows.append(row)
@@ -813,7 +813,7 @@ def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_
     regimes = cal_df.sort_values(["layer", "head"])["regime"].to_numpy()
 
     def early_z(cnt):
-        ppl = bs.perplexity(cnt, mat, tok_c)
+        ppl = resampling.resampled_perplexity(cnt, mat, tok_c)
         delta = ppl[:, 1:] - ppl[:, :1]
         z = critical_z(delta, regimes)
         early = np.array([(k // H) * 3 < L for k in range(L * H)])
@@ -823,11 +823,11 @@ def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_
     zp, kp, dp = early_z(np.ones((1, Wc)))
     zs, ks, ds = early_z(counts_for(Wc, 6))
     zs = np.where(np.isfinite(zs), zs, np.nan)
-    zi = bs.interval_dict(zp[0] if np.isfinite(zp[0]) else np.nan, zs)
+    zi = resampling.interval_dict(zp[0] if np.isfinite(zp[0]) else np.nan, zs)
     k0 = int(kp[0])
     same = float(np.mean(ks == k0))
     head = {"layer": k0 // H, "head": k0 % H, "regime": str(regimes[k0]), "delta_ppl": float(dp[0, k0]),
-            "delta_ppl_interval": bs.interval_dict(dp[0, k0], ds[:, k0]), "top_in_resamples": same}
+            "delta_ppl_interval": resampling.interval_dict(dp[0, k0], ds[:, k0]), "top_in_resamples": same}
     row = _row("early_critical_head", value=f"z = {_fmt_num(zi['value'])} (layer {head['layer']}, head {head['head']}, "
                f"ΔPPL {_fmt_num(head['delta_ppl'], signed=True)})", low=zi["low"], high=zi["high"],
                verdict=verdict_side(zi["low"], zi["high"], critical_k),

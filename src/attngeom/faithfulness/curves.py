@@ -39,7 +39,7 @@ from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.capture.interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
-from attngeom.streaming.reducers import Batch
+from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import fingerprint
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.streaming.passes import batch_nll
@@ -139,7 +139,7 @@ def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], lay
     uses variant ``b``)."""
     T = len(unit.ids)
     ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
-    batch = Batch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
+    batch = InputBatch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
     session = Session(intervention=RankIntervention(chunk, salts=[unit.salt] * len(chunk)), layers=layers)
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
 
@@ -152,7 +152,7 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
     The work is one runner stage (:meth:`attngeom.runs.run.Run.stage`) whose units are the (unit,
     variant) pairs, pair ``p = u·V + k`` for variant ``k``; the pairs of one unit run together,
     ``rows`` per batched forward (default :func:`auto_rows`). With ``run`` every finished forward is
-    a record (resume, sharding); without (:class:`~attngeom.runs.run.Memory`), in memory."""
+    a record (resume, sharding); without (:class:`~attngeom.runs.run.InMemoryRun`), in memory."""
     keys = [v.key for v in variants]
     if len(set(keys)) != len(keys):
         raise InputError("two variants have the same name")
@@ -164,9 +164,9 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
         unit = units[pairs[0] // V]
         return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers)}
 
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import InMemoryRun
 
-    records = (run or Memory()).stage(
+    records = (run or InMemoryRun()).stage(
         "faithfulness", len(units) * V, work, group=R, group_key=lambda p: p // V,
         fingerprints=[units[p // V].digest for p in range(len(units) * V)],
         desc=progress if isinstance(progress, str) else "faithfulness", unit="fwd")

@@ -11,7 +11,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "weight_norms": "removal",
     "window_nll": "removal",
     "nll_sum": "removal",
-    "perplexity": "removal",
+    "removal_perplexity": "removal",
     "removal_nll": "removal",
     "sensitivity_nll": "removal",
     "single_head_sensitivity": "removal",

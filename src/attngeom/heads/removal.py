@@ -42,7 +42,7 @@ import torch
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, window_records
-from attngeom.runs.contract import perplexity as perplexity_of
+from attngeom.runs.contract import perplexity
 from attngeom.capture.interventions import HeadRemoval
 from attngeom.model.adapter import adapter_for
 from attngeom.heads.settings import HeadsSettings
@@ -107,9 +107,10 @@ def nll_sum(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: 
     return float(nll.sum()), int(count.sum())
 
 
-def perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
+def removal_perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
+    """Perplexity of ``windows`` with ``removed`` heads zeroed (one evaluation of the model; :func:`attngeom.runs.contract.perplexity` of :func:`nll_sum`)."""
     total, count = nll_sum(handle, windows, removed, batch_size)
-    return perplexity_of(total, count)
+    return perplexity(total, count)
 
 
 def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence,
@@ -118,13 +119,13 @@ def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows
     """Summed NLL of every window under each removal (a list of heads), as stage ``name`` of ``run``
     (one unit per removal; resumable): float64 ``[R, W]`` and the token count of each window
     ``[W]`` (the per-window sums a bootstrap over windows resamples)."""
-    from attngeom.runs.run import Memory, fingerprint
+    from attngeom.runs.run import InMemoryRun, fingerprint
 
     def work(units: list[int]) -> dict:
         parts = [window_nll(handle, windows, removals[u], batch_size) for u in units]
         return {"nll": [p[0] for p in parts], "tokens": [p[1] for p in parts]}
 
-    recs = (run or Memory()).stage(name, len(removals), work, desc=desc or name, unit="removal",
+    recs = (run or InMemoryRun()).stage(name, len(removals), work, desc=desc or name, unit="removal",
                                    fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
     nll = np.zeros((len(removals), len(windows)))
     tokens = np.zeros(len(windows), dtype=np.int64)
@@ -138,7 +139,7 @@ def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows
 def _perplexities(nll: np.ndarray, tokens: np.ndarray) -> list[float]:
     """Perplexity of each row of per-window NLL sums ``[R, W]`` over all the windows."""
     count = int(np.sum(tokens))
-    return [perplexity_of(float(np.sum(row)), count) for row in nll]
+    return [perplexity(float(np.sum(row)), count) for row in nll]
 
 
 def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
@@ -149,7 +150,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
     Several removals of the same layer share one forward pass: the batch holds one copy of the
     windows per removal (:class:`HeadRemoval` with one removal per row), about ``batch_size``
     windows per pass."""
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import InMemoryRun
 
     L, H = handle.num_layers, handle.num_heads
     per_pass = max(1, batch_size // max(1, len(windows)))
@@ -163,7 +164,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
         x = batch_nll(handle, batch, session).numpy()
         return {"nll": [x[k * len(windows):(k + 1) * len(windows)] for k in range(len(group))]}
 
-    recs = (run or Memory()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
+    recs = (run or InMemoryRun()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
                                    desc="single-head removal", unit="head")
     out = np.zeros((L * H, len(windows)))
     for key, d in recs.items():
@@ -177,14 +178,14 @@ def single_head_sensitivity(handle: ModelHandleLike, windows: Sequence, batch_si
                             run: RunLike | None = None) -> np.ndarray:
     """ΔPPL of removing each head alone on ``windows``: ``[L, H]`` (from :func:`sensitivity_nll`)."""
     if base_ppl is None:
-        base_ppl = perplexity(handle, windows, (), batch_size)
+        base_ppl = removal_perplexity(handle, windows, (), batch_size)
     return _sensitivity(handle, windows, sensitivity_nll(handle, windows, batch_size, run), base_ppl)
 
 
 def _sensitivity(handle: ModelHandleLike, windows: Sequence, nll: np.ndarray, base_ppl: float) -> np.ndarray:
     """ΔPPL ``[L, H]`` from :func:`sensitivity_nll`'s ``[L·H, W]`` sums over ``windows``."""
     count = sum(max(0, len(to_ids(handle, w)) - 1) for w in windows)
-    deltas = [perplexity_of(float(np.sum(row)), count) - base_ppl for row in nll]
+    deltas = [perplexity(float(np.sum(row)), count) - base_ppl for row in nll]
     return np.array(deltas).reshape(handle.num_layers, handle.num_heads)
 
 
@@ -322,7 +323,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
     (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
     before and after ``split`` never share a record (the calibration / held-out boundary)."""
     from attngeom.capture.plugin import Session
-    from attngeom.runs.run import Memory, fingerprint
+    from attngeom.runs.run import InMemoryRun, fingerprint
     from attngeom.heads.taxonomy import TaxonomyStats
 
     ids = [to_ids(handle, w) for w in windows]
@@ -338,7 +339,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
             n += scored_tokens(batch)
         return {"tax": tax.state(), "nll": nll, "tokens": n}
 
-    return (run or Memory()).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
+    return (run or InMemoryRun()).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
                                    desc=f"taxonomy: {name}", unit="window", fingerprints=[fingerprint(w) for w in ids])
 
 
@@ -350,7 +351,7 @@ def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.D
     parts = [d for key, d in records.items() if key[0] in units]
     merged = merge_sums(parts)
     df = TaxonomyStats(sink=sink, winner_norm=winner_norm).load_state(merged["tax"]).result()
-    return df, perplexity_of(merged["nll"], merged["tokens"])
+    return df, perplexity(merged["nll"], merged["tokens"])
 
 
 def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence],

@@ -112,7 +112,7 @@ class Comm(Protocol):
 @runtime_checkable
 class RunLike(Protocol):
     """What the experiments use of a run (:class:`attngeom.runs.run.Run` with an output folder, or
-    :class:`attngeom.runs.run.Memory` in memory): stages of units whose records are returned keyed
+    :class:`attngeom.runs.run.InMemoryRun` in memory): stages of units whose records are returned keyed
     by the tuple of units each record covers."""
 
     comm: Comm

@@ -79,7 +79,7 @@ KINDS = {MANIFEST: "run", SETTINGS: "run-settings", OUTPUTS: "run-outputs"}
 # --------------------------------------------------------------------------------------------
 
 
-class Solo:
+class SingleProcess:
     """The communication of a one-process run; :mod:`attngeom.runs.distributed` has the real one."""
 
     rank = 0
@@ -148,11 +148,11 @@ def merge_sums(parts: Iterable, weights: Sequence[float] | None = None):
 # --------------------------------------------------------------------------------------------
 
 
-class Memory:
+class InMemoryRun:
     """A run without an output directory: :meth:`stage` computes every unit in memory, grouped as
     :meth:`Run.stage` groups them (for the Python API and tests; nothing is recorded)."""
 
-    comm = Solo()
+    comm = SingleProcess()
     progress = False
 
     def stage(self, name: str, n_units: int, work: Callable[[list[int]], object], *, group: int = 1,
@@ -276,7 +276,7 @@ class Run:
         self.identity = _identity(command, self.settings)
         self.overwrite = bool(overwrite)
         self.progress = bool(progress)
-        self.comm = comm or Solo()
+        self.comm = comm or SingleProcess()
         self.started = time.time()
         self.created = False
         self.resumed = False

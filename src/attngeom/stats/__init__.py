@@ -8,7 +8,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "resample_counts": "resampling",
     "resample_sums": "resampling",
     "ratio_of_sums": "resampling",
-    "perplexity": "resampling",
+    "resampled_perplexity": "resampling",
     "percentile_interval": "resampling",
     "beats_share": "resampling",
     "bootstrap": "resampling",

@@ -58,7 +58,7 @@ def ratio_of_sums(counts: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.nd
         return np.where(d != 0, n / np.where(d != 0, d, 1.0), np.nan)
 
 
-def perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def resampled_perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Perplexity ``exp(Σ c·NLL / Σ c·tokens)`` per resample: ``nll [W, ...]`` (summed NLL per
     window and variant), ``tokens [W]`` -> ``[R, ...]`` (NaN where a resample has no token:
     :func:`attngeom.runs.contract.perplexity`)."""
@@ -166,6 +166,6 @@ def _num(x):
 
 
 __all__: Sequence[str] = (
-    "DEFAULT_RESAMPLES", "DEFAULT_LEVEL", "resample_counts", "resample_sums", "ratio_of_sums", "perplexity",
+    "DEFAULT_RESAMPLES", "DEFAULT_LEVEL", "resample_counts", "resample_sums", "ratio_of_sums", "resampled_perplexity",
     "percentile_interval", "beats_share", "bootstrap", "bootstrap_loop", "interval_dict", "side_of",
     "nanmedian_rows", "nanmean_rows")
