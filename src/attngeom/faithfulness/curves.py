@@ -43,6 +43,7 @@ from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import fingerprint
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.streaming.passes import batch_nll
+from attngeom.stats import resampling
 
 DEFAULT_RATIOS = FaithfulnessSettings.ratios
 DEFAULT_SEEDS = FaithfulnessSettings.seeds
@@ -291,6 +292,35 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 # --------------------------------------------------------------------------------------------
 # The whole experiment
 # --------------------------------------------------------------------------------------------
+
+
+def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
+    """The perplexity experiment's curves under resampling ``weights`` (bootstrap counts per window
+    ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
+    from its ``per_window`` (``nll [W, V]`` summed NLL per window and variant, column 0 the clean
+    forward, ``tokens [W]``, ``variants``). Returns arrays ``[R]``: ``clean`` (its perplexity),
+    ``aoc[(metric, mode)]`` (mean ΔPPL over the ratios), ``log_aoc[(metric, mode)]`` (mean log PPL
+    ratio) and ``delta[(metric, mode, ratio)]`` (random: mean over seeds), the definitions of
+    :func:`summarize` (tests/unit/test_claims.py checks that both agree)."""
+    nll, tokens, variants = per_window["nll"], per_window["tokens"], per_window["variants"]
+    counts = np.ones((1, len(tokens))) if weights is None else np.asarray(weights)
+    ppl = resampling.resampled_perplexity(counts, nll, tokens)                      # [R, V]
+    clean = ppl[:, 0]
+    groups: dict = {}
+    for k, v in enumerate(variants):
+        if v.metric is None:
+            continue
+        groups.setdefault((v.metric, v.mode), []).append(k)
+    out = {"clean": clean, "aoc": {}, "log_aoc": {}, "delta": {}}
+    for key, cols in groups.items():
+        out["aoc"][key] = (ppl[:, cols] - clean[:, None]).mean(1)
+        out["log_aoc"][key] = np.log(ppl[:, cols] / clean[:, None]).mean(1)
+        by_ratio: dict = {}
+        for c in cols:
+            by_ratio.setdefault(variants[c].ratio, []).append(c)
+        for r, cs in by_ratio.items():
+            out["delta"][key + (r,)] = (ppl[:, cs] - clean[:, None]).mean(1)
+    return out
 
 
 def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Sequence[Unit],

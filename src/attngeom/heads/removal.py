@@ -41,12 +41,14 @@ import torch
 
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
-from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, window_records
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, per_window_array,
+                                    window_records)
 from attngeom.runs.contract import perplexity
 from attngeom.capture.interventions import HeadRemoval
 from attngeom.model.adapter import adapter_for
 from attngeom.heads.settings import HeadsSettings
 from attngeom.heads.taxonomy import REGIMES
+from attngeom.stats import resampling
 from attngeom.streaming.passes import batch_nll, make_batches, scored_tokens, to_ids
 
 RETENTIONS = HeadsSettings.retentions
@@ -277,6 +279,32 @@ def critical_heads(sensitivity: np.ndarray, tax: pd.DataFrame, k: float = 3.0, m
     return sorted(out, key=lambda d: -d["delta_ppl"])
 
 
+def critical_z(delta: np.ndarray, regimes: np.ndarray, min_group: int = 8) -> np.ndarray:
+    """Leave-one-out z of every head's single-removal ΔPPL within its regime (the whole model when
+    the regime has fewer than ``min_group`` other heads), as :func:`critical_heads`:
+    ``delta [R, K]``, ``regimes [K]`` -> ``[R, K]`` (NaN where the others have no spread)."""
+    delta = np.asarray(delta, dtype=np.float64)
+    K = delta.shape[1]
+    z = np.full(delta.shape, np.nan)
+    groups = {}
+    for r in np.unique(regimes):
+        idx = np.nonzero(regimes == r)[0]
+        groups[r] = idx if len(idx) - 1 >= min_group else np.arange(K)
+    for k in range(K):
+        idx = groups[regimes[k]]
+        if len(idx) < 2:
+            continue
+        g = delta[:, idx]
+        n = len(idx) - 1
+        s = g.sum(1) - delta[:, k]
+        q = (g * g).sum(1) - delta[:, k] ** 2
+        mu = s / n
+        sd = np.sqrt(np.maximum(q / n - mu * mu, 0))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            z[:, k] = np.where(sd > 0, (delta[:, k] - mu) / np.where(sd > 0, sd, 1), np.nan)
+    return z
+
+
 def heldout_removal_nll(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
                         retentions: Sequence[float], batch_size: int = 4, run: RunLike | None = None) -> dict:
     """Per-window NLL on the held-out windows for every order and retention below 100 %, and for
@@ -473,3 +501,76 @@ def _regimes_by_layer(tables: Sequence[pd.DataFrame], names: Sequence[str]) -> p
         part.insert(0, "corpus", name)
         parts.append(part)
     return parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries under resampling
+# --------------------------------------------------------------------------------------------
+
+
+def winner_sums(tax_records: Sequence[dict]) -> np.ndarray:
+    """Per-window source-winner sums ``[W, L, H, 3]`` (self, sink, other) from the records of
+    :func:`taxonomy_stage` (one window each)."""
+    def get(r):
+        sums = r["tax"]["sums"]
+        return [np.stack([sums[l]["winner_self"], sums[l]["winner_sink"], sums[l]["winner_other"]], -1)
+                for l in layer_order(sums)]
+    return per_window_array(tax_records, get)
+
+
+def _taxonomy_records(per_window: dict) -> list:
+    recs = per_window.get("taxonomy")
+    if recs is None:
+        raise ValueError("the heads summary under resampling needs one window per taxonomy record (batch_size=1)")
+    return recs
+
+
+def sensitivity_summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Single-head removal on the calibration windows under resampling ``weights`` (counts per
+    calibration window ``[R, Wc]``; None: each once): ``base_ppl [R]`` (the unedited perplexity) and
+    ``delta [R, L·H]`` (ΔPPL of removing each head alone, row ``layer·H + head``), from
+    ``per_window["sensitivity"]`` and the calibration windows' taxonomy records."""
+    nll_s = np.asarray(per_window["sensitivity"], dtype=np.float64)                 # [L*H, Wc]
+    calib = _taxonomy_records(per_window)[:nll_s.shape[1]]
+    base = per_window_array(calib, lambda t: t["nll"])
+    tok = per_window_array(calib, lambda t: t["tokens"])
+    counts = np.ones((1, len(calib))) if weights is None else np.asarray(weights)
+    ppl = resampling.resampled_perplexity(counts, np.concatenate([base[None], nll_s], 0).T, tok)
+    return {"base_ppl": ppl[:, 0], "delta": ppl[:, 1:] - ppl[:, :1]}
+
+
+def calibration_perplexity(per_window: dict) -> float:
+    """The unedited perplexity of the calibration windows (from their taxonomy records)."""
+    calib = _taxonomy_records(per_window)[:np.shape(per_window["sensitivity"])[1]]
+    return perplexity(per_window_array(calib, lambda t: t["nll"]).sum(), per_window_array(calib, lambda t: t["tokens"]).sum())
+
+
+def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The head experiment's regime shares under resampling ``weights`` (bootstrap counts per window
+    ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``)
+    over all windows of the first corpus, from its ``per_window["taxonomy"]`` records
+    (``batch_size=1``): ``{"regime_shares": [R, 3]}`` in the order of
+    :data:`~attngeom.heads.taxonomy.REGIMES`, plurality with ties to the first (as
+    :func:`attngeom.heads.taxonomy.regimes_of`; tests/unit/test_claims.py checks both agree)."""
+    X = winner_sums(_taxonomy_records(per_window))
+    counts = np.ones((1, len(X))) if weights is None else np.asarray(weights)
+    s = resampling.resample_sums(counts, X)                                  # [R, L, H, 3]
+    reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [R, L*H]
+    return {"regime_shares": np.stack([(reg == k).mean(1) for k in range(3)], 1)}
+
+
+def removal_summary(per_window: dict, weights: np.ndarray | None = None,
+                    extra: dict | None = None) -> dict[tuple, np.ndarray]:
+    """Held-out perplexity of every (order, retention) of ``per_window["removal"]``
+    (:func:`heldout_removal_nll`; ``("", 100.0)`` the unedited model), and of the ``extra`` removals
+    (key -> summed NLL per held-out window ``[Wh]``, e.g. from :func:`removal_nll`), under resampling
+    ``weights`` (counts per held-out window ``[R, Wh]``; None: each once): key -> ``[R]``."""
+    removal = per_window["removal"]
+    keys, nll = list(removal["keys"]), np.asarray(removal["nll"], dtype=np.float64)
+    if extra:
+        keys += list(extra)
+        nll = np.concatenate([nll, np.stack([np.asarray(x, dtype=np.float64) for x in extra.values()])], 0)
+    tokens = np.asarray(removal["tokens"], dtype=np.float64)
+    counts = np.ones((1, len(tokens))) if weights is None else np.asarray(weights)
+    ppl = resampling.resampled_perplexity(counts, nll.T, tokens)
+    return {k: ppl[:, i] for i, k in enumerate(keys)}

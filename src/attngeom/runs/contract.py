@@ -11,7 +11,7 @@ result), **stages of units**
 run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
 is a record), and a **result**: its ``tables`` (DataFrames, what a command writes), its ``summary``
 (a JSON-able dict) and its ``per_window`` statistics (additive sums per window, the rows a
-bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.catalogue` composes the
+bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.orchestration` composes the
 other experiments through their results only.
 """
 
@@ -149,3 +149,14 @@ def window_records(records: Mapping[tuple[int, ...], Any]) -> list | None:
     if any(len(k) != 1 for k in keys):
         return None
     return [records[k] for k in keys]
+
+
+def layer_order(d: Mapping) -> list:
+    """Keys of a per-layer dict in layer order (keys are ints or their strings, as records store them)."""
+    return sorted(d, key=lambda k: int(k))
+
+
+def per_window_array(records: Sequence, get: Callable[[Any], Any]) -> np.ndarray:
+    """``get(record)`` of each window's record stacked: float64 ``[W, ...]`` (the rows a bootstrap
+    over windows resamples)."""
+    return np.stack([np.asarray(get(r), dtype=np.float64) for r in records])

@@ -39,5 +39,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "SelectionStats": "reducer",
     "best_small_n_table": "corpus",
     "summarize": "corpus",
+    "summary_sums": "corpus",
+    "summary": "corpus",
     "experiment": "corpus",
 })

@@ -3,14 +3,17 @@ the per-distance summary)."""
 
 from __future__ import annotations
 
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from attngeom.errors import InputError
+from attngeom.stats import resampling
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
 from attngeom.selection.settings import SelectionSettings
 from attngeom.selection.reducer import SelectionStats
+
 
 # --------------------------------------------------------------------------------------------
 # Summaries
@@ -87,6 +90,37 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
     return out
 
 
+def summary_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str = "euclidean") -> dict:
+    """Per-window sums of F and row counts of the ``selection`` rows at ``distance``: ``{kind: (sum
+    [W, N], count [W, N])}`` for the kinds of :data:`attngeom.selection.separation.KINDS`."""
+    d = sel[sel["distance"] == distance]
+    out = {}
+    ns = list(ns)
+    for kind, g in d.groupby("kind"):
+        s = np.zeros((n_windows, len(ns)))
+        c = np.zeros((n_windows, len(ns)))
+        agg = g.groupby(["window", "N"])["F"].agg(["sum", "count"]).reset_index()
+        for w, n, x, k in zip(agg["window"], agg["N"], agg["sum"], agg["count"]):
+            if int(n) in ns and 0 <= int(w) < n_windows:
+                s[int(w), ns.index(int(n))] += x
+                c[int(w), ns.index(int(n))] += k
+        out[str(kind)] = (s, c)
+    return out
+
+
+def summary(per_window: dict, weights: np.ndarray | None = None, distance: str = "euclidean") -> dict:
+    """Mean ``F_N`` per kind of selection under resampling ``weights`` (bootstrap counts per window
+    ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
+    from the experiment's ``per_window`` (its ``selection`` rows and the number of ``windows``):
+    ``{"ns": [N, ...], "mean_f": {kind: [R, len(ns)]}}`` (the means of :func:`summarize`;
+    tests/unit/test_claims.py checks that both agree)."""
+    sel, W = per_window["selection"], per_window["windows"]
+    ns = sorted(int(n) for n in sel["N"].unique())
+    counts = np.ones((1, W)) if weights is None else np.asarray(weights)
+    X = summary_sums(sel, W, ns, distance)
+    return {"ns": ns, "mean_f": {kind: resampling.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}}
+
+
 # --------------------------------------------------------------------------------------------
 # The corpus experiment
 # --------------------------------------------------------------------------------------------
@@ -99,7 +133,8 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
     the :class:`SelectionStats` state of its windows. Returns an
     :class:`~attngeom.runs.contract.ExperimentResult` with ``tables["selection"]`` and
     ``tables["regime"]`` (rows per window: the ``window`` column is what a bootstrap over windows
-    resamples) and ``summary`` (:func:`summarize`)."""
+    resamples), ``summary`` (:func:`summarize`) and ``per_window``: the ``selection`` rows and the number
+    of ``windows`` (what :func:`summary` resamples)."""
     from attngeom.streaming.stages import reduce_stage
 
     options = settings.stats_options()
@@ -110,4 +145,4 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
         raise InputError("no query had at least 2 candidate sources; use longer windows")
     summary = summarize(sel, reg, reducer.violations, reducer.selections, reducer.small_n_max)
     return ExperimentResult("selection", tables={"selection": sel, "regime": reg}, summary=summary,
-                            settings=settings.record())
+                            per_window={"selection": sel, "windows": len(windows)}, settings=settings.record())

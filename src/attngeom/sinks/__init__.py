@@ -19,6 +19,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "histogram_counts": "geometry",
     "histogram_quantile": "geometry",
     "quadratic_fit": "geometry",
+    "quadratic_fit_shape": "geometry",
     "block_terms": "reducer",
     "SinkValues": "reducer",
     "SinkQueries": "reducer",
@@ -32,5 +33,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "window_work": "corpus",
     "results_from": "corpus",
     "summarize": "corpus",
+    "summary_sums": "corpus",
+    "summary": "corpus",
     "experiment": "corpus",
 })

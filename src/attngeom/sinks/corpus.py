@@ -4,11 +4,15 @@ its summary."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import pandas as pd
 
-from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity, window_records
-from attngeom.sinks.geometry import histogram_quantile
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, per_window_array, perplexity,
+                                    window_records)
+from attngeom.sinks.geometry import histogram_quantile, quadratic_fit_shape
+from attngeom.stats import resampling
 from attngeom.sinks.reducer import HISTOGRAMS, SinkStats
 from attngeom.sinks.removal import SourceRemoval
 from attngeom.sinks.settings import SinksSettings
@@ -186,3 +190,110 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
         per_window["records"] = recs
     return ExperimentResult("sinks", tables=tables, summary=summary, per_window=per_window,
                             settings=settings.record())
+
+
+# --------------------------------------------------------------------------------------------
+# The summary under resampling
+# --------------------------------------------------------------------------------------------
+
+
+def _sink_acc(stats: dict) -> dict:
+    """The per-layer sums of a :class:`~attngeom.sinks.reducer.SinkStats` state: ``{layer: {key: array}}``
+    (a state of one ``acc``, or of several parts each with its own ``acc``: merged, the first part
+    holding a key wins)."""
+    if "acc" in stats:
+        return stats["acc"]
+    out: dict = {}
+    for part in stats.values():
+        for layer, d in (part.get("acc") or {}).items():
+            mine = out.setdefault(layer, {})
+            for k, x in d.items():
+                mine.setdefault(k, x)
+    return out
+
+
+def summary_sums(records: Sequence[dict]) -> dict[str, np.ndarray]:
+    """The additive sums :func:`summary` reads, per window, from the records of :func:`window_work`
+    (one window each): ``[W, L, H, ...]``."""
+    keys = ("n_texts", "n_sources", "v0_norm_sum", "vj_norm_sum", "v0_raw_norm_sum", "vj_raw_norm_sum",
+            "hist_cos_v0_m", "hist_rho_star", "fit", "n")
+    out = {}
+    accs = [_sink_acc(r["stats"]) for r in records]
+    for k in keys:
+        out[k] = per_window_array(accs, lambda a: [a[l][k] for l in layer_order(a)])
+    for mode in ("none", "sink", "control"):
+        for k in ("n", "output_norm", "cone", "heavy_n", "heavy_output_norm", "heavy_cone"):
+            out[f"{mode}_{k}"] = per_window_array(records, lambda r: [r["removal"][mode]["acc"][l][k]
+                                                            for l in layer_order(r["removal"][mode]["acc"])])
+        out[f"nll_{mode}"] = per_window_array(records, lambda r: r["nll"][mode])
+    out["tokens"] = per_window_array(records, lambda r: r["tokens"])
+    return out
+
+
+def _one_window_each(per_window: dict) -> list:
+    recs = per_window.get("records")
+    if recs is None:
+        raise ValueError("the sinks summary under resampling needs one window per record (batch_size=1)")
+    return recs
+
+
+def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The sinks experiment's model-level numbers under resampling ``weights`` (bootstrap counts per
+    window ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once,
+    ``R = 1``), from its ``per_window`` records (``batch_size=1``): each a float64 array ``[R]``.
+    The definitions are those of :func:`summarize` (medians and means over heads of ratios of sums,
+    pooled histogram medians, the fits' shape, perplexities); tests/unit/test_claims.py checks that
+    both agree."""
+    X = summary_sums(_one_window_each(per_window))
+    counts = np.ones((1, len(X["tokens"]))) if weights is None else np.asarray(weights)
+    summed = lambda k: resampling.resample_sums(counts, X[k])                    # noqa: E731
+    n_resamples = counts.shape[0]
+
+    def flat(x):
+        return x.reshape(n_resamples, -1)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ns, nt = summed("n_sources"), summed("n_texts")
+        ok = (ns > 0) & (nt > 0)
+        raw = np.where(ok, (summed("vj_raw_norm_sum") / ns) / (summed("v0_raw_norm_sum") / nt), np.nan)
+        proj = np.where(ok, (summed("vj_norm_sum") / ns) / (summed("v0_norm_sum") / nt), np.nan)
+        hc = summed("hist_cos_v0_m")
+        lo, hi, _ = HISTOGRAMS["cos_v0_m"]
+        med_cos = histogram_quantile(hc, lo, hi, 0.5)                        # [R, L, H]
+        pooled_cos = histogram_quantile(flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1), lo, hi, 0.5)
+        lo_r, hi_r, _ = HISTOGRAMS["rho_star"]
+        med_rho = histogram_quantile(summed("hist_rho_star"), lo_r, hi_r, 0.5)
+        convex, interior = quadratic_fit_shape(summed("fit"))
+        mean = {}
+        for mode in ("none", "sink", "control"):
+            n = summed(f"{mode}_n")
+            hn = summed(f"{mode}_heavy_n")
+            mean[mode] = {
+                "output_norm": np.where(n > 0, summed(f"{mode}_output_norm") / n, np.nan),
+                "cone": np.where(n > 0, summed(f"{mode}_cone") / n, np.nan),
+                "heavy_cone": np.where(hn > 0, summed(f"{mode}_heavy_cone") / hn, np.nan),
+            }
+        tok = summed("tokens")
+        ppl = {m: perplexity(summed(f"nll_{m}"), tok) for m in ("none", "sink", "control")}
+    return {
+        "value_norm_ratio_raw": resampling.nanmedian_rows(flat(raw)),
+        "value_norm_ratio_projected": resampling.nanmedian_rows(flat(proj)),
+        "anti_aligned_share": (flat(med_cos) < 0).mean(1),
+        "cos_v0_m_pooled_median": pooled_cos,
+        "fit_convex_share": flat(convex).mean(1),
+        "fit_vertex_interior_share": flat(interior).mean(1),
+        "rho_star_median_interior_share": flat((med_rho > 0) & (med_rho < 1)).mean(1),
+        "removal_output_norm_ratio": resampling.nanmedian_rows(flat(mean["sink"]["output_norm"] / mean["none"]["output_norm"])),
+        "control_output_norm_ratio": resampling.nanmedian_rows(flat(mean["control"]["output_norm"] / mean["none"]["output_norm"])),
+        "cone_base": resampling.nanmean_rows(flat(mean["none"]["cone"])),
+        "cone_removed": resampling.nanmean_rows(flat(mean["sink"]["cone"])),
+        "cone_control": resampling.nanmean_rows(flat(mean["control"]["cone"])),
+        "cone_sink_heavy_base": resampling.nanmean_rows(flat(mean["none"]["heavy_cone"])),
+        "cone_sink_heavy_removed": resampling.nanmean_rows(flat(mean["sink"]["heavy_cone"])),
+        "cone_sink_heavy_control": resampling.nanmean_rows(flat(mean["control"]["heavy_cone"])),
+        "cone_sink_heavy_change": resampling.nanmean_rows(flat(mean["sink"]["heavy_cone"])) - resampling.nanmean_rows(flat(mean["none"]["heavy_cone"])),
+        "cone_change": resampling.nanmean_rows(flat(mean["sink"]["cone"])) - resampling.nanmean_rows(flat(mean["none"]["cone"])),
+        "ppl": ppl["none"],
+        "removal_delta_ppl": ppl["sink"] - ppl["none"],
+        "control_delta_ppl": ppl["control"] - ppl["none"],
+    }

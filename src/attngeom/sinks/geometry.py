@@ -214,25 +214,26 @@ def histogram_counts(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float, bin
     return torch.bincount(flat.cpu(), weights=wt.cpu(), minlength=H * (bins + 2)).view(H, bins + 2)
 
 
-def histogram_quantile(counts: np.ndarray, lo: float, hi: float, q: float) -> float:
-    """Quantile ``q`` of a histogram from :func:`histogram_counts` (linear inside the bin; values in
-    the under/overflow bins are reported as ``lo``/``hi``); NaN when empty."""
-    counts = np.asarray(counts, dtype=float)
-    total = counts.sum()
-    if total <= 0:
-        return float("nan")
-    bins = len(counts) - 2
+def histogram_quantile(counts: np.ndarray, lo: float, hi: float, q: float):
+    """Quantile ``q`` of histograms from :func:`histogram_counts` (linear inside the bin; values in
+    the under/overflow bins are reported as ``lo``/``hi``); NaN when empty. ``counts [..., bins + 2]``
+    -> ``[...]`` (one histogram per leading index, e.g. per head and bootstrap resample); a single
+    histogram ``[bins + 2]`` gives a float."""
+    c = np.asarray(counts, dtype=np.float64)
+    bins = c.shape[-1] - 2
     width = (hi - lo) / bins
-    cum = np.cumsum(counts)
+    total = c.sum(-1)
+    cum = np.cumsum(c, -1)
     target = q * total
-    k = int(np.searchsorted(cum, target, side="left"))
-    if k == 0:
-        return lo
-    if k == bins + 1:
-        return hi
-    below = cum[k - 1]
-    frac = (target - below) / counts[k] if counts[k] > 0 else 0.5
-    return lo + (k - 1 + frac) * width
+    k = np.minimum((cum < target[..., None]).sum(-1), bins + 1)      # the first bin reaching the target
+    below = np.take_along_axis(cum, np.maximum(k - 1, 0)[..., None], -1)[..., 0]
+    ck = np.take_along_axis(c, k[..., None], -1)[..., 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(ck > 0, (target - below) / np.where(ck > 0, ck, 1.0), 0.5)
+    out = lo + (k - 1 + frac) * width
+    out = np.where(k == 0, lo, np.where(k == bins + 1, hi, out))
+    out = np.where(total > 0, out, np.nan)
+    return float(out) if out.ndim == 0 else out
 
 
 def quadratic_fit(sums: np.ndarray) -> dict[str, float]:
@@ -261,6 +262,29 @@ def quadratic_fit(sums: np.ndarray) -> dict[str, float]:
     if al > 0:
         out["vertex"] = -be / (2 * al)
     return out
+
+
+def quadratic_fit_shape(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether the fits of :func:`quadratic_fit` are convex and have their vertex inside ``(0, 1)``,
+    for many sums at once (every head, every bootstrap resample): ``sums [..., 9]`` -> ``(convex,
+    vertex_interior)`` boolean ``[...]``. A fit counts only when it has at least 3 queries, sink rates
+    that spread (variance ``>= 1e-8``, as in :func:`quadratic_fit`) and a well-conditioned system
+    (``|det A| > 1e-15 · max|A|³``)."""
+    s = np.asarray(sums, dtype=np.float64)
+    n, s1, s2, s3, s4, y0, y1, y2 = (s[..., k] for k in range(8))
+    A = np.stack([np.stack([s4, s3, s2], -1), np.stack([s3, s2, s1], -1), np.stack([s2, s1, n], -1)], -2)
+    b = np.stack([y2, y1, y0], -1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var_rho = s2 / np.where(n > 0, n, 1) - (s1 / np.where(n > 0, n, 1)) ** 2
+        det = np.linalg.det(A)
+        scale = np.abs(A).max((-1, -2)) ** 3
+        ok = (n >= 3) & (var_rho >= 1e-8) & np.isfinite(det) & (np.abs(det) > 1e-300) & (np.abs(det) > 1e-15 * scale)
+        eye = np.broadcast_to(np.eye(3), A.shape)
+        coef = np.linalg.solve(np.where(ok[..., None, None], A, eye), np.where(ok[..., None], b, 0.0)[..., None])[..., 0]
+        al, be = coef[..., 0], coef[..., 1]
+        convex = ok & (al > 0)
+        vertex = np.where(convex, -be / (2 * np.where(convex, al, 1.0)), np.nan)
+    return convex, convex & (vertex > 0) & (vertex < 1)
 
 
 def _pearson(n, sx, sy, sxx, syy, sxy) -> float:
