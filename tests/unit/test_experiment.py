@@ -75,13 +75,13 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     recs = res.per_window["records"]
     pp = res.tables["ppl"].set_index("pass")
     assert len(recs) == 4 and pp.loc["none", "nll"] == pytest.approx(sum(r["nll"]["none"] for r in recs), rel=1e-12)
-    assert "records" not in sinks.experiment(h, InMemoryRun(), ids).per_window   # batched (2 per record): none
+    assert "records" not in sinks.experiment(h, None, ids).per_window   # run None: in memory; batched (2 per record): no records
 
     res = selection.experiment(h, InMemoryRun(), ids, SelectionSettings(ns=(2,), repeats=1, predict=False, batch_size=1))
     assert set(res.tables) == {"selection", "regime"} and set(res.tables["selection"]["window"]) == {0, 1, 2, 3}
 
     settings = FaithfulnessSettings(metrics=("attention",), ratios=(0.5,))
-    res = faithfulness.experiment(h, units=faithfulness.window_units(ids), settings=settings, progress=False)
+    res = faithfulness.experiment(h, None, faithfulness.window_units(ids), settings, progress=False)
     assert [v.key for v in res.per_window["variants"]] == [v.key for v in faithfulness.variants_of(settings)]
     clean = res.tables["table"]["clean"].iloc[0]
     assert clean == ppl(res.per_window["nll"][:, 0].sum(), res.per_window["tokens"].sum())
@@ -100,13 +100,17 @@ def test_every_experiment_has_the_contract_signature():
 
     from attngeom import analysis, claims, faithfulness, heads, kvcache, selection, sinks
 
+    """``experiment(handle, run, inputs, settings, *, options)`` everywhere: ``run`` may be None (in
+    memory), the inputs and the settings come next, anything else is keyword-only."""
     for mod in (faithfulness, sinks, selection, heads, kvcache, claims, analysis):
         sig = inspect.signature(mod.experiment)
         params = list(sig.parameters.values())
         assert sig.return_annotation == "ExperimentResult", mod.__name__
         assert [p.name for p in params[:2]] == ["handle", "run"], mod.__name__
-        assert params[0].annotation == "ModelHandleLike" and params[1].annotation.startswith("RunLike")
-        assert "settings" in sig.parameters, mod.__name__
+        assert params[0].annotation == "ModelHandleLike" and params[1].annotation.startswith("RunLike | None")
+        names = [p.name for p in params]
+        assert "settings" in names and names.index("settings") <= 3, mod.__name__
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[names.index("settings") + 1:]), mod.__name__
 
 
 def _same_as_written(res, out, summary_keys):

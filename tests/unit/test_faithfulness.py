@@ -381,7 +381,7 @@ def test_default_model_one_short_window(tmp_path):
     h = load_model("smollm2-135m")
     units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
     settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,))
-    table, s = _table_summary(h, units=units, settings=settings, progress=False)
+    table, s = _table_summary(h, None, units=units, settings=settings, progress=False)
     assert s["clean"] < 1e4 and len(table) == 4
     # masking the most important half hurts more than masking the least important half
     c = table[table.metric == "contribution"].set_index("mode")["change"]

@@ -153,7 +153,7 @@ DEFINITIONS = {
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, text_or_ids, settings: AnalyzeSettings = AnalyzeSettings(),
+def experiment(handle: ModelHandleLike, run: RunLike | None, text_or_ids, settings: AnalyzeSettings = AnalyzeSettings(),
                *, source: str | None = None) -> ExperimentResult:
     """The single-text analysis of ``text_or_ids`` (a text, token ids, or with ``settings.decoding``
     a prompt: text, ids or chat messages) with ``settings``
@@ -381,7 +381,7 @@ def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding
     }
 
 
-def answer_experiment(handle: ModelHandleLike, run: RunLike, prompts: Sequence,
+def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Sequence,
                       settings: AnalyzeSettings, *, source: str | None = None) -> ExperimentResult:
     """Corpus mode: an answer to each of ``prompts`` (texts, or chat messages) generated with
     ``settings.decoding`` and analysed, as stage ``generate`` of ``run`` (one record per prompt:

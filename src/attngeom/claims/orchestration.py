@@ -41,7 +41,7 @@ from attngeom.selection.settings import SelectionSettings
 from attngeom.sinks.settings import SinksSettings
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, settings: Settings = DEFAULTS, *,
+def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, settings: Settings = DEFAULTS, *,
                analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
     """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a
     :class:`~attngeom.runs.run.Run` or :class:`~attngeom.runs.run.InMemoryRun`), one window per record, and

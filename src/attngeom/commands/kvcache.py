@@ -117,7 +117,7 @@ def run(args) -> int:
         from attngeom.kvcache.evaluation import experiment
 
         result = experiment(handle, run, evaluated, KVCacheSettings(tuple(policies), tuple(budgets), args.chunk),
-                            regimes)
+                            regimes=regimes)
         reads, summary_df, pairs_df = (result.tables[k] for k in ("reads", "summary", "pairs"))
         answers_df = answers_summary = None
         if qa_pairs:

@@ -165,9 +165,9 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
         unit = units[pairs[0] // V]
         return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers)}
 
-    from attngeom.runs.run import InMemoryRun
+    from attngeom.runs.run import run_or_in_memory
 
-    records = (run or InMemoryRun()).stage(
+    records = run_or_in_memory(run).stage(
         "faithfulness", len(units) * V, work, group=R, group_key=lambda p: p // V,
         fingerprints=[units[p // V].digest for p in range(len(units) * V)],
         desc=progress if isinstance(progress, str) else "faithfulness", unit="fwd")
@@ -323,8 +323,8 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
     return out
 
 
-def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Sequence[Unit],
-               settings: FaithfulnessSettings = FaithfulnessSettings(), progress: bool | str = True, examples=None,
+def experiment(handle: ModelHandleLike, run: RunLike | None, units: Sequence[Unit],
+               settings: FaithfulnessSettings = FaithfulnessSettings(), *, progress: bool | str = True, examples=None,
                meta: dict | None = None) -> ExperimentResult:
     """Run (or, with a ``run`` holding records, resume) the experiment on ``units`` with ``settings``
     (:class:`~attngeom.faithfulness.settings.FaithfulnessSettings`; ``examples``: score a multiple-choice task).

@@ -515,7 +515,7 @@ def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: 
     with the merged states (as :func:`attngeom.traces.trace.reduce_stage` does for texts). The decoding
     settings belong in the run's settings: a record is reused only for the same prompt ids. The last
     ``text`` reducers of ``make()`` are ``text_reducers`` (:func:`stream_generation`)."""
-    from attngeom.runs.run import InMemoryRun, fingerprint, merge_sums
+    from attngeom.runs.run import fingerprint, merge_sums, run_or_in_memory
 
     for ids in prompts:
         check_context(handle, len(ids), decoding)
@@ -528,7 +528,7 @@ def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: 
                         index=u)
         return {str(k): r.state() for k, r in enumerate(reducers)}
 
-    records = (run or InMemoryRun()).stage(name, len(prompts), work, desc=desc or name, unit="prompt",
+    records = run_or_in_memory(run).stage(name, len(prompts), work, desc=desc or name, unit="prompt",
                                       fingerprints=[fingerprint(x) for x in prompts])
     merged = merge_sums(records.values())
     return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]

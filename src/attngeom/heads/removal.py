@@ -121,13 +121,13 @@ def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows
     """Summed NLL of every window under each removal (a list of heads), as stage ``name`` of ``run``
     (one unit per removal; resumable): float64 ``[R, W]`` and the token count of each window
     ``[W]`` (the per-window sums a bootstrap over windows resamples)."""
-    from attngeom.runs.run import InMemoryRun, fingerprint
+    from attngeom.runs.run import fingerprint, run_or_in_memory
 
     def work(units: list[int]) -> dict:
         parts = [window_nll(handle, windows, removals[u], batch_size) for u in units]
         return {"nll": [p[0] for p in parts], "tokens": [p[1] for p in parts]}
 
-    recs = (run or InMemoryRun()).stage(name, len(removals), work, desc=desc or name, unit="removal",
+    recs = run_or_in_memory(run).stage(name, len(removals), work, desc=desc or name, unit="removal",
                                    fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
     nll = np.zeros((len(removals), len(windows)))
     tokens = np.zeros(len(windows), dtype=np.int64)
@@ -152,7 +152,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
     Several removals of the same layer share one forward pass: the batch holds one copy of the
     windows per removal (:class:`HeadRemoval` with one removal per row), about ``batch_size``
     windows per pass."""
-    from attngeom.runs.run import InMemoryRun
+    from attngeom.runs.run import run_or_in_memory
 
     L, H = handle.num_layers, handle.num_heads
     per_pass = max(1, batch_size // max(1, len(windows)))
@@ -166,7 +166,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
         x = batch_nll(handle, batch, session).numpy()
         return {"nll": [x[k * len(windows):(k + 1) * len(windows)] for k in range(len(group))]}
 
-    recs = (run or InMemoryRun()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
+    recs = run_or_in_memory(run).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
                                    desc="single-head removal", unit="head")
     out = np.zeros((L * H, len(windows)))
     for key, d in recs.items():
@@ -351,7 +351,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
     (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
     before and after ``split`` never share a record (the calibration / held-out boundary)."""
     from attngeom.capture.plugin import Session
-    from attngeom.runs.run import InMemoryRun, fingerprint
+    from attngeom.runs.run import fingerprint, run_or_in_memory
     from attngeom.heads.taxonomy import TaxonomyStats
 
     ids = [to_ids(handle, w) for w in windows]
@@ -367,7 +367,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
             n += scored_tokens(batch)
         return {"tax": tax.state(), "nll": nll, "tokens": n}
 
-    return (run or InMemoryRun()).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
+    return run_or_in_memory(run).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
                                    desc=f"taxonomy: {name}", unit="window", fingerprints=[fingerprint(w) for w in ids])
 
 
@@ -382,7 +382,7 @@ def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.D
     return df, perplexity(merged["nll"], merged["tokens"])
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence],
+def experiment(handle: ModelHandleLike, run: RunLike | None, corpora: Sequence[Sequence],
                settings: HeadsSettings = HeadsSettings(), *,
                names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:
     """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``, with

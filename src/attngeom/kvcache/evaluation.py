@@ -90,7 +90,7 @@ def _config_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Seque
     """Rows of ``one(i, policy, budget, head_budgets, streaming) -> dict`` for every (item ``i``,
     configuration), each a unit of stage ``name`` of ``run`` (resumable); ``full`` rows repeated
     for every budget of the other configurations."""
-    from attngeom.runs.run import InMemoryRun, fingerprint
+    from attngeom.runs.run import fingerprint, run_or_in_memory
 
     n_cfg = len(configs)
     fps = [fingerprint(items[u // n_cfg]) for u in range(len(items) * n_cfg)]
@@ -104,7 +104,7 @@ def _config_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Seque
                          **one(i, policy, budget, hb, st)})
         return {"rows": pd.DataFrame(rows)}
 
-    recs = (run or InMemoryRun()).stage(name, len(items) * n_cfg, work, fingerprints=fps, desc=f"kvcache {name}",
+    recs = run_or_in_memory(run).stage(name, len(items) * n_cfg, work, fingerprints=fps, desc=f"kvcache {name}",
                                    unit="read")
     df = pd.concat([d["rows"] for d in recs.values()], ignore_index=True)
     budgets = sorted({b for _, b in configs if b is not None})
@@ -114,8 +114,8 @@ def _config_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Seque
     return pd.concat([rest, full], ignore_index=True).sort_values(["policy", "budget", column]).reset_index(drop=True)
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence[Sequence[int]],
-               settings: KVCacheSettings = KVCacheSettings(), regimes: pd.DataFrame | None = None) -> ExperimentResult:
+def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence[Sequence[int]],
+               settings: KVCacheSettings = KVCacheSettings(), *, regimes: pd.DataFrame | None = None) -> ExperimentResult:
     """Language modelling under a budget, with ``settings`` (:class:`~attngeom.kvcache.settings.KVCacheSettings`).
     Each (window, configuration) is a unit of stage ``"read"`` of ``run`` (resumable); ``full`` is
     read once per window and its row repeated for every budget (``budget`` is then the budget it is

@@ -33,6 +33,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "SingleProcess": "run",
     "merge_sums": "run",
     "InMemoryRun": "run",
+    "run_or_in_memory": "run",
     "fingerprint": "run",
     "versions": "run",
     "seal": "run",

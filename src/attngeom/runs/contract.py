@@ -6,6 +6,9 @@ What belongs here: the shape every ``experiment()`` function of attngeom returns
 :class:`ModelHandleLike` and :class:`RunLike` protocols), :func:`window_records` and
 :func:`perplexity`. No model code, no experiment's own logic.
 
+Every experiment has one signature, ``experiment(handle, run, inputs, settings, *, options)``: ``run`` may
+be None (:func:`attngeom.runs.run.run_or_in_memory`: computed in memory, nothing recorded), the inputs
+(windows, units, corpora or a text) come third, the settings fourth, anything else is keyword-only.
 An experiment is **settings** (one frozen dataclass in the ``settings`` module of its package, recorded in the
 result), **stages of units**
 run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
@@ -112,7 +115,7 @@ class Comm(Protocol):
 @runtime_checkable
 class RunLike(Protocol):
     """What the experiments use of a run (:class:`attngeom.runs.run.Run` with an output folder, or
-    :class:`attngeom.runs.run.InMemoryRun` in memory): stages of units whose records are returned keyed
+    :class:`attngeom.runs.run.InMemoryRun` in memory, which an experiment makes itself from ``run=None``): stages of units whose records are returned keyed
     by the tuple of units each record covers."""
 
     comm: Comm

@@ -57,11 +57,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from attngeom.runs import lock as runlock
 from attngeom.errors import InputError, OutputError
 from attngeom.runs.storage import clean_json, decode_record, dumps, encode_record, fsync_dir, sha256_file, write_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attngeom.runs.contract import RunLike
 
 FORMAT = 2
 MANIFEST = "run.json"
@@ -256,6 +259,12 @@ def _identity(command: str, settings: dict) -> dict:
 def _differences(old: dict, new: dict) -> list[str]:
     a, b = old.get("settings") or {}, new.get("settings") or {}
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def run_or_in_memory(run: RunLike | None) -> RunLike:
+    """``run`` itself, or an :class:`InMemoryRun` when it is None: every experiment takes ``run=None``
+    for a computation in memory (nothing recorded)."""
+    return InMemoryRun() if run is None else run
 
 
 class Run:

@@ -126,7 +126,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None, distance: str =
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows,
+def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
                settings: SelectionSettings = SelectionSettings()) -> ExperimentResult:
     """Selection geometry over ``windows`` as one stage (``selection``) of ``run`` (resumable,
     shareable), with ``settings`` (:class:`~attngeom.selection.settings.SelectionSettings`): each record is

@@ -164,7 +164,7 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     return out
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, windows,
+def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
                settings: SinksSettings = SinksSettings()) -> ExperimentResult:
     """The sinks experiment over ``windows`` as one stage (``sinks``) of ``run`` (resumable, shareable
     among processes), with ``settings`` (:class:`~attngeom.sinks.settings.SinksSettings`). Returns an
@@ -174,12 +174,12 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
     a bootstrap over windows resamples."""
     sink, layers, removal_layers = settings.sink, settings.layers, settings.removal_layers
     batch_size = settings.batch_size
-    from attngeom.runs.run import fingerprint, merge_sums
+    from attngeom.runs.run import fingerprint, merge_sums, run_or_in_memory
     from attngeom.streaming.passes import to_ids
 
     ids = [to_ids(handle, w) for w in windows]
     work = window_work(handle, ids, sink=sink, layers=layers, removal_layers=removal_layers, batch_size=batch_size)
-    records = run.stage("sinks", len(ids), work, group=batch_size, desc="sinks", unit="window",
+    records = run_or_in_memory(run).stage("sinks", len(ids), work, group=batch_size, desc="sinks", unit="window",
                         fingerprints=[fingerprint(w) for w in ids])
     merged = merge_sums(records.values())
     tables = results_from(merged, sink=sink, layers=layers, removal_layers=removal_layers)
