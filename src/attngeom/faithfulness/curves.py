@@ -303,7 +303,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
     ratio) and ``delta[(metric, mode, ratio)]`` (random: mean over seeds), the definitions of
     :func:`summarize` (tests/unit/test_claims.py checks that both agree)."""
     nll, tokens, variants = per_window["nll"], per_window["tokens"], per_window["variants"]
-    counts = np.ones((1, len(tokens))) if weights is None else np.asarray(weights)
+    counts = resampling.counts_or_once(weights, len(tokens))
     ppl = resampling.resampled_perplexity(counts, nll, tokens)                      # [R, V]
     clean = ppl[:, 0]
     groups: dict = {}

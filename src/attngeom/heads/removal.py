@@ -41,8 +41,8 @@ import torch
 
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
-from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, per_window_array,
-                                    window_records)
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, one_window_each,
+                                    per_window_array, window_records)
 from attngeom.runs.contract import perplexity
 from attngeom.capture.interventions import HeadRemoval
 from attngeom.model.adapter import adapter_for
@@ -519,10 +519,7 @@ def winner_sums(tax_records: Sequence[dict]) -> np.ndarray:
 
 
 def _taxonomy_records(per_window: dict) -> list:
-    recs = per_window.get("taxonomy")
-    if recs is None:
-        raise ValueError("the heads summary under resampling needs one window per taxonomy record (batch_size=1)")
-    return recs
+    return one_window_each(per_window, "taxonomy", "heads")
 
 
 def sensitivity_summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -534,7 +531,7 @@ def sensitivity_summary(per_window: dict, weights: np.ndarray | None = None) -> 
     calib = _taxonomy_records(per_window)[:nll_s.shape[1]]
     base = per_window_array(calib, lambda t: t["nll"])
     tok = per_window_array(calib, lambda t: t["tokens"])
-    counts = np.ones((1, len(calib))) if weights is None else np.asarray(weights)
+    counts = resampling.counts_or_once(weights, len(calib))
     ppl = resampling.resampled_perplexity(counts, np.concatenate([base[None], nll_s], 0).T, tok)
     return {"base_ppl": ppl[:, 0], "delta": ppl[:, 1:] - ppl[:, :1]}
 
@@ -553,7 +550,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np
     :data:`~attngeom.heads.taxonomy.REGIMES`, plurality with ties to the first (as
     :func:`attngeom.heads.taxonomy.regimes_of`; tests/unit/test_claims.py checks both agree)."""
     X = winner_sums(_taxonomy_records(per_window))
-    counts = np.ones((1, len(X))) if weights is None else np.asarray(weights)
+    counts = resampling.counts_or_once(weights, len(X))
     s = resampling.resample_sums(counts, X)                                  # [R, L, H, 3]
     reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [R, L*H]
     return {"regime_shares": np.stack([(reg == k).mean(1) for k in range(3)], 1)}
@@ -571,6 +568,6 @@ def removal_summary(per_window: dict, weights: np.ndarray | None = None,
         keys += list(extra)
         nll = np.concatenate([nll, np.stack([np.asarray(x, dtype=np.float64) for x in extra.values()])], 0)
     tokens = np.asarray(removal["tokens"], dtype=np.float64)
-    counts = np.ones((1, len(tokens))) if weights is None else np.asarray(weights)
+    counts = resampling.counts_or_once(weights, len(tokens))
     ppl = resampling.resampled_perplexity(counts, nll.T, tokens)
     return {k: ppl[:, i] for i, k in enumerate(keys)}

@@ -163,3 +163,12 @@ def per_window_array(records: Sequence, get: Callable[[Any], Any]) -> np.ndarray
     """``get(record)`` of each window's record stacked: float64 ``[W, ...]`` (the rows a bootstrap
     over windows resamples)."""
     return np.stack([np.asarray(get(r), dtype=np.float64) for r in records])
+
+
+def one_window_each(per_window: Mapping[str, Any], key: str, analysis: str) -> list:
+    """``per_window[key]``: an experiment's records of one window each (what :func:`window_records`
+    gave; missing when the records were batched)."""
+    recs = per_window.get(key)
+    if recs is None:
+        raise ValueError(f"the {analysis} summary under resampling needs one window per record (batch_size=1)")
+    return recs

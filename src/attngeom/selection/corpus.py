@@ -116,7 +116,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None, distance: str =
     tests/unit/test_claims.py checks that both agree)."""
     sel, W = per_window["selection"], per_window["windows"]
     ns = sorted(int(n) for n in sel["N"].unique())
-    counts = np.ones((1, W)) if weights is None else np.asarray(weights)
+    counts = resampling.counts_or_once(weights, W)
     X = summary_sums(sel, W, ns, distance)
     return {"ns": ns, "mean_f": {kind: resampling.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}}
 

@@ -9,8 +9,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, per_window_array, perplexity,
-                                    window_records)
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, one_window_each, per_window_array,
+                                    perplexity, window_records)
 from attngeom.sinks.geometry import histogram_quantile, quadratic_fit_shape
 from attngeom.stats import resampling
 from attngeom.sinks.reducer import HISTOGRAMS, SinkStats
@@ -230,13 +230,6 @@ def summary_sums(records: Sequence[dict]) -> dict[str, np.ndarray]:
     return out
 
 
-def _one_window_each(per_window: dict) -> list:
-    recs = per_window.get("records")
-    if recs is None:
-        raise ValueError("the sinks summary under resampling needs one window per record (batch_size=1)")
-    return recs
-
-
 def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The sinks experiment's model-level numbers under resampling ``weights`` (bootstrap counts per
     window ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once,
@@ -244,8 +237,8 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np
     The definitions are those of :func:`summarize` (medians and means over heads of ratios of sums,
     pooled histogram medians, the fits' shape, perplexities); tests/unit/test_claims.py checks that
     both agree."""
-    X = summary_sums(_one_window_each(per_window))
-    counts = np.ones((1, len(X["tokens"]))) if weights is None else np.asarray(weights)
+    X = summary_sums(one_window_each(per_window, "records", "sinks"))
+    counts = resampling.counts_or_once(weights, len(X["tokens"]))
     summed = lambda k: resampling.resample_sums(counts, X[k])                    # noqa: E731
     n_resamples = counts.shape[0]
 

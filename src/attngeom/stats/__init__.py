@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "DEFAULT_RESAMPLES": "resampling",
     "DEFAULT_LEVEL": "resampling",
     "resample_counts": "resampling",
+    "counts_or_once": "resampling",
     "resample_sums": "resampling",
     "ratio_of_sums": "resampling",
     "resampled_perplexity": "resampling",
