@@ -89,9 +89,7 @@ def run(args) -> int:
 
     opts = check_args(args)
     fields = common.fields_of(args)
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
+    settings = {**common.corpus_identity(args, fields), "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
                 "bootstrap": args.bootstrap, "seed": args.seed}
     t0 = time.time()
     with common.open_run(args, "claims", settings) as run:

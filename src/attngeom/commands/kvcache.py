@@ -95,9 +95,7 @@ def run(args) -> int:
         read_texts(args.data, fields)
     qa_pairs = _answer_texts(args) if args.answers else None
     calib_n = args.calibration_windows if needs_regimes(policies) else 0
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
+    settings = {**common.corpus_identity(args, fields), "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
     if args.answers:
         settings.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
                          "reference_field": args.reference_field, "max_examples": args.max_examples,

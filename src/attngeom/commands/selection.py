@@ -115,9 +115,7 @@ def run(args) -> int:
     options = {"ns": ns, "distances": distances, "repeats": args.repeats, "seed": args.seed, "queries": queries,
                "sink": args.sink, "predict": not args.no_predict, "max_lag": args.max_lag,
                "small_n_max": args.small_n_max, "random_without_sink": not args.no_random_nosink}
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "layers": "all" if layers is None else sorted(set(layers)), **options}
+    settings = {**common.corpus_identity(args, fields), "layers": "all" if layers is None else sorted(set(layers)), **options}
     with common.open_run(args, "selection", settings) as run:
         if common.already_complete(run, "selection"):
             return 0

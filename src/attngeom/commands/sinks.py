@@ -61,9 +61,7 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)  # a missing, empty or malformed corpus fails before the model loads
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
+    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
                 "removal_layers": "all" if removal_layers is None else sorted(set(removal_layers))}
     with common.open_run(args, "sinks", settings) as run:
         if common.already_complete(run, "sinks"):
