@@ -44,13 +44,13 @@ def test_ratio_of_sums_and_perplexity_against_reference():
     nll = rng.uniform(100, 200, size=(5, 3))
     tok = rng.integers(50, 60, size=5).astype(float)
     c = bs.resample_counts(5, n_resamples=50, seed=2)
-    ppl = bs.perplexity(c, nll, tok)
+    ppl = bs.resampled_perplexity(c, nll, tok)
     for b in range(50):
         for v in range(3):
             ref = math.exp(sum(c[b, w] * nll[w, v] for w in range(5)) / sum(c[b, w] * tok[w] for w in range(5)))
             assert ppl[b, v] == pytest.approx(ref, rel=1e-12)
     # all-ones counts are the full sample
-    one = bs.perplexity(np.ones((1, 5)), nll, tok)[0]
+    one = bs.resampled_perplexity(np.ones((1, 5)), nll, tok)[0]
     np.testing.assert_allclose(one, np.exp(nll.sum(0) / tok.sum()))
     # a zero denominator gives NaN, not an error
     r = bs.ratio_of_sums(np.array([[1, 0]]), np.array([1.0, 2.0]), np.array([0.0, 1.0]))

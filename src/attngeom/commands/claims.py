@@ -1,7 +1,7 @@
 """``attngeom claims``: every claim of the two papers scored on one model, with bootstrap intervals.
 
 Reduced runs of the faithfulness, sinks, selection and heads experiments on the same windows
-(:mod:`attngeom.claims.catalogue`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
+(:mod:`attngeom.claims.orchestration`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
 resamples, default 1000) gives a 95 % interval for every number. Resumable from ``--out/checkpoint``.
 Writes to ``--out``: ``claims.md`` (one row per claim: measured value, interval, verdict; the rules;
 the numbers behind each verdict) and ``claims.json`` (the same rows and every interval).
@@ -17,7 +17,9 @@ from attngeom.commands import common
 
 
 def add_parser(subparsers) -> None:
-    from attngeom.claims.catalogue import DEFAULTS
+    from attngeom.claims.settings import ClaimsSettings
+
+    DEFAULTS = ClaimsSettings()
 
     p = subparsers.add_parser(
         "claims", help="score every claim of the two papers on a model, with bootstrap intervals",
@@ -79,16 +81,15 @@ def check_args(args) -> dict:
 
 
 def run(args) -> int:
-    from attngeom.claims.catalogue import Settings, experiment
+    from attngeom.claims.orchestration import experiment
+    from attngeom.claims.settings import ClaimsSettings as Settings
     from attngeom.data.corpora import load_windows
     from attngeom.runs.storage import clean_json
     from attngeom.reports.claims import render
 
     opts = check_args(args)
     fields = common.fields_of(args)
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
+    settings = {**common.corpus_identity(args, fields), "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
                 "bootstrap": args.bootstrap, "seed": args.seed}
     t0 = time.time()
     with common.open_run(args, "claims", settings) as run:

@@ -167,6 +167,14 @@ def model_identity(args) -> dict:
     return {"model": spec, "dtype": dtype_name(dtype), "device_type": device.type}
 
 
+def corpus_identity(args, fields: list[str] | None, data: dict | None = None) -> dict:
+    """The identity of a corpus command's run before its own options: the model
+    (:func:`model_identity`), the corpus (:func:`data_identity` of ``--data``, or ``data`` as given),
+    its ``--fields`` and how it is cut into windows (``--window``, ``--stride``, ``--max-windows``)."""
+    return {**model_identity(args), **(data_identity(args.data) if data is None else data), "fields": fields,
+            "window": args.window, "stride": args.stride, "max_windows": args.max_windows}
+
+
 def open_run(args, command: str, settings: dict):
     """The :class:`~attngeom.runs.run.Run` of this command in ``--out`` (claimed before any compute),
     shared among the processes of a ``torchrun`` launch when there is one."""

@@ -89,8 +89,7 @@ def run(args) -> int:
 
     retentions = check_args(args)
     fields = common.fields_of(args)
-    settings = {**common.model_identity(args), "data": [common.data_identity(d) for d in args.data],
-                "fields": fields, "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
+    settings = {**common.corpus_identity(args, fields, {"data": [common.data_identity(d) for d in args.data]}),
                 "calib_windows": args.calib_windows, "retentions": retentions, "winner_norm": args.winner_norm,
                 "sink": args.sink, "seed": args.seed, "critical_k": args.critical_k}
     with common.open_run(args, "heads", settings) as run:

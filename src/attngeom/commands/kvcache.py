@@ -1,6 +1,6 @@
 """``attngeom kvcache``: language modelling under a KV-cache budget, policy by policy.
 
-Each window of ``--data`` is read with the compressed cache of :mod:`attngeom.kvcache.cache` under every
+Each window of ``--data`` is read (:mod:`attngeom.kvcache.evaluation`) with the compressed cache of :mod:`attngeom.kvcache.cache` under every
 policy of ``--policies`` (:mod:`attngeom.kvcache.policies`) and every budget of ``--budgets`` (entries per
 key/value head), ``--chunk`` tokens per forward pass (1: token by token, the reference); every
 (window, policy, budget) is one resumable unit in ``--out/checkpoint``. The ``taxonomy`` policy's
@@ -95,9 +95,7 @@ def run(args) -> int:
         read_texts(args.data, fields)
     qa_pairs = _answer_texts(args) if args.answers else None
     calib_n = args.calibration_windows if needs_regimes(policies) else 0
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
+    settings = {**common.corpus_identity(args, fields), "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
     if args.answers:
         settings.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
                          "reference_field": args.reference_field, "max_examples": args.max_examples,
@@ -114,14 +112,14 @@ def run(args) -> int:
                 raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
                                  f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
             regimes = _regimes(handle, run, calib)
-        from attngeom.kvcache.cache import experiment
+        from attngeom.kvcache.evaluation import experiment
 
         result = experiment(handle, run, evaluated, KVCacheSettings(tuple(policies), tuple(budgets), args.chunk),
-                            regimes)
+                            regimes=regimes)
         reads, summary_df, pairs_df = (result.tables[k] for k in ("reads", "summary", "pairs"))
         answers_df = answers_summary = None
         if qa_pairs:
-            from attngeom.kvcache.cache import answers, summarize_answers
+            from attngeom.kvcache.evaluation import answers, summarize_answers
             from attngeom.streaming.passes import to_ids
 
             examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]

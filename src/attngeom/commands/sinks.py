@@ -1,7 +1,7 @@
 """``attngeom sinks``: attention sinks as active suppressors (SPEC §4).
 
-The experiment is :func:`attngeom.sinks.suppression.experiment` (three passes per window: the unedited model
-with :class:`~attngeom.sinks.suppression.SinkStats`, sink-norm removal, and the mass-matched control removal),
+The experiment is :func:`attngeom.sinks.corpus.experiment` (three passes per window: the unedited model
+with :class:`~attngeom.sinks.reducer.SinkStats`, sink-norm removal, and the mass-matched control removal),
 resumable from ``--out/checkpoint``. Writes to ``--out``:
 
 - ``heads.parquet`` — one row per (layer, head): sink rate and contribution, factor decomposition
@@ -51,7 +51,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows, read_texts
     from attngeom.sinks.settings import SinksSettings
-    from attngeom.sinks.suppression import experiment
+    from attngeom.sinks.corpus import experiment
 
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)
     if args.window is not None and args.sink >= args.window - 1:
@@ -61,9 +61,7 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)  # a missing, empty or malformed corpus fails before the model loads
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
+    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
                 "removal_layers": "all" if removal_layers is None else sorted(set(removal_layers))}
     with common.open_run(args, "sinks", settings) as run:
         if common.already_complete(run, "sinks"):

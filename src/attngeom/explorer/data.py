@@ -361,11 +361,11 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
         if decoding is None:
             stream(handle, [ids], [rows, stats], layers=layers, progress=False)
         else:
-            from attngeom.generation.decoding import AnswerSources, stream_ids
+            from attngeom.generation.decoding import AnswerSources, stream_generation_ids
 
             sources = AnswerSources(sink=sink)
             P = len(ids)
-            ids = stream_ids(handle, ids, [rows, stats, sources], decoding, layers=layers)
+            ids = stream_generation_ids(handle, ids, [rows, stats, sources], decoding, layers=layers)
             answer = _answer_summary(sources.result()["summary"], layers, P)
             rows.crop(len(ids))
     finally:

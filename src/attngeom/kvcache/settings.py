@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+from attngeom.kvcache.policies import POLICIES
 
 
 @dataclass(frozen=True)
@@ -10,10 +12,10 @@ class KVCacheSettings:
     """The KV-cache experiment (docs/kvcache.md): the eviction ``policies``
     (:mod:`attngeom.kvcache.policies`), the ``budgets`` (entries kept per key/value head), ``chunk``
     tokens per forward pass (eviction between passes) and the ``n_resamples`` of the bootstrap
-    intervals over windows."""
+    intervals over windows. The default ``policies`` are every policy of
+    :data:`~attngeom.kvcache.policies.POLICIES`, in its order."""
 
-    policies: tuple[str, ...] = ("full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
-                                 "contribution_signed", "taxonomy")
+    policies: tuple[str, ...] = tuple(POLICIES)
     budgets: tuple[int, ...] = (64, 128, 256)
     chunk: int = 1
     n_resamples: int = 1000

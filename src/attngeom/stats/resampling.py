@@ -38,6 +38,12 @@ def resample_counts(n: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0)
     return rng.multinomial(n, np.full(n, 1.0 / n), size=n_resamples).astype(np.int64)
 
 
+def counts_or_once(weights: np.ndarray | None, n: int) -> np.ndarray:
+    """Resampling ``weights`` (counts ``[R, n]``) as given, or ``[1, n]`` ones for None (every item
+    once: the point estimate)."""
+    return np.ones((1, n)) if weights is None else np.asarray(weights)
+
+
 def resample_sums(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Sums of per-item records under each resample: ``counts [R, W]``, ``x [W, ...]`` ->
     float64 ``[R, ...]`` (``Σ_w counts[b, w] · x[w]``)."""
@@ -58,7 +64,7 @@ def ratio_of_sums(counts: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.nd
         return np.where(d != 0, n / np.where(d != 0, d, 1.0), np.nan)
 
 
-def perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def resampled_perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Perplexity ``exp(Σ c·NLL / Σ c·tokens)`` per resample: ``nll [W, ...]`` (summed NLL per
     window and variant), ``tokens [W]`` -> ``[R, ...]`` (NaN where a resample has no token:
     :func:`attngeom.runs.contract.perplexity`)."""
@@ -166,6 +172,6 @@ def _num(x):
 
 
 __all__: Sequence[str] = (
-    "DEFAULT_RESAMPLES", "DEFAULT_LEVEL", "resample_counts", "resample_sums", "ratio_of_sums", "perplexity",
+    "DEFAULT_RESAMPLES", "DEFAULT_LEVEL", "resample_counts", "counts_or_once", "resample_sums", "ratio_of_sums", "resampled_perplexity",
     "percentile_interval", "beats_share", "bootstrap", "bootstrap_loop", "interval_dict", "side_of",
     "nanmedian_rows", "nanmean_rows")

@@ -26,13 +26,13 @@ from attngeom.metrics import registry
 from attngeom.capture.plugin import Block, LayerState, Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
-from attngeom.streaming.passes import Batch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
+from attngeom.streaming.passes import InputBatch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
 from attngeom.streaming.reducers import FullCapture
 from attngeom.streaming.stages import reduce_stage, summaries
 
 __all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation",
            # re-exported: the forward passes (attngeom.streaming.passes) and runner stages (attngeom.streaming.stages)
-           "Batch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
+           "InputBatch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
            "token_nll", "reduce_stage", "summaries"]
 
 
@@ -207,13 +207,13 @@ def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: 
     :class:`Trace` of prompt + answer: ``trace.ids`` is exactly what the model saw, ``trace.prompt_length`` where
     the answer starts, and each layer's maps are the rows captured step by step (equal to a full
     forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``."""
-    from attngeom.generation.decoding import Decoding, prompt_ids, stream_ids
+    from attngeom.generation.decoding import Decoding, prompt_ids, stream_generation_ids
 
     decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
                         stop=None if stop is None else tuple(stop))
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
     capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
-    full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
+    full = stream_generation_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
     T = len(full)
     lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"],
                       learned_sink=st["sink"][0, :, :T].clone() if "sink" in st else None)
