@@ -20,6 +20,8 @@ The claims, their wording, what is measured and the verdict rule are listed in :
 measure lies on the claim's side of the threshold, is **refuted** when the whole interval lies on
 the other side, and is **inconclusive** otherwise. Claims of a range (``3–10×``, ``5.8–17.2 %``)
 hold when the interval lies inside the range and are refuted when it lies entirely outside it.
+A claim measured on fewer than :data:`attngeom.stats.resampling.MIN_UNITS` windows gets no interval
+and the verdict **too few windows** (:func:`sized`).
 
 No CLI imports here; :mod:`attngeom.commands.claims` is the command, :mod:`attngeom.reports.claims`
 the Markdown.
@@ -43,6 +45,7 @@ from attngeom.selection.settings import SelectionSettings
 from attngeom.sinks.settings import SinksSettings
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
+TOO_FEW = bs.TOO_FEW
 MODERATE = (90.0, 75.0)
 """Retentions (percent of heads kept) that count as moderate removal."""
 
@@ -615,7 +618,7 @@ def _row(claim_id: str, *, value, verdict: str, low=None, high=None, interval: s
     c = CLAIM_BY_ID[claim_id]
     if interval is None:
         if low is None or high is None:
-            interval = "n/a"
+            interval = "—"
         elif unit == "%":
             interval = f"[{_fmt_pct(low)}, {_fmt_pct(high)}]"
         else:
@@ -626,16 +629,41 @@ def _row(claim_id: str, *, value, verdict: str, low=None, high=None, interval: s
 
 
 def _fmt_num(x, suffix: str = "", signed: bool = False) -> str:
-    if x is None or not np.isfinite(x):
-        return "n/a"
-    a = abs(x)
-    f = ".4g" if a < 1e5 else ",.0f"
-    s = format(x, ("+" if signed else "") + f)
-    return s + suffix
+    s = bs.format_number(x, signed)
+    return s if s == "—" else s + suffix
 
 
 def _fmt_pct(x) -> str:
-    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.1f} %"
+    return "—" if x is None or not np.isfinite(x) else f"{100 * x:.1f} %"
+
+
+def sized(rows: list[dict], detail: dict, windows: int) -> list[dict]:
+    """Record on each row the number of windows its interval rests on; below
+    :data:`~attngeom.stats.resampling.MIN_UNITS` every interval of the rows and of ``detail`` is
+    withheld (``low``/``high`` None) and the verdict is :data:`TOO_FEW`."""
+    for r in rows:
+        r["windows"] = windows
+    if bs.enough_units(windows):
+        return rows
+    _withhold(detail)
+    for r in rows:
+        _withhold(r)
+        r.pop("per_ratio", None)
+        r.update(verdict=TOO_FEW, interval="—",
+                 note=f"{windows} window(s); intervals need at least {bs.MIN_UNITS}" + (f"; {r['note']}" if r["note"] else ""))
+    return rows
+
+
+def _withhold(obj) -> None:
+    """Set ``low``/``high`` to None in every interval (a dict with ``value``, ``low`` and ``high``) in ``obj``."""
+    if isinstance(obj, dict):
+        if {"value", "low", "high"} <= obj.keys():
+            obj["low"] = obj["high"] = None
+        for v in obj.values():
+            _withhold(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _withhold(v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,13 +700,13 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, setting
 
     if "faithfulness" in analyses:
         r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for)
-        rows += r
+        rows += sized(r, detail["faithfulness"], W)
     if "sinks" in analyses:
         r, detail["sinks"] = _sinks_part(handle, run, ids, counts_for)
-        rows += r
+        rows += sized(r, detail["sinks"], W)
     if "selection" in analyses:
         r, detail["selection"] = _selection_part(handle, run, ids, st.ns, st.repeats, st.seed, counts_for)
-        rows += r
+        rows += sized(r, detail["selection"], W)
     if "heads" in analyses:
         r, detail["regimes"], detail["heads"] = _heads_part(handle, run, ids, st.calib_windows, st.retentions,
                                                             st.fixed_order, st.seed, st.critical_k, counts_for)
@@ -751,6 +779,7 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     Xw = winner_arrays(tax)
     rows, regimes_detail = _regime_claims(regime_share_stats(Xw, np.ones((1, W))),
                                           regime_share_stats(Xw, counts_for(W, 4)))
+    rows = sized(rows, regimes_detail, W)
 
     held = ids[calib_windows:]
     Wh, Wc = len(held), calib_windows
@@ -783,14 +812,14 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     for name in names:
         label = {"taxonomy": f"taxonomy, chosen on calibration ({' > '.join(chosen)})",
                  "fixed": f"taxonomy, fixed ({' > '.join(fixed)})"}.get(name, name)
-        curves[label] = {f"{x:g}": bs.interval_dict(P[(name, x)], S[(name, x)]) for x in retentions}
-    rows.append(_removal_claim("taxonomy_removal_calibrated", chosen, P, S, retentions))
+        curves[label] = {f"{x:g}": bs.interval_dict(P[(name, x)], S[(name, x)], units=Wh) for x in retentions}
     Pf = {**P, **{("taxonomy", x): P[("fixed", x)] for x in retentions}}
     Sf = {**S, **{("taxonomy", x): S[("fixed", x)] for x in retentions}}
-    rows.append(_removal_claim("taxonomy_removal_fixed", fixed, Pf, Sf, retentions))
+    rows += sized([_removal_claim("taxonomy_removal_calibrated", chosen, P, S, retentions),
+                   _removal_claim("taxonomy_removal_fixed", fixed, Pf, Sf, retentions)], {}, Wh)
 
     row, head = _early_critical_claim(handle, res, tax[:Wc], cal_df, critical_k, counts_for)
-    rows.append(row)
+    rows += sized([row], head, Wc)
     detail = {
         "regime_order_chosen": chosen, "regime_order_fixed": fixed,
         "order_search": res.tables["order_search"].to_dict(orient="records"),

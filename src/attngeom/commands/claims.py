@@ -26,8 +26,7 @@ def add_parser(subparsers) -> None:
                     "bootstrap interval over windows, and a verdict (holds / refuted / inconclusive; rules in "
                     "docs/claims.md).")
     common.add_model_args(p)
-    common.add_data_args(p)
-    p.set_defaults(window=DEFAULTS.window, max_windows=DEFAULTS.max_windows)
+    common.add_data_args(p, window=DEFAULTS.window, max_windows=DEFAULTS.max_windows)
     p.add_argument("--calib-windows", type=int, default=DEFAULTS.calib_windows,
                    help=f"first windows used as the head-removal calibration split (default {DEFAULTS.calib_windows})")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS.ratios),

@@ -61,7 +61,7 @@ def add_parser(subparsers) -> None:
                    help="the reference continuation's field in --answers (default reference)")
     p.add_argument("--max-examples", type=int, default=16, help="examples of --answers to use (default 16)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per example (default 16)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -82,6 +82,7 @@ def run(args) -> int:
     from attngeom.data.corpora import load_windows, parse_int_list, read_texts
     from attngeom.kvcache.policies import needs_regimes
 
+    common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1, max_examples=1,
                           new_tokens=1)
     policies = _policies(args.policies)
@@ -152,10 +153,10 @@ def run(args) -> int:
             if not args.no_figures:
                 from attngeom.reports.kvcache import render
 
-                summary["figures"] = [p.name for p in render(staging)]
+                summary["figures"] = common.draw(lambda: render(staging, common.figure_format(args)), args)
                 files += summary["figures"]
             common.write_json(staging / "summary.json", summary)
-            return files + ["summary.json"]
+            return common.write_report(staging, "kvcache", summary, files + ["summary.json"], model_name)
 
         run.finish(write)
     if run.comm.rank == 0:

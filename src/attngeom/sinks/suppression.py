@@ -56,7 +56,7 @@ import torch
 
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
-from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity, window_records
+from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, check_scorable, perplexity, window_records
 from attngeom.capture.interventions import SOURCE_REMOVALS, remove_source
 from attngeom.sinks.settings import SinksSettings
 from attngeom.streaming.reducers import Batch, Reducer
@@ -963,6 +963,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows,
     from attngeom.streaming.passes import to_ids
 
     ids = [to_ids(handle, w) for w in windows]
+    check_scorable(sum(max(0, len(w) - 1) for w in ids), "the input")
     work = window_work(handle, ids, sink=sink, layers=layers, removal_layers=removal_layers, batch_size=batch_size)
     records = run.stage("sinks", len(ids), work, group=batch_size, desc="sinks", unit="window",
                         fingerprints=[fingerprint(w) for w in ids])
