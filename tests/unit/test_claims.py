@@ -287,3 +287,18 @@ def test_rows_on_too_few_windows_get_no_interval_and_say_so():
     assert "at least 10" in out["note"]
     (kept,) = CL.sized([CL._row("sink_value_small", value="4×", low=3.9, high=4.1, verdict=CL.HOLDS)], {}, 10)
     assert (kept["verdict"], kept["low"]) == (CL.HOLDS, 3.9)
+
+
+def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The sink collects attention but adds little to the output. " * 30)
+    out = tmp_path / "claims"
+    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "4",
+            "--ns", "2", "--repeats", "1", "--bootstrap", "100", "--skip", "faithfulness,heads", "--no-progress"]
+    assert main(args + ["--out", str(out)]) == 0
+    res = json.loads((out / "claims.json").read_text())
+    assert {r["id"] for r in res["rows"]} == {c["id"] for c in CL.CLAIMS[4:12]}          # sinks and selection
+    assert all(r["verdict"] == CL.TOO_FEW for r in res["rows"])                          # on 4 windows
+    assert (out / "report.md").is_file() and "too few windows" in (out / "report.md").read_text()
+    assert main(args[:-3] + ["--skip", "faithfulness,nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown analysis 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()

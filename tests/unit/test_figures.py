@@ -16,7 +16,7 @@ from attngeom.reports import analyze as rep
 from attngeom.reports import plot
 from attngeom.reports.common import MIN_FONT_PT
 from attngeom.traces.trace import analyze
-from tests.tiny_models import tiny_model
+from tiny_models import tiny_model
 
 FORMATS = ("pdf", "svg", "png")
 MAGIC = {"pdf": b"%PDF", "png": b"\x89PNG", "svg": b"<?xml"}

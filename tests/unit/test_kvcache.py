@@ -369,7 +369,8 @@ def test_answers_agree_with_the_full_cache_when_nothing_is_evicted():
     assert not np.allclose(small.ref_nll.to_numpy(), big[big.policy != "full"].ref_nll.to_numpy())
     s = summarize_answers(df)
     assert len(s) == 3 * 2 and (s[s.budget == 32].match == 1).all()
-    assert ((s.match_low <= s.match) & (s.match <= s.match_high)).all()
+    # 2 examples are too few for an interval: none is given
+    assert s[["match_low", "match_high", "ref_ppl_low", "ref_delta_high"]].isna().all().all()
 
 
 def test_cli_answers(tiny_llama_dir, tmp_path, capsys):

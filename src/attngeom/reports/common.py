@@ -49,13 +49,35 @@ def legible(fig, minimum: float = MIN_FONT_PT) -> None:
             t.set_fontsize(minimum)
 
 
+def _plain(value, _pos=None) -> str:
+    return f"{value:g}"
+
+
+def tidy_axes(fig) -> None:
+    """Ticks a reader takes in at once, on every axes of ``fig``: log axes in plain numbers (``60``,
+    not ``6×10¹``; minor ticks labelled too when fewer than two major ticks are in view), and a linear axis labelled
+    "layer ..." ticked at whole layers only."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+    for ax in fig.axes:
+        for axis, lim in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            if axis.get_scale() == "log":
+                axis.set_major_formatter(FuncFormatter(_plain))
+                lo, hi = sorted(lim)
+                majors = [t for t in axis.get_majorticklocs() if lo <= t <= hi]
+                axis.set_minor_formatter(FuncFormatter(_plain) if len(majors) < 2 else NullFormatter())
+            elif axis.get_label_text().strip().lower().startswith("layer") and axis.get_scale() == "linear":
+                axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def save_figure(fig, path: Path, dpi: float | None = None, layout: bool = True) -> Path:
-    """Lay out (``layout``: tight layout; figures laid out by hand pass False), make every text at
-    least :data:`MIN_FONT_PT`, write in the format of ``path``'s suffix (raster formats at ``dpi``,
+    """Lay out (``layout``: tight layout; figures laid out by hand pass False), tidy the ticks
+    (:func:`tidy_axes`), make every text at least :data:`MIN_FONT_PT`, write in the format of ``path``'s suffix (raster formats at ``dpi``,
     default :data:`DPI`; PDF and SVG without a creation date, so the same figure gives the same
     file) and close (figures are not kept open between runs)."""
     path = Path(path)
     fmt = check_format(path.suffix or ".png")
+    tidy_axes(fig)
     legible(fig)
     if layout:
         fig.tight_layout()

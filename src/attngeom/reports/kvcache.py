@@ -39,14 +39,6 @@ def _budget_axis(ax, budgets) -> None:
     ax.set_xlabel("entries kept per key/value head (budget)")
 
 
-def _plain_y(ax) -> None:
-    """Plain numbers on a log y axis (``60``, not ``6×10¹``)."""
-    fmt = ScalarFormatter()
-    fmt.set_scientific(False)
-    ax.yaxis.set_major_formatter(fmt)
-    ax.yaxis.set_minor_formatter(ScalarFormatter(useOffset=False))
-
-
 def _errorbars(ax, g: pd.DataFrame, col: str, label: str) -> None:
     lo, hi = g[f"{col}_low"].to_numpy(float), g[f"{col}_high"].to_numpy(float)
     v = g[col].to_numpy(float)
@@ -72,8 +64,7 @@ def fig_ppl(summary: pd.DataFrame, path: Path) -> Path:
             continue
         _errorbars(ax, g, "ppl", policy)
     _budget_axis(ax, summary["budget"])
-    ax.set_yscale("log")
-    _plain_y(ax)
+    ax.set_yscale("log")                    # plain tick numbers: reports.common.tidy_axes
     ax.set_ylabel("perplexity")
     ax.set_title(f"Perplexity under a KV-cache budget ({_windows_note(summary)})", fontsize=10)
     ax.legend(fontsize=7, ncol=2)

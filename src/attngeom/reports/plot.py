@@ -50,7 +50,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     from matplotlib.figure import Figure
 
     from attngeom.metrics import registry
-    from attngeom.reports.analyze import _draw_map, token_label
+    from attngeom.reports.analyze import _draw_map, _wrapped, token_label
 
     lt = next((x for x in trace.layers if x is not None and x.index == layer), None)
     if lt is None:
@@ -69,7 +69,11 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     labels = [token_label(t) for t in trace.tokens[start:stop]]
     margin = 0.15 + 0.6 * MIN_FONT_PT / 72 * max(len(x) for x in labels)
     box = max(1.0, width - margin - 0.85)
-    fig = Figure(figsize=(width, box + margin + 0.55))
+    what = registry.label(metric) + (" (all heads)" if head is None else f", head {head}")
+    title_size = MIN_FONT_PT + 1.5
+    title = _wrapped(title if title is not None else f"{trace.model_name or 'model'}, layer {layer}: {what}",
+                     width - 0.2, title_size)
+    fig = Figure(figsize=(width, box + margin + 0.15 + 0.2 * (title.count("\n") + 1)))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
@@ -77,7 +81,6 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     ax = fig.add_axes((margin / W, margin / H, box / W, box / H))
     cax = fig.add_axes(((margin + box + 0.08) / W, margin / H, 0.1 / W, box / H))
     diverging = bool(np.nanmin(m) < 0)      # signed maps (contributions) on a diverging scale centred at 0
-    what = registry.label(metric) + (" (all heads)" if head is None else f", head {head}")
     _draw_map(ax, m, diverging=diverging, tokens=None, fig=fig, title="", cax=cax, ticks=False,
               divider=trace.prompt_length, offset=start, fontsize=MIN_FONT_PT + 1)
     cax.set_ylabel(registry.label(metric), fontsize=MIN_FONT_PT)
@@ -88,8 +91,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     ax.set_yticks(pos)
     ax.set_yticklabels([labels[i] for i in pos], fontsize=MIN_FONT_PT)
     ax.tick_params(length=1.5, pad=1)
-    fig.suptitle(title if title is not None else f"{trace.model_name or 'model'}, layer {layer}: {what}",
-                 fontsize=MIN_FONT_PT + 1.5, y=1 - 0.05 / H, va="top")
+    fig.suptitle(title, fontsize=title_size, y=1 - 0.05 / H, va="top")
     legible(fig)
     if path is None:
         return fig

@@ -29,6 +29,17 @@ FILE_NOTES = {
                        "memory and time",
     "reads.parquet": "per (policy, budget, window): NLL, tokens, perplexity, peak cache bytes, seconds",
     "pairs.parquet": "every pair of policies at every budget: perplexity difference and how often one wins",
+    "curve.parquet": "queries binned by sink rate per (layer, head): mean output norm and its spread",
+    "drift.parquet": "queries binned by the normalised entropy of the non-sink attention",
+    "hist.parquet": "histograms of cos(ṽ_0, m_i), cos(ṽ_0, ṽ_j) and ρ* per (layer, head)",
+    "removal.parquet": "sinks: output norms and cone measures per (pass, layer, head); heads: perplexity per "
+                       "removal order and retention",
+    "ppl.parquet": "perplexity of the unedited model, with the sink removed and with the control removed",
+    "regime.parquet": "the sink-aware regime per (layer, head): value norms, cosine decay, attention profile, "
+                      "predicted F_N",
+    "order_search.parquet": "the regime orders tried on the calibration windows and their perplexity",
+    "regimes_by_layer.parquet": "regime shares per layer",
+    "regimes.parquet": "the calibration taxonomy (layer, head, regime) the taxonomy policy budgets by",
     "answers.parquet": "one row per answer (analyze: prompt, answer text and ids; kvcache: per example, policy and "
                        "budget, the greedy answer and its agreement with the full cache)",
     "answers-summary.parquet": "per (policy, budget): agreement with the full cache and reference perplexity",
@@ -88,12 +99,19 @@ def _faithfulness(s: dict) -> list[tuple[str, str]]:
 
 def _kvcache(s: dict) -> list[tuple[str, str]]:
     out = []
+    seen_full = False
     for r in s.get("results", []):
+        if r["policy"] == "full":          # read once per window: the same row at every budget
+            if seen_full:
+                continue
+            seen_full = True
+            r = {**r, "budget": "any"}
         iv = "" if r.get("ppl_low") is None else f" [{_f(r['ppl_low'])}, {_f(r['ppl_high'])}]"
         delta = "" if r.get("delta_ppl") is None or r["policy"] == "full" else \
             f"; vs full {_f(r['delta_ppl'], True)}" + ("" if r.get("delta_low") is None else
                                                        f" [{_f(r['delta_low'], True)}, {_f(r['delta_high'], True)}]")
-        out.append((f"perplexity, {r['policy']} at budget {r['budget']}", _f(r["ppl"]) + iv + delta))
+        out.append((f"perplexity, {r['policy']}" + ("" if r["policy"] == "full" else f" at budget {r['budget']}"),
+                    _f(r["ppl"]) + iv + delta))
     return out
 
 
@@ -110,6 +128,9 @@ def _claims(s: dict) -> list[tuple[str, str]]:
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
     return [("verdicts", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "—")]
 
+
+WITH_INTERVALS = ("kvcache", "claims")
+"""The commands whose reports give bootstrap intervals (and say when there are too few windows)."""
 
 HEADLINES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "sinks": _sinks, "selection": _selection, "heads": _heads, "faithfulness": _faithfulness,
@@ -129,10 +150,12 @@ def render(command: str, summary: dict, files: list[str], model: str | None = No
     windows = summary.get("windows")
     if isinstance(windows, dict):
         windows = windows.get("windows")
+    if isinstance(windows, list):
+        windows = " + ".join(map(str, windows))
     if windows is not None:
         size = f" of {summary['window']} tokens" if summary.get("window") else ""
         lines.append(f"- windows: {windows}{size}" + (f", {summary['tokens']} tokens" if "tokens" in summary else ""))
-        if isinstance(windows, int) and windows < MIN_UNITS:
+        if command in WITH_INTERVALS and isinstance(windows, int) and windows < MIN_UNITS:
             lines.append(f"- too few windows for an interval ({windows}; intervals need at least {MIN_UNITS}): "
                          "none is given")
     lines += ["", "## Results", ""]
