@@ -18,6 +18,7 @@ SETTINGS = {
     "heads": ("attngeom.heads.settings", "HeadsSettings", {}),
     "claims": ("attngeom.claims.settings", "ClaimsSettings", {"bootstrap": "n_resamples"}),
     "kvcache": ("attngeom.kvcache.settings", "KVCacheSettings", {}),
+    "kvcache ": ("attngeom.kvcache.settings", "KVCacheInputs", {}),
 }
 STATED = re.compile(r"\(default:? ([^);]+?)(?:, |[;)]|$)")
 
@@ -56,7 +57,7 @@ def test_defaults_come_from_the_settings_dataclass(command):
 
     module, name, renamed = SETTINGS[command]
     defaults = getattr(importlib.import_module(module), name)()
-    p = _parsers()[command]
+    p = _parsers()[command.strip()]
     compared = []
     for action in p._actions:
         field = renamed.get(action.dest, action.dest)

@@ -305,7 +305,7 @@ def _faith_claims(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[l
         ratios = sorted({r for (m, md, r) in samples["delta"] if md == mode and m in hierarchy})
         per_ratio = per_ratio_verdicts(point, samples, mode, adj, ratios)
         rows.append(_row(f"hierarchy_{mode}", value=" > ".join(m for m in order if m in hierarchy),
-                         interval="; ".join(f"{k.replace(' vs ', ' beats ')} in {d['beats_share']:.0%}" for k, d in diffs.items()),
+                         interval="; ".join(f"{k.replace(' vs ', ' beats ')} in {_fmt_pct(d['beats_share'])}" for k, d in diffs.items()),
                          verdict=verdict, numbers=diffs, per_ratio=per_ratio))
         pairs = [(hierarchy[-1], w) for w in hierarchy[:-1]]
         best = {f"{b} vs {w}": diff(b, w) for b, w in pairs}
@@ -862,6 +862,6 @@ def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_
                verdict=verdict_side(zi["low"], zi["high"], critical_k),
                numbers={"largest early z": zi, "its ΔPPL": head["delta_ppl_interval"]},
                note=f"early = layers 0–{math.ceil(L / 3) - 1}; the same head is the top early head in "
-                    f"{same:.0%} of resamples; calibration base PPL "
-                    f"{perplexity(base_c.sum(), tok_c.sum()):.4g}")
+                    f"{_fmt_pct(same)} of resamples; calibration base PPL "
+                    f"{_fmt_num(perplexity(base_c.sum(), tok_c.sum()))}")
     return row, head

@@ -66,7 +66,7 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
             lines.append(f"Per removal ratio: {escape(pr['summary'])}. Crossover: {escape(cross)}.")
         for name, d in (r.get("numbers") or {}).items():
             if isinstance(d, dict) and "value" in d:
-                extra = f", beats in {d['beats_share']:.0%} of resamples" if "beats_share" in d else ""
+                extra = f", beats in {100 * d['beats_share']:.1f} % of resamples" if "beats_share" in d else ""
                 lines.append(f"- {escape(name)}: {_num(d['value'])} [{_num(d['low'])}, {_num(d['high'])}]{extra}")
         lines.append("")
     heads = result.get("detail", {}).get("heads")
