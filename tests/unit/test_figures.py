@@ -180,3 +180,30 @@ def test_texts_too_short_to_score_are_refused(tiny_llama_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a perplexity change needs at least 16" in err[0]
     assert not np.any([p.name == "summary.json" for p in (tmp_path / "s").rglob("*")])
+
+
+def _readme_outputs() -> dict[str, dict[str, set[str]]]:
+    """The README's table of what each command writes: {command: {column: names}}."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    rows = text.split("<!-- outputs:", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    out = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        names = [set(re.findall(r"`([^`]+)`", c.split("(+")[0])) for c in cells]
+        out[next(iter(names[0]))] = {"tables": names[1], "figures": names[2], "report": names[3]}
+    return out
+
+
+@pytest.mark.parametrize("command", ["sinks", "selection", "heads", "kvcache", "faithfulness"])
+def test_the_readme_lists_what_each_command_writes(runs, command):
+    listed = _readme_outputs()[command]
+    d = runs / command
+    assert {p.stem for p in d.glob("*.parquet")} == listed["tables"]
+    assert listed["report"] == {"report.md"} and (d / "report.md").is_file() and (d / "summary.json").is_file()
+    report = (d / "report.md").read_text()
+    assert f"# attngeom {command}" in report and "## Results" in report and "| measure | value |" in report
+    if command in plot.RUN_FIGURES:
+        assert {p.stem for p in plot.run_figures(d, "png")} == listed["figures"]
