@@ -385,6 +385,6 @@ def test_generation_progress_counts_tokens(capsys):
     ids = handle.encode("The cat sat")
     stream_ids(handle, ids, [], Decoding(5, stop=()), progress=True)
     err = capsys.readouterr().err
-    assert "generating" in err and "5/5" in err and "token" in err
+    assert "generating" in err and "0/5" in err and "token/s" in err     # a total of 5 tokens, not 1 prompt
     stream_ids(handle, ids, [], Decoding(5, stop=()))
     assert capsys.readouterr().err == ""

@@ -54,14 +54,14 @@ def _plain(value, _pos=None) -> str:
 
 
 def tidy_axes(fig) -> None:
-    """Ticks a reader takes in at once, on every axes of ``fig``: log axes in plain numbers (``60``,
-    not ``6×10¹``; minor ticks labelled too when fewer than two major ticks are in view), and a linear axis labelled
+    """Ticks a reader takes in at once, on every axes of ``fig``: log and symlog axes in plain
+    numbers (``60``, not ``6×10¹``; ``-100``, not ``−10²``; minor ticks labelled too when fewer than two major ticks are in view), and a linear axis labelled
     "layer ..." ticked at whole layers only."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
     for ax in fig.axes:
         for axis, lim in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
-            if axis.get_scale() == "log":
+            if axis.get_scale() in ("log", "symlog"):
                 axis.set_major_formatter(FuncFormatter(_plain))
                 lo, hi = sorted(lim)
                 majors = [t for t in axis.get_majorticklocs() if lo <= t <= hi]
