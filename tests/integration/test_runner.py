@@ -97,7 +97,7 @@ def test_directory_rules(tmp_path):
     snapshot = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with pytest.raises(InputError, match="holds an attngeom sinks run"):
         Run(out, "selection", {"a": 1})
-    with pytest.raises(InputError, match=r"a sinks run with other settings \(a, b\)"):
+    with pytest.raises(InputError, match=r"an attngeom sinks run with other settings \(a, b\)"):
         Run(out, "sinks", {"a": 2, "b": 0})
     assert snapshot == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert Run(out, "sinks", {"a": 1}).complete

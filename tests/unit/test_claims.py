@@ -201,7 +201,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("The sink collects attention | but adds *little* to the output. " * 40)
     out = tmp_path / "claims"
-    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "5",
+    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "12",
             "--calib-windows", "2", "--ratios", "0.3,0.6", "--ns", "2,4", "--repeats", "2", "--retentions", "100,75",
             "--bootstrap", "200", "--out", str(out), "--no-progress"]
     assert main(args) == 0
@@ -209,7 +209,11 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     ids = [r["id"] for r in res["rows"]]
     assert ids == [c["id"] for c in CL.CLAIMS]
     for r in res["rows"]:
+        if r["id"] == "early_critical_head":     # measured on the 2 calibration windows only
+            assert (r["verdict"], r["windows"], r["low"], r["high"]) == (CL.TOO_FEW, 2, None, None)
+            continue
         assert r["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE)
+        assert r["windows"] == (10 if r["id"].startswith("taxonomy_removal") else 12)
         if r["low"] is not None and r["high"] is not None:
             assert r["low"] <= r["high"]
     assert res["settings"]["bootstrap"] == 200
@@ -226,6 +230,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     md = (out / "claims.md").read_text()
     assert md.count("Per removal ratio: r=0.3: ") == 4 and "ΔPPL per removal ratio" in md
     assert md.count("\n| ") >= len(CL.CLAIMS) + 1
+    assert "| too few windows |" in md and "## Terms" in md and "**semantic cone**" in md
     for c in CL.CLAIMS:
         assert c["id"].replace("_", "\\_") in md
     assert (out / "run.json").exists()
@@ -359,3 +364,32 @@ def test_docs_claims_table_is_the_catalogue():
     assert CL.catalogue_table() in page
     table = [line for line in page.splitlines() if line.startswith("| ") and line.split("|")[2].strip().startswith("`")]
     assert len(table) == len(CL.CLAIMS)
+
+
+def test_rows_on_too_few_windows_get_no_interval_and_say_so():
+    """Two windows: no interval anywhere in the rows or their detail, and the verdict says why."""
+    row = CL.claim_row("sink_value_small", value="4×", low=3.9, high=4.1, verdict=CL.HOLDS,
+                  numbers={"raw": {"value": 4.0, "low": 3.9, "high": 4.1}})
+    detail = {"share": {"value": 0.5, "low": 0.4, "high": 0.6}, "nested": [{"value": 1, "low": 0, "high": 2}]}
+    (out,) = CL.sized([row], detail, 2)
+    assert (out["verdict"], out["interval"], out["low"], out["high"], out["windows"]) == (CL.TOO_FEW, "—", None, None, 2)
+    assert out["numbers"]["raw"] == {"value": 4.0, "low": None, "high": None}
+    assert detail["share"]["low"] is None and detail["nested"][0]["high"] is None
+    assert "at least 10" in out["note"]
+    (kept,) = CL.sized([CL.claim_row("sink_value_small", value="4×", low=3.9, high=4.1, verdict=CL.HOLDS)], {}, 10)
+    assert (kept["verdict"], kept["low"]) == (CL.HOLDS, 3.9)
+
+
+def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The sink collects attention but adds little to the output. " * 30)
+    out = tmp_path / "claims"
+    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "4",
+            "--ns", "2", "--repeats", "1", "--bootstrap", "100", "--skip", "faithfulness,heads", "--no-progress"]
+    assert main(args + ["--out", str(out)]) == 0
+    res = json.loads((out / "claims.json").read_text())
+    assert {r["id"] for r in res["rows"]} == {c["id"] for c in CL.CLAIMS[4:12]}          # sinks and selection
+    assert all(r["verdict"] == CL.TOO_FEW for r in res["rows"])                          # on 4 windows
+    assert (out / "report.md").is_file() and "too few windows" in (out / "report.md").read_text()
+    assert main(args[:-3] + ["--skip", "faithfulness,nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown analysis 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -375,3 +375,14 @@ def test_device_generation_is_exact(test_device):
                 assert _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m) < 1e-4, (lt.index, q, m)
     a = stream_generation(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
     assert a == stream_generation(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
+def test_generation_progress_counts_tokens(capsys):
+    """The bar counts generated tokens (not prompts), on stderr, and only when asked for."""
+    from attngeom.generation.decoding import stream_generation_ids
+
+    handle = tiny_model("llama")
+    ids = handle.encode("The cat sat")
+    stream_generation_ids(handle, ids, [], Decoding(5, stop=()), progress=True)
+    err = capsys.readouterr().err
+    assert "generating" in err and "0/5" in err and "token/s" in err     # a total of 5 tokens, not 1 prompt
+    stream_generation_ids(handle, ids, [], Decoding(5, stop=()))
+    assert capsys.readouterr().err == ""

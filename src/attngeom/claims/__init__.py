@@ -30,6 +30,8 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "claim_row": "catalogue",
     "fmt_num": "catalogue",
     "fmt_pct": "catalogue",
+    "TOO_FEW": "catalogue",
+    "sized": "catalogue",
     "experiment": "orchestration",
     "FIXED_REGIME_ORDER": "settings",
     "ClaimsSettings": "settings",

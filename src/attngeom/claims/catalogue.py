@@ -10,6 +10,9 @@ claims is checked against :data:`CLAIMS` (tests/unit/test_claims.py).
 What belongs here: the catalogue, the rules and the formatting of rows. Not here: running the
 experiments and resampling them (:mod:`attngeom.claims.orchestration`), the statistics themselves
 (each analysis's ``summary(per_window, weights)``), the Markdown (:mod:`attngeom.reports.claims`).
+
+A claim measured on fewer than :data:`attngeom.stats.resampling.MIN_UNITS` windows gets no interval
+and the verdict **too few windows** (:func:`sized`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from attngeom.metrics import registry
 from attngeom.claims.settings import ClaimsSettings as Settings
 
 HOLDS, REFUTED, INCONCLUSIVE = "holds", "refuted", "inconclusive"
+TOO_FEW = resampling.TOO_FEW
 MODERATE = (90.0, 75.0)
 """Retentions (percent of heads kept) that count as moderate removal."""
 
@@ -219,7 +223,7 @@ def faithfulness_rows(point: dict, samples: dict, metrics: Sequence[str]) -> tup
         ratios = sorted({r for (m, md, r) in samples["delta"] if md == mode and m in hierarchy})
         per_ratio = per_ratio_verdicts(point, samples, mode, adj, ratios)
         rows.append(claim_row(f"hierarchy_{mode}", value=" > ".join(m for m in order if m in hierarchy),
-                         interval="; ".join(f"{k.replace(' vs ', ' beats ')} in {d['beats_share']:.0%}" for k, d in diffs.items()),
+                         interval="; ".join(f"{k.replace(' vs ', ' beats ')} in {fmt_pct(d['beats_share'])}" for k, d in diffs.items()),
                          verdict=verdict, numbers=diffs, per_ratio=per_ratio))
         pairs = [(hierarchy[-1], w) for w in hierarchy[:-1]]
         best = {f"{b} vs {w}": diff(b, w) for b, w in pairs}
@@ -360,7 +364,7 @@ def early_critical_row(z: dict, head: dict, same: float, num_layers: int, base_p
                      verdict=verdict_side(z["low"], z["high"], critical_k),
                      numbers={"largest early z": z, "its ΔPPL": head["delta_ppl_interval"]},
                      note=f"early = layers 0–{math.ceil(num_layers / 3) - 1}; the same head is the top early head in "
-                          f"{same:.0%} of resamples; calibration base PPL {base_ppl:.4g}")
+                          f"{fmt_pct(same)} of resamples; calibration base PPL {fmt_num(base_ppl)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +377,7 @@ def claim_row(claim_id: str, *, value, verdict: str, low=None, high=None, interv
     c = CLAIM_BY_ID[claim_id]
     if interval is None:
         if low is None or high is None:
-            interval = "n/a"
+            interval = "—"
         elif unit == "%":
             interval = f"[{fmt_pct(low)}, {fmt_pct(high)}]"
         else:
@@ -384,13 +388,38 @@ def claim_row(claim_id: str, *, value, verdict: str, low=None, high=None, interv
 
 
 def fmt_num(x, suffix: str = "", signed: bool = False) -> str:
-    if x is None or not np.isfinite(x):
-        return "n/a"
-    a = abs(x)
-    f = ".4g" if a < 1e5 else ",.0f"
-    s = format(x, ("+" if signed else "") + f)
-    return s + suffix
+    s = resampling.format_number(x, signed)
+    return s if s == "—" else s + suffix
 
 
 def fmt_pct(x) -> str:
-    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.1f} %"
+    return "—" if x is None or not np.isfinite(x) else f"{100 * x:.1f} %"
+
+
+def sized(rows: list[dict], detail: dict, windows: int) -> list[dict]:
+    """Record on each row the number of windows its interval rests on; below
+    :data:`~attngeom.stats.resampling.MIN_UNITS` every interval of the rows and of ``detail`` is
+    withheld (``low``/``high`` None) and the verdict is :data:`TOO_FEW`."""
+    for r in rows:
+        r["windows"] = windows
+    if resampling.enough_units(windows):
+        return rows
+    _withhold(detail)
+    for r in rows:
+        _withhold(r)
+        r.pop("per_ratio", None)
+        r.update(verdict=TOO_FEW, interval="—",
+                 note=f"{windows} window(s); intervals need at least {resampling.MIN_UNITS}" + (f"; {r['note']}" if r["note"] else ""))
+    return rows
+
+
+def _withhold(obj) -> None:
+    """Set ``low``/``high`` to None in every interval (a dict with ``value``, ``low`` and ``high``) in ``obj``."""
+    if isinstance(obj, dict):
+        if {"value", "low", "high"} <= obj.keys():
+            obj["low"] = obj["high"] = None
+        for v in obj.values():
+            _withhold(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _withhold(v)

@@ -33,7 +33,7 @@ import numpy as np
 
 from attngeom.stats import resampling
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
-from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, early_critical_row, faithfulness_rows, regime_rows,
+from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, early_critical_row, sized, faithfulness_rows, regime_rows,
                                        removal_row, selection_rows, sink_rows)
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.heads.settings import HeadsSettings
@@ -70,13 +70,13 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, 
 
     if "faithfulness" in analyses:
         r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for)
-        rows += r
+        rows += sized(r, detail["faithfulness"], W)
     if "sinks" in analyses:
         r, detail["sinks"] = _sinks_part(handle, run, ids, counts_for)
-        rows += r
+        rows += sized(r, detail["sinks"], W)
     if "selection" in analyses:
         r, detail["selection"] = _selection_part(handle, run, ids, st.ns, st.repeats, st.seed, counts_for)
-        rows += r
+        rows += sized(r, detail["selection"], W)
     if "heads" in analyses:
         r, detail["regimes"], detail["heads"] = _heads_part(handle, run, ids, st.calib_windows, st.retentions,
                                                             st.fixed_order, st.seed, st.critical_k, counts_for)
@@ -132,6 +132,7 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     W = len(ids)
     rows, regimes_detail = regime_rows(heads.summary(res.per_window)["regime_shares"],
                                        heads.summary(res.per_window, counts_for(W, 4))["regime_shares"])
+    rows = sized(rows, regimes_detail, W)
 
     held = ids[calib_windows:]
     Wh, Wc = len(held), calib_windows
@@ -158,14 +159,15 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     for name in names:
         label = {"taxonomy": f"taxonomy, chosen on calibration ({' > '.join(chosen)})",
                  "fixed": f"taxonomy, fixed ({' > '.join(fixed)})"}.get(name, name)
-        curves[label] = {f"{x:g}": resampling.interval_dict(ppl_point[(name, x)], ppl_samples[(name, x)]) for x in retentions}
-    rows.append(removal_row("taxonomy_removal_calibrated", chosen, ppl_point, ppl_samples, retentions))
+        curves[label] = {f"{x:g}": resampling.interval_dict(ppl_point[(name, x)], ppl_samples[(name, x)], units=Wh)
+                         for x in retentions}
     fixed_point = {**ppl_point, **{("taxonomy", x): ppl_point[("fixed", x)] for x in retentions}}
     fixed_samples = {**ppl_samples, **{("taxonomy", x): ppl_samples[("fixed", x)] for x in retentions}}
-    rows.append(removal_row("taxonomy_removal_fixed", fixed, fixed_point, fixed_samples, retentions))
+    rows += sized([removal_row("taxonomy_removal_calibrated", chosen, ppl_point, ppl_samples, retentions),
+                   removal_row("taxonomy_removal_fixed", fixed, fixed_point, fixed_samples, retentions)], {}, Wh)
 
     row, head = _early_critical_claim(handle, res, Wc, cal_df, critical_k, counts_for)
-    rows.append(row)
+    rows += sized([row], head, Wc)
     detail = {
         "regime_order_chosen": chosen, "regime_order_fixed": fixed,
         "order_search": res.tables["order_search"].to_dict(orient="records"),

@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--small-n-max", type=int, default=d.small_n_max,
                    help="largest N considered for the best small N (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per forward pass (default %(default)s)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -69,6 +69,7 @@ def parse_args_checked(args):
     from attngeom.selection.separation import check_ns
     from attngeom.selection.settings import DISTANCES, POWERS
 
+    common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, repeats=0, max_lag=1, stride=1,
                           small_n_max=1)
     if args.sink < 0 or args.sink >= args.window - 1:
@@ -147,7 +148,7 @@ def run(args) -> int:
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
-                                        None if args.no_figures else "selection")
+                                        None if args.no_figures else "selection", args)
 
         run.finish(write)
     if run.comm.rank == 0:

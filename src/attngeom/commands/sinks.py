@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
                    help="layers where the sink (and the control source) is removed (default: all)")
     p.add_argument("--sink", type=int, default=d.sink, help="sink position (default %(default)s, the BOS token)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per forward pass (default %(default)s)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -53,6 +53,7 @@ def run(args) -> int:
     from attngeom.sinks.settings import SinksSettings
     from attngeom.sinks.corpus import experiment
 
+    common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)
     if args.window is not None and args.sink >= args.window - 1:
         raise InputError(f"--sink {args.sink} leaves no query after it in windows of {args.window} tokens")
@@ -92,7 +93,7 @@ def run(args) -> int:
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
-                                        None if args.no_figures else "sinks")
+                                        None if args.no_figures else "sinks", args)
 
         run.finish(write)
     m = res.summary

@@ -37,7 +37,7 @@ import torch
 
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
-from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
+from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, check_scorable, perplexity
 from attngeom.capture.interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
 from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import fingerprint
@@ -337,6 +337,8 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, units: Sequence[Uni
     every variant has finished enter the result."""
     variants = variants_of(settings)
     measure = "accuracy" if examples is not None else "ppl"
+    if examples is None:
+        check_scorable(sum(u.n_scored for u in units), "the input")
     results = run_units(handle, units, variants, layers=settings.layers, rows=settings.rows, progress=progress,
                         run=run)
     per_window: dict = {"variants": variants}

@@ -32,6 +32,8 @@ reducers need the answer's rows.
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -216,13 +218,15 @@ def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decodin
 
 @torch.no_grad()
 def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
-             steps: Session | None = None, last_step: bool = True, cache=None) -> list[int]:
+             steps: Session | None = None, last_step: bool = True, cache=None, progress: bool = False) -> list[int]:
     """Generate from prompt ``ids`` with the model's KV cache; every forward call runs through the
     capture plug-in. ``session`` (default: no observers) is active for the prompt's forward call
     and, unless ``steps`` is given, for the decoding steps too. Returns the answer's ids (ending with
     a stop token when one came). With ``last_step`` the last answer token is run through the model
     too, so the sessions have seen every position ``0 .. P + len(answer) - 1``. ``cache``: the
-    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer)."""
+    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer).
+    ``progress``: a bar on stderr counting the generated tokens."""
+    from tqdm.auto import tqdm
     from transformers import DynamicCache
 
     model = handle.model
@@ -239,7 +243,9 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
     step = torch.tensor([ids], device=device)
     answer: list[int] = []
     kw = {_cache_argument(model): cache}
-    with attngeom_attention_implementation(model):
+    bar = tqdm(total=decoding.max_new_tokens, desc="generating", unit="token", leave=False, disable=not progress,
+               file=sys.stderr)
+    with attngeom_attention_implementation(model), bar:
         while True:
             length = len(ids) + len(answer)
             with (steps if answer else session).active(torch.tensor([length], device=device)):
@@ -254,6 +260,7 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
             gen = gen or decoding.generator(logits.device)
             token = decoding.choose(logits, gen)
             answer.append(token)
+            bar.update(1)
             if not last_step and (len(answer) == decoding.max_new_tokens or token in stop):
                 return answer
             step = torch.tensor([[token]], device=device)
@@ -337,8 +344,9 @@ def stream_generation(handle: ModelHandleLike, prompt, reducers: Sequence[Reduce
 
 def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding,
                           *, text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
-                          block_elements: int | None = None, index: int = 0) -> list[int]:
-    """:func:`stream_generation` for a prompt already given as the model's token ids (:func:`prompt_ids`)."""
+                          block_elements: int | None = None, index: int = 0, progress: bool = False) -> list[int]:
+    """:func:`stream_generation` for a prompt already given as the model's token ids (:func:`prompt_ids`);
+    ``progress``: a bar counting the generated tokens."""
     from transformers import DynamicCache
 
     P, N = len(ids), decoding.max_new_tokens
@@ -356,7 +364,7 @@ def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers:
 
     cache = DynamicCache()
     answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
-                      last_step=bool(reducers) or not text_reducers, cache=cache)
+                      last_step=bool(reducers) or not text_reducers, cache=cache, progress=progress)
     if text_reducers:
         _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(), *text_reducers]))
     full = list(ids) + answer
@@ -519,13 +527,15 @@ def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: 
 
     for ids in prompts:
         check_context(handle, len(ids), decoding)
+    comm = getattr(run, "comm", None)
+    progress = bool(getattr(run, "progress", False)) and (comm is None or comm.rank == 0)
 
     def work(units: list[int]) -> dict:
         reducers = make()
         cut = len(reducers) - text
         for u in units:
             stream_generation_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
-                        index=u)
+                        index=u, progress=progress)
         return {str(k): r.state() for k, r in enumerate(reducers)}
 
     records = run_or_in_memory(run).stage(name, len(prompts), work, desc=desc or name, unit="prompt",

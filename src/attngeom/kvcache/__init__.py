@@ -42,4 +42,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "get_policy": "policies",
     "needs_regimes": "policies",
     "KVCacheSettings": "settings",
+    "KVCacheInputs": "settings",
 })

@@ -206,7 +206,7 @@ def answers(handle: ModelHandleLike, run: RunLike, examples: Sequence[tuple[Sequ
 
 def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Per (policy, budget): perplexity over windows (``exp(Σ NLL / Σ tokens)``) with its 95 %
-    bootstrap interval; when ``full`` was run, the difference to the full cache's perplexity on the
+    bootstrap interval (NaN below :data:`~attngeom.stats.resampling.MIN_UNITS` windows); when ``full`` was run, the difference to the full cache's perplexity on the
     same resamples (``delta_ppl``, ``delta_low``, ``delta_high``), ``memory_saved`` (1 − peak cache
     bytes / the full cache's) and ``time_ratio`` (time per token / the full cache's)."""
     from attngeom.stats.resampling import percentile_interval, resample_counts
@@ -225,14 +225,14 @@ def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.Da
     for (policy, budget), g in df.groupby(["policy", "budget"], sort=True):
         nll, tok = per_window(g, "nll"), per_window(g, "tokens")
         boot = resampled(counts, nll, tok)
-        lo, hi = percentile_interval(boot)
+        lo, hi = percentile_interval(boot, units=len(windows))
         row = {"policy": policy, "budget": int(budget), "windows": int(len(g)),
                "ppl": float(perplexity(np.nansum(nll), np.nansum(tok))), "ppl_low": float(lo), "ppl_high": float(hi),
                "peak_bytes": float(g["peak_bytes"].mean()), "seconds_per_token": float(g["seconds"].sum() / g["tokens"].sum())}
         f = df[(df["policy"] == "full") & (df["budget"] == budget)]
         if len(f):
             fb = resampled(counts, per_window(f, "nll"), per_window(f, "tokens"))
-            dlo, dhi = percentile_interval(boot - fb)
+            dlo, dhi = percentile_interval(boot - fb, units=len(windows))
             row.update({"delta_ppl": row["ppl"] - perplexity(f["nll"].sum(), f["tokens"].sum()),
                         "delta_low": float(dlo), "delta_high": float(dhi),
                         "memory_saved": 1.0 - row["peak_bytes"] / float(f["peak_bytes"].mean()),
@@ -256,15 +256,15 @@ def summarize_answers(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) 
         ones = np.ones(len(g))
         row = {"policy": policy, "budget": int(budget), "examples": int(len(g))}
         for col in ("match", "first_divergence"):
-            lo, hi = percentile_interval(ratio_of_sums(counts, g[col].to_numpy(float), ones))
+            lo, hi = percentile_interval(ratio_of_sums(counts, g[col].to_numpy(float), ones), units=len(examples))
             row.update({col: float(g[col].mean()), f"{col}_low": float(lo), f"{col}_high": float(hi)})
         boot = resampled(counts, g["ref_nll"].to_numpy(), g["ref_tokens"].to_numpy())
-        lo, hi = percentile_interval(boot)
+        lo, hi = percentile_interval(boot, units=len(examples))
         row.update({"ref_ppl": perplexity(g["ref_nll"].sum(), g["ref_tokens"].sum()),
                     "ref_ppl_low": float(lo), "ref_ppl_high": float(hi)})
         f = df[(df["policy"] == "full") & (df["budget"] == budget)].set_index("example").loc[examples]
         fb = resampled(counts, f["ref_nll"].to_numpy(), f["ref_tokens"].to_numpy())
-        dlo, dhi = percentile_interval(boot - fb)
+        dlo, dhi = percentile_interval(boot - fb, units=len(examples))
         row.update({"ref_delta_ppl": row["ref_ppl"] - perplexity(f["ref_nll"].sum(), f["ref_tokens"].sum()),
                     "ref_delta_low": float(dlo), "ref_delta_high": float(dhi)})
         rows.append(row)
@@ -290,7 +290,7 @@ def pairwise(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.Dat
         for a in sorted(boots):
             for b in sorted(boots):
                 if a != b:
-                    lo, hi = percentile_interval(boots[a] - boots[b])
+                    lo, hi = percentile_interval(boots[a] - boots[b], units=len(windows))
                     rows.append({"budget": int(budget), "a": a, "b": b, "delta_ppl": ppl[a] - ppl[b],
                                  "delta_low": float(lo), "delta_high": float(hi),
                                  "a_better": float(np.mean(boots[a] < boots[b]))})

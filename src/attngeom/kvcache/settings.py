@@ -22,3 +22,17 @@ class KVCacheSettings:
 
     def record(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class KVCacheInputs:
+    """How ``attngeom kvcache`` reads its inputs (the command's defaults, said once): windows of
+    ``window`` tokens, at most ``max_windows``; ``calibration_windows`` further windows for the
+    taxonomy policy; with ``--answers``, at most ``max_examples`` examples and ``new_tokens`` greedy
+    tokens each."""
+
+    window: int = 1024
+    max_windows: int = 4
+    calibration_windows: int = 2
+    max_examples: int = 16
+    new_tokens: int = 16

@@ -391,7 +391,7 @@ class Run:
                     what = f"an attngeom {owner.get('command')} run"
                 else:
                     diff = _differences(owner, self.identity)
-                    what = f"a {self.command} run with other settings ({', '.join(diff) or 'format'})"
+                    what = f"an attngeom {self.command} run with other settings ({', '.join(diff) or 'format'})"
                 raise InputError(f"{out} holds {what}; use another --out, or --overwrite to replace it "
                                  "(nothing was changed)")
         elif self._other_files():

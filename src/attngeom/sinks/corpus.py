@@ -9,8 +9,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, one_window_each, per_window_array,
-                                    perplexity, window_records)
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, check_scorable, layer_order, one_window_each,
+                                    per_window_array, perplexity, window_records)
 from attngeom.sinks.geometry import histogram_quantile, quadratic_fit_shape
 from attngeom.stats import resampling
 from attngeom.sinks.reducer import HISTOGRAMS, SinkStats
@@ -178,6 +178,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
     from attngeom.streaming.passes import to_ids
 
     ids = [to_ids(handle, w) for w in windows]
+    check_scorable(sum(max(0, len(w) - 1) for w in ids), "the input")
     work = window_work(handle, ids, sink=sink, layers=layers, removal_layers=removal_layers, batch_size=batch_size)
     records = run_or_in_memory(run).stage("sinks", len(ids), work, group=batch_size, desc="sinks", unit="window",
                         fingerprints=[fingerprint(w) for w in ids])

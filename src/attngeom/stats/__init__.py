@@ -5,6 +5,10 @@ from attngeom._exports import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "DEFAULT_RESAMPLES": "resampling",
     "DEFAULT_LEVEL": "resampling",
+    "MIN_UNITS": "resampling",
+    "TOO_FEW": "resampling",
+    "enough_units": "resampling",
+    "format_number": "resampling",
     "resample_counts": "resampling",
     "counts_or_once": "resampling",
     "resample_sums": "resampling",
