@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from attngeom.errors import InputError
-from attngeom.runs.run import Memory
 from tiny_models import tiny_model
 
 TEXT = "The cat sat on the mat."
@@ -26,11 +25,9 @@ def _ids(handle, n=4):
 def _runs(handle):
     """Every entry point of the API that takes layers, as ``layers -> run it``."""
     import attngeom
-    from attngeom.faithfulness import curves as faithfulness
+    from attngeom import faithfulness, selection, sinks
     from attngeom.faithfulness.settings import FaithfulnessSettings
-    from attngeom.selection import topn as selection
     from attngeom.selection.settings import SelectionSettings
-    from attngeom.sinks import suppression as sinks
     from attngeom.sinks.settings import SinksSettings
     from attngeom.streaming.reducers import HeadStats
 
@@ -40,13 +37,12 @@ def _runs(handle):
         "analyze_batch": lambda L: attngeom.analyze_batch(handle, [TEXT, TEXT], layers=L),
         "analyze generate": lambda L: attngeom.analyze(handle, TEXT, layers=L, generate=2),
         "stream": lambda L: attngeom.stream(handle, [TEXT], [HeadStats()], layers=L, progress=False),
-        "sinks": lambda L: sinks.experiment(handle, Memory(), ids, SinksSettings(layers=L, batch_size=1)),
-        "sinks removal": lambda L: sinks.experiment(handle, Memory(), ids, SinksSettings(removal_layers=L, batch_size=1)),
-        "selection": lambda L: selection.experiment(handle, Memory(), ids, SelectionSettings(
+        "sinks": lambda L: sinks.experiment(handle, None, ids, SinksSettings(layers=L, batch_size=1)),
+        "sinks removal": lambda L: sinks.experiment(handle, None, ids, SinksSettings(removal_layers=L, batch_size=1)),
+        "selection": lambda L: selection.experiment(handle, None, ids, SelectionSettings(
             ns=(2,), repeats=1, predict=False, batch_size=1, layers=L)),
-        "faithfulness": lambda L: faithfulness.experiment(handle, units=faithfulness.window_units(ids), progress=False,
-                                                          settings=FaithfulnessSettings(metrics=("attention",),
-                                                                                        ratios=(0.5,), layers=L)),
+        "faithfulness": lambda L: faithfulness.experiment(handle, None, faithfulness.window_units(ids), FaithfulnessSettings(
+            metrics=("attention",), ratios=(0.5,), layers=L), progress=False),
     }
 
 
