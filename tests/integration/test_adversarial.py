@@ -263,7 +263,7 @@ def test_a_run_resumed_under_another_thread_count_is_refused(tiny_llama_dir, cor
         capfd.readouterr()
         rc = _sinks(tiny_llama_dir, corpus, out)
         line = _one_line(capfd.readouterr().err)
-        assert rc == 2 and "a sinks run with other settings (threads)" in line, line
+        assert rc == 2 and "sinks run with other settings (threads)" in line, line
         assert not (out / MANIFEST).exists()
         torch.set_num_threads(1)
         assert _sinks(tiny_llama_dir, corpus, out) == 0 and verify(out) == []
