@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.analysis.settings import AnalyzeSettings
 
@@ -153,6 +154,7 @@ DEFINITIONS = {
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike, text_or_ids, settings: AnalyzeSettings = AnalyzeSettings(),
                *, source: str | None = None) -> ExperimentResult:
     """The single-text analysis of ``text_or_ids`` (a text, token ids, or with ``settings.decoding``
@@ -218,6 +220,7 @@ def map_window(result: ExperimentResult) -> list[int] | None:
     return first if result.summary["figure_layers"] and len(first) <= result.settings["max_map_tokens"] else None
 
 
+@takes_handle
 def analysed_layers(handle: ModelHandleLike, layers) -> list[int]:
     """The analysed layers, sorted (None: all), each checked against the model."""
     from attngeom.data.corpora import check_layers
@@ -225,6 +228,7 @@ def analysed_layers(handle: ModelHandleLike, layers) -> list[int]:
     return sorted(set(check_layers(layers, handle.num_layers) or range(handle.num_layers)))
 
 
+@takes_handle
 def figure_layers(handle: ModelHandleLike, given, layers: list[int]) -> list[int]:
     """The layers drawn as maps: ``given`` (checked, sorted), or the first, a middle and the last
     analysed layer."""
@@ -237,12 +241,14 @@ def figure_layers(handle: ModelHandleLike, given, layers: list[int]) -> list[int
     return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
 
 
+@takes_handle
 def check_heads(handle: ModelHandleLike, heads) -> None:
     bad = [h for h in heads or () if not 0 <= h < handle.num_heads]
     if bad:
         raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{handle.num_heads - 1}")
 
 
+@takes_handle
 def input_windows(handle: ModelHandleLike, ids: list[int], window: int | None, stride: int | None,
                   sink: int) -> tuple[list[tuple[int, list[int]]], bool]:
     """The input as windows (:func:`cut_windows` with ``window``; else one), checked: an input
@@ -286,6 +292,7 @@ def window_sums(heads: Sequence["pd.DataFrame"], layers: Sequence[int]) -> dict:
     return out
 
 
+@takes_handle
 def build_summary(handle: ModelHandleLike, settings: AnalyzeSettings, source: str | None, ids: list[int],
                   windows, layers: list[int], fig_layers: list[int], heads_df, tokens_df) -> dict:
     """summary.json of one text, before ``generation``, ``maps``, ``runtime_s`` and ``files``."""
@@ -315,6 +322,7 @@ def build_summary(handle: ModelHandleLike, settings: AnalyzeSettings, source: st
     }
 
 
+@takes_handle
 def with_token_strings(handle: ModelHandleLike, tables: dict, ids) -> dict:
     """Each table's ``token_id``/``source_id`` column followed by the token's string."""
     ids = sorted(set(ids))
@@ -331,6 +339,7 @@ def with_token_strings(handle: ModelHandleLike, tables: dict, ids) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: AnalyzeSettings,
                     layers: list[int]) -> dict:
     """Generate the answer with the answer tables observing every step and the per-head and
@@ -357,6 +366,7 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
             "heads": heads.result(), "tokens": tokens.result(), "tables": tables}
 
 
+@takes_handle
 def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0) -> dict:
     """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
     layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole
@@ -381,6 +391,7 @@ def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding
     }
 
 
+@takes_handle
 def answer_experiment(handle: ModelHandleLike, run: RunLike, prompts: Sequence,
                       settings: AnalyzeSettings, *, source: str | None = None) -> ExperimentResult:
     """Corpus mode: an answer to each of ``prompts`` (texts, or chat messages) generated with

@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 
+from attngeom.model.arguments import takes_handle
 from attngeom.stats import resampling as bs
 from attngeom.metrics import registry
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
@@ -643,6 +644,7 @@ def _fmt_pct(x) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence, settings: Settings = DEFAULTS, *,
                analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
     """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a

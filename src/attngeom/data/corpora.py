@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 
@@ -319,6 +320,7 @@ def windows(ids: Sequence[int], window: int, stride: int | None = None, bos: int
     return out
 
 
+@takes_handle
 def load_windows(handle: ModelHandleLike, spec: str, window: int = 256, stride: int | None = None,
                  max_windows: int | None = 16, fields: Sequence[str] | None = None) -> list[list[int]]:
     """Token-id windows of a corpus (file or ``hf:`` dataset) for ``handle``'s tokenizer.

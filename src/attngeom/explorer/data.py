@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
 from attngeom.errors import InputError
@@ -248,6 +249,7 @@ class ResidualShares:
     adds to it: the attention module's output, or, where a norm follows attention before the residual
     add (Gemma 2/3, OLMo 2), that norm's output (``adapter.attention_delta_module``)."""
 
+    @takes_handle
     def __init__(self, handle: ModelHandleLike, layers):
         self.shares: dict[int, np.ndarray] = {}
         self._x: dict[int, torch.Tensor] = {}
@@ -321,6 +323,7 @@ def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None
     return None if T <= exact_max_tokens else k
 
 
+@takes_handle
 def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = None,
           exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0, decoding=None,
           chat: bool = False, system: str | None = None) -> ExploreData:

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
@@ -123,6 +124,7 @@ def window_units(windows: Sequence[Sequence[int]]) -> list[Unit]:
     return [Unit(tuple(int(x) for x in w), len(w) - 1, i) for i, w in enumerate(windows)]
 
 
+@takes_handle
 def auto_rows(handle: ModelHandleLike, length: int, budget_bytes: float = 3e9, cap: int = 32) -> int:
     """Rows per batched forward so that the float32 logits (and their log-softmax) fit ``budget_bytes``."""
     vocab = int(handle.model.config.vocab_size)
@@ -144,6 +146,7 @@ def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], lay
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
 
 
+@takes_handle
 def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence[Variant], *,
               layers: Iterable[int] | None = None, rows: int | None = None, progress: bool | str = True,
               run: RunLike | None = None) -> dict[tuple[int, str], dict]:
@@ -273,6 +276,7 @@ class TaskUnit(Unit):
     option: int = 0
 
 
+@takes_handle
 def task_units(handle: ModelHandleLike, examples) -> list[TaskUnit]:
     from attngeom.faithfulness.tasks import encode_options
 
@@ -293,6 +297,7 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Sequence[Unit],
                settings: FaithfulnessSettings = FaithfulnessSettings(), progress: bool | str = True, examples=None,
                meta: dict | None = None) -> ExperimentResult:

@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Block, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike, RunLike
@@ -75,14 +76,16 @@ def chat_messages(prompt, system: str | None = None) -> list[dict]:
     return messages
 
 
+@takes_handle
 def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None,
                stop: Iterable[int] = ()) -> list[int]:
     """The token ids the model reads for ``prompt``.
 
     - a text, ``chat=False``: :meth:`~attngeom.model.ModelHandle.encode` (BOS in front);
     - a text with ``chat=True``, or a list of chat messages (always through the template): the
-      tokenizer's chat template, rendered with the generation prompt (or continuing the final
-      message when it is the assistant's), then tokenized without adding anything;
+      tokenizer's chat template (:data:`FALLBACK_CHAT_TEMPLATE` when it has none), rendered with
+      the generation prompt (or continuing the final message when it is the assistant's), then
+      tokenized without adding anything (:func:`chat_text`);
     - token ids: taken as they are.
 
     ``stop``: token ids that end generation; one inside the user's own text (a message's content,
@@ -106,20 +109,64 @@ def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: s
             return to_ids(handle, prompt)
         _check_no_stop(handle, [prompt], stop)
         return handle.encode(prompt)
-    if not getattr(tok, "chat_template", None):
-        raise InputError(f"{getattr(handle, 'name', 'the model')}'s tokenizer has no chat template; "
-                         "give a plain prompt (no --chat, no message list)")
     _check_no_stop(handle, [m["content"] for m in messages], stop)
-    cont = messages[-1]["role"] == "assistant"
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont,
-                                       continue_final_message=cont)
-    except Exception as e:  # jinja errors of the template itself (e.g. roles it does not accept)
-        raise InputError(f"the chat template refused the messages: {str(e).splitlines()[0][:200]}") from None
-    ids = [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    ids = [int(i) for i in tok(chat_text(handle, messages), add_special_tokens=False)["input_ids"]]
     if not ids:
         raise InputError("the chat template produced no tokens")
     return ids
+
+
+FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+                          "{% if add_generation_prompt %}Assistant:{% endif %}")
+"""The chat template used for a tokenizer that has none (the bundled Gemma 3 270M, a base model):
+each message as ``Role: content`` and a blank line, then ``Assistant:``. Plain text, no special
+tokens; the model was not trained on it. :func:`chat_template_of` says which template a model gets."""
+
+
+def chat_template_of(handle: ModelHandleLike) -> str:
+    """``"model"`` when the tokenizer has its own chat template, else ``"fallback"``
+    (:data:`FALLBACK_CHAT_TEMPLATE`)."""
+    return "model" if getattr(handle.tokenizer, "chat_template", None) else "fallback"
+
+
+def chat_text(handle: ModelHandleLike, messages: list[dict]) -> str:
+    """The checked ``messages`` (:func:`chat_messages`) rendered by the model's chat template (or
+    :data:`FALLBACK_CHAT_TEMPLATE`), with the generation prompt, or continuing the final message when
+    it is the assistant's."""
+    cont = messages[-1]["role"] == "assistant"
+    template = None if chat_template_of(handle) == "model" else FALLBACK_CHAT_TEMPLATE
+    try:
+        return handle.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont,
+                                                    continue_final_message=cont, chat_template=template)
+    except Exception as e:  # jinja errors of the template itself (e.g. roles it does not accept)
+        raise InputError(f"the chat template refused the messages: {str(e).splitlines()[0][:200]}") from None
+
+
+def template_positions(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None) -> tuple[int, ...]:
+    """The positions of :func:`prompt_ids` that the chat template put there: every token none of
+    whose characters comes from a message's content (role names, separators, turn markers, the
+    generation prompt). Found from the tokenizer's character offsets in the rendered text (the
+    contents are located in order); a tokenizer without offsets marks nothing. A prompt given as
+    text without ``chat`` or as ids has no template tokens (its BOS is a special token)."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        messages = chat_messages(prompt, system)
+    elif chat and isinstance(prompt, str):
+        messages = chat_messages(prompt, system)
+    else:
+        return ()
+    text = chat_text(handle, messages)
+    spans, at = [], 0
+    for m in messages:
+        k = text.find(m["content"], at) if m["content"] else -1
+        if k >= 0:
+            spans.append((k, k + len(m["content"])))
+            at = k + len(m["content"])
+    try:
+        offsets = handle.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return ()
+    return tuple(p for p, (a, b) in enumerate(offsets)
+                 if not any(a < e and s < max(b, a + 1) for s, e in spans))
 
 
 def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable[int]) -> None:
@@ -134,6 +181,7 @@ def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable
                              "ends generation; the model would read it as an end of text inside the prompt")
 
 
+@takes_handle
 def model_stop_ids(handle: ModelHandleLike) -> tuple[int, ...]:
     """The model's end-of-generation ids: ``generation_config.eos_token_id`` and the tokenizer's EOS."""
     out: list[int] = []
@@ -205,6 +253,7 @@ class Decoding:
         return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@takes_handle
 def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decoding) -> None:
     """Refuse a prompt whose answer would run past the model's context."""
     limit = getattr(handle, "max_positions", None)
@@ -214,6 +263,7 @@ def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decodin
                          f"{total}, past {getattr(handle, 'name', 'the model')}'s context of {limit} tokens")
 
 
+@takes_handle
 @torch.no_grad()
 def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
              steps: Session | None = None, last_step: bool = True, cache=None) -> list[int]:
@@ -318,6 +368,7 @@ class GenerationBatch(Batch):
     prompt_length: int = 0
 
 
+@takes_handle
 def stream(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decoding: Decoding, *,
            text_reducers: Sequence[Reducer] = (), chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
            block_elements: int | None = None, index: int = 0) -> list[int]:
@@ -335,6 +386,7 @@ def stream(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decodin
                        block_elements=block_elements, index=index)
 
 
+@takes_handle
 def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding, *,
                text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
                block_elements: int | None = None, index: int = 0) -> list[int]:
@@ -506,6 +558,7 @@ class Answers(Reducer):
         return pd.concat(self.answers, ignore_index=True) if self.answers else pd.DataFrame()
 
 
+@takes_handle
 def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: Sequence[list[int]], decoding: Decoding,
                      make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None,
                      desc: str | None = None, text: int = 0) -> list[Reducer]:

@@ -57,6 +57,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.model.arguments import takes_handle, takes_model
 from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
@@ -315,6 +316,7 @@ AttentionInterface.register(KV_ATTN, kv_attention)
 AttentionMaskInterface.register(KV_ATTN, sdpa_mask)
 
 
+@takes_model
 @contextlib.contextmanager
 def compressing(model, cache: Cache, session: Session | None = None):
     """Run ``model`` with ``cache`` (its forward or ``generate``, passing ``cache=cache``) inside
@@ -335,6 +337,7 @@ def compressing(model, cache: Cache, session: Session | None = None):
             model.set_attn_implementation(ATTN_NAME)
 
 
+@takes_handle
 def new_cache(handle: ModelHandleLike, policy: Policy, budget: int | None, head_budgets: dict | None = None,
               streaming: dict | None = None) -> Cache:
     """The full ``DynamicCache`` for the ``full`` policy (or no budget), else a :class:`CompressedCache`."""
@@ -343,6 +346,7 @@ def new_cache(handle: ModelHandleLike, policy: Policy, budget: int | None, head_
     return CompressedCache(handle.model.config, policy, budget, head_budgets, streaming)
 
 
+@takes_handle
 def step(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward pass of ``ids [B, C]`` with ``cache`` (inside :func:`compressing`): float32
     logits ``[B, C, V]``."""
@@ -354,6 +358,7 @@ def step(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor) -> torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 @torch.no_grad()
 def read(handle: ModelHandleLike, ids: Sequence[int], policy: Policy | str, budget: int | None, chunk: int = 1,
          head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
@@ -463,6 +468,7 @@ def _config_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Seque
     return pd.concat([rest, full], ignore_index=True).sort_values(["policy", "budget", column]).reset_index(drop=True)
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence[Sequence[int]],
                settings: KVCacheSettings = KVCacheSettings(), regimes: pd.DataFrame | None = None) -> ExperimentResult:
     """Language modelling under a budget, with ``settings`` (:class:`~attngeom.kvcache.settings.KVCacheSettings`).
@@ -496,6 +502,7 @@ def experiment(handle: ModelHandleLike, run: RunLike, windows: Sequence[Sequence
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 @torch.no_grad()
 def answer(handle: ModelHandleLike, prompt: Sequence[int], reference: Sequence[int], policy: Policy | str, budget: int | None,
            new_tokens: int = 16, head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
@@ -526,6 +533,7 @@ def answer(handle: ModelHandleLike, prompt: Sequence[int], reference: Sequence[i
             "seconds": time.perf_counter() - t0}
 
 
+@takes_handle
 def answers(handle: ModelHandleLike, run: RunLike, examples: Sequence[tuple[Sequence[int], Sequence[int]]], policies: Sequence[str],
             budgets: Sequence[int], new_tokens: int = 16, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
     """Answers under a budget: one row per (example, policy, budget) with the reference's ``ref_nll``

@@ -176,3 +176,10 @@ def _unsentencepiece(tok: str) -> str:
         b = int(m.group(1), 16)
         return chr(b) if b < 128 else tok
     return tok.replace("▁", " ")
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens (BOS, EOS, pad, chat-format markers such as ``<|im_start|>``):
+    ``all_special_ids`` and the added tokens marked special."""
+    return _special_ids(tokenizer)
+

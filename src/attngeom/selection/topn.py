@@ -56,6 +56,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Block
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
@@ -779,6 +780,7 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike, windows,
                settings: SelectionSettings = SelectionSettings()) -> ExperimentResult:
     """Selection geometry over ``windows`` as one stage (``selection``) of ``run`` (resumable,

@@ -54,6 +54,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity, window_records
@@ -810,6 +811,7 @@ PASSES = ("none", "sink", "control")
 PASS_SUFFIX = {"none": "base", "sink": "removed", "control": "control"}
 
 
+@takes_handle
 def window_work(handle: ModelHandleLike, windows, *, sink: int = 0, layers=None, removal_layers=None,
                 batch_size: int = 2):
     """The per-unit work of the sinks experiment: ``work(units) -> record``.
@@ -949,6 +951,7 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     return out
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike, windows,
                settings: SinksSettings = SinksSettings()) -> ExperimentResult:
     """The sinks experiment over ``windows`` as one stage (``sinks``) of ``run`` (resumable, shareable
