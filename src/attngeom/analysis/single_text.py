@@ -346,8 +346,9 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
     per-token summaries seeing prompt + answer as a text (text reducers of
     :func:`attngeom.generation.decoding.stream`: the same rows, one call for the answer instead of one per
     token), as stage ``generate`` of the run (one record, resumable). Returns the prompt + answer
-    ids, the summaries and the answer tables (with token strings)."""
-    from attngeom.generation.decoding import AnswerSources, Answers, generation_stage, prompt_ids
+    ids, the summaries and the answer tables (with token strings and the marks of
+    :func:`attngeom.generation.heads.token_marks`), and which chat template was used (None: no chat)."""
+    from attngeom.generation.decoding import Answers, chat_template_of, generation_stage, prompt_ids
     from attngeom.streaming.reducers import HeadStats, TokenStats
 
     sink, decoding = settings.sink, settings.decoding
@@ -355,29 +356,79 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
     ids = prompt_ids(handle, prompt, chat=settings.chat, system=settings.system, stop=stop)
     if sink >= len(ids):
         raise InputError(f"--sink {sink} is beyond the prompt ({len(ids)} tokens)")
-    tables, answers, heads, tokens = generation_stage(
+    special, template = prompt_marks(handle, prompt, settings)
+    sources, heads_by_answer, answers, heads, tokens = generation_stage(
         handle, run, "generate", [ids], decoding, layers=layers, desc="generate", text=2,
-        make=lambda: [AnswerSources(sink=sink), Answers(stop), HeadStats(sink=sink), TokenStats(sink=sink)])
+        make=lambda: [*answer_reducers(settings, special, template), Answers(stop), HeadStats(sink=sink),
+                      TokenStats(sink=sink)])
     row = answers.result().iloc[0]
     answer_ids = [int(x) for x in str(row["answer_ids"]).split()]
     full = list(ids) + answer_ids
-    tables = with_token_strings(handle, tables.result(), full)
+    tables = answer_tables(handle, sources, heads_by_answer, {0: full}, {0: len(ids)}, special, {0: template})
+    chat = settings.chat or isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
     return {"ids": full, "prompt_length": len(ids), "answer_ids": answer_ids, "stopped": bool(row["stopped"]),
-            "heads": heads.result(), "tokens": tokens.result(), "tables": tables}
+            "heads": heads.result(), "tokens": tokens.result(), "tables": tables,
+            "chat_template": chat_template_of(handle) if chat else None}
 
 
-@takes_handle
+def prompt_marks(handle: ModelHandleLike, prompt, settings: AnalyzeSettings) -> tuple[set[int], tuple[int, ...]]:
+    """The tokenizer's special ids and the prompt's chat-template positions
+    (:func:`attngeom.generation.decoding.template_positions`)."""
+    from attngeom.generation.decoding import template_positions
+    from attngeom.model.handle import special_token_ids
+
+    return (special_token_ids(handle.tokenizer),
+            template_positions(handle, prompt, chat=settings.chat, system=settings.system))
+
+
+def answer_reducers(settings: AnalyzeSettings, special: set[int], template) -> list:
+    """:class:`~attngeom.generation.decoding.AnswerSources` and :class:`~attngeom.generation.heads.AnswerHeads`
+    of one prompt, ranking special and template tokens only with ``settings.rank_special``."""
+    from attngeom.generation.decoding import AnswerSources
+    from attngeom.generation.heads import AnswerHeads
+
+    skip = not settings.rank_special
+    return [AnswerSources(sink=settings.sink, exclude=template if skip else (), exclude_ids=special if skip else ()),
+            AnswerHeads(special, template, exclude_special=skip)]
+
+
+def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_lengths: dict, special: set[int],
+                  template: dict) -> dict:
+    """The answer tables (``shares``, ``sources``, ``summary``, ``heads``) of :func:`answer_reducers`
+    with token strings and, per source (or prompt position), its marks; ``ids``, ``prompt_lengths``
+    and ``template`` by prompt (the tables' ``text``)."""
+    import pandas as pd
+
+    from attngeom.generation.heads import token_marks, with_marks
+
+    tables = {**sources.result(), "heads": heads.result()}
+    for name, col in (("sources", "source"), ("summary", "position")):          # heads: marked already
+        df = tables[name]
+        if len(df):
+            parts = [with_marks(g, token_marks(ids[k], special, template[k], prompt_lengths[k]), col)
+                     for k, g in df.groupby("text", sort=False)]
+            tables[name] = pd.concat(parts).sort_index()
+    seen = {int(x) for v in ids.values() for x in v}
+    return with_token_strings(handle, tables, seen)
+
+
 def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0) -> dict:
     """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
     layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole
     answer drew on."""
     tables = answer["tables"]
+    heads = tables["heads"]
+    heads = heads[heads["step"].isna() & (heads["by"] == "contribution")].head(TOP_K) if len(heads) else heads
     shares = tables["shares"][tables["shares"]["layer"].isna()]
     summ = tables["summary"][tables["summary"]["layer"].isna()]
     summ = summ[summ["position"] != sink]                  # the sink has its own share
     top = summ.sort_values(["contribution", "position"], ascending=[False, True], kind="stable").head(TOP_K)
     return {
+        "heads_behind_the_answer": [
+            {"layer": int(r.layer), "head": int(r.head), "source": int(r.source), "token": r.source_token,
+             "part": r.part, "share": float(r.share), "rank_in_layer": int(r.rank_in_layer)} for r in heads.itertuples()],
         "prompt_tokens": answer["prompt_length"], "answer_tokens": len(answer["answer_ids"]),
+        "chat_template": answer["chat_template"],
         "answer_text": handle.tokenizer.decode(answer["answer_ids"]), "stopped_on_stop_token": answer["stopped"],
         "decoding": {"max_new_tokens": decoding.max_new_tokens, "sample": decoding.sample,
                      "temperature": decoding.temperature, "top_p": decoding.top_p,
@@ -402,7 +453,7 @@ def answer_experiment(handle: ModelHandleLike, run: RunLike, prompts: Sequence,
     :class:`~attngeom.generation.decoding.AnswerSources` (column ``text``: the prompt's index), and the summary
     of corpus mode; ``per_window`` is empty: each prompt's numbers are its rows of the tables."""
     from attngeom.runs.contract import ExperimentResult
-    from attngeom.generation.decoding import AnswerSources, Answers, generation_stage, prompt_ids
+    from attngeom.generation.decoding import Answers, generation_stage, prompt_ids
 
     if settings.decoding is None:
         raise InputError("corpus mode answers every prompt: give a decoding (--generate N)")
@@ -417,15 +468,17 @@ def answer_experiment(handle: ModelHandleLike, run: RunLike, prompts: Sequence,
             raise InputError(f"{where}: {e}") from None
         if settings.sink >= len(ids[-1]):
             raise InputError(f"{where}: --sink {settings.sink} is beyond it ({len(ids[-1])} tokens)")
-    answers, sources = generation_stage(
+    marks = [prompt_marks(handle, p, settings) for p in prompts]
+    special, template = marks[0][0] if marks else set(), {k: m[1] for k, m in enumerate(marks)}
+    answers, sources, heads = generation_stage(
         handle, run, "generate", ids, settings.decoding, layers=layers, desc="generate",
-        make=lambda: [Answers(stop), AnswerSources(sink=settings.sink)])
+        make=lambda: [Answers(stop), *answer_reducers(settings, special, template)])
     answers = answers.result().sort_values("text", kind="stable").reset_index(drop=True)
     answers.insert(1, "prompt", [prompts[k] for k in answers["text"]])
     answers["answer_text"] = [handle.tokenizer.decode([int(x) for x in str(a).split()]) for a in answers["answer_ids"]]
-    tables = {"answers": answers, **{f"answer_{k}": v for k, v in sources.result().items()}}
-    seen = {int(x) for p in ids for x in p} | {int(x) for a in answers["answer_ids"] for x in str(a).split()}
-    with_token_strings(handle, tables, seen)
+    full = {int(k): ids[int(k)] + [int(x) for x in str(a).split()] for k, a in zip(answers["text"], answers["answer_ids"])}
+    tables = answer_tables(handle, sources, heads, full, {k: len(ids[k]) for k in full}, special, template)
+    tables = {"answers": answers, **{f"answer_{k}": v for k, v in tables.items()}}
     summary = {"command": "analyze", "mode": "corpus", "settings": settings.answer_record(), "prompts": len(prompts),
                "answer_tokens": int(answers["answer_tokens"].sum()),
                "stopped_on_stop_token": int(answers["stopped"].sum())}

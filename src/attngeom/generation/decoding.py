@@ -436,16 +436,18 @@ class AnswerSources(Reducer):
       (the producing row), and per metric ``{metric}_sink`` (the sink), ``{metric}_prompt`` (the
       other prompt tokens) and ``{metric}_answer`` (earlier answer tokens, the query included when
       it is one); the three sum to the row's total (1 for contribution and attention).
-    - ``sources``: the ``top_k`` prompt tokens (sink left out: it has its own share) by each
-      metric: ``metric``, ``rank`` (0 first), ``source``, ``source_id``, ``score``; ties: the
-      earlier position first.
+    - ``sources``: the ``top_k`` sources by each metric, prompt and earlier answer tokens alike (the
+      sink left out: it has its own share; so are the positions ``exclude`` (or ``{text: positions}``)
+      and the tokens ``exclude_ids``, e.g. chat-template and special tokens): ``metric``, ``rank`` (0 first),
+      ``source``, ``source_id``, ``score``; ties: the earlier position first.
     - ``summary``: per layer (null: the model) and prompt position, each metric's mean over the
       answer's producing rows: which prompt tokens the whole answer drew on."""
 
     STATE = ("shares", "sources", "summary")
 
-    def __init__(self, sink: int = 0, top_k: int = DEFAULT_TOP_K):
+    def __init__(self, sink: int = 0, top_k: int = DEFAULT_TOP_K, exclude=(), exclude_ids: Iterable[int] = ()):
         self.sink, self.top_k = int(sink), int(top_k)
+        self.exclude, self.exclude_ids = exclude, set(int(i) for i in exclude_ids)
         self.shares: list[pd.DataFrame] = []
         self.sources: list[pd.DataFrame] = []
         self.summary: list[pd.DataFrame] = []
@@ -483,6 +485,9 @@ class AnswerSources(Reducer):
             self._rows = {}
             return
         model_rows = {q: np.mean([self._rows[(l, q)] for l in layers], axis=0) for q in queries}
+        from attngeom.generation.heads import of_text
+
+        skip = set(of_text(self.exclude, index))
         shares, sources, summary = [], [], []
         for layer in [*layers, None]:
             rows = {q: (self._rows[(layer, q)] if layer is not None else model_rows[q]) for q in queries}
@@ -491,7 +496,7 @@ class AnswerSources(Reducer):
                 base = {"text": index, "step": step, "position": q + 1, "token_id": ids[q + 1], "layer": layer,
                         "query": q}
                 shares.append({**base, **self._shares(row, q)})
-                sources += [{**base, **s} for s in self._top(row, ids)]
+                sources += [{**base, **s} for s in self._top(row, ids, skip)]
             mean = np.mean([rows[q][:, :P] for q in queries], axis=0)         # [metrics, P]
             summary.append(pd.DataFrame({"text": index, "layer": layer, "position": np.arange(P),
                                          "token_id": ids[:P], **{m: mean[k] for k, m in enumerate(TABLE_METRICS)}}))
@@ -510,9 +515,9 @@ class AnswerSources(Reducer):
                         f"{m}_answer": float(row[k, P:].sum()) - (s if sink >= P else 0.0)})
         return out
 
-    def _top(self, row: np.ndarray, ids: list[int]) -> list[dict]:
-        P = self.P
-        cand = np.array([j for j in range(P) if j != self.sink], dtype=int)
+    def _top(self, row: np.ndarray, ids: list[int], skip: set[int]) -> list[dict]:
+        cand = np.array([j for j in range(row.shape[1]) if j != self.sink and j not in skip
+                         and ids[j] not in self.exclude_ids], dtype=int)
         out = []
         for k, m in enumerate(TABLE_METRICS):
             if not len(cand):

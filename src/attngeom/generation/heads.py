@@ -136,9 +136,9 @@ class AnswerHeads(Reducer):
 
     STATE = ("heads",)
 
-    def __init__(self, special_ids: Collection[int] = (), template: Collection[int] = (), *,
+    def __init__(self, special_ids: Collection[int] = (), template: Collection[int] | Mapping = (), *,
                  top: int = DEFAULT_TOP, exclude_special: bool = True):
-        self.special_ids, self.template = set(int(i) for i in special_ids), tuple(int(p) for p in template)
+        self.special_ids, self.template = set(int(i) for i in special_ids), template
         self.top, self.exclude_special = int(top), bool(exclude_special)
         self.heads: list[pd.DataFrame] = []
 
@@ -162,7 +162,7 @@ class AnswerHeads(Reducer):
         T, P, index = int(batch.lengths[0]), self.P, batch.index[0]
         ids = batch.ids[0, :T].tolist()
         queries = [q for q in range(P - 1, T - 1) if q in self._rows]
-        marks = token_marks(ids[:T - 1], self.special_ids, self.template, prompt_length=P)
+        marks = token_marks(ids[:T - 1], self.special_ids, of_text(self.template, index), prompt_length=P)
         frames = []
         for by in BY:
             per_row = {q: {l: x[by] for l, x in self._rows[q].items()} for q in queries}
@@ -187,3 +187,19 @@ class AnswerHeads(Reducer):
 
     def result(self) -> pd.DataFrame:
         return pd.concat(self.heads, ignore_index=True) if self.heads else pd.DataFrame()
+
+
+def of_text(positions: Collection[int] | Mapping, index: int) -> tuple[int, ...]:
+    """Positions given for every text, or ``{text: positions}``: those of text ``index``."""
+    if isinstance(positions, Mapping):
+        positions = positions.get(index, ())
+    return tuple(int(p) for p in positions)
+
+
+def with_marks(df: pd.DataFrame, marks: pd.DataFrame, column: str = "source") -> pd.DataFrame:
+    """``df`` with the ``part``, ``is_special`` and ``is_template`` of the position in ``column``
+    (from :func:`token_marks`) after its last column; ``df`` unchanged when empty."""
+    if not len(df):
+        return df
+    m = marks[["part", "is_special", "is_template"]]
+    return df.join(m, on=column)

@@ -342,7 +342,10 @@ FILE_NOTES = {
     "report.md": "this file",
     "answer_shares.parquet": "per generated token and layer (and the model): contribution and attention from "
                              "the sink, the prompt and the earlier answer (docs/generation.md)",
-    "answer_sources.parquet": "per generated token, layer (and the model) and metric: its top prompt sources",
+    "answer_sources.parquet": "per generated token, layer (and the model) and metric: its top sources (prompt and "
+                              "earlier answer; special and template tokens marked)",
+    "answer_heads.parquet": "per generated token (and the whole answer) and measure: the (layer, head, source) "
+                            "triples with the largest shares of their layer's output (docs/generation.md)",
     "answer_summary.parquet": "per layer (and the model) and prompt token: mean attention and contribution over "
                               "the answer (which prompt tokens it drew on)",
 }
@@ -384,6 +387,7 @@ def report_markdown(summary: dict) -> str:
                       align="rlrlr")
     if "generation" in summary:
         lines += _generation_lines(summary["generation"])
+        lines += _answer_heads_lines(summary["generation"].get("heads_behind_the_answer", []))
     lines += ["", "## Files", ""]
     for f in summary["files"]:
         if f.startswith("maps_layer"):
@@ -411,6 +415,20 @@ def _generation_lines(gen: dict) -> list[str]:
                       ([k, md.Raw(f"{md.token(r['token'])} @{r['position']}"), f"{r['contribution']:.4f}",
                         f"{r['attention']:.4f}"] for k, r in enumerate(gen["prompt_tokens_the_answer_drew_on"], 1)),
                       align="rlrr")
+    return lines
+
+
+def _answer_heads_lines(rows: list[dict]) -> list[str]:
+    """The heads behind the whole answer (summary.json's ``generation.heads_behind_the_answer``)."""
+    if not rows:
+        return []
+    lines = ["", "Heads behind the whole answer: (layer, head, source) shares of the layer's attention output "
+             "C_ij^h, mean over the answer's predicting rows (answer_heads.parquet; each layer's shares sum to 1; "
+             "special and template tokens left out unless --rank-special):", ""]
+    lines += md.table(["rank", "layer", "head", "source", "part", "share", "rank in layer"],
+                      ([k, r["layer"], r["head"], md.Raw(f"{md.token(r['token'])} @{r['source']}"), r["part"],
+                        f"{r['share']:.4f}", r["rank_in_layer"]] for k, r in enumerate(rows, 1)),
+                      align="rrrllrr")
     return lines
 
 
