@@ -371,6 +371,7 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
             "chat_template": chat_template_of(handle) if chat else None}
 
 
+@takes_handle
 def prompt_marks(handle: ModelHandleLike, prompt, settings: AnalyzeSettings) -> tuple[set[int], tuple[int, ...]]:
     """The tokenizer's special ids and the prompt's chat-template positions
     (:func:`attngeom.generation.decoding.template_positions`)."""
@@ -392,6 +393,7 @@ def answer_reducers(settings: AnalyzeSettings, special: set[int], template) -> l
             AnswerHeads(special, template, exclude_special=skip)]
 
 
+@takes_handle
 def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_lengths: dict, special: set[int],
                   template: dict) -> dict:
     """The answer tables (``shares``, ``sources``, ``summary``, ``heads``) of :func:`answer_reducers`
@@ -412,6 +414,7 @@ def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_len
     return with_token_strings(handle, tables, seen)
 
 
+@takes_handle
 def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0) -> dict:
     """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
     layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole

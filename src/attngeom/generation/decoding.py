@@ -123,12 +123,14 @@ each message as ``Role: content`` and a blank line, then ``Assistant:``. Plain t
 tokens; the model was not trained on it. :func:`chat_template_of` says which template a model gets."""
 
 
+@takes_handle
 def chat_template_of(handle: ModelHandleLike) -> str:
     """``"model"`` when the tokenizer has its own chat template, else ``"fallback"``
     (:data:`FALLBACK_CHAT_TEMPLATE`)."""
     return "model" if getattr(handle.tokenizer, "chat_template", None) else "fallback"
 
 
+@takes_handle
 def chat_text(handle: ModelHandleLike, messages: list[dict]) -> str:
     """The checked ``messages`` (:func:`chat_messages`) rendered by the model's chat template (or
     :data:`FALLBACK_CHAT_TEMPLATE`), with the generation prompt, or continuing the final message when
@@ -142,6 +144,7 @@ def chat_text(handle: ModelHandleLike, messages: list[dict]) -> str:
         raise InputError(f"the chat template refused the messages: {str(e).splitlines()[0][:200]}") from None
 
 
+@takes_handle
 def template_positions(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None) -> tuple[int, ...]:
     """The positions of :func:`prompt_ids` that the chat template put there: every token none of
     whose characters comes from a message's content (role names, separators, turn markers, the

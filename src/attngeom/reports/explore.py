@@ -96,6 +96,8 @@ def payload(data: ExploreData, level: int = 9) -> dict:
         "exact": data.exact,
         "k": data.top_k,
         "tokens": list(data.tokens),
+        "special": [int(p) for p in data.special],
+        "template": [int(p) for p in data.template],
         "initial_query": default_query,
         "regimes": list(REGIMES),
         "head_stats": {k: np.asarray(v).tolist() if k != "regime" else np.asarray(v).astype(int).tolist()

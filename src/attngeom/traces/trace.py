@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 from attngeom.model.arguments import takes_handle
+from attngeom.model.handle import special_positions
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
 from attngeom.capture.plugin import Block, LayerState, Session
@@ -264,15 +265,6 @@ class Trace:
         from attngeom.traces.saved import load_trace
 
         return load_trace(Path(path), cls, LayerTrace)
-
-
-@takes_handle
-def special_positions(handle: ModelHandleLike, ids: Sequence[int]) -> tuple[int, ...]:
-    """The positions of ``ids`` that hold one of the tokenizer's special tokens."""
-    from attngeom.model.handle import special_token_ids
-
-    special = special_token_ids(handle.tokenizer)
-    return tuple(p for p, i in enumerate(ids) if int(i) in special)
 
 
 @takes_handle
