@@ -46,6 +46,8 @@ METRICS = ("attention", "contribution", "contribution_inter")
 """Stored rows: attention (view H: mean over heads), the intra-head contribution ``c_ij^h`` (view H:
 ``C_ij``) and the inter-head contribution ``C_ij^h`` (view H: ``C_ij``), which splits a layer's
 ``C_ij`` by head (the page's heads behind a token)."""
+SHOWN = ("attention", "contribution")
+"""The two metrics of the page's Sources panel, side by side."""
 HEAD_STATS = ("sink_rate", "sink_contribution", "head_share", "regime")
 PAD = 0xFFFF  # index padding in top-k rows (a query with fewer than k visible sources)
 RESIDUAL_DECIMALS = 4  # residual shares are kept to 4 decimals (the page gets the same numbers)

@@ -102,14 +102,16 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
     """``compare.html``: ``page_a`` and ``page_b`` (two explorer pages) side by side under the header."""
     import json
 
+    import pandas as pd
+
     s = summary
     al = diff.alignment
     toks = []
     for r in al.itertuples():
         changed = r.op != "equal"
-        tok = r.token_a if r.token_a is not None else r.token_b
-        side = "" if not changed else (" a" if r.position_b is None or r.position_b is _na() else
-                                       " b" if r.position_a is None or r.position_a is _na() else " ab")
+        in_a = not pd.isna(r.position_a)
+        tok = r.token_a if in_a else r.token_b
+        side = "" if not changed else (" a" if in_a else " b")
         toks.append(f'<span class="t{" ch" if changed else ""}{side}">{html.escape(_shown(str(tok)))}</span>')
     heads = top_heads(diff.heads, top=5)
     head_rows = "".join(f"<tr><td>{int(r.layer)}</td><td>{int(r.head)}</td><td>{r.contribution_distance:.3f}</td>"
@@ -127,7 +129,7 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
  header {{ background: #fff; border-bottom: 1px solid #d0d7de; padding: 8px 14px; }}
  h1 {{ font-size: 16px; margin: 0 0 4px; }} .meta {{ color: #656d76; font-size: 12px; }}
  .align {{ font-family: ui-monospace, monospace; white-space: pre-wrap; margin: 6px 0; }}
- .t.ch.a {{ background: #ffd7d5; }} .t.ch.b {{ background: #d2f4d3; }} .t.ch.ab {{ background: #fff1c2; }}
+ .t.ch.a {{ background: #ffd7d5; }} .t.ch.b {{ background: #d2f4d3; }}
  table {{ border-collapse: collapse; font-size: 12px; }} td, th {{ padding: 1px 6px; text-align: right; }}
  .panes {{ display: grid; grid-template-columns: 1fr 1fr; gap: 6px; padding: 6px; }}
  .pane h2 {{ font-size: 13px; margin: 2px 4px; }}
@@ -136,8 +138,8 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
 <header>
  <h1>attngeom compare: {esc(s['model_a'])} vs {esc(s['model_b'])}</h1>
  <div class="meta">{s['aligned']} tokens aligned; changed: <span class="t ch a">only in a</span>
- <span class="t ch b">only in b</span> <span class="t ch ab">replaced</span> (alignment by longest matching blocks of the tokens);
- target {esc(_shown(s['target']['token']))!s} at a:{s['target']['position_a']} / b:{s['target']['position_b']}.
+ <span class="t ch b">only in b</span> (alignment by longest matching blocks of the tokens);
+ target {esc(_shown(s['target']['token']))} at a:{s['target']['position_a']} / b:{s['target']['position_b']}.
  Hover or pin a token in one explorer to show its aligned token in the other.</div>
  <div class="align" id="alignment">{"".join(toks)}</div>
  <table id="topheads"><tr><th>layer</th><th>head</th><th>contribution distance</th><th>attention distance</th></tr>{head_rows}</table>
@@ -151,12 +153,6 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
 {SYNC % body}
 </body></html>
 """
-
-
-def _na():
-    import pandas as pd
-
-    return pd.NA
 
 
 def _shown(tok: str) -> str:

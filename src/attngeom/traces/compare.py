@@ -202,8 +202,8 @@ class TraceDiff:
             worst[m] = {"layer": int(r["layer"]), "distance": float(r["distance"])}
         return {"model_a": self.a.model_name, "model_b": self.b.model_name, "tokens_a": len(self.a),
                 "tokens_b": len(self.b), "aligned": int(counts.get("equal", 0)),
-                "changed_a": int((self.alignment["op"] != "equal").sum() - counts.get("insert", 0)),
-                "changed_b": int((self.alignment["op"] != "equal").sum() - counts.get("delete", 0)),
+                "changed_a": int(((self.alignment["op"] != "equal") & self.alignment["position_a"].notna()).sum()),
+                "changed_b": int(((self.alignment["op"] != "equal") & self.alignment["position_b"].notna()).sum()),
                 "target": {"position_a": self.target_a, "position_b": self.target_b,
                            "token": self.a.tokens[self.target_a]},
                 "layers": self.layers_compared, "most_different_layer": worst}
