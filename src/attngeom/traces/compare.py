@@ -257,9 +257,13 @@ def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, targ
     """Analyse ``text`` with ``handle`` and ``text_b`` (default ``text``) with ``handle_b`` (default
     ``handle``) and compare them: ``(trace_a, trace_b, diff)``. A counterfactual pair is one model and
     two texts; two models take the same text (and need a tokenizer that cuts it the same way)."""
+    from attngeom.data.corpora import check_layers
     from attngeom.traces.trace import analyze
 
     handle_b = handle if handle_b is None else check_handle(handle_b, "attngeom.traces.compare_texts")
+    if layers is not None:
+        for h in (handle, handle_b):
+            check_layers(layers, h.num_layers)
     if text_b is None and handle_b is handle:
         raise InputError("nothing to compare: give a second text (a counterfactual) or a second model")
     a = analyze(handle, text, layers=layers)
