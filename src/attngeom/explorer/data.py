@@ -45,7 +45,7 @@ DEFAULT_EXACT_MAX_TOKENS = 512
 METRICS = ("attention", "contribution", "contribution_inter")
 """Stored rows: attention (view H: mean over heads), the intra-head contribution ``c_ij^h`` (view H:
 ``C_ij``) and the inter-head contribution ``C_ij^h`` (view H: ``C_ij``), which splits a layer's
-``C_ij`` by head (the page's heads behind a token)."""
+``C_ij`` by head (the page's heads behind a token; exact maps only, so that top-k pages stay small)."""
 SHOWN = ("attention", "contribution")
 """The two metrics of the page's Sources panel, side by side."""
 HEAD_STATS = ("sink_rate", "sink_contribution", "head_share", "regime")
@@ -116,6 +116,8 @@ class ExploreData:
         """``[(source position, value), ...]`` of one row, by value (largest first), as stored."""
         if metric not in METRICS:
             raise InputError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+        if metric not in self.rows:
+            raise InputError(f"{metric} rows are kept with exact maps only (up to exact_max_tokens tokens)")
         v = self.num_heads if head is None else int(head)
         entry = self.rows[metric][self._k(layer)]
         if self.exact:
@@ -217,7 +219,7 @@ class RowCollector(Reducer):
 
     def __init__(self, T: int, num_heads: int, top_k: int | None):
         self.T, self.H, self.top_k = T, num_heads, top_k
-        self.rows: dict[str, dict[int, object]] = {m: {} for m in METRICS}
+        self.rows: dict[str, dict[int, object]] = {m: {} for m in (METRICS if top_k is None else SHOWN)}
 
     def crop(self, T: int) -> None:
         """Keep the first ``T`` queries (and, for exact maps, sources)."""
@@ -233,8 +235,9 @@ class RowCollector(Reducer):
         c = block.contribution[0].float()
         Ch = block.contribution_inter[0].float()                            # [H, Q, S]
         C = Ch.sum(0, keepdim=True)                                         # [1, Q, S]
-        views = {"attention": torch.cat([a, a.mean(0, keepdim=True)]),
-                 "contribution": torch.cat([c, C]), "contribution_inter": torch.cat([Ch, C])}   # [H+1, Q, S]
+        views = {"attention": torch.cat([a, a.mean(0, keepdim=True)]), "contribution": torch.cat([c, C])}
+        if self.top_k is None:
+            views["contribution_inter"] = torch.cat([Ch, C])                # [H+1, Q, S]
         for m, x in views.items():
             store = self.rows[m]
             if self.top_k is None:
@@ -393,7 +396,7 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
              if all(l in res.shares for l in layers) else None)
     return ExploreData(
         tokens=handle.tokens(ids), ids=list(ids), layers=layers, num_heads=H,
-        rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},
+        rows={m: [rows.rows[m][l] for l in layers] for m in rows.rows},
         head_stats=head, layer_sink=sink_fig, residual_share=share, top_k=k, sink=sink,
         model_name=getattr(handle, "name", ""), meta={"num_layers": L}, answer=answer,
         special=list(special_positions(handle, ids)), template=list(template))
@@ -445,6 +448,6 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
     head, sink_fig = _head_tables(stats.result(), layers, H)
     return ExploreData(
         tokens=list(trace.tokens), ids=list(trace.ids), layers=layers, num_heads=H,
-        rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},
+        rows={m: [rows.rows[m][l] for l in layers] for m in rows.rows},
         head_stats=head, layer_sink=sink_fig, residual_share=None, top_k=k, sink=sink,
         model_name=trace.model_name, meta={}, answer=answer, special=list(trace.special), template=list(trace.template))

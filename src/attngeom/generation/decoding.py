@@ -427,6 +427,24 @@ def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[R
 # --------------------------------------------------------------------------------------------
 
 
+def answer_prompt_length(batch: Batch, reducer: str) -> int:
+    """The prompt length of a :class:`GenerationBatch`; an answer table's reducer refuses any other batch."""
+    P = getattr(batch, "prompt_length", None)
+    if not P:
+        raise InputError(f"{reducer} observes generation (attngeom.generation.decoding.stream)")
+    return int(P)
+
+
+def producing_rows(block: Block, prompt_length: int):
+    """``(r, q)`` for the block's queries ``q = q_start + r`` that are producing rows (``q >= P - 1``,
+    real tokens of batch item 0)."""
+    q0, Q = block.q_start, block.shape[2]
+    for r in range(max(0, prompt_length - 1 - q0), Q):
+        if q0 + r >= int(block.state.lengths[0]):
+            return
+        yield r, q0 + r
+
+
 class AnswerSources(Reducer):
     """Where each generated token's producing row (module docstring) draws from, per layer and
     for the model (the mean of the analysed layers' rows), from the token-level scores of SPEC §2
@@ -457,19 +475,12 @@ class AnswerSources(Reducer):
 
     def begin(self, batch: Batch) -> None:
         super().begin(batch)
-        P = getattr(batch, "prompt_length", None)
-        if not P:
-            raise InputError("AnswerSources observes generation (attngeom.generation.decoding.stream)")
-        self.P = int(P)
+        self.P = answer_prompt_length(batch, type(self).__name__)
         self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, query) -> [2, T] float64
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
-        q0 = block.q_start
-        for r in range(max(0, self.P - 1 - q0), Q):
-            q = q0 + r
-            if q >= int(block.state.lengths[0]):
-                break
+        for r, q in producing_rows(block, self.P):
             w = torch.zeros(1, Q, dtype=block.a.dtype, device=block.a.device)
             w[0, r] = 1.0
             got = block.received(w, TABLE_METRICS)

@@ -143,19 +143,16 @@ class AnswerHeads(Reducer):
         self.heads: list[pd.DataFrame] = []
 
     def begin(self, batch: Batch) -> None:
+        from attngeom.generation.decoding import answer_prompt_length
+
         super().begin(batch)
-        P = getattr(batch, "prompt_length", None)
-        if not P:
-            raise InputError("AnswerHeads observes generation (attngeom.generation.decoding.stream)")
-        self.P = int(P)
+        self.P = answer_prompt_length(batch, type(self).__name__)
         self._rows: dict[int, dict[int, dict[str, np.ndarray]]] = {}      # query -> layer -> by -> [H, q+1]
 
     def observe(self, block: Block) -> None:
-        Q, q0 = block.shape[2], block.q_start
-        for r in range(max(0, self.P - 1 - q0), Q):
-            q = q0 + r
-            if q >= int(block.state.lengths[0]):
-                break
+        from attngeom.generation.decoding import producing_rows
+
+        for r, q in producing_rows(block, self.P):
             self._rows.setdefault(q, {})[block.layer] = row_shares(block, r)
 
     def end(self, batch: Batch) -> None:

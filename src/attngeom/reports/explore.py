@@ -39,10 +39,10 @@ def pack(data: ExploreData) -> tuple[bytes, dict]:
     ``N`` uint16 words as two byte planes (all low bytes, then all high bytes), which deflate
     compresses better than interleaved words."""
     parts: list[np.ndarray] = []
-    blocks: dict[str, list[dict]] = {m: [] for m in METRICS}
+    blocks: dict[str, list[dict]] = {m: [] for m in METRICS if m in data.rows}
     off = 0
     T = data.T
-    for m in METRICS:
+    for m in blocks:
         for entry in data.rows[m]:
             where = {}
             if data.exact:
