@@ -200,7 +200,8 @@ def experiment(handle: ModelHandleLike, run: RunLike, text_or_ids, settings: Ana
     tables = {"tokens": tokens_df, "heads": heads_df}
     if answer is not None:
         tokens_df["generated"] = tokens_df["position"] >= answer["prompt_length"]
-        summary["generation"] = generation_summary(handle, answer, settings.decoding, settings.sink)
+        summary["generation"] = generation_summary(handle, answer, settings.decoding, settings.sink,
+                                                   settings.rank_special)
         tables.update({f"answer_{k}": v for k, v in answer["tables"].items()})
     per_window = {"offset": [off for off, _ in windows], "ids": [w for _, w in windows], **window_sums(each, layers)}
     res = ExperimentResult("analyze", tables=tables, summary=summary, per_window=per_window,
@@ -415,16 +416,19 @@ def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_len
 
 
 @takes_handle
-def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0) -> dict:
+def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0,
+                       rank_special: bool = False) -> dict:
     """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
-    layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole
-    answer drew on."""
+    layers) where its tokens' contribution came from, the prompt tokens (the sink aside; special and
+    template tokens too unless ``rank_special``) the whole answer drew on and the heads behind it."""
     tables = answer["tables"]
     heads = tables["heads"]
     heads = heads[heads["step"].isna() & (heads["by"] == "contribution")].head(TOP_K) if len(heads) else heads
     shares = tables["shares"][tables["shares"]["layer"].isna()]
     summ = tables["summary"][tables["summary"]["layer"].isna()]
     summ = summ[summ["position"] != sink]                  # the sink has its own share
+    if not rank_special:
+        summ = summ[~(summ["is_special"] | summ["is_template"])]
     top = summ.sort_values(["contribution", "position"], ascending=[False, True], kind="stable").head(TOP_K)
     return {
         "heads_behind_the_answer": [

@@ -176,14 +176,18 @@ class AnswerHeads(Reducer):
                 df.insert(0, "text", index)
                 frames.append(df)
         if frames:
-            out = pd.concat(frames, ignore_index=True)
-            for col in ("step", "position", "token_id"):
-                out[col] = pd.array([None if pd.isna(x) else int(x) for x in out[col]], dtype="Int64")
-            self.heads.append(out)
+            self.heads.append(pd.concat(frames, ignore_index=True))
         self._rows = {}
 
     def result(self) -> pd.DataFrame:
-        return pd.concat(self.heads, ignore_index=True) if self.heads else pd.DataFrame()
+        """The table; ``step``, ``position`` and ``token_id`` are nullable integers (null: the whole
+        answer) however the state travelled."""
+        if not self.heads:
+            return pd.DataFrame()
+        out = pd.concat(self.heads, ignore_index=True)
+        for col in ("step", "position", "token_id"):
+            out[col] = pd.array([None if pd.isna(x) else int(x) for x in out[col]], dtype="Int64")
+        return out
 
 
 def of_text(positions: Collection[int] | Mapping, index: int) -> tuple[int, ...]:

@@ -3,16 +3,21 @@
 Every public function with a ``handle`` parameter is decorated with :func:`takes_handle` (anything
 else is refused in one line, saying what to pass); every one with a ``model`` parameter (a
 transformers model) with :func:`takes_model` (a handle stands for its model). tests/unit/test_structure.py
-checks that no public function is left undecorated. Imports torch only."""
+checks that no public function is left undecorated. Imports nothing heavy (torch only when a value is checked),
+so a module that decorates its functions stays light to import."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 
-import torch
-
 from attngeom.errors import InputError
+
+
+def _is_module(obj) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
 
 
 HANDLE_HINT = "the ModelHandle that attngeom.load_model returns"
@@ -21,7 +26,7 @@ HANDLE_HINT = "the ModelHandle that attngeom.load_model returns"
 def _what(obj) -> str:
     if isinstance(obj, str):
         return f"the string {obj[:60]!r} (load it first: attngeom.load_model({obj[:60]!r}))"
-    if isinstance(obj, torch.nn.Module):
+    if _is_module(obj):
         return f"a bare {type(obj).__name__} (wrap it with its tokenizer: attngeom.wrap(model, tokenizer))"
     return f"a value of type {type(obj).__name__} (load a model with attngeom.load_model(...))"
 
@@ -29,7 +34,7 @@ def _what(obj) -> str:
 def is_handle(obj) -> bool:
     """Whether ``obj`` is a model handle: a :class:`~attngeom.model.handle.ModelHandle` or anything with its ``model``,
     ``tokenizer`` and ``name`` (:class:`attngeom.runs.contract.ModelHandleLike`)."""
-    return not isinstance(obj, torch.nn.Module) and all(hasattr(obj, a) for a in ("model", "tokenizer", "name"))
+    return not _is_module(obj) and all(hasattr(obj, a) for a in ("model", "tokenizer", "name"))
 
 
 def check_handle(obj, where: str):
@@ -39,12 +44,12 @@ def check_handle(obj, where: str):
     return obj
 
 
-def as_model(obj, where: str) -> torch.nn.Module:
+def as_model(obj, where: str):
     """The transformers model of a function that takes one: a handle's ``model``, or the module itself;
     anything else is refused in one line."""
     if is_handle(obj):
         return obj.model
-    if isinstance(obj, torch.nn.Module):
+    if _is_module(obj):
         return obj
     raise InputError(f"{where} takes {HANDLE_HINT} or its transformers model, not {_what(obj)}")
 

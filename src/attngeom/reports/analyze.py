@@ -410,7 +410,7 @@ def _generation_lines(gen: dict) -> list[str]:
              "```text", gen["answer_text"].replace("```", "ˋˋˋ"), "```", "",
              f"Contribution of each answer token's predicting row, mean over tokens and layers: sink "
              f"**{sh['sink']:.3f}**, prompt **{sh['prompt']:.3f}**, earlier answer **{sh['answer']:.3f}**.", "",
-             "Prompt tokens the whole answer drew on (mean over its tokens and the layers, sink left out):", ""]
+             "Prompt tokens the whole answer drew on (mean over its tokens and the layers, sink, special and template tokens left out unless --rank-special):", ""]
     lines += md.table(["rank", "token", "contribution", "attention"],
                       ([k, md.Raw(f"{md.token(r['token'])} @{r['position']}"), f"{r['contribution']:.4f}",
                         f"{r['attention']:.4f}"] for k, r in enumerate(gen["prompt_tokens_the_answer_drew_on"], 1)),

@@ -46,7 +46,7 @@ __all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generatio
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(repr=False)
 class LayerTrace:
     """One attention layer of one text. Maps are numpy float32 ``[heads, T, T]`` (queries x
     sources), one per metric of :mod:`attngeom.metrics.registry` (``layer.contribution``,
@@ -63,6 +63,9 @@ class LayerTrace:
     @property
     def num_heads(self) -> int:
         return self.a.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LayerTrace(layer {self.index}: {self.num_heads} heads, {self.a.shape[-1]} tokens)"
 
     @cached_property
     def block(self) -> Block:
