@@ -183,6 +183,10 @@ def test_bad_input_after_load(tiny_llama_dir, chat_dir, capsys, tmp_path, comman
     assert main([command, *m, "--text", TEXT, "--chat", "--generate", "2", "--out", str(tmp_path / "chat"),
                  "--no-progress"][: None if command == "analyze" else -1]) == 0
     assert "has no chat template; the prompt uses attngeom's plain fallback template" in capsys.readouterr().err
+    if command == "analyze":
+        summary = json.loads((tmp_path / "chat" / "summary.json").read_text())
+        assert summary["generation"]["chat_template"] == "fallback"
+        assert "plain fallback template" in (tmp_path / "chat" / "report.md").read_text()
     _fails(capsys, [command, *m, "--text", TEXT, "--generate", "250", "--out", str(tmp_path / "b")],
            "context of 256")
     _fails(capsys, [command, *m, "--text", "a </s> b", "--generate", "2", "--out", str(tmp_path / "c")],

@@ -408,6 +408,9 @@ def _generation_lines(gen: dict) -> list[str]:
              f"{gen['prompt_tokens']} prompt tokens, {gen['answer_tokens']} generated"
              + (" (ended on a stop token)" if gen["stopped_on_stop_token"] else "") + ":", "",
              "```text", gen["answer_text"].replace("```", "ˋˋˋ"), "```", "",
+             *(["The model's tokenizer has no chat template: the prompt used attngeom's plain fallback template "
+                "('User: ...', then 'Assistant:'; docs/generation.md).", ""]
+               if gen.get("chat_template") == "fallback" else []),
              f"Contribution of each answer token's predicting row, mean over tokens and layers: sink "
              f"**{sh['sink']:.3f}**, prompt **{sh['prompt']:.3f}**, earlier answer **{sh['answer']:.3f}**.", "",
              "Prompt tokens the whole answer drew on (mean over its tokens and the layers, sink, special and template tokens left out unless --rank-special):", ""]
