@@ -223,3 +223,19 @@ def test_functions_taking_a_transformers_model_accept_the_handle():
     with pytest.raises(InputError, match="or its transformers model"):
         with compressing("smollm2-135m", cache):
             pass
+
+
+def test_the_explorer_carries_each_heads_share_and_the_marks(trace):
+    from attngeom.explorer.data import from_trace
+
+    data = from_trace(trace)
+    assert (data.special, data.template) == (list(trace.special), list(trace.template))
+    for k, lt in enumerate(trace.layers):
+        rows = data.rows["contribution_inter"][k].astype(np.float32)      # [H+1, T, T], float16 on the page
+        H = lt.num_heads
+        assert np.allclose(rows[:H], np.tril(lt.contribution_inter), atol=2e-3)
+        assert np.allclose(rows[H], rows[:H].sum(0), atol=5e-3)            # the layer view: C_ij
+    topk = from_trace(trace, exact_max_tokens=0)
+    assert "contribution_inter" not in topk.rows                           # exact maps only
+    with pytest.raises(InputError, match="exact maps only"):
+        topk.sources(trace.layers[0].index, 0, 5, "contribution_inter")
