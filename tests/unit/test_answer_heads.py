@@ -10,8 +10,8 @@ import torch
 
 import attngeom
 from attngeom.errors import InputError
-from attngeom.generation.decoding import (FALLBACK_CHAT_TEMPLATE, Decoding, chat_template_of, prompt_ids, stream,
-                                          template_positions)
+from attngeom.generation.decoding import (FALLBACK_CHAT_TEMPLATE, Decoding, chat_template_of, prompt_ids,
+                                          stream_generation, template_positions)
 from attngeom.generation.heads import AnswerHeads
 from attngeom.traces.trace import Trace, analyze
 from tiny_models import BOS_ID, tiny_chat_tokenizer, tiny_model, tiny_tokenizer
@@ -129,7 +129,7 @@ def test_answer_heads_reducer_equals_the_trace(chat_handle, trace):
     P = trace.prompt_length
     special = {trace.ids[p] for p in trace.special}
     reducer = AnswerHeads(special, trace.template, top=6)
-    stream(chat_handle, trace.ids[:P], [reducer], Decoding(N, stop=()))
+    stream_generation(chat_handle, trace.ids[:P], [reducer], Decoding(N, stop=()))
     res = reducer.result()
     assert set(res["by"]) == {"contribution", "attention"} and res["step"].isna().sum() == 12
     for by in ("contribution", "attention"):
@@ -204,7 +204,7 @@ def test_a_bare_model_or_a_name_is_refused_in_one_line():
     handle = tiny_model("llama")
     for bad, hint in [(handle.model, "attngeom.wrap"), ("smollm2-135m", "attngeom.load_model('smollm2-135m')")]:
         for call in (lambda m: attngeom.analyze(m, "a b"), lambda m: attngeom.stream(m, ["a b"], []),
-                     lambda m: attngeom.explorer.build(m, "a b"), lambda m: attngeom.kvcache.read(m, [1, 2], "full", None)):
+                     lambda m: attngeom.explorer.build(m, "a b"), lambda m: attngeom.kvcache.read_under_budget(m, [1, 2], "full", None)):
             with pytest.raises(InputError, match="ModelHandle that attngeom.load_model returns") as e:
                 call(bad)
             assert hint in str(e.value) and "\n" not in str(e.value)

@@ -15,7 +15,7 @@ from attngeom.errors import InputError
 from attngeom.faithfulness import curves as F
 from attngeom.faithfulness.curves import CLEAN, build_variants, experiment, run_units, summarize, task_units, window_units
 from attngeom.capture.interventions import RankIntervention, Variant
-from attngeom.streaming.reducers import Batch
+from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import Run
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.faithfulness.tasks import load_task
@@ -84,7 +84,7 @@ def test_clean_ppl_equals_plain_model(llama, tmp_path):
     v = Variant("contribution", "sufficiency", 0.7)
     nll = 0.0
     for u, w in enumerate(wins):
-        b = Batch(ids=torch.tensor(w)[None], lengths=torch.tensor([len(w)]), index=[0])
+        b = InputBatch(ids=torch.tensor(w)[None], lengths=torch.tensor([len(w)]), index=[0])
         lg = forward(llama, b, Session(intervention=RankIntervention(v, salts=[u])), logits=True).double()
         nll -= float(torch.log_softmax(lg[0, :-1], -1).gather(-1, b.ids[0, 1:, None]).sum())
     row = table[(table.metric == "contribution") & (table["mode"] == "sufficiency") & (table.ratio == 0.7)].iloc[0]
@@ -238,7 +238,7 @@ def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
     # intervened: each option alone under the same ranking gives the batched log-likelihood
     v = Variant("contribution", "comprehensiveness", 0.5)
     for i, tu in enumerate(units):
-        b = Batch(ids=torch.tensor(tu.ids)[None], lengths=torch.tensor([len(tu.ids)]), index=[0])
+        b = InputBatch(ids=torch.tensor(tu.ids)[None], lengths=torch.tensor([len(tu.ids)]), index=[0])
         lg = forward(llama, b, Session(intervention=RankIntervention(v, salts=[tu.salt])), logits=True)[0].double()
         lp = torch.log_softmax(lg, -1)
         T = len(tu.ids)
@@ -297,7 +297,7 @@ def test_cli_runs_and_resumes(tiny_llama_dir, tmp_path, capsys):
     assert s["units_done"] == 2 and set(s["metrics"]) == {"attention", "random"}
     man = json.loads((out / "run.json").read_text())
     assert man["command"] == "faithfulness" and man["complete"] and set(man["files"]) == {
-        "table.parquet", "summary.json", "faithfulness.png"}
+        "table.parquet", "summary.json", "faithfulness.png", "report.md"}
     # the same command again: the run is complete, nothing is recomputed or rewritten
     before = {f: (out / f).stat().st_mtime_ns for f in man["files"]}
     assert _cli(tiny_llama_dir, out, *args) == 0
@@ -381,7 +381,7 @@ def test_default_model_one_short_window(tmp_path):
     h = load_model("smollm2-135m")
     units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
     settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,))
-    table, s = _table_summary(h, units=units, settings=settings, progress=False)
+    table, s = _table_summary(h, None, units=units, settings=settings, progress=False)
     assert s["clean"] < 1e4 and len(table) == 4
     # masking the most important half hurts more than masking the least important half
     c = table[table.metric == "contribution"].set_index("mode")["change"]

@@ -69,9 +69,9 @@ def test_one_head_equals_zeroing_its_slice_under_gqa(arch):
 def test_batched_sensitivity_equals_one_at_a_time():
     h = tiny_model("llama")
     ws = [h.encode(TEXTS[0]), h.encode(TEXTS[1])]
-    base = HD.perplexity(h, ws)
+    base = HD.removal_perplexity(h, ws)
     sens = HD.single_head_sensitivity(h, ws, batch_size=5, base_ppl=base, progress=False)
-    slow = np.array([[HD.perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
+    slow = np.array([[HD.removal_perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
     assert sens.shape == (h.num_layers, h.num_heads)
     assert np.allclose(sens, slow, rtol=1e-5, atol=1e-6)
     assert np.abs(sens).max() > 0
@@ -202,8 +202,8 @@ def test_sensitivity_batches_equal_one_removal_at_a_time_and_replace_no_forward(
         for k in hooks:
             k.remove()
     assert replaced == []  # no module's forward is replaced on the way
-    base = HD.perplexity(h, ws)
-    one = np.array([[HD.perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
+    base = HD.removal_perplexity(h, ws)
+    one = np.array([[HD.removal_perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
     assert np.allclose(batched, one, rtol=1e-5, atol=1e-6)
 
 
@@ -212,7 +212,7 @@ def test_latent_attention_is_refused_before_any_stage_runs():
     before its taxonomy stages run (the weight-norm order needs ``‖W_V‖``)."""
     from attngeom.errors import UnsupportedArchitectureError
     from attngeom.model import ModelHandle
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import InMemoryRun
     from attngeom.heads.settings import HeadsSettings
     from test_architectures import build
     from tiny_models import tiny_tokenizer
@@ -220,7 +220,7 @@ def test_latent_attention_is_refused_before_any_stage_runs():
     handle = ModelHandle(model=build("deepseek_v2"), tokenizer=tiny_tokenizer(), spec="deepseek_v2", name="deepseek_v2")
     stages = []
 
-    class Counting(Memory):
+    class Counting(InMemoryRun):
         def stage(self, name, *args, **kw):
             stages.append(name)
             return super().stage(name, *args, **kw)

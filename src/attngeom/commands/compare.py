@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
         g = p.add_mutually_exclusive_group()
         g.add_argument(f"--text{suffix}", default=None, help=what)
         g.add_argument(f"--file{suffix}", default=None, help=f"read {what} from this UTF-8 file")
-    p.add_argument("--layers", default="all", help="layers to compare: all (default) or a list, e.g. 0,5,29")
+    p.add_argument("--layers", default="all", help="layers to compare: all or a list, e.g. 0,5,29 (default %(default)s)")
     p.add_argument("--target", type=int, default=None,
                    help="the position of text a whose rows are compared (an aligned token; negative counts from "
                         "the end; default: the last aligned token)")

@@ -20,6 +20,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "TaskUnit": "curves",
     "task_units": "curves",
     "complete_examples": "curves",
+    "summary": "curves",
     "experiment": "curves",
     "default_rankings": "settings",
     "FaithfulnessSettings": "settings",

@@ -23,7 +23,7 @@ out of the ranking (their shares are not given to anyone else: the remaining sha
 - :func:`row_shares` — one row's shares ``[H, i + 1]`` per measure from a :class:`~attngeom.capture.plugin.Block`.
 - :func:`head_table` — the ranked table from per-layer shares.
 - :class:`AnswerHeads` — the table for every generated token and for the whole answer, observing a
-  generation (:func:`attngeom.generation.decoding.stream`); ``Trace.heads_for`` gives the same from a trace.
+  generation (:func:`attngeom.generation.decoding.stream_generation`); ``Trace.heads_for`` gives the same from a trace.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from attngeom.capture.plugin import Block
 from attngeom.errors import InputError
 from attngeom.metrics import formulas as metrics
-from attngeom.streaming.reducers import Batch, Reducer
+from attngeom.streaming.reducers import InputBatch, Reducer
 
 BY = ("contribution", "attention")
 """The measures of a share: the inter-head contribution ``C_ij^h`` and the attention ``a_ij^h / H``."""
@@ -142,7 +142,7 @@ class AnswerHeads(Reducer):
         self.top, self.exclude_special = int(top), bool(exclude_special)
         self.heads: list[pd.DataFrame] = []
 
-    def begin(self, batch: Batch) -> None:
+    def begin(self, batch: InputBatch) -> None:
         from attngeom.generation.decoding import answer_prompt_length
 
         super().begin(batch)
@@ -155,7 +155,7 @@ class AnswerHeads(Reducer):
         for r, q in producing_rows(block, self.P):
             self._rows.setdefault(q, {})[block.layer] = row_shares(block, r)
 
-    def end(self, batch: Batch) -> None:
+    def end(self, batch: InputBatch) -> None:
         T, P, index = int(batch.lengths[0]), self.P, batch.index[0]
         ids = batch.ids[0, :T].tolist()
         queries = [q for q in range(P - 1, T - 1) if q in self._rows]

@@ -1,11 +1,11 @@
-"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`)."""
+"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`) and the evaluation under a budget (:mod:`.evaluation`)."""
 
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "KV_ATTN": "cache",
     "pool_heads": "cache",
-    "select": "cache",
+    "kept_entries": "cache",
     "CompressedLayer": "cache",
     "CompressedCache": "cache",
     "cache_bytes": "cache",
@@ -13,16 +13,16 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "kv_attention": "cache",
     "compressing": "cache",
     "new_cache": "cache",
-    "step": "cache",
-    "read": "cache",
-    "taxonomy_budgets": "cache",
-    "configurations": "cache",
-    "experiment": "cache",
-    "answer": "cache",
-    "answers": "cache",
-    "summarize": "cache",
-    "summarize_answers": "cache",
-    "pairwise": "cache",
+    "cached_forward": "cache",
+    "read_under_budget": "evaluation",
+    "taxonomy_budgets": "policies",
+    "configurations": "evaluation",
+    "experiment": "evaluation",
+    "answer_under_budget": "evaluation",
+    "answers": "evaluation",
+    "summarize": "evaluation",
+    "summarize_answers": "evaluation",
+    "pairwise": "evaluation",
     "SINKS": "policies",
     "RECENT": "policies",
     "SNAP_WINDOW": "policies",
@@ -42,4 +42,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "get_policy": "policies",
     "needs_regimes": "policies",
     "KVCacheSettings": "settings",
+    "KVCacheInputs": "settings",
 })

@@ -12,6 +12,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "batch_nll": "passes",
     "scored_tokens": "passes",
     "stream": "passes",
+    "InputBatch": "reducers",
     "Batch": "reducers",
     "Reducer": "reducers",
     "HeadStats": "reducers",
