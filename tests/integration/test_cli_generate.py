@@ -91,8 +91,19 @@ def test_analyze_generate_writes_the_answer_tables(run_generate, tiny_llama_dir)
         assert np.allclose(sel["contribution_sink"], C[P - 1:T - 1, 0], atol=1e-5)
         assert np.allclose(sel["contribution_answer"], [C[q, P:q + 1].sum() for q in range(P - 1, T - 1)], atol=1e-5)
     src = pd.read_parquet(run_generate / "answer_sources.parquet")
-    assert set(src["metric"]) == {"attention", "contribution"} and (src["source"] < P).all()
+    assert set(src["metric"]) == {"attention", "contribution"} and (src["source"] <= src["query"]).all()
+    assert set(src["part"]) == {"prompt", "answer"} and not src["is_special"].any()   # the earlier answer ranks too
     assert src["source_token"].tolist() == handle.tokens(src["source_id"].tolist())
+    heads = pd.read_parquet(run_generate / "answer_heads.parquet")
+    for step in range(T - P):                       # each token's table: its producing row in the full trace
+        want = trace.heads_for(P + step, top=10)
+        got = heads[(heads["step"] == step) & (heads["by"] == "contribution")]
+        assert np.allclose(got["share"], want["share"], atol=1e-5)
+        assert got["source_token"].tolist() == want["source_token"].tolist()
+    whole = heads[heads["step"].isna() & (heads["by"] == "attention")]
+    assert np.allclose(whole["share"], trace.heads_for("answer", by="attention")["share"], atol=1e-5)
+    report = (run_generate / "report.md").read_text()
+    assert "Heads behind the whole answer" in report and "answer_heads.parquet" in report
 
 
 def test_analyze_generate_resumes(run_generate, tiny_llama_dir, capsys):
@@ -169,15 +180,20 @@ def test_bad_messages_file_before_load(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("command", ["analyze", "explore"])
 def test_bad_input_after_load(tiny_llama_dir, chat_dir, capsys, tmp_path, command):
     m = ["--model", str(tiny_llama_dir)]
-    _fails(capsys, [command, *m, "--text", TEXT, "--chat", "--generate", "2", "--out", str(tmp_path / "a")],
-           "has no chat template")
+    assert main([command, *m, "--text", TEXT, "--chat", "--generate", "2", "--out", str(tmp_path / "chat"),
+                 "--no-progress"][: None if command == "analyze" else -1]) == 0
+    assert "has no chat template; the prompt uses attngeom's plain fallback template" in capsys.readouterr().err
+    if command == "analyze":
+        summary = json.loads((tmp_path / "chat" / "summary.json").read_text())
+        assert summary["generation"]["chat_template"] == "fallback"
+        assert "plain fallback template" in (tmp_path / "chat" / "report.md").read_text()
     _fails(capsys, [command, *m, "--text", TEXT, "--generate", "250", "--out", str(tmp_path / "b")],
            "context of 256")
     _fails(capsys, [command, *m, "--text", "a </s> b", "--generate", "2", "--out", str(tmp_path / "c")],
            "stop token '</s>'")
     _fails(capsys, [command, "--model", str(chat_dir), "--text", "a </s> b", "--chat", "--generate", "2",
                     "--out", str(tmp_path / "d")], "stop token")
-    for d in "abcd":
+    for d in "bcd":
         assert not (tmp_path / d / "summary.json").exists() and not (tmp_path / d / "explore.html").exists()
 
 

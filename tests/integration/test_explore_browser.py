@@ -119,7 +119,7 @@ def page(tiny, tmp_path_factory):
 
 
 def check_view(driver, data, layer, head, query):
-    for metric in E.METRICS:
+    for metric in E.SHOWN:
         assert top_shown(driver, metric) == data.top_source(layer, head, query, metric), (metric, layer, head, query)
 
 
@@ -183,12 +183,12 @@ def test_hover_and_jupyter_iframe(driver, page, tiny, tmp_path):
     ActionChains(driver).move_to_element(driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]')).perform()
     check_view(driver, data, data.layers[-1], None, q)          # hover shows the sources, unpinned
     assert console_errors(driver) == []
-    # the Jupyter view: the same page inside <iframe srcdoc sandbox="allow-scripts">
+    # the Jupyter view (trace.explore()): the same page inside <iframe srcdoc sandbox="allow-scripts">
     from attngeom import analyze
 
     trace = analyze(tiny, TEXT)
     frame_page = tmp_path / "notebook.html"
-    frame_page.write_text(f"<!DOCTYPE html><html><body>{trace._repr_html_()}</body></html>", encoding="utf-8")
+    frame_page.write_text(f"<!DOCTYPE html><html><body>{trace.explore()._repr_html_()}</body></html>", encoding="utf-8")
     driver.get(frame_page.resolve().as_uri())
     driver.switch_to.frame(driver.find_element("tag name", "iframe"))
     t0 = time.time()
@@ -296,4 +296,77 @@ def test_answer_view(driver, tiny, tmp_path):
         want = sorted((j for j in range(P) if j != data.sink), key=lambda j: (-scores[j], j))[:10]
         assert shown == want, table
     shot(driver, "explore-answer.png")
+    assert console_errors(driver) == []
+
+
+def test_heads_behind_a_token_and_the_split_by_head(driver, tiny, tmp_path):
+    """The heads panel lists the (layer, head, source) triples of Trace.heads_for for the shown row;
+    hovering a source splits its link by head (C_ij^h, a_ij^h / H); special and chat-template tokens
+    are marked and, with the box ticked, left out of the rankings."""
+    from attngeom.traces.trace import analyze
+    from tiny_models import tiny_chat_tokenizer
+
+    handle = tiny_model("llama")
+    handle.tokenizer = tiny_chat_tokenizer()
+    trace = analyze(handle, "The cat sat", generate=4, chat=True, stop=())
+    path = trace.to_html(tmp_path / "heads.html")
+    open_page(driver, path)
+    marked = {int(s.get_attribute("data-pos")) for s in driver.find_elements("css selector", "#tokens .tok.marked")}
+    assert marked == set(trace.special) | set(trace.template) and marked
+    t = trace.prompt_length + 2                                        # an answer token: its prediction row
+    driver.find_element("css selector", f'#tokens .tok[data-pos="{t}"]').click()
+    rows = driver.find_elements("css selector", "#headstable tr.hrow")
+    want = trace.heads_for(t, top=len(rows), exclude_special=False)
+    got = [(int(r.get_attribute("data-layer")), int(r.get_attribute("data-head")), int(r.get_attribute("data-pos")))
+           for r in rows]
+    shares = [float(r.find_elements("tag name", "td")[4].text) for r in rows]
+    assert np.allclose(shares, want["share"], atol=2e-3)               # float16 on the page
+    assert got[0] == tuple(want.iloc[0][["layer", "head", "source"]])
+    # the split of one link by head, at the shown layer
+    src = driver.find_element("css selector", '#src-contribution tr.src[data-rank="0"]')
+    j = int(src.get_attribute("data-pos"))
+    from selenium.webdriver import ActionChains
+
+    ActionChains(driver).move_to_element(src).perform()
+    cells = driver.find_elements("css selector", "#split tr.split")
+    C = trace.layers[-1].contribution_inter[:, t - 1, j]
+    assert np.allclose([float(c.find_elements("tag name", "td")[1].text) for c in cells], C, atol=2e-3)
+    # leave special and template tokens out of the rankings
+    driver.find_element("id", "skipmarked").click()
+    listed = {int(r.get_attribute("data-pos")) for r in driver.find_elements("css selector", "#headstable tr.hrow")}
+    listed |= {int(r.get_attribute("data-pos")) for r in driver.find_elements("css selector", "#sources tr.src, .sources tr.src")}
+    assert listed and not listed & marked
+    assert {int(r.get_attribute("data-pos")) for r in driver.find_elements("css selector", "#headstable tr.hrow")} == \
+        set(trace.heads_for(t, top=12)["source"])
+    shot(driver, "explore-heads.png")
+    assert console_errors(driver) == []
+
+
+def test_compare_page_side_by_side(driver, tiny_llama_dir, tmp_path):
+    """attngeom compare's page: two explorers; a token pinned in one shows its aligned token in the other."""
+    from attngeom.cli import main
+
+    out = tmp_path / "cmp"
+    assert main(["compare", "--model", str(tiny_llama_dir), "--text", "the cat sat on the mat",
+                 "--text-b", "a cow sat on the mat", "--out", str(out)]) == 0
+    driver.get((out / "compare.html").resolve().as_uri())
+    frames = driver.find_elements("tag name", "iframe")
+    assert len(frames) == 2
+    for f in frames:                                                  # both explorers are ready
+        driver.switch_to.frame(f)
+        t0 = time.time()
+        while driver.execute_script("return document.body.dataset.ready") != "1" and time.time() - t0 < 20:
+            time.sleep(0.05)
+        driver.switch_to.default_content()
+    driver.switch_to.frame(frames[0])
+    driver.find_element("css selector", '#tokens .tok[data-pos="10"]').click()    # "s" of "sat" in a
+    driver.switch_to.default_content()
+    t0 = time.time()
+    while driver.execute_script("return document.body.dataset.synced") is None and time.time() - t0 < 5:
+        time.sleep(0.05)
+    assert driver.execute_script("return document.body.dataset.synced") == "8"      # "s" of "sat" in b
+    driver.switch_to.frame(frames[1])
+    assert "query" in driver.find_element("css selector", '#tokens .tok[data-pos="8"]').get_attribute("class")
+    driver.switch_to.default_content()
+    shot(driver, "compare.png")
     assert console_errors(driver) == []

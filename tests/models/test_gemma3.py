@@ -172,3 +172,20 @@ def test_first_load_caches_exactly_and_quietly(tmp_path, monkeypatch, capfd):
         with torch.no_grad():
             logits = handle.model(ids).logits[0, -1].float()
         torch.testing.assert_close(logits, reference, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_the_chat_example_runs_on_both_bundled_models(gemma3):
+    """README's chat example: Gemma 3 270M's tokenizer has no chat template, so the prompt goes
+    through attngeom's fallback template (said by chat_template_of), whose own tokens are marked."""
+    from attngeom import analyze
+    from attngeom.generation import chat_template_of
+
+    assert chat_template_of(gemma3) == "fallback"
+    trace = analyze(gemma3, "What is the capital of France?", generate=4, chat=True, stop=())
+    text = gemma3.tokenizer.decode(trace.ids[:trace.prompt_length])
+    assert "User: What is the capital of France?" in text and text.rstrip().endswith("Assistant:")
+    user = [p for p in range(trace.prompt_length) if p not in trace.template and p not in trace.special]
+    assert "".join(trace.tokens[p] for p in user).strip() == "What is the capital of France?"
+    heads = trace.heads_for("answer")
+    assert len(heads) == 10 and not (heads["is_template"] | heads["is_special"]).any()

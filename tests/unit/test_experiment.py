@@ -165,7 +165,7 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
     assert main(["analyze", "--model", str(tiny_llama_dir), "--text", "The cat sat", "--generate", "4",
                  "--out", str(out), "--no-progress"]) == 0
     res = analysis.experiment(handle, InMemoryRun(), "The cat sat", AnalyzeSettings(decoding=Decoding(4)), source="--text")
-    assert {"answer_shares", "answer_sources", "answer_summary"} <= set(res.tables)
+    assert {"answer_shares", "answer_sources", "answer_summary", "answer_heads"} <= set(res.tables)
     _same_as_written(res, out, ("generation",))
     with pytest.raises(InputError, match="windows do not apply"):
         analysis.experiment(handle, InMemoryRun(), "The cat sat", AnalyzeSettings(decoding=Decoding(4), window=8))
@@ -179,5 +179,5 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
 
     res = analysis.answer_experiment(handle, InMemoryRun(), resolve_texts(str(data), None),
                                      AnalyzeSettings(decoding=Decoding(2)), source=str(data))
-    assert set(res.tables) == {"answers", "answer_shares", "answer_sources", "answer_summary"}
+    assert set(res.tables) == {"answers", "answer_shares", "answer_sources", "answer_summary", "answer_heads"}
     _same_as_written(res, out, ("prompts", "answer_tokens"))

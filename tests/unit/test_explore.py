@@ -267,7 +267,9 @@ def test_payload_roundtrip(exact):
 def test_trace_to_html_and_repr(trace, tmp_path):
     path = trace.to_html(tmp_path / "t.html")
     assert path.is_file() and path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
-    frame = trace._repr_html_()
+    shown = trace._repr_html_()                    # the notebook display: a few kB, no maps, no script
+    assert len(shown) < 20_000 and "<script" not in shown and "to_html" in shown
+    frame = trace.explore()._repr_html_()          # the explorer inline, on request
     assert frame.startswith("<iframe srcdoc=") and "<script" not in frame   # escaped inside srcdoc
 
 

@@ -167,7 +167,7 @@ def _slow_answer_tables(trace: Trace, sink: int, top_k: int):
             for m, x in maps.items():
                 row = x[q, :q + 1]
                 shares[(layer, q, m)] = (row[sink], row[:P].sum() - row[sink], row[P:].sum())
-                cand = [j for j in range(P) if j != sink]
+                cand = [j for j in range(q + 1) if j != sink]      # the prompt and the earlier answer
                 sources[(layer, q, m)] = sorted(cand, key=lambda j: (-row[j], j))[:top_k]
     return shares, sources
 
@@ -198,7 +198,7 @@ def test_answer_tables_against_the_full_trace():
         # scores equal up to float noise; ties may order either way only when the scores tie
         assert len(sel) == len(want)
         maps = {lt.index: lt for lt in trace.layers}
-        assert (sel["source"] < P).all() and (sel["source"] != 0).all()
+        assert (sel["source"] <= q).all() and (sel["source"] != 0).all()
         assert (np.diff(sel["score"].to_numpy()) <= 1e-6).all()
         if layer is not None:
             x = maps[layer].attention.mean(0) if m == "attention" else maps[layer].contribution_inter.sum(0)
@@ -277,7 +277,6 @@ def test_chat_prompt_goes_through_the_template(chat_handle):
     (dict(generate=2, sample=True, temperature=0.0), "temperature"),
     (dict(generate=2, sample=True, top_p=1.5), "top-p"),
     (dict(generate=2, system="x"), "needs chat=True"),
-    (dict(generate=2, chat=True), "no chat template"),
     (dict(seed=1), "give generate=N"),
 ])
 def test_bad_generation_input_refused(kwargs, match):

@@ -2,7 +2,7 @@
 
 Core is every module of ``attngeom`` outside ``commands/``, ``reports/``, ``cli.py`` and
 ``__main__.py``. The one exception is documented and checked here: ``Trace.to_html`` and
-``Trace._repr_html_`` (the explorer's entry points on a trace) import ``attngeom.reports.explore``
+``Trace._repr_html_`` and ``Trace.explore`` (the explorer's entry points on a trace) import ``attngeom.reports.explore``
 lazily, inside the methods, and ``Trace.plot_token_map`` imports ``attngeom.reports.plot`` the same way."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 import attngeom
 
 PKG = Path(attngeom.__file__).parent
-PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("trace.py", "plot_token_map")}
+PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("trace.py", "explore"),
+                             ("trace.py", "plot_token_map")}
 
 
 def _core_modules():

@@ -17,7 +17,8 @@ class AnalyzeSettings:
     layer) with per-head grids of ``heads`` (None: all), drawn only when the (first) window has at
     most ``max_map_tokens`` tokens; an input longer than the context cut into windows of ``window``
     tokens every ``stride`` (None: no windows; stride None: ``window - 1``, no overlap); the sink at
-    position ``sink``. ``decoding`` (a :class:`~attngeom.generation.decoding.Decoding`; None: no generation)
+    position ``sink``. The answer tables rank special and chat-template tokens as sources only with
+    ``rank_special`` (they are marked either way). ``decoding`` (a :class:`~attngeom.generation.decoding.Decoding`; None: no generation)
     generates an answer to the text as a prompt, a user message through the chat template when
     ``chat`` (with the ``system`` message)."""
 
@@ -31,6 +32,7 @@ class AnalyzeSettings:
     decoding: Decoding | None = None
     chat: bool = False
     system: str | None = None
+    rank_special: bool = False
 
     def _layers(self):
         return "all" if self.layers is None else sorted(set(self.layers))
@@ -41,9 +43,10 @@ class AnalyzeSettings:
                 "figure_layers": None if self.figure_layers is None else list(self.figure_layers),
                 "heads": "all" if self.heads is None else sorted(set(self.heads)),
                 "window": self.window, "stride": self.stride, "sink": self.sink,
-                "max_map_tokens": self.max_map_tokens, **generation_record(self.decoding, self.chat, self.system)}
+                "max_map_tokens": self.max_map_tokens, "rank_special": self.rank_special,
+                **generation_record(self.decoding, self.chat, self.system)}
 
     def answer_record(self) -> dict:
         """The options of corpus mode (:func:`attngeom.analysis.single_text.answer_experiment`) as the run records them."""
-        return {"layers": self._layers(), "sink": self.sink,
+        return {"layers": self._layers(), "sink": self.sink, "rank_special": self.rank_special,
                 **generation_record(self.decoding, self.chat, self.system)}

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.analysis.settings import AnalyzeSettings
 
@@ -153,6 +154,7 @@ DEFINITIONS = {
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, text_or_ids, settings: AnalyzeSettings = AnalyzeSettings(),
                *, source: str | None = None) -> ExperimentResult:
     """The single-text analysis of ``text_or_ids`` (a text, token ids, or with ``settings.decoding``
@@ -198,7 +200,8 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, text_or_ids, settin
     tables = {"tokens": tokens_df, "heads": heads_df}
     if answer is not None:
         tokens_df["generated"] = tokens_df["position"] >= answer["prompt_length"]
-        summary["generation"] = generation_summary(handle, answer, settings.decoding, settings.sink)
+        summary["generation"] = generation_summary(handle, answer, settings.decoding, settings.sink,
+                                                   settings.rank_special)
         tables.update({f"answer_{k}": v for k, v in answer["tables"].items()})
     per_window = {"offset": [off for off, _ in windows], "ids": [w for _, w in windows], **window_sums(each, layers)}
     res = ExperimentResult("analyze", tables=tables, summary=summary, per_window=per_window,
@@ -218,6 +221,7 @@ def map_window(result: ExperimentResult) -> list[int] | None:
     return first if result.summary["figure_layers"] and len(first) <= result.settings["max_map_tokens"] else None
 
 
+@takes_handle
 def analysed_layers(handle: ModelHandleLike, layers) -> list[int]:
     """The analysed layers, sorted (None: all), each checked against the model."""
     from attngeom.data.corpora import check_layers
@@ -225,6 +229,7 @@ def analysed_layers(handle: ModelHandleLike, layers) -> list[int]:
     return sorted(set(check_layers(layers, handle.num_layers) or range(handle.num_layers)))
 
 
+@takes_handle
 def figure_layers(handle: ModelHandleLike, given, layers: list[int]) -> list[int]:
     """The layers drawn as maps: ``given`` (checked, sorted), or the first, a middle and the last
     analysed layer."""
@@ -237,12 +242,14 @@ def figure_layers(handle: ModelHandleLike, given, layers: list[int]) -> list[int
     return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
 
 
+@takes_handle
 def check_heads(handle: ModelHandleLike, heads) -> None:
     bad = [h for h in heads or () if not 0 <= h < handle.num_heads]
     if bad:
         raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{handle.num_heads - 1}")
 
 
+@takes_handle
 def input_windows(handle: ModelHandleLike, ids: list[int], window: int | None, stride: int | None,
                   sink: int) -> tuple[list[tuple[int, list[int]]], bool]:
     """The input as windows (:func:`cut_windows` with ``window``; else one), checked: an input
@@ -286,6 +293,7 @@ def window_sums(heads: Sequence["pd.DataFrame"], layers: Sequence[int]) -> dict:
     return out
 
 
+@takes_handle
 def build_summary(handle: ModelHandleLike, settings: AnalyzeSettings, source: str | None, ids: list[int],
                   windows, layers: list[int], fig_layers: list[int], heads_df, tokens_df) -> dict:
     """summary.json of one text, before ``generation``, ``maps``, ``runtime_s`` and ``files``."""
@@ -315,6 +323,7 @@ def build_summary(handle: ModelHandleLike, settings: AnalyzeSettings, source: st
     }
 
 
+@takes_handle
 def with_token_strings(handle: ModelHandleLike, tables: dict, ids) -> dict:
     """Each table's ``token_id``/``source_id`` column followed by the token's string."""
     ids = sorted(set(ids))
@@ -331,14 +340,16 @@ def with_token_strings(handle: ModelHandleLike, tables: dict, ids) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: AnalyzeSettings,
                     layers: list[int]) -> dict:
     """Generate the answer with the answer tables observing every step and the per-head and
     per-token summaries seeing prompt + answer as a text (text reducers of
     :func:`attngeom.generation.decoding.stream_generation`: the same rows, one call for the answer instead of one per
     token), as stage ``generate`` of the run (one record, resumable). Returns the prompt + answer
-    ids, the summaries and the answer tables (with token strings)."""
-    from attngeom.generation.decoding import AnswerSources, Answers, generation_stage, prompt_ids
+    ids, the summaries and the answer tables (with token strings and the marks of
+    :func:`attngeom.generation.heads.token_marks`), and which chat template was used (None: no chat)."""
+    from attngeom.generation.decoding import Answers, chat_template_of, generation_stage, prompt_ids
     from attngeom.streaming.reducers import HeadStats, TokenStats
 
     sink, decoding = settings.sink, settings.decoding
@@ -346,28 +357,85 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
     ids = prompt_ids(handle, prompt, chat=settings.chat, system=settings.system, stop=stop)
     if sink >= len(ids):
         raise InputError(f"--sink {sink} is beyond the prompt ({len(ids)} tokens)")
-    tables, answers, heads, tokens = generation_stage(
+    special, template = prompt_marks(handle, prompt, settings)
+    sources, heads_by_answer, answers, heads, tokens = generation_stage(
         handle, run, "generate", [ids], decoding, layers=layers, desc="generate", text=2,
-        make=lambda: [AnswerSources(sink=sink), Answers(stop), HeadStats(sink=sink), TokenStats(sink=sink)])
+        make=lambda: [*answer_reducers(settings, special, template), Answers(stop), HeadStats(sink=sink),
+                      TokenStats(sink=sink)])
     row = answers.result().iloc[0]
     answer_ids = [int(x) for x in str(row["answer_ids"]).split()]
     full = list(ids) + answer_ids
-    tables = with_token_strings(handle, tables.result(), full)
+    tables = answer_tables(handle, sources, heads_by_answer, {0: full}, {0: len(ids)}, special, {0: template})
+    chat = settings.chat or isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
     return {"ids": full, "prompt_length": len(ids), "answer_ids": answer_ids, "stopped": bool(row["stopped"]),
-            "heads": heads.result(), "tokens": tokens.result(), "tables": tables}
+            "heads": heads.result(), "tokens": tokens.result(), "tables": tables,
+            "chat_template": chat_template_of(handle) if chat else None}
 
 
-def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0) -> dict:
+@takes_handle
+def prompt_marks(handle: ModelHandleLike, prompt, settings: AnalyzeSettings) -> tuple[set[int], tuple[int, ...]]:
+    """The tokenizer's special ids and the prompt's chat-template positions
+    (:func:`attngeom.generation.decoding.template_positions`)."""
+    from attngeom.generation.decoding import template_positions
+    from attngeom.model.handle import special_token_ids
+
+    return (special_token_ids(handle.tokenizer),
+            template_positions(handle, prompt, chat=settings.chat, system=settings.system))
+
+
+def answer_reducers(settings: AnalyzeSettings, special: set[int], template) -> list:
+    """:class:`~attngeom.generation.decoding.AnswerSources` and :class:`~attngeom.generation.heads.AnswerHeads`
+    of one prompt, ranking special and template tokens only with ``settings.rank_special``."""
+    from attngeom.generation.decoding import AnswerSources
+    from attngeom.generation.heads import AnswerHeads
+
+    skip = not settings.rank_special
+    return [AnswerSources(sink=settings.sink, exclude=template if skip else (), exclude_ids=special if skip else ()),
+            AnswerHeads(special, template, exclude_special=skip)]
+
+
+@takes_handle
+def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_lengths: dict, special: set[int],
+                  template: dict) -> dict:
+    """The answer tables (``shares``, ``sources``, ``summary``, ``heads``) of :func:`answer_reducers`
+    with token strings and, per source (or prompt position), its marks; ``ids``, ``prompt_lengths``
+    and ``template`` by prompt (the tables' ``text``)."""
+    import pandas as pd
+
+    from attngeom.generation.heads import token_marks, with_marks
+
+    tables = {**sources.result(), "heads": heads.result()}
+    for name, col in (("sources", "source"), ("summary", "position")):          # heads: marked already
+        df = tables[name]
+        if len(df):
+            parts = [with_marks(g, token_marks(ids[k], special, template[k], prompt_lengths[k]), col)
+                     for k, g in df.groupby("text", sort=False)]
+            tables[name] = pd.concat(parts).sort_index()
+    seen = {int(x) for v in ids.values() for x in v}
+    return with_token_strings(handle, tables, seen)
+
+
+@takes_handle
+def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding, sink: int = 0,
+                       rank_special: bool = False) -> dict:
     """summary.json's ``generation``: the answer, how it was decoded, and for the model (mean of the
-    layers) where its tokens' contribution came from and the prompt tokens (the sink aside) the whole
-    answer drew on."""
+    layers) where its tokens' contribution came from, the prompt tokens (the sink aside; special and
+    template tokens too unless ``rank_special``) the whole answer drew on and the heads behind it."""
     tables = answer["tables"]
+    heads = tables["heads"]
+    heads = heads[heads["step"].isna() & (heads["by"] == "contribution")].head(TOP_K) if len(heads) else heads
     shares = tables["shares"][tables["shares"]["layer"].isna()]
     summ = tables["summary"][tables["summary"]["layer"].isna()]
     summ = summ[summ["position"] != sink]                  # the sink has its own share
+    if not rank_special:
+        summ = summ[~(summ["is_special"] | summ["is_template"])]
     top = summ.sort_values(["contribution", "position"], ascending=[False, True], kind="stable").head(TOP_K)
     return {
+        "heads_behind_the_answer": [
+            {"layer": int(r.layer), "head": int(r.head), "source": int(r.source), "token": r.source_token,
+             "part": r.part, "share": float(r.share), "rank_in_layer": int(r.rank_in_layer)} for r in heads.itertuples()],
         "prompt_tokens": answer["prompt_length"], "answer_tokens": len(answer["answer_ids"]),
+        "chat_template": answer["chat_template"],
         "answer_text": handle.tokenizer.decode(answer["answer_ids"]), "stopped_on_stop_token": answer["stopped"],
         "decoding": {"max_new_tokens": decoding.max_new_tokens, "sample": decoding.sample,
                      "temperature": decoding.temperature, "top_p": decoding.top_p,
@@ -381,6 +449,7 @@ def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding
     }
 
 
+@takes_handle
 def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Sequence,
                       settings: AnalyzeSettings, *, source: str | None = None) -> ExperimentResult:
     """Corpus mode: an answer to each of ``prompts`` (texts, or chat messages) generated with
@@ -391,7 +460,7 @@ def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Seq
     :class:`~attngeom.generation.decoding.AnswerSources` (column ``text``: the prompt's index), and the summary
     of corpus mode; ``per_window`` is empty: each prompt's numbers are its rows of the tables."""
     from attngeom.runs.contract import ExperimentResult
-    from attngeom.generation.decoding import AnswerSources, Answers, generation_stage, prompt_ids
+    from attngeom.generation.decoding import Answers, generation_stage, prompt_ids
 
     if settings.decoding is None:
         raise InputError("corpus mode answers every prompt: give a decoding (--generate N)")
@@ -406,15 +475,17 @@ def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Seq
             raise InputError(f"{where}: {e}") from None
         if settings.sink >= len(ids[-1]):
             raise InputError(f"{where}: --sink {settings.sink} is beyond it ({len(ids[-1])} tokens)")
-    answers, sources = generation_stage(
+    marks = [prompt_marks(handle, p, settings) for p in prompts]
+    special, template = marks[0][0] if marks else set(), {k: m[1] for k, m in enumerate(marks)}
+    answers, sources, heads = generation_stage(
         handle, run, "generate", ids, settings.decoding, layers=layers, desc="generate",
-        make=lambda: [Answers(stop), AnswerSources(sink=settings.sink)])
+        make=lambda: [Answers(stop), *answer_reducers(settings, special, template)])
     answers = answers.result().sort_values("text", kind="stable").reset_index(drop=True)
     answers.insert(1, "prompt", [prompts[k] for k in answers["text"]])
     answers["answer_text"] = [handle.tokenizer.decode([int(x) for x in str(a).split()]) for a in answers["answer_ids"]]
-    tables = {"answers": answers, **{f"answer_{k}": v for k, v in sources.result().items()}}
-    seen = {int(x) for p in ids for x in p} | {int(x) for a in answers["answer_ids"] for x in str(a).split()}
-    with_token_strings(handle, tables, seen)
+    full = {int(k): ids[int(k)] + [int(x) for x in str(a).split()] for k, a in zip(answers["text"], answers["answer_ids"])}
+    tables = answer_tables(handle, sources, heads, full, {k: len(ids[k]) for k in full}, special, template)
+    tables = {"answers": answers, **{f"answer_{k}": v for k, v in tables.items()}}
     summary = {"command": "analyze", "mode": "corpus", "settings": settings.answer_record(), "prompts": len(prompts),
                "answer_tokens": int(answers["answer_tokens"].sum()),
                "stopped_on_stop_token": int(answers["stopped"].sum())}

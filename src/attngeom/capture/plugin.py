@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.model.arguments import takes_model
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
 from attngeom.model.adapter import adapter_for, attention_implementation, attention_layer, attention_w_o, attention_w_o_version
@@ -622,6 +623,7 @@ AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 # --------------------------------------------------------------------------------------------
 
 
+@takes_model
 @contextlib.contextmanager
 def attngeom_attention_implementation(model):
     """Route ``model``'s attention through the plug-in for the duration of the block, then restore.

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from attngeom.model.arguments import takes_handle
 from attngeom.stats import resampling
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
 from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, early_critical_row, sized, faithfulness_rows, regime_rows,
@@ -41,6 +42,7 @@ from attngeom.selection.settings import SelectionSettings
 from attngeom.sinks.settings import SinksSettings
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, settings: Settings = DEFAULTS, *,
                analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
     """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a

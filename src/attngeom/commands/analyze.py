@@ -8,7 +8,7 @@ output directory (claimed, proved writable) and the input file are checked befor
 the input against the model before the experiment's stage (resumable) runs. The write step draws
 the maps of the figure layers (a full :func:`attngeom.traces.trace.analyze` of the first window, when it
 has at most ``--max-map-tokens`` tokens) and writes, in ``--out``: ``tokens.parquet``,
-``heads.parquet`` (generating also ``answer_shares``, ``answer_sources``, ``answer_summary``),
+``heads.parquet`` (generating also ``answer_shares``, ``answer_sources``, ``answer_summary``, ``answer_heads``),
 ``maps_layer{L}.png``, ``heads_layer{L}.png``, ``sinks_per_layer.png``, ``summary.json`` and
 ``report.md``; corpus mode ``answers.parquet``, the answer tables and ``summary.json``.
 """
@@ -23,7 +23,7 @@ from attngeom.errors import InputError
 from attngeom.analysis.settings import AnalyzeSettings
 from attngeom.commands import common
 from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input, write_json, write_parquet
-from attngeom.commands.generation_args import add_generation_args, decoding_of, prompt_of
+from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of
 
 DEFAULT_OUT = "out/analyze"
 
@@ -59,6 +59,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     common.add_figure_args(p, no_figures=False)
     add_generation_args(p)
+    p.add_argument("--rank-special", action="store_true",
+                   help="rank special and chat-template tokens as sources in the answer tables (answer_sources, "
+                        "answer_heads); by default they are marked there but left out of the rankings")
     g = p.add_argument_group("corpus mode (with --generate: answer every prompt of a file)")
     g.add_argument("--data", default=None,
                    help="prompts: a .jsonl/.csv/.parquet file (with --fields), a text file or hf:NAME; each is "
@@ -96,7 +99,7 @@ def run(args) -> int:
     text, source = text_input(args, "analyse")
     settings = AnalyzeSettings(**lists, window=args.window, stride=args.stride, sink=args.sink,
                                max_map_tokens=args.max_map_tokens, decoding=decoding_of(args), chat=args.chat,
-                               system=args.system)
+                               system=args.system, rank_special=args.rank_special)
     prompt = prompt_of(args, text) if settings.decoding else text
     identity = {**model_identity(args), **text_identity(text, source), **settings.record()}
     with open_run(args, "analyze", identity) as run:
@@ -105,6 +108,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         handle = common.load(args)
         t_load = time.perf_counter() - t0
+        note_chat_template(args, handle, "analyze", prompt)
         res = experiment(handle, run, prompt, settings, source=source)
         res.summary["settings"] = identity
         if res.summary["figure_layers"] and map_window(res) is None:
@@ -140,7 +144,7 @@ def _run_corpus(args, layers, t_start) -> int:
     if args.text is not None or args.file is not None:
         raise InputError("--data replaces --text/--file; give one of them")
     settings = AnalyzeSettings(layers=layers, sink=args.sink, decoding=decoding_of(args), chat=args.chat,
-                               system=args.system)
+                               system=args.system, rank_special=args.rank_special)
     if settings.decoding is None:
         raise InputError("--data needs --generate N (corpus mode answers every prompt)")
     check_at_least(args, max_prompts=1)
@@ -153,7 +157,9 @@ def _run_corpus(args, layers, t_start) -> int:
         texts = resolve_texts(args.data, fields)[: args.max_prompts]
         if not texts:
             raise InputError(f"{args.data} holds no prompt")
-        res = answer_experiment(common.load(args), run, texts, settings, source=args.data)
+        handle = common.load(args)
+        note_chat_template(args, handle, "analyze")
+        res = answer_experiment(handle, run, texts, settings, source=args.data)
         res.summary["settings"] = identity
 
         def write(staging: Path) -> list[str]:

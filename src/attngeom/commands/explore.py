@@ -15,7 +15,7 @@ from pathlib import Path
 from attngeom.errors import InputError
 from attngeom.commands import common
 from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input
-from attngeom.commands.generation_args import add_generation_args, decoding_of, prompt_of, settings_of
+from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of, settings_of
 
 DEFAULT_TOP_K = 8
 """Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explorer.data.DEFAULT_TOP_K``)."""
@@ -69,6 +69,7 @@ def run(args) -> int:
         from attngeom.reports import explore as rep
 
         handle = common.load(args)
+        note_chat_template(args, handle, "explore", prompt)
         layers = check_layers(layers, handle.num_layers)
         if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
             data = build(handle, prompt, layers=layers, top_k=args.top_k,

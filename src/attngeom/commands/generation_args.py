@@ -82,3 +82,16 @@ def settings_of(decoding, args) -> dict:
     from attngeom.generation.settings import generation_record
 
     return generation_record(decoding, args.chat, args.system)
+
+
+def note_chat_template(args, handle, command: str, prompt=None) -> None:
+    """Say on stderr when a chat prompt goes through attngeom's fallback template (the model's
+    tokenizer has none; :data:`attngeom.generation.decoding.FALLBACK_CHAT_TEMPLATE`)."""
+    import sys
+
+    from attngeom.generation.decoding import chat_template_of
+
+    chat = args.chat or messages_file(args) or isinstance(prompt, list)
+    if chat and chat_template_of(handle) == "fallback":
+        print(f"attngeom {command}: {handle.name}'s tokenizer has no chat template; the prompt uses attngeom's "
+              "plain fallback template ('User: ...' then 'Assistant:', docs/generation.md)", file=sys.stderr)

@@ -23,6 +23,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.runs.storage import MAX_DEPTH, JSONDepthError, json_depth_exceeds, parse_json  # noqa: F401
@@ -349,6 +350,7 @@ def windows(ids: Sequence[int], window: int, stride: int | None = None, bos: int
     return out
 
 
+@takes_handle
 def load_windows(handle: ModelHandleLike, spec: str, window: int = 256, stride: int | None = None,
                  max_windows: int | None = 16, fields: Sequence[str] | None = None) -> list[list[int]]:
     """Token-id windows of a corpus (file or ``hf:`` dataset) for ``handle``'s tokenizer.

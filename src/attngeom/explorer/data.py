@@ -7,7 +7,9 @@ sink figures and the contribution-flow graph. :mod:`attngeom.reports.explore` re
 
 - one head ``h``: attention ``a_ij^h`` beside the intra-head contribution ``c_ij^h``;
 - the whole layer (``head = None``, stored as view ``H``): attention = mean over heads of ``a_ij^h``
-  (the token-level attention score) beside the inter-head contribution ``C_ij = Σ_h C_ij^h``.
+  (the token-level attention score) beside the inter-head contribution ``C_ij = Σ_h C_ij^h``;
+- the heads behind a token: each head's ``C_ij^h`` (metric ``contribution_inter``), whose sum over
+  heads and sources is 1 per layer, beside ``a_ij^h / H`` (as :meth:`attngeom.traces.trace.Trace.heads_for`).
 
 **Exact or top-k.** Up to ``exact_max_tokens`` (default 512) every visible source of every
 (layer, view, query) row is kept (*exact maps*). Beyond, each row keeps its ``k`` (default 8)
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
 from attngeom.errors import InputError
@@ -39,7 +42,12 @@ from attngeom.streaming.reducers import Reducer
 
 DEFAULT_TOP_K = 8
 DEFAULT_EXACT_MAX_TOKENS = 512
-METRICS = ("attention", "contribution")
+METRICS = ("attention", "contribution", "contribution_inter")
+"""Stored rows: attention (view H: mean over heads), the intra-head contribution ``c_ij^h`` (view H:
+``C_ij``) and the inter-head contribution ``C_ij^h`` (view H: ``C_ij``), which splits a layer's
+``C_ij`` by head (the page's heads behind a token; exact maps only, so that top-k pages stay small)."""
+SHOWN = ("attention", "contribution")
+"""The two metrics of the page's Sources panel, side by side."""
 HEAD_STATS = ("sink_rate", "sink_contribution", "head_share", "regime")
 PAD = 0xFFFF  # index padding in top-k rows (a query with fewer than k visible sources)
 RESIDUAL_DECIMALS = 4  # residual shares are kept to 4 decimals (the page gets the same numbers)
@@ -70,7 +78,9 @@ class ExploreData:
     ``residual_share``: ``[len(layers), T]`` (``r_i^l``), or None when unknown (a saved Trace).
     ``answer``: for a generation (:func:`build` with ``decoding``), ``{"prompt_length": P, "layers":
     {metric: [len(layers), P]}, "model": {metric: [P]}}``: each prompt token's mean token-level score
-    over the answer's producing rows (:class:`attngeom.generation.decoding.AnswerSources`' summary); else None."""
+    over the answer's producing rows (:class:`attngeom.generation.decoding.AnswerSources`' summary); else None.
+    ``special``, ``template``: the positions of special tokens and of the chat template's own tokens
+    (marked on the page, and optionally left out of its rankings)."""
 
     tokens: list[str]
     ids: list[int]
@@ -85,6 +95,8 @@ class ExploreData:
     model_name: str = ""
     meta: dict = field(default_factory=dict)
     answer: dict | None = None
+    special: list[int] = field(default_factory=list)
+    template: list[int] = field(default_factory=list)
 
     @property
     def T(self) -> int:
@@ -104,6 +116,8 @@ class ExploreData:
         """``[(source position, value), ...]`` of one row, by value (largest first), as stored."""
         if metric not in METRICS:
             raise InputError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+        if metric not in self.rows:
+            raise InputError(f"{metric} rows are kept with exact maps only (up to exact_max_tokens tokens)")
         v = self.num_heads if head is None else int(head)
         entry = self.rows[metric][self._k(layer)]
         if self.exact:
@@ -205,7 +219,7 @@ class RowCollector(Reducer):
 
     def __init__(self, T: int, num_heads: int, top_k: int | None):
         self.T, self.H, self.top_k = T, num_heads, top_k
-        self.rows: dict[str, dict[int, object]] = {m: {} for m in METRICS}
+        self.rows: dict[str, dict[int, object]] = {m: {} for m in (METRICS if top_k is None else SHOWN)}
 
     def crop(self, T: int) -> None:
         """Keep the first ``T`` queries (and, for exact maps, sources)."""
@@ -219,9 +233,11 @@ class RowCollector(Reducer):
         T, q0, k0 = self.T, block.q_start, block.k_start
         a = block.a[0].float()                                             # [H, Q, S]
         c = block.contribution[0].float()
-        C = block.contribution_inter[0].float().sum(0, keepdim=True)      # [1, Q, S]
-        views = {"attention": torch.cat([a, a.mean(0, keepdim=True)]),
-                 "contribution": torch.cat([c, C])}                       # [H+1, Q, S]
+        Ch = block.contribution_inter[0].float()                            # [H, Q, S]
+        C = Ch.sum(0, keepdim=True)                                         # [1, Q, S]
+        views = {"attention": torch.cat([a, a.mean(0, keepdim=True)]), "contribution": torch.cat([c, C])}
+        if self.top_k is None:
+            views["contribution_inter"] = torch.cat([Ch, C])                # [H+1, Q, S]
         for m, x in views.items():
             store = self.rows[m]
             if self.top_k is None:
@@ -235,7 +251,7 @@ class RowCollector(Reducer):
                     store[block.layer] = (np.full((H + 1, T, self.top_k), PAD, dtype=np.uint16),
                                           np.zeros((H + 1, T, self.top_k), dtype=np.float16))
                 pos, vals = _topk_rows(x, self.top_k, block.q_positions, block.k_positions,
-                                       by_abs=(m == "contribution"))
+                                       by_abs=(m != "attention"))
                 idx, val = store[block.layer]
                 idx[:, q0:q0 + Q] = pos.cpu().numpy().astype(np.uint16)
                 val[:, q0:q0 + Q] = round_float16(vals.cpu().numpy(), TOPK_MANTISSA_BITS)
@@ -248,6 +264,7 @@ class ResidualShares:
     adds to it: the attention module's output, or, where a norm follows attention before the residual
     add (Gemma 2/3, OLMo 2), that norm's output (``adapter.attention_delta_module``)."""
 
+    @takes_handle
     def __init__(self, handle: ModelHandleLike, layers):
         self.shares: dict[int, np.ndarray] = {}
         self._x: dict[int, torch.Tensor] = {}
@@ -321,6 +338,7 @@ def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None
     return None if T <= exact_max_tokens else k
 
 
+@takes_handle
 def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = None,
           exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0, decoding=None,
           chat: bool = False, system: str | None = None, progress: bool = False) -> ExploreData:
@@ -336,12 +354,15 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     step, the page covers prompt + answer and :attr:`ExploreData.answer` is filled."""
     from attngeom.streaming.passes import check_length, stream, to_ids
     from attngeom.data.corpora import check_layers
+    from attngeom.model.handle import special_positions
     from attngeom.streaming.reducers import HeadStats
 
+    template = ()
     if decoding is not None:
-        from attngeom.generation.decoding import prompt_ids
+        from attngeom.generation.decoding import prompt_ids, template_positions
 
         ids = prompt_ids(handle, text, chat=chat, system=system, stop=decoding.stop_ids(handle))
+        template = template_positions(handle, text, chat=chat, system=system)
         T = len(ids) + decoding.max_new_tokens                     # at most; the answer may stop early
     else:
         ids = to_ids(handle, text)
@@ -376,9 +397,10 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
              if all(l in res.shares for l in layers) else None)
     return ExploreData(
         tokens=handle.tokens(ids), ids=list(ids), layers=layers, num_heads=H,
-        rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},
+        rows={m: [rows.rows[m][l] for l in layers] for m in rows.rows},
         head_stats=head, layer_sink=sink_fig, residual_share=share, top_k=k, sink=sink,
-        model_name=getattr(handle, "name", ""), meta={"num_layers": L}, answer=answer)
+        model_name=getattr(handle, "name", ""), meta={"num_layers": L}, answer=answer,
+        special=list(special_positions(handle, ids)), template=list(template))
 
 
 def _answer_summary(summary, layers: list[int], P: int) -> dict:
@@ -427,6 +449,6 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
     head, sink_fig = _head_tables(stats.result(), layers, H)
     return ExploreData(
         tokens=list(trace.tokens), ids=list(trace.ids), layers=layers, num_heads=H,
-        rows={m: [rows.rows[m][l] for l in layers] for m in METRICS},
+        rows={m: [rows.rows[m][l] for l in layers] for m in rows.rows},
         head_stats=head, layer_sink=sink_fig, residual_share=None, top_k=k, sink=sink,
-        model_name=trace.model_name, meta={}, answer=answer)
+        model_name=trace.model_name, meta={}, answer=answer, special=list(trace.special), template=list(trace.template))

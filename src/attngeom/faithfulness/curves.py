@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, check_scorable, perplexity
@@ -124,6 +125,7 @@ def window_units(windows: Sequence[Sequence[int]]) -> list[Unit]:
     return [Unit(tuple(int(x) for x in w), len(w) - 1, i) for i, w in enumerate(windows)]
 
 
+@takes_handle
 def auto_rows(handle: ModelHandleLike, length: int, budget_bytes: float = 3e9, cap: int = 32) -> int:
     """Rows per batched forward so that the float32 logits (and their log-softmax) fit ``budget_bytes``."""
     vocab = int(handle.model.config.vocab_size)
@@ -145,6 +147,7 @@ def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], lay
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
 
 
+@takes_handle
 def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence[Variant], *,
               layers: Iterable[int] | None = None, rows: int | None = None, progress: bool | str = True,
               run: RunLike | None = None) -> dict[tuple[int, str], dict]:
@@ -274,6 +277,7 @@ class TaskUnit(Unit):
     option: int = 0
 
 
+@takes_handle
 def task_units(handle: ModelHandleLike, examples) -> list[TaskUnit]:
     from attngeom.faithfulness.tasks import encode_options
 
@@ -323,6 +327,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
     return out
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, units: Sequence[Unit],
                settings: FaithfulnessSettings = FaithfulnessSettings(), *, progress: bool | str = True, examples=None,
                meta: dict | None = None) -> ExperimentResult:

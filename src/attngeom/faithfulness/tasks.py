@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 
@@ -147,6 +148,7 @@ class OptionSequence:
     n_cont: int
 
 
+@takes_handle
 def encode_options(handle: ModelHandleLike, examples: Sequence[Example]) -> list[OptionSequence]:
     """Token ids of every (example, option): context encoded with BOS, continuation without special
     tokens, concatenated. Raises if a sequence is longer than the model's context."""

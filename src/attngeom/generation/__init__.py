@@ -1,4 +1,5 @@
-"""The model's own answer, analysed step by step with its KV cache (SPEC §7): :mod:`.decoding`."""
+"""The model's own answer, analysed step by step with its KV cache (SPEC §7): :mod:`.decoding`; the heads
+behind a token (:mod:`.heads`)."""
 
 from attngeom._exports import lazy
 
@@ -19,4 +20,17 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "Answers": "decoding",
     "generation_stage": "decoding",
     "generation_record": "settings",
+    "FALLBACK_CHAT_TEMPLATE": "decoding",
+    "chat_template_of": "decoding",
+    "chat_text": "decoding",
+    "template_positions": "decoding",
+    "BY": "heads",
+    "DEFAULT_TOP": "heads",
+    "row_shares": "heads",
+    "token_marks": "heads",
+    "head_table": "heads",
+    "mean_shares": "heads",
+    "of_text": "heads",
+    "with_marks": "heads",
+    "AnswerHeads": "heads",
 })

@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Block, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike, RunLike
@@ -77,14 +78,16 @@ def chat_messages(prompt, system: str | None = None) -> list[dict]:
     return messages
 
 
+@takes_handle
 def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None,
                stop: Iterable[int] = ()) -> list[int]:
     """The token ids the model reads for ``prompt``.
 
     - a text, ``chat=False``: :meth:`~attngeom.model.ModelHandle.encode` (BOS in front);
     - a text with ``chat=True``, or a list of chat messages (always through the template): the
-      tokenizer's chat template, rendered with the generation prompt (or continuing the final
-      message when it is the assistant's), then tokenized without adding anything;
+      tokenizer's chat template (:data:`FALLBACK_CHAT_TEMPLATE` when it has none), rendered with
+      the generation prompt (or continuing the final message when it is the assistant's), then
+      tokenized without adding anything (:func:`chat_text`);
     - token ids: taken as they are.
 
     ``stop``: token ids that end generation; one inside the user's own text (a message's content,
@@ -108,20 +111,67 @@ def prompt_ids(handle: ModelHandleLike, prompt, *, chat: bool = False, system: s
             return to_ids(handle, prompt)
         _check_no_stop(handle, [prompt], stop)
         return check_ids(handle, handle.encode(prompt))
-    if not getattr(tok, "chat_template", None):
-        raise InputError(f"{getattr(handle, 'name', 'the model')}'s tokenizer has no chat template; "
-                         "give a plain prompt (no --chat, no message list)")
     _check_no_stop(handle, [m["content"] for m in messages], stop)
-    cont = messages[-1]["role"] == "assistant"
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont,
-                                       continue_final_message=cont)
-    except Exception as e:  # jinja errors of the template itself (e.g. roles it does not accept)
-        raise InputError(f"the chat template refused the messages: {str(e).splitlines()[0][:200]}") from None
-    ids = [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    ids = [int(i) for i in tok(chat_text(handle, messages), add_special_tokens=False)["input_ids"]]
     if not ids:
         raise InputError("the chat template produced no tokens")
     return check_ids(handle, ids)
+
+
+FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+                          "{% if add_generation_prompt %}Assistant:{% endif %}")
+"""The chat template used for a tokenizer that has none (the bundled Gemma 3 270M, a base model):
+each message as ``Role: content`` and a blank line, then ``Assistant:``. Plain text, no special
+tokens; the model was not trained on it. :func:`chat_template_of` says which template a model gets."""
+
+
+@takes_handle
+def chat_template_of(handle: ModelHandleLike) -> str:
+    """``"model"`` when the tokenizer has its own chat template, else ``"fallback"``
+    (:data:`FALLBACK_CHAT_TEMPLATE`)."""
+    return "model" if getattr(handle.tokenizer, "chat_template", None) else "fallback"
+
+
+@takes_handle
+def chat_text(handle: ModelHandleLike, messages: list[dict]) -> str:
+    """The checked ``messages`` (:func:`chat_messages`) rendered by the model's chat template (or
+    :data:`FALLBACK_CHAT_TEMPLATE`), with the generation prompt, or continuing the final message when
+    it is the assistant's."""
+    cont = messages[-1]["role"] == "assistant"
+    template = None if chat_template_of(handle) == "model" else FALLBACK_CHAT_TEMPLATE
+    try:
+        return handle.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont,
+                                                    continue_final_message=cont, chat_template=template)
+    except Exception as e:  # jinja errors of the template itself (e.g. roles it does not accept)
+        raise InputError(f"the chat template refused the messages: {str(e).splitlines()[0][:200]}") from None
+
+
+@takes_handle
+def template_positions(handle: ModelHandleLike, prompt, *, chat: bool = False, system: str | None = None) -> tuple[int, ...]:
+    """The positions of :func:`prompt_ids` that the chat template put there: every token none of
+    whose characters comes from a message's content (role names, separators, turn markers, the
+    generation prompt). Found from the tokenizer's character offsets in the rendered text (the
+    contents are located in order); a tokenizer without offsets marks nothing. A prompt given as
+    text without ``chat`` or as ids has no template tokens (its BOS is a special token)."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        messages = chat_messages(prompt, system)
+    elif chat and isinstance(prompt, str):
+        messages = chat_messages(prompt, system)
+    else:
+        return ()
+    text = chat_text(handle, messages)
+    spans, at = [], 0
+    for m in messages:
+        k = text.find(m["content"], at) if m["content"] else -1
+        if k >= 0:
+            spans.append((k, k + len(m["content"])))
+            at = k + len(m["content"])
+    try:
+        offsets = handle.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return ()
+    return tuple(p for p, (a, b) in enumerate(offsets)
+                 if not any(a < e and s < max(b, a + 1) for s, e in spans))
 
 
 def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable[int]) -> None:
@@ -136,6 +186,7 @@ def _check_no_stop(handle: ModelHandleLike, texts: Sequence[str], stop: Iterable
                              "ends generation; the model would read it as an end of text inside the prompt")
 
 
+@takes_handle
 def model_stop_ids(handle: ModelHandleLike) -> tuple[int, ...]:
     """The model's end-of-generation ids: ``generation_config.eos_token_id`` and the tokenizer's EOS."""
     out: list[int] = []
@@ -207,6 +258,7 @@ class Decoding:
         return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@takes_handle
 def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decoding) -> None:
     """Refuse a prompt whose answer would run past the model's context."""
     limit = getattr(handle, "max_positions", None)
@@ -216,6 +268,7 @@ def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decodin
                          f"{total}, past {getattr(handle, 'name', 'the model')}'s context of {limit} tokens")
 
 
+@takes_handle
 @torch.no_grad()
 def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
              steps: Session | None = None, last_step: bool = True, cache=None, progress: bool = False) -> list[int]:
@@ -327,6 +380,7 @@ class GenerationBatch(InputBatch):
     prompt_length: int = 0
 
 
+@takes_handle
 def stream_generation(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decoding: Decoding, *,
                       text_reducers: Sequence[Reducer] = (), chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
                       block_elements: int | None = None, index: int = 0) -> list[int]:
@@ -344,6 +398,7 @@ def stream_generation(handle: ModelHandleLike, prompt, reducers: Sequence[Reduce
                                  block_elements=block_elements, index=index)
 
 
+@takes_handle
 def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding,
                           *, text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
                           block_elements: int | None = None, index: int = 0, progress: bool = False) -> list[int]:
@@ -382,6 +437,24 @@ def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers:
 # --------------------------------------------------------------------------------------------
 
 
+def answer_prompt_length(batch: InputBatch, reducer: str) -> int:
+    """The prompt length of a :class:`GenerationBatch`; an answer table's reducer refuses any other batch."""
+    P = getattr(batch, "prompt_length", None)
+    if not P:
+        raise InputError(f"{reducer} observes generation (attngeom.generation.decoding.stream_generation)")
+    return int(P)
+
+
+def producing_rows(block: Block, prompt_length: int):
+    """``(r, q)`` for the block's queries ``q = q_start + r`` that are producing rows (``q >= P - 1``,
+    real tokens of batch item 0)."""
+    q0, Q = block.q_start, block.shape[2]
+    for r in range(max(0, prompt_length - 1 - q0), Q):
+        if q0 + r >= int(block.state.lengths[0]):
+            return
+        yield r, q0 + r
+
+
 class AnswerSources(Reducer):
     """Where each generated token's producing row (module docstring) draws from, per layer and
     for the model (the mean of the analysed layers' rows), from the token-level scores of SPEC §2
@@ -394,35 +467,30 @@ class AnswerSources(Reducer):
       (the producing row), and per metric ``{metric}_sink`` (the sink), ``{metric}_prompt`` (the
       other prompt tokens) and ``{metric}_answer`` (earlier answer tokens, the query included when
       it is one); the three sum to the row's total (1 for contribution and attention).
-    - ``sources``: the ``top_k`` prompt tokens (sink left out: it has its own share) by each
-      metric: ``metric``, ``rank`` (0 first), ``source``, ``source_id``, ``score``; ties: the
-      earlier position first.
+    - ``sources``: the ``top_k`` sources by each metric, prompt and earlier answer tokens alike (the
+      sink left out: it has its own share; so are the positions ``exclude`` (or ``{text: positions}``)
+      and the tokens ``exclude_ids``, e.g. chat-template and special tokens): ``metric``, ``rank`` (0 first),
+      ``source``, ``source_id``, ``score``; ties: the earlier position first.
     - ``summary``: per layer (null: the model) and prompt position, each metric's mean over the
       answer's producing rows: which prompt tokens the whole answer drew on."""
 
     STATE = ("shares", "sources", "summary")
 
-    def __init__(self, sink: int = 0, top_k: int = DEFAULT_TOP_K):
+    def __init__(self, sink: int = 0, top_k: int = DEFAULT_TOP_K, exclude=(), exclude_ids: Iterable[int] = ()):
         self.sink, self.top_k = int(sink), int(top_k)
+        self.exclude, self.exclude_ids = exclude, set(int(i) for i in exclude_ids)
         self.shares: list[pd.DataFrame] = []
         self.sources: list[pd.DataFrame] = []
         self.summary: list[pd.DataFrame] = []
 
     def begin(self, batch: InputBatch) -> None:
         super().begin(batch)
-        P = getattr(batch, "prompt_length", None)
-        if not P:
-            raise InputError("AnswerSources observes generation (attngeom.generation.decoding.stream_generation)")
-        self.P = int(P)
+        self.P = answer_prompt_length(batch, type(self).__name__)
         self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, query) -> [2, T] float64
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
-        q0 = block.q_start
-        for r in range(max(0, self.P - 1 - q0), Q):
-            q = q0 + r
-            if q >= int(block.state.lengths[0]):
-                break
+        for r, q in producing_rows(block, self.P):
             w = torch.zeros(1, Q, dtype=block.a.dtype, device=block.a.device)
             w[0, r] = 1.0
             got = block.received(w, TABLE_METRICS)
@@ -441,6 +509,9 @@ class AnswerSources(Reducer):
             self._rows = {}
             return
         model_rows = {q: np.mean([self._rows[(l, q)] for l in layers], axis=0) for q in queries}
+        from attngeom.generation.heads import of_text
+
+        skip = set(of_text(self.exclude, index))
         shares, sources, summary = [], [], []
         for layer in [*layers, None]:
             rows = {q: (self._rows[(layer, q)] if layer is not None else model_rows[q]) for q in queries}
@@ -449,7 +520,7 @@ class AnswerSources(Reducer):
                 base = {"text": index, "step": step, "position": q + 1, "token_id": ids[q + 1], "layer": layer,
                         "query": q}
                 shares.append({**base, **self._shares(row, q)})
-                sources += [{**base, **s} for s in self._top(row, ids)]
+                sources += [{**base, **s} for s in self._top(row, ids, skip)]
             mean = np.mean([rows[q][:, :P] for q in queries], axis=0)         # [metrics, P]
             summary.append(pd.DataFrame({"text": index, "layer": layer, "position": np.arange(P),
                                          "token_id": ids[:P], **{m: mean[k] for k, m in enumerate(TABLE_METRICS)}}))
@@ -468,9 +539,9 @@ class AnswerSources(Reducer):
                         f"{m}_answer": float(row[k, P:].sum()) - (s if sink >= P else 0.0)})
         return out
 
-    def _top(self, row: np.ndarray, ids: list[int]) -> list[dict]:
-        P = self.P
-        cand = np.array([j for j in range(P) if j != self.sink], dtype=int)
+    def _top(self, row: np.ndarray, ids: list[int], skip: set[int]) -> list[dict]:
+        cand = np.array([j for j in range(row.shape[1]) if j != self.sink and j not in skip
+                         and ids[j] not in self.exclude_ids], dtype=int)
         out = []
         for k, m in enumerate(TABLE_METRICS):
             if not len(cand):
@@ -516,6 +587,7 @@ class Answers(Reducer):
         return pd.concat(self.answers, ignore_index=True) if self.answers else pd.DataFrame()
 
 
+@takes_handle
 def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: Sequence[list[int]], decoding: Decoding,
                      make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None,
                      desc: str | None = None, text: int = 0) -> list[Reducer]:

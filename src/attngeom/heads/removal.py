@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle, takes_model
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, one_window_each,
@@ -68,11 +69,13 @@ def check_retentions(values: Iterable[float]) -> list[float]:
     return sorted(set(out), reverse=True)
 
 
+@takes_model
 def attention_modules(model) -> dict[int, torch.nn.Module]:
     """Attention modules by ``layer_idx`` (the architecture adapter's)."""
     return adapter_for(model).attention_modules
 
 
+@takes_handle
 def weight_norms(handle: ModelHandleLike) -> np.ndarray:
     """``‖W_O^h‖_F · ‖W_V^{g(h)}‖_F`` per layer and head: ``[L, H]`` (``W_V`` from ``v_proj`` or the
     value rows of a fused ``qkv_proj``, as the architecture adapter knows)."""
@@ -91,6 +94,7 @@ def weight_norms(handle: ModelHandleLike) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def window_nll(handle: ModelHandleLike, windows: Sequence, removed=(),
                batch_size: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """Summed next-token NLL and token count of each window with ``removed`` heads zeroed:
@@ -103,18 +107,21 @@ def window_nll(handle: ModelHandleLike, windows: Sequence, removed=(),
     return np.asarray(nll, dtype=np.float64), np.asarray(count, dtype=np.int64)
 
 
+@takes_handle
 def nll_sum(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> tuple[float, int]:
     """Summed next-token NLL and token count of ``windows`` with ``removed`` heads zeroed."""
     nll, count = window_nll(handle, windows, removed, batch_size)
     return float(nll.sum()), int(count.sum())
 
 
+@takes_handle
 def removal_perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
     """Perplexity of ``windows`` with ``removed`` heads zeroed (one evaluation of the model; :func:`attngeom.runs.contract.perplexity` of :func:`nll_sum`)."""
     total, count = nll_sum(handle, windows, removed, batch_size)
     return perplexity(total, count)
 
 
+@takes_handle
 def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence,
                 removals: Sequence[Sequence[tuple[int, int]]], batch_size: int = 4,
                 desc: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -144,6 +151,7 @@ def _perplexities(nll: np.ndarray, tokens: np.ndarray) -> list[float]:
     return [perplexity(float(np.sum(row)), count) for row in nll]
 
 
+@takes_handle
 def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
                     run: RunLike | None = None) -> np.ndarray:
     """Summed NLL of every window with each head removed alone: float64 ``[L·H, W]`` (row
@@ -175,6 +183,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
     return out
 
 
+@takes_handle
 def single_head_sensitivity(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
                             base_ppl: float | None = None, progress: bool = True,
                             run: RunLike | None = None) -> np.ndarray:
@@ -241,6 +250,7 @@ def build_orders(tax: pd.DataFrame, weights: np.ndarray, sensitivity: np.ndarray
     }
 
 
+@takes_handle
 def choose_regime_order(handle: ModelHandleLike, calib: Sequence, tax: pd.DataFrame, retentions: Sequence[float],
                         batch_size: int = 4, progress: bool = True, run=None) -> tuple[list[str], pd.DataFrame]:
     """Try the six regime orders on the calibration split; return the best (lowest mean log-PPL over
@@ -305,6 +315,7 @@ def critical_z(delta: np.ndarray, regimes: np.ndarray, min_group: int = 8) -> np
     return z
 
 
+@takes_handle
 def heldout_removal_nll(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
                         retentions: Sequence[float], batch_size: int = 4, run: RunLike | None = None) -> dict:
     """Per-window NLL on the held-out windows for every order and retention below 100 %, and for
@@ -332,6 +343,7 @@ def curves_table(orders: dict[str, list[tuple[int, int]]], retentions: Sequence[
     return df
 
 
+@takes_handle
 def removal_curves(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
                    retentions: Sequence[float], batch_size: int = 4, progress: bool = True,
                    run: RunLike | None = None) -> pd.DataFrame:
@@ -345,6 +357,7 @@ def removal_curves(handle: ModelHandleLike, heldout: Sequence, orders: dict[str,
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence, *, sink: int = 0,
                    winner_norm: str = "raw", batch_size: int = 4, split: int = 0) -> dict[tuple[int, ...], dict]:
     """Records of :class:`~attngeom.heads.taxonomy.TaxonomyStats` and the unedited NLL, per window
@@ -382,6 +395,7 @@ def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.D
     return df, perplexity(merged["nll"], merged["tokens"])
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, corpora: Sequence[Sequence],
                settings: HeadsSettings = HeadsSettings(), *,
                names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:

@@ -47,6 +47,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.model.arguments import takes_handle, takes_model
 from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.kvcache.policies import EvictionContext, Policy, get_policy
@@ -303,6 +304,7 @@ AttentionInterface.register(KV_ATTN, kv_attention)
 AttentionMaskInterface.register(KV_ATTN, sdpa_mask)
 
 
+@takes_model
 @contextlib.contextmanager
 def compressing(model, cache: Cache, session: Session | None = None):
     """Run ``model`` with ``cache`` (its forward or ``generate``, passing ``cache=cache``) inside
@@ -323,6 +325,7 @@ def compressing(model, cache: Cache, session: Session | None = None):
             model.set_attn_implementation(ATTN_NAME)
 
 
+@takes_handle
 def new_cache(handle: ModelHandleLike, policy: Policy, budget: int | None, head_budgets: dict | None = None,
               streaming: dict | None = None) -> Cache:
     """The full ``DynamicCache`` for the ``full`` policy (or no budget), else a :class:`CompressedCache`."""
@@ -331,6 +334,7 @@ def new_cache(handle: ModelHandleLike, policy: Policy, budget: int | None, head_
     return CompressedCache(handle.model.config, policy, budget, head_budgets, streaming)
 
 
+@takes_handle
 def cached_forward(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward pass of ``ids [B, C]`` with ``cache`` (inside :func:`compressing`): float32
     logits ``[B, C, V]``."""

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
 from attngeom.kvcache.cache import cache_bytes, cached_forward, compressing, new_cache
@@ -35,6 +36,7 @@ from attngeom.kvcache.settings import KVCacheSettings
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 @torch.no_grad()
 def read_under_budget(handle: ModelHandleLike, ids: Sequence[int], policy: Policy | str, budget: int | None, chunk: int = 1,
          head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
@@ -114,6 +116,7 @@ def _config_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Seque
     return pd.concat([rest, full], ignore_index=True).sort_values(["policy", "budget", column]).reset_index(drop=True)
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence[Sequence[int]],
                settings: KVCacheSettings = KVCacheSettings(), *, regimes: pd.DataFrame | None = None) -> ExperimentResult:
     """Language modelling under a budget, with ``settings`` (:class:`~attngeom.kvcache.settings.KVCacheSettings`).
@@ -147,6 +150,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence[S
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 @torch.no_grad()
 def answer_under_budget(handle: ModelHandleLike, prompt: Sequence[int], reference: Sequence[int], policy: Policy | str, budget: int | None,
            new_tokens: int = 16, head_budgets: dict | None = None, streaming: dict | None = None) -> dict:
@@ -177,6 +181,7 @@ def answer_under_budget(handle: ModelHandleLike, prompt: Sequence[int], referenc
             "seconds": time.perf_counter() - t0}
 
 
+@takes_handle
 def answers(handle: ModelHandleLike, run: RunLike, examples: Sequence[tuple[Sequence[int], Sequence[int]]], policies: Sequence[str],
             budgets: Sequence[int], new_tokens: int = 16, regimes: pd.DataFrame | None = None) -> pd.DataFrame:
     """Answers under a budget: one row per (example, policy, budget) with the reference's ``ref_nll``

@@ -30,6 +30,14 @@ _EXPORTS = {
     "_byte_decoder": "handle",
     "_unbyte": "handle",
     "_unsentencepiece": "handle",
+    "special_token_ids": "handle",
+    "special_positions": "handle",
+    # what the API takes as a model
+    "check_handle": "arguments",
+    "as_model": "arguments",
+    "is_handle": "arguments",
+    "takes_handle": "arguments",
+    "takes_model": "arguments",
     # adapter
     "ArchitectureAdapter": "adapter",
     "HeadGeometry": "adapter",

@@ -42,6 +42,7 @@ from functools import cached_property
 
 import torch
 
+from attngeom.model.arguments import takes_model
 from attngeom.errors import UnsupportedArchitectureError
 
 PROBE_NAME = "attngeom_probe"
@@ -378,6 +379,7 @@ def _parent(model, name: str) -> torch.nn.Module:
     return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
 
 
+@takes_model
 def discover(model) -> list[AttentionSite]:
     """The attention sites of ``model`` in calling order (two probe forwards on a few tokens)."""
     if getattr(model.config, "is_encoder_decoder", False):
@@ -778,6 +780,7 @@ def check_supported(config) -> None:
         raise UnsupportedArchitectureError(f"{model_type}: {EXCEPTIONS[model_type]}")
 
 
+@takes_model
 def adapter_for(model: torch.nn.Module) -> ArchitectureAdapter:
     """The adapter of ``model``: discovered on first use, then kept as long as the model lives."""
     adapter = _ADAPTERS.get(model)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attngeom.errors import InputError
+from attngeom.model.arguments import takes_handle
 from attngeom.model.adapter import ArchitectureAdapter, adapter_for
 
 if TYPE_CHECKING:  # transformers is imported by whoever built the model
@@ -183,3 +184,17 @@ def _unsentencepiece(tok: str) -> str:
         b = int(m.group(1), 16)
         return chr(b) if b < 128 else tok
     return tok.replace("▁", " ")
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens (BOS, EOS, pad, chat-format markers such as ``<|im_start|>``):
+    ``all_special_ids`` and the added tokens marked special."""
+    return _special_ids(tokenizer)
+
+
+
+@takes_handle
+def special_positions(handle, ids) -> tuple[int, ...]:
+    """The positions of ``ids`` that hold one of the handle's tokenizer's special tokens."""
+    special = special_token_ids(handle.tokenizer)
+    return tuple(p for p, i in enumerate(ids) if int(i) in special)

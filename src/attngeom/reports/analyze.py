@@ -387,7 +387,10 @@ FILE_NOTES = {
     "report.md": "this file",
     "answer_shares.parquet": "per generated token and layer (and the model): contribution and attention from "
                              "the sink, the prompt and the earlier answer (docs/generation.md)",
-    "answer_sources.parquet": "per generated token, layer (and the model) and metric: its top prompt sources",
+    "answer_sources.parquet": "per generated token, layer (and the model) and metric: its top sources (prompt and "
+                              "earlier answer; special and template tokens marked)",
+    "answer_heads.parquet": "per generated token (and the whole answer) and measure: the (layer, head, source) "
+                            "triples with the largest shares of their layer's output (docs/generation.md)",
     "answer_summary.parquet": "per layer (and the model) and prompt token: mean attention and contribution over "
                               "the answer (which prompt tokens it drew on)",
 }
@@ -429,6 +432,7 @@ def report_markdown(summary: dict) -> str:
                       align="rlrlr")
     if "generation" in summary:
         lines += _generation_lines(summary["generation"])
+        lines += _answer_heads_lines(summary["generation"].get("heads_behind_the_answer", []))
     lines += ["", "## Files", ""]
     for f in summary["files"]:
         if f.startswith("maps_layer"):
@@ -449,13 +453,30 @@ def _generation_lines(gen: dict) -> list[str]:
              f"{gen['prompt_tokens']} prompt tokens, {gen['answer_tokens']} generated"
              + (" (ended on a stop token)" if gen["stopped_on_stop_token"] else "") + ":", "",
              "```text", gen["answer_text"].replace("```", "ˋˋˋ"), "```", "",
+             *(["The model's tokenizer has no chat template: the prompt used attngeom's plain fallback template "
+                "('User: ...', then 'Assistant:'; docs/generation.md).", ""]
+               if gen.get("chat_template") == "fallback" else []),
              f"Contribution of each answer token's predicting row, mean over tokens and layers: sink "
              f"**{sh['sink']:.3f}**, prompt **{sh['prompt']:.3f}**, earlier answer **{sh['answer']:.3f}**.", "",
-             "Prompt tokens the whole answer drew on (mean over its tokens and the layers, sink left out):", ""]
+             "Prompt tokens the whole answer drew on (mean over its tokens and the layers, sink, special and template tokens left out unless --rank-special):", ""]
     lines += md.table(["rank", "token", "contribution", "attention"],
                       ([k, md.Raw(f"{md.token(r['token'])} @{r['position']}"), f"{r['contribution']:.4f}",
                         f"{r['attention']:.4f}"] for k, r in enumerate(gen["prompt_tokens_the_answer_drew_on"], 1)),
                       align="rlrr")
+    return lines
+
+
+def _answer_heads_lines(rows: list[dict]) -> list[str]:
+    """The heads behind the whole answer (summary.json's ``generation.heads_behind_the_answer``)."""
+    if not rows:
+        return []
+    lines = ["", "Heads behind the whole answer: (layer, head, source) shares of the layer's attention output "
+             "C_ij^h, mean over the answer's predicting rows (answer_heads.parquet; each layer's shares sum to 1; "
+             "special and template tokens left out unless --rank-special):", ""]
+    lines += md.table(["rank", "layer", "head", "source", "part", "share", "rank in layer"],
+                      ([k, r["layer"], r["head"], md.Raw(f"{md.token(r['token'])} @{r['source']}"), r["part"],
+                        f"{r['share']:.4f}", r["rank_in_layer"]] for k, r in enumerate(rows, 1)),
+                      align="rrrllrr")
     return lines
 
 

@@ -39,10 +39,10 @@ def pack(data: ExploreData) -> tuple[bytes, dict]:
     ``N`` uint16 words as two byte planes (all low bytes, then all high bytes), which deflate
     compresses better than interleaved words."""
     parts: list[np.ndarray] = []
-    blocks: dict[str, list[dict]] = {m: [] for m in METRICS}
+    blocks: dict[str, list[dict]] = {m: [] for m in METRICS if m in data.rows}
     off = 0
     T = data.T
-    for m in METRICS:
+    for m in blocks:
         for entry in data.rows[m]:
             where = {}
             if data.exact:
@@ -96,6 +96,8 @@ def payload(data: ExploreData, level: int = 9) -> dict:
         "exact": data.exact,
         "k": data.top_k,
         "tokens": list(data.tokens),
+        "special": [int(p) for p in data.special],
+        "template": [int(p) for p in data.template],
         "initial_query": default_query,
         "regimes": list(REGIMES),
         "head_stats": {k: np.asarray(v).tolist() if k != "regime" else np.asarray(v).astype(int).tolist()
@@ -134,3 +136,41 @@ def iframe(data: ExploreData, height: int = 760) -> str:
     return (f'<iframe srcdoc="{html.escape(render(data), quote=True)}" '
             f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
             'sandbox="allow-scripts"></iframe>')
+
+
+SUMMARY_MAX_TOKENS = 400
+"""Tokens shown by :func:`summary_html` (a trace's notebook display); the rest is elided."""
+
+
+def summary_html(trace) -> str:
+    """A trace's notebook display: one line of facts and its tokens (special and template tokens
+    dashed, the answer underlined), every string escaped; a few kB, no maps."""
+    T = len(trace)
+    special, template = set(trace.special), set(trace.template)
+    P = trace.prompt_length if trace.prompt_length is not None else T
+    spans = []
+    for p, tok in enumerate(trace.tokens[:SUMMARY_MAX_TOKENS]):
+        style = ("border:1px dashed #6e7781;" if p in special or p in template else "") + \
+                ("border-bottom:2px solid #2da44e;" if p >= P else "")
+        shown = "".join(chr(0x2400 + ord(c)) if ord(c) < 32 else c for c in tok)
+        spans.append(f'<span title="position {p}" style="{style}">{html.escape(shown)}</span>')
+    more = f" … ({T - SUMMARY_MAX_TOKENS} more)" if T > SUMMARY_MAX_TOKENS else ""
+    return ('<div style="font:13px system-ui,sans-serif">'
+            f'<div><b>{html.escape(repr(trace))}</b></div>'
+            f'<div style="font-family:ui-monospace,monospace;white-space:pre-wrap;margin:4px 0">{"".join(spans)}{more}</div>'
+            '<div style="color:#656d76">dashed: special or chat-template tokens; underlined: the answer. '
+            'The interactive explorer: <code>trace.to_html("explore.html")</code>, or <code>trace.explore()</code> '
+            'inline.</div></div>')
+
+
+class Inline:
+    """HTML that Jupyter displays (:meth:`attngeom.traces.trace.Trace.explore`)."""
+
+    def __init__(self, markup: str):
+        self.markup = markup
+
+    def _repr_html_(self) -> str:
+        return self.markup
+
+    def __repr__(self) -> str:
+        return f"<attngeom explorer, {len(self.markup) // 1024} kB of HTML: display it in Jupyter>"

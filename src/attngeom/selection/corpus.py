@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from attngeom.model.arguments import takes_handle
 from attngeom.errors import InputError
 from attngeom.stats import resampling
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
@@ -126,6 +127,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None, distance: str =
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
                settings: SelectionSettings = SelectionSettings()) -> ExperimentResult:
     """Selection geometry over ``windows`` as one stage (``selection``) of ``run`` (resumable,

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from attngeom.model.arguments import takes_handle
 from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, check_scorable, layer_order, one_window_each,
                                     per_window_array, perplexity, window_records)
 from attngeom.sinks.geometry import histogram_quantile, quadratic_fit_shape
@@ -25,6 +26,7 @@ PASSES = ("none", "sink", "control")
 PASS_SUFFIX = {"none": "base", "sink": "removed", "control": "control"}
 
 
+@takes_handle
 def window_work(handle: ModelHandleLike, windows, *, sink: int = 0, layers=None, removal_layers=None,
                 batch_size: int = 2):
     """The per-unit work of the sinks experiment: ``work(units) -> record``.
@@ -164,6 +166,7 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     return out
 
 
+@takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
                settings: SinksSettings = SinksSettings()) -> ExperimentResult:
     """The sinks experiment over ``windows`` as one stage (``sinks``) of ``run`` (resumable, shareable

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Intervention, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
@@ -25,6 +26,7 @@ from attngeom.streaming.reducers import InputBatch, Reducer
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 def to_ids(handle: ModelHandleLike, item) -> list[int]:
     """A text (BOS prepended where the tokenizer has one) or token ids -> list of ids, each checked
     against the model's embedding (:func:`check_ids`)."""
@@ -58,6 +60,7 @@ def check_ids(handle: ModelHandleLike, ids: Sequence[int]) -> list[int]:
     return ids
 
 
+@takes_handle
 def check_length(handle: ModelHandleLike, n: int) -> None:
     """Inputs longer than the model's context are refused: use :func:`attngeom.data.corpora.windows`."""
     limit = getattr(handle, "max_positions", None)
@@ -68,6 +71,7 @@ def check_length(handle: ModelHandleLike, n: int) -> None:
         )
 
 
+@takes_handle
 def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
                  index: Sequence[int] | None = None) -> Iterator[InputBatch]:
     """Group inputs into right-padded batches of at most ``batch_size`` texts. ``index``: each
@@ -98,6 +102,7 @@ def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
 # --------------------------------------------------------------------------------------------
 
 
+@takes_handle
 @torch.no_grad()
 def forward(handle: ModelHandleLike, batch: InputBatch, session: Session, logits: bool = False) -> torch.Tensor | None:
     """One forward pass of ``batch`` with ``session`` active. Returns float32 logits ``[B, T, V]``
@@ -139,6 +144,7 @@ def token_nll(logits: torch.Tensor, batch: InputBatch) -> torch.Tensor:
     return nll * valid
 
 
+@takes_handle
 @torch.no_grad()
 def batch_nll(handle: ModelHandleLike, batch: InputBatch, session: Session | None = None,
               last: int | None = None) -> torch.Tensor:
@@ -161,6 +167,7 @@ def scored_tokens(batch: InputBatch) -> int:
     return int((batch.lengths - 1).clamp_min(0).sum())
 
 
+@takes_handle
 def stream(
     handle: ModelHandleLike,
     items: Iterable,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
+from attngeom.model.arguments import takes_handle
 from attngeom.runs.contract import ModelHandleLike, RunLike
 from attngeom.streaming.passes import stream, to_ids
 from attngeom.streaming.reducers import Reducer
 
 
 
+@takes_handle
 def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequence,
                  make: Callable[[], Sequence[Reducer]], *, layers: Iterable[int] | None = None, batch_size: int = 1,
                  desc: str | None = None, each: bool = False):
@@ -54,6 +56,7 @@ def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequen
     return reducers, loaded
 
 
+@takes_handle
 def summaries(handle: ModelHandleLike, run: RunLike, items: Sequence, *, layers: Iterable[int] | None = None,
               sink: int = 0, batch_size: int = 1, stage: str = "summaries", each: bool = False):
     """Per-head (:class:`~attngeom.streaming.reducers.HeadStats`) and per-token

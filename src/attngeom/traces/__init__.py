@@ -1,4 +1,5 @@
-"""Traces of one text: :func:`analyze` and :class:`Trace` (:mod:`.trace`), saved traces (:mod:`.saved`)."""
+"""Traces of one text: :func:`analyze` and :class:`Trace` (:mod:`.trace`), saved traces (:mod:`.saved`),
+two traces compared (:mod:`.compare`)."""
 
 from attngeom._exports import lazy
 
@@ -11,4 +12,9 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "analyze_batch": "trace",
     "analyze_generation": "trace",
     "analyze": "trace",
+    "align": "compare",
+    "diff": "compare",
+    "TraceDiff": "compare",
+    "compare_texts": "compare",
+    "MIN_ALIGNED": "compare",
 })

@@ -103,6 +103,10 @@ def load_trace(path: Path, cls, layer_cls):
     if prompt_length is not None and not (isinstance(prompt_length, int) and not isinstance(prompt_length, bool)
                                           and 1 <= prompt_length <= len(ids)):
         raise bad(f"{TRACE_META}: 'prompt_length' must be a number of tokens from 1 to {len(ids)}")
+    marks = {k: meta.get(k, []) for k in ("special", "template")}        # optional: positions
+    for k, x in marks.items():
+        if not int_list(x) or any(p >= len(ids) for p in x):
+            raise bad(f"{TRACE_META}: {k!r} must be a list of positions below {len(ids)}")
 
     from safetensors.torch import load as load_bytes
 
@@ -165,7 +169,8 @@ def load_trace(path: Path, cls, layer_cls):
                    else _frozen_layer(layer_cls, i, lt))
     if checksum is not None and hashlib.sha256(data).hexdigest() != checksum:
         raise bad(f"{TRACE_TENSORS} does not match the checksum in {TRACE_META} (changed or damaged)")
-    return cls(ids=ids, tokens=tokens, layers=out, model_name=name, prompt_length=prompt_length)
+    return cls(ids=ids, tokens=tokens, layers=out, model_name=name, prompt_length=prompt_length,
+               special=tuple(marks["special"]), template=tuple(marks["template"]))
 
 
 def save_trace(trace, path: Path, weights: bool = False) -> Path:
@@ -189,6 +194,7 @@ def save_trace(trace, path: Path, weights: bool = False) -> Path:
     meta = {"format": TRACE_FORMAT, "ids": [int(i) for i in trace.ids], "tokens": list(trace.tokens),
             "model_name": trace.model_name, "layers": [int(lt.index) for lt in trace.layers],
             "weights": bool(weights), "tensors_sha256": hashlib.sha256(data).hexdigest(),
-            **({} if trace.prompt_length is None else {"prompt_length": int(trace.prompt_length)})}
+            **({} if trace.prompt_length is None else {"prompt_length": int(trace.prompt_length)}),
+            "special": [int(p) for p in trace.special], "template": [int(p) for p in trace.template]}
     atomic_write_bytes(path / TRACE_META, json.dumps(meta).encode("utf-8"))
     return path

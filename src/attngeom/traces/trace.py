@@ -16,11 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+from attngeom.model.arguments import takes_handle
+from attngeom.model.handle import special_positions
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
 from attngeom.capture.plugin import Block, LayerState, Session
@@ -41,7 +46,7 @@ __all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generatio
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(repr=False)
 class LayerTrace:
     """One attention layer of one text. Maps are numpy float32 ``[heads, T, T]`` (queries x
     sources), one per metric of :mod:`attngeom.metrics.registry` (``layer.contribution``,
@@ -58,6 +63,9 @@ class LayerTrace:
     @property
     def num_heads(self) -> int:
         return self.a.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LayerTrace(layer {self.index}: {self.num_heads} heads, {self.a.shape[-1]} tokens)"
 
     @cached_property
     def block(self) -> Block:
@@ -110,20 +118,99 @@ class LayerTrace:
         return metrics.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
 
 
-@dataclass
+@dataclass(repr=False)
 class Trace:
     """Everything :func:`analyze` captured for one text. ``prompt_length``: for a generation
     (:func:`analyze_generation`), the number of prompt tokens (the answer follows); None
-    for a text analysed as given."""
+    for a text analysed as given. ``special``: the positions of the tokenizer's special tokens
+    (BOS, EOS, chat-format markers); ``template``: the positions the chat template put there (not
+    the user's text; :func:`attngeom.generation.decoding.template_positions`)."""
 
     ids: list[int]
     tokens: list[str]
     layers: list[LayerTrace]
     model_name: str = ""
     prompt_length: int | None = None
+    special: tuple[int, ...] = ()
+    template: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def __repr__(self) -> str:
+        layers = [lt.index for lt in self.layers]
+        shown = f"{layers[0]}..{layers[-1]}" if len(layers) > 3 else ",".join(map(str, layers))
+        answer = "" if self.prompt_length is None else f", prompt {self.prompt_length} + answer {len(self) - self.prompt_length}"
+        text = "".join(self.tokens[:12]).replace("\n", "⏎")
+        return (f"Trace({self.model_name or 'model'}: {len(self)} tokens{answer}, {len(layers)} layer(s) [{shown}], "
+                f"{self.layers[0].num_heads if self.layers else 0} heads; {text[:60]!r}{'…' if len(self) > 12 else ''})")
+
+    def marks(self) -> "pd.DataFrame":
+        """One row per position: ``source_id``, ``source_token``, ``part`` (``prompt``/``answer``, or
+        ``text``), ``is_special``, ``is_template`` (:func:`attngeom.generation.heads.token_marks`)."""
+        from attngeom.generation.heads import token_marks
+
+        special = {self.ids[p] for p in self.special}
+        return token_marks(self.ids, special, self.template, self.prompt_length, self.tokens)
+
+    def heads_for(self, target, source: int | None = None, *, by: str = "contribution", top: int | None = 10,
+                  exclude_special: bool = True, predicted: bool = True, layers: Iterable[int] | None = None):
+        """Which (layer, head, source) triples carry ``target`` (:mod:`attngeom.generation.heads`): a
+        pandas table of shares of each layer's attention output, largest first.
+
+        ``target``: a position (negative counts from the end), a list of positions, or ``"answer"``
+        (every generated token); several targets: the mean of their rows. ``predicted`` (default):
+        the row that predicted the token (its producing row, ``target - 1``, SPEC §7); False: the
+        token's own row. ``by``: ``"contribution"`` (``C_ij^h``, each layer's shares sum to 1) or
+        ``"attention"`` (``a_ij^h / H``). ``source``: only that source (the link split by head and
+        layer). ``top``: rows kept (None: all). ``exclude_special``: special and template tokens are
+        left out of the ranking (they stay marked in :meth:`marks`). ``layers``: a subset of the
+        analysed layers."""
+        from attngeom.generation.heads import BY, head_table, mean_shares, row_shares
+
+        if by not in BY:
+            raise InputError(f"by must be one of {', '.join(BY)}, not {by!r}")
+        rows = self._target_rows(target, predicted)
+        if source is not None and not -len(self) <= int(source) < len(self):
+            raise InputError(f"source {source} is outside the trace ({len(self)} tokens)")
+        chosen = self._layers(layers)
+        per_row = [{lt.index: row_shares(lt.block, r)[by] for lt in chosen} for r in rows]
+        shares = per_row[0] if len(rows) == 1 else mean_shares(per_row, max(rows) + 1)
+        src = None if source is None else int(source) % len(self)
+        return head_table(shares, self.marks().iloc[:max(rows) + 1], top=top, exclude_special=exclude_special,
+                          source=src)
+
+    def _target_rows(self, target, predicted: bool) -> list[int]:
+        """The query rows that explain ``target`` (:meth:`heads_for`)."""
+        T = len(self)
+        if isinstance(target, str):
+            if target != "answer":
+                raise InputError(f"target must be a position, a list of positions or 'answer', not {target!r}")
+            if self.prompt_length is None or self.prompt_length >= T:
+                raise InputError("target 'answer' needs a generation's trace (analyze(..., generate=N))")
+            targets = list(range(self.prompt_length, T))
+        else:
+            many = isinstance(target, (list, tuple, range, np.ndarray))
+            targets = [int(t) for t in (target if many else [target])]
+            if not targets:
+                raise InputError("no target position given")
+            bad = [t for t in targets if not -T <= t < T]
+            if bad:
+                raise InputError(f"target {bad[0]} is outside the trace ({T} tokens)")
+            targets = [t % T for t in targets]
+        if predicted and 0 in targets:
+            raise InputError("position 0 is predicted by no row; give predicted=False for its own row")
+        return [t - 1 if predicted else t for t in targets]
+
+    def _layers(self, layers) -> list["LayerTrace"]:
+        if layers is None:
+            return list(self.layers)
+        have = {lt.index: lt for lt in self.layers}
+        wanted = [int(l) for l in layers]
+        missing = [l for l in wanted if l not in have]
+        if missing:
+            raise InputError(f"layer {missing[0]} is not in the trace; it holds layers {sorted(have)}")
+        return [have[l] for l in sorted(set(wanted))]
 
     @property
     def generated(self) -> np.ndarray:
@@ -151,11 +238,19 @@ class Trace:
         return token_map(self, layer, metric, head=head, tokens=tokens, path=path, **options)
 
     def _repr_html_(self) -> str:
-        """The explorer inline in Jupyter (an ``<iframe srcdoc>``)."""
-        from attngeom.explorer.data import from_trace
-        from attngeom.reports.explore import iframe
+        """A short summary in Jupyter (the tokens, marked; no maps): the explorer is
+        ``trace.to_html(path)``, or :meth:`explore` inline."""
+        from attngeom.reports.explore import summary_html
 
-        return iframe(from_trace(self))
+        return summary_html(self)
+
+    def explore(self, height: int = 760, **options):
+        """The explorer inline in Jupyter (an ``<iframe srcdoc>`` holding the whole page; ``options`` as
+        :meth:`to_html`): display the returned object."""
+        from attngeom.explorer.data import from_trace
+        from attngeom.reports.explore import Inline, iframe
+
+        return Inline(iframe(from_trace(self, **options), height))
 
     def save(self, path: str | Path, *, weights: bool = False) -> Path:
         """Save to a directory (``trace.json`` + ``tensors.safetensors``); reopen with :meth:`load`.
@@ -184,6 +279,7 @@ class Trace:
         return load_trace(Path(path), cls, LayerTrace)
 
 
+@takes_handle
 def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,
                   block_elements: int | None = None) -> list[Trace]:
     """Full traces of several texts (or id lists), right-padded into batches of ``batch_size``.
@@ -204,10 +300,12 @@ def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[
                            learned_sink=st["sink"][b, :, :L].clone() if "sink" in st else None)
                 for layer, st in sorted(capture.result().items())
             ]
-            traces[i] = Trace(ids=ids, tokens=handle.tokens(ids), layers=lts, model_name=getattr(handle, "name", ""))
+            traces[i] = Trace(ids=ids, tokens=handle.tokens(ids), layers=lts, model_name=getattr(handle, "name", ""),
+                              special=special_positions(handle, ids))
     return [traces[i] for i in sorted(traces)]
 
 
+@takes_handle
 def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: bool = False,
                        system: str | None = None, sample: bool = False, temperature: float | None = None,
                        top_p: float | None = None, seed: int | None = None, stop: Sequence[int] | None = None,
@@ -218,7 +316,7 @@ def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: 
     the answer starts, and each layer's maps are the rows captured step by step (equal to a full
     forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``.
     ``progress``: a bar on stderr counting the generated tokens."""
-    from attngeom.generation.decoding import Decoding, prompt_ids, stream_generation_ids
+    from attngeom.generation.decoding import Decoding, prompt_ids, stream_generation_ids, template_positions
 
     decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
                         stop=None if stop is None else tuple(stop))
@@ -231,9 +329,11 @@ def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: 
                       learned_sink=st["sink"][0, :, :T].clone() if "sink" in st else None)
            for layer, st in sorted(capture.result().items())]
     return Trace(ids=full, tokens=handle.tokens(full), layers=lts, model_name=getattr(handle, "name", ""),
-                 prompt_length=len(ids))
+                 prompt_length=len(ids), special=special_positions(handle, full),
+                 template=template_positions(handle, prompt, chat=chat, system=system))
 
 
+@takes_handle
 def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
             generate: int | None = None, **generation) -> Trace:
     """Full trace of one text (a string, or token ids): every layer's metric maps.

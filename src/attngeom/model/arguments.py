@@ -1,0 +1,94 @@
+"""What the API takes as a model: the handle :func:`attngeom.load_model` returns.
+
+Every public function with a ``handle`` parameter is decorated with :func:`takes_handle` (anything
+else is refused in one line, saying what to pass); every one with a ``model`` parameter (a
+transformers model) with :func:`takes_model` (a handle stands for its model). tests/unit/test_structure.py
+checks that no public function is left undecorated. Imports nothing heavy (torch only when a value is checked),
+so a module that decorates its functions stays light to import."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from attngeom.errors import InputError
+
+
+def _is_module(obj) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
+
+
+HANDLE_HINT = "the ModelHandle that attngeom.load_model returns"
+
+
+def _what(obj) -> str:
+    if isinstance(obj, str):
+        return f"the string {obj[:60]!r} (load it first: attngeom.load_model({obj[:60]!r}))"
+    if _is_module(obj):
+        return f"a bare {type(obj).__name__} (wrap it with its tokenizer: attngeom.wrap(model, tokenizer))"
+    return f"a value of type {type(obj).__name__} (load a model with attngeom.load_model(...))"
+
+
+def is_handle(obj) -> bool:
+    """Whether ``obj`` is a model handle: a :class:`~attngeom.model.handle.ModelHandle` or anything with its ``model``,
+    ``tokenizer`` and ``name`` (:class:`attngeom.runs.contract.ModelHandleLike`)."""
+    return not _is_module(obj) and all(hasattr(obj, a) for a in ("model", "tokenizer", "name"))
+
+
+def check_handle(obj, where: str):
+    """``obj`` if it is a model handle (:func:`is_handle`), else one-line :class:`InputError` saying what to pass."""
+    if not is_handle(obj):
+        raise InputError(f"{where} takes {HANDLE_HINT}, not {_what(obj)}")
+    return obj
+
+
+def as_model(obj, where: str):
+    """The transformers model of a function that takes one: a handle's ``model``, or the module itself;
+    anything else is refused in one line."""
+    if is_handle(obj):
+        return obj.model
+    if _is_module(obj):
+        return obj
+    raise InputError(f"{where} takes {HANDLE_HINT} or its transformers model, not {_what(obj)}")
+
+
+def _where(fn) -> str:
+    """``attngeom.<package>.<name>`` of a public function (a class for its ``__init__``)."""
+    return f"attngeom.{fn.__module__.split('.')[1]}.{fn.__qualname__.removesuffix('.__init__')}"
+
+
+def takes_handle(fn):
+    """Decorator of a public function (or method) whose parameter ``handle`` is a model handle: any
+    other value is refused in one line before the function runs (:func:`check_handle`)."""
+    names = list(inspect.signature(fn).parameters)
+    k = names.index("handle")
+    where = _where(fn)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        check_handle(args[k] if len(args) > k else kwargs.get("handle"), where)
+        return fn(*args, **kwargs)
+
+    checked.takes_handle = True
+    return checked
+
+
+def takes_model(fn):
+    """Decorator of a public function (or method) whose parameter ``model`` is a transformers model:
+    a model handle stands for its model; anything else is refused in one line (:func:`as_model`)."""
+    names = list(inspect.signature(fn).parameters)
+    k = names.index("model")
+    where = _where(fn)
+
+    @functools.wraps(fn)
+    def unwrapped(*args, **kwargs):
+        if len(args) > k:
+            args = (*args[:k], as_model(args[k], where), *args[k + 1:])
+        else:
+            kwargs["model"] = as_model(kwargs.get("model"), where)
+        return fn(*args, **kwargs)
+
+    unwrapped.takes_model = True
+    return unwrapped

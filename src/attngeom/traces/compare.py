@@ -1,0 +1,271 @@
+"""Two traces side by side: a counterfactual pair of texts, or two models on the same text.
+
+:func:`diff` aligns the two token sequences and compares their metrics at one **target** pair of
+aligned positions (default: the last one), per layer and per head.
+
+**Alignment.** The token strings of ``a`` and ``b`` are matched by a longest-matching-blocks diff
+(:class:`difflib.SequenceMatcher`, no junk heuristic): positions inside matching blocks are
+*aligned* pairs ``(i_a, i_b)`` with equal tokens; every other position is *changed* (replaced,
+inserted or deleted). Identical sequences align position by position. Token strings, not ids, are
+compared, so two models align wherever their tokenizers cut the text the same way; fewer than half
+of either trace's tokens aligned is refused (:class:`~attngeom.errors.InputError`): the texts are
+not a counterfactual pair, or the tokenizers differ. Layers are compared by number (those both
+traces hold); per-head differences need the same number of heads.
+
+**What is compared**, at the target rows ``i_a``, ``i_b`` of each layer (SPEC §2):
+
+- per source: the token-level attention (mean over heads of ``a_ij^h``) and contribution
+  (``C_ij = Σ_h C_ij^h``) in ``a`` and ``b``, and ``b − a`` for aligned sources (a changed source
+  has a value in one trace only) — :attr:`TraceDiff.sources`;
+- per layer and per head: the rows' **distance** ``½ Σ |b − a|`` over the union of sources, a
+  changed source counting against zero (for attention rows, which sum to 1, the total variation
+  distance), the share of the row on changed sources in each trace, and (per head) the head share
+  ``Σ_j C_ij^h`` and sink rate ``a_i0^h`` in both — :attr:`TraceDiff.layers`, :attr:`TraceDiff.heads`;
+- :meth:`TraceDiff.map_diff`: ``b − a`` of a whole map on the aligned (query, source) pairs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from attngeom.errors import InputError
+from attngeom.model.arguments import check_handle, takes_handle
+
+MIN_ALIGNED = 0.5
+"""Each trace must have at least this share of its tokens aligned."""
+MEASURES = ("attention", "contribution")
+
+
+def align(tokens_a, tokens_b) -> pd.DataFrame:
+    """The alignment of two token lists (module docstring): one row per aligned pair or changed
+    position, in order: ``op`` (``equal``, ``replace``, ``delete``: only in ``a``, ``insert``: only in
+    ``b``), ``position_a``, ``position_b`` (null where the token is only in the other trace),
+    ``token_a``, ``token_b``."""
+    m = difflib.SequenceMatcher(a=list(tokens_a), b=list(tokens_b), autojunk=False)
+    rows = []
+    for op, a0, a1, b0, b1 in m.get_opcodes():
+        if op == "equal":
+            rows += [("equal", a0 + k, b0 + k) for k in range(a1 - a0)]
+        else:
+            rows += [(op, i, None) for i in range(a0, a1)]              # replace or delete
+            rows += [(op, None, j) for j in range(b0, b1)]              # replace or insert
+    df = pd.DataFrame(rows, columns=["op", "position_a", "position_b"])
+    for side, toks in (("a", tokens_a), ("b", tokens_b)):
+        col = df[f"position_{side}"]
+        df[f"position_{side}"] = pd.array([None if pd.isna(x) else int(x) for x in col], dtype="Int64")
+        df[f"token_{side}"] = [None if pd.isna(x) else toks[int(x)] for x in col]
+    return df
+
+
+@dataclass
+class TraceDiff:
+    """The comparison of traces ``a`` and ``b`` (module docstring); built by :func:`diff`."""
+
+    a: object
+    b: object
+    alignment: pd.DataFrame
+    target_a: int
+    target_b: int
+    layers_compared: list[int]
+
+    @cached_property
+    def pairs(self) -> np.ndarray:
+        """Aligned positions ``[n, 2]`` (``position_a``, ``position_b``)."""
+        eq = self.alignment[self.alignment["op"] == "equal"]
+        return eq[["position_a", "position_b"]].to_numpy(dtype=np.int64).reshape(-1, 2)
+
+    @property
+    def same_heads(self) -> bool:
+        return self.a.layers[0].num_heads == self.b.layers[0].num_heads
+
+    def _layer(self, trace, l: int):
+        return next(lt for lt in trace.layers if lt.index == l)
+
+    def _rows(self, l: int, per_head: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The target rows of layer ``l`` in ``a`` and ``b``: ``{measure: (row_a, row_b)}``, each
+        ``[H, i+1]`` (per head: ``a_ij^h`` and ``C_ij^h``) or ``[i+1]`` (token level)."""
+        out = {}
+        for m in MEASURES:
+            rows = []
+            for trace, i in ((self.a, self.target_a), (self.b, self.target_b)):
+                lt = self._layer(trace, l)
+                x = (lt.attention if m == "attention" else lt.contribution_inter)[:, i, :i + 1].astype(np.float64)
+                rows.append(x if per_head else (x.mean(0) if m == "attention" else x.sum(0)))
+            out[m] = tuple(rows)
+        return out
+
+    def _distance(self, ra: np.ndarray, rb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``½ Σ |b − a|`` over the union of sources and each row's share on changed sources
+        (last axis: sources)."""
+        pa, pb = self.pairs[:, 0], self.pairs[:, 1]
+        ok_a, ok_b = pa <= self.target_a, pb <= self.target_b
+        pa, pb = pa[ok_a & ok_b], pb[ok_a & ok_b]
+        changed_a = np.ones(ra.shape[-1], bool)
+        changed_a[pa] = False
+        changed_b = np.ones(rb.shape[-1], bool)
+        changed_b[pb] = False
+        d = (np.abs(rb[..., pb] - ra[..., pa]).sum(-1) + np.abs(ra[..., changed_a]).sum(-1)
+             + np.abs(rb[..., changed_b]).sum(-1)) / 2
+        return d, ra[..., changed_a].sum(-1), rb[..., changed_b].sum(-1)
+
+    @cached_property
+    def layers(self) -> pd.DataFrame:
+        """Per layer and measure, at the target rows: ``distance`` (½ L1 of the token-level rows),
+        ``changed_share_a``/``_b`` (the row's sum on changed sources), ``output_norm_a``/``_b``."""
+        rows = []
+        for l in self.layers_compared:
+            norms = [float(self._layer(t, l).output_norm[i]) for t, i in ((self.a, self.target_a), (self.b, self.target_b))]
+            for m, (ra, rb) in self._rows(l, per_head=False).items():
+                d, ca, cb = self._distance(ra, rb)
+                rows.append({"layer": l, "measure": m, "distance": float(d), "changed_share_a": float(ca),
+                             "changed_share_b": float(cb), "output_norm_a": norms[0], "output_norm_b": norms[1]})
+        return pd.DataFrame(rows)
+
+    @cached_property
+    def heads(self) -> pd.DataFrame:
+        """Per layer and head, at the target rows: for attention (``a_ij^h``) and contribution
+        (``C_ij^h``) the ``{measure}_distance`` (½ L1) and ``{measure}_changed_a``/``_b``; the head share
+        ``Σ_j C_ij^h`` and the sink rate ``a_i0^h`` in ``a``, ``b`` and their difference. Empty when
+        the models' head counts differ."""
+        if not self.same_heads:
+            return pd.DataFrame()
+        frames = []
+        for l in self.layers_compared:
+            rows = self._rows(l, per_head=True)
+            H = rows["attention"][0].shape[0]
+            df = pd.DataFrame({"layer": l, "head": np.arange(H)})
+            for m, (ra, rb) in rows.items():
+                d, ca, cb = self._distance(ra, rb)
+                df[f"{m}_distance"], df[f"{m}_changed_a"], df[f"{m}_changed_b"] = d, ca, cb
+            (ca_, cb_), (aa, ab) = rows["contribution"], rows["attention"]
+            df["head_share_a"], df["head_share_b"] = ca_.sum(-1), cb_.sum(-1)
+            df["head_share_diff"] = df["head_share_b"] - df["head_share_a"]
+            df["sink_rate_a"], df["sink_rate_b"] = aa[:, 0], ab[:, 0]
+            df["sink_rate_diff"] = df["sink_rate_b"] - df["sink_rate_a"]
+            frames.append(df)
+        return pd.concat(frames, ignore_index=True)
+
+    @cached_property
+    def sources(self) -> pd.DataFrame:
+        """Per layer and source of the target rows (aligned pairs and changed positions, in
+        alignment order): ``op``, ``position_a``/``_b``, ``token_a``/``_b``, ``{measure}_a``/``_b``
+        (token level) and ``{measure}_diff`` (``b − a``, aligned sources only)."""
+        al = self.alignment
+        pa, pb = al["position_a"], al["position_b"]
+        keep = (pa.isna() | (pa <= self.target_a)) & (pb.isna() | (pb <= self.target_b))
+        al = al[keep.fillna(False).astype(bool)].reset_index(drop=True)
+        ia = al["position_a"].fillna(-1).to_numpy(np.int64)
+        ib = al["position_b"].fillna(-1).to_numpy(np.int64)
+        frames = []
+        for l in self.layers_compared:
+            df = al.copy()
+            df.insert(0, "layer", l)
+            for m, (ra, rb) in self._rows(l, per_head=False).items():
+                df[f"{m}_a"] = np.where(ia >= 0, ra[np.maximum(ia, 0)], np.nan)
+                df[f"{m}_b"] = np.where(ib >= 0, rb[np.maximum(ib, 0)], np.nan)
+                df[f"{m}_diff"] = df[f"{m}_b"] - df[f"{m}_a"]
+            frames.append(df)
+        return pd.concat(frames, ignore_index=True)
+
+    def map_diff(self, layer: int, measure: str = "contribution", head: int | None = None) -> np.ndarray:
+        """``b − a`` of layer ``layer``'s map on the aligned pairs: ``[n, n]`` (queries x sources, in
+        alignment order; zero above the diagonal). ``head`` None: token level (attention: mean over
+        heads; contribution: ``C_ij``); else that head's ``a_ij^h`` or ``C_ij^h``."""
+        if measure not in MEASURES:
+            raise InputError(f"measure must be one of {', '.join(MEASURES)}, not {measure!r}")
+        if layer not in self.layers_compared:
+            raise InputError(f"layer {layer} is not in both traces; compared: {self.layers_compared}")
+        if head is not None and not (self.same_heads and 0 <= head < self.a.layers[0].num_heads):
+            raise InputError(f"head {head} cannot be compared (the traces have {self.a.layers[0].num_heads} and "
+                             f"{self.b.layers[0].num_heads} heads)")
+        out = []
+        for trace, side in ((self.a, 0), (self.b, 1)):
+            lt = self._layer(trace, layer)
+            x = lt.attention if measure == "attention" else lt.contribution_inter
+            x = x[head] if head is not None else (x.mean(0) if measure == "attention" else x.sum(0))
+            p = self.pairs[:, side]
+            out.append(x[np.ix_(p, p)].astype(np.float64))
+        return out[1] - out[0]
+
+    def summary(self) -> dict:
+        """A JSON-able overview: models, lengths, alignment counts, the target, and per measure the
+        layer whose target rows differ most."""
+        counts = self.alignment["op"].value_counts().to_dict()
+        worst = {}
+        for m, g in self.layers.groupby("measure"):
+            r = g.sort_values(["distance", "layer"], ascending=[False, True]).iloc[0]
+            worst[m] = {"layer": int(r["layer"]), "distance": float(r["distance"])}
+        return {"model_a": self.a.model_name, "model_b": self.b.model_name, "tokens_a": len(self.a),
+                "tokens_b": len(self.b), "aligned": int(counts.get("equal", 0)),
+                "changed_a": int(((self.alignment["op"] != "equal") & self.alignment["position_a"].notna()).sum()),
+                "changed_b": int(((self.alignment["op"] != "equal") & self.alignment["position_b"].notna()).sum()),
+                "target": {"position_a": self.target_a, "position_b": self.target_b,
+                           "token": self.a.tokens[self.target_a]},
+                "layers": self.layers_compared, "most_different_layer": worst}
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"TraceDiff({s['model_a']} vs {s['model_b']}: {s['aligned']} aligned tokens, {s['changed_a']} changed "
+                f"in a, {s['changed_b']} in b; target {self.target_a}/{self.target_b} {s['target']['token']!r}, "
+                f"{len(self.layers_compared)} layer(s))")
+
+
+def diff(a, b, *, target: int | None = None) -> TraceDiff:
+    """Compare traces ``a`` and ``b`` (:class:`attngeom.traces.trace.Trace`; module docstring).
+    ``target``: a position of ``a`` that is aligned (negative counts from the end); default the last
+    aligned position. Refused in one line: traces too different to align, no layer in common, a
+    target that is not aligned."""
+    al = align(a.tokens, b.tokens)
+    n = int((al["op"] == "equal").sum())
+    for name, t in (("a", a), ("b", b)):
+        if n < MIN_ALIGNED * len(t):
+            raise InputError(f"only {n} of trace {name}'s {len(t)} tokens align with the other trace: compare a "
+                             "counterfactual pair (texts that differ in a few tokens) or two models with the same "
+                             "tokenizer on the same text")
+    layers = sorted({lt.index for lt in a.layers} & {lt.index for lt in b.layers})
+    if not layers:
+        raise InputError(f"the traces hold no layer in common (a: {[lt.index for lt in a.layers]}, "
+                         f"b: {[lt.index for lt in b.layers]})")
+    eq = al[al["op"] == "equal"]
+    if target is None:
+        ta, tb = int(eq["position_a"].iloc[-1]), int(eq["position_b"].iloc[-1])
+    else:
+        if not -len(a) <= int(target) < len(a):
+            raise InputError(f"target {target} is outside trace a ({len(a)} tokens)")
+        ta = int(target) % len(a)
+        hit = eq[eq["position_a"] == ta]
+        if not len(hit):
+            raise InputError(f"position {ta} of trace a ({a.tokens[ta]!r}) has no counterpart in b; "
+                             "give an aligned target")
+        tb = int(hit["position_b"].iloc[0])
+    return TraceDiff(a=a, b=b, alignment=al, target_a=ta, target_b=tb, layers_compared=layers)
+
+
+def tables(d: TraceDiff) -> dict[str, pd.DataFrame]:
+    """The tables a comparison writes: ``alignment``, ``layers``, ``heads`` (empty when the head counts
+    differ) and ``sources`` of :class:`TraceDiff`."""
+    return {"alignment": d.alignment, "layers": d.layers, "heads": d.heads, "sources": d.sources}
+
+
+@takes_handle
+def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, target: int | None = None):
+    """Analyse ``text`` with ``handle`` and ``text_b`` (default ``text``) with ``handle_b`` (default
+    ``handle``) and compare them: ``(trace_a, trace_b, diff)``. A counterfactual pair is one model and
+    two texts; two models take the same text (and need a tokenizer that cuts it the same way)."""
+    from attngeom.data.corpora import check_layers
+    from attngeom.traces.trace import analyze
+
+    handle_b = handle if handle_b is None else check_handle(handle_b, "attngeom.traces.compare_texts")
+    if layers is not None:
+        for h in (handle, handle_b):
+            check_layers(layers, h.num_layers)
+    if text_b is None and handle_b is handle:
+        raise InputError("nothing to compare: give a second text (a counterfactual) or a second model")
+    a = analyze(handle, text, layers=layers)
+    b = analyze(handle_b, text if text_b is None else text_b, layers=layers)
+    return a, b, diff(a, b, target=target)
