@@ -23,4 +23,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "check_layers": "corpora",
     "input_path": "corpora",
     "FILE_KINDS": "corpora",
+    "CSV_FIELD_LIMIT": "corpora",
 })

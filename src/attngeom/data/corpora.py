@@ -14,6 +14,7 @@ A UTF-8 byte-order mark at the start of a file is dropped; a JSONL line nested d
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import math
@@ -44,6 +45,9 @@ SAMPLE_TEXT = (
 BOM = "\ufeff"
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 """Files by which a folder written by ``datasets``' ``save_to_disk`` is recognised."""
+CSV_FIELD_LIMIT = 2 ** (8 * ctypes.sizeof(ctypes.c_long) - 1) - 1
+"""The CSV cell size allowed while a CSV file is read: the largest ``csv.field_size_limit`` takes
+(a C long), as the whole file is in memory already (the csv module's default is 131,072 characters)."""
 TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
 """File suffixes read as records with fields (anything else is plain text)."""
 
@@ -176,8 +180,7 @@ def _csv_rows(p: Path) -> Iterator[tuple[str, dict]]:
     except OSError as e:
         raise InputError(f"cannot read {p}: {e.strerror or e}") from None
     reader = csv.reader(io.StringIO(text, newline=""))
-    limit = csv.field_size_limit()
-    csv.field_size_limit(_largest_field_limit())   # one long document per cell is a normal corpus
+    limit = csv.field_size_limit(CSV_FIELD_LIMIT)   # one long document per cell is a normal corpus
     try:
         header = next(reader, None)
         if header is None:
@@ -193,21 +196,6 @@ def _csv_rows(p: Path) -> Iterator[tuple[str, dict]]:
         raise InputError(f"{p}:{reader.line_num}: not valid CSV ({e})") from None
     finally:
         csv.field_size_limit(limit)
-
-
-def _largest_field_limit() -> int:
-    """The largest cell size ``csv.field_size_limit`` accepts on this platform (a C long): the whole
-    file is in memory already, so no cell needs a smaller bound."""
-    import csv
-    import sys
-
-    n = sys.maxsize
-    while True:
-        try:
-            csv.field_size_limit(n)
-            return n
-        except OverflowError:
-            n //= 2
 
 
 def _parquet_rows(p: Path) -> Iterator[tuple[str, dict]]:
