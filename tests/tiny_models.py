@@ -85,7 +85,7 @@ _SPECS = {
 }
 
 ARCHS = list(_SPECS)
-"""The architectures of the tiny test models (every other type: tests/test_architectures.py)."""
+"""The architectures of the tiny test models (every other type: tests/models/test_architectures.py)."""
 
 _TOKENIZER = None
 

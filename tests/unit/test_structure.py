@@ -1,9 +1,9 @@
 """The placement rule: core modules never import the command line or the presentation layer.
 
 Core is every module of ``attngeom`` outside ``commands/``, ``reports/``, ``cli.py`` and
-``__main__.py``. The one exception is documented and checked here: ``Trace.to_html`` and
-``Trace._repr_html_`` (the explorer's entry points on a trace) import ``attngeom.reports.explore``
-lazily, inside the methods."""
+``__main__.py``. The one exception is documented and checked here: ``Trace.to_html``,
+``Trace._repr_html_`` and ``ExploreData.to_html`` (the explorer's entry points) import the explorer
+and ``attngeom.reports.explore`` lazily, inside the methods."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import attngeom
 
 PKG = Path(attngeom.__file__).parent
-PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_")}
+PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("data.py", "to_html")}
 
 
 def _core_modules():
