@@ -12,11 +12,17 @@ documents the former, and the latter are internal to the commands.
 (``:func:`name```, ``:class:`~attngeom.x.Y```), which Markdown would show literally; it turns each
 into a code span (``name``, ``Y``), and the reStructuredText literal-block marker ``text::`` into
 ``text:`` (the indented block after it is already a Markdown code block), before mkdocstrings
-renders the docstring.
+renders the docstring. Every role's target must resolve (:func:`unresolved`): the build logs a
+warning for each one that does not (``mkdocs build --strict`` fails on it), and
+tests/integration/test_docs.py checks every docstring of ``src/attngeom`` the same way.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+import logging
 import re
 from pathlib import Path
 
@@ -82,14 +88,110 @@ def on_files(files, config):
     return files
 
 
-ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|obj|exc|const):`~?([^`]+)`")
+ROLE = re.compile(r":(?:py:)?(func|class|meth|mod|attr|data|obj|exc|const):`~?([^`]+)`")
 LITERAL = re.compile(r"(?m)(\S)::$")
 
 
 def _role_text(match: re.Match) -> str:
-    target = match.group(1)
+    target = match.group(2)
     shown = target.rsplit(".", 1)[-1] if match.group(0).split("`", 1)[1].startswith("~") else target
     return f"`{shown}`"
+
+
+def _exists(dotted: str) -> bool:
+    """``dotted`` names a module, or a module then attributes (a class's annotated fields and the
+    ``self.name`` it assigns count as its attributes)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if hasattr(obj, name):
+                obj = getattr(obj, name)
+            elif inspect.isclass(obj) and _instance_attribute(obj, name):
+                obj = None
+            else:
+                return False
+        return True
+    return False
+
+
+def _instance_attribute(cls: type, name: str) -> bool:
+    for klass in cls.__mro__:
+        if name in getattr(klass, "__annotations__", {}):
+            return True
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{re.escape(name)}\s*[:=]", source):
+            return True
+    return False
+
+
+def candidates(target: str, scopes: list[str], package: str) -> list[str]:
+    """Where a role's ``target`` may point, from a docstring whose enclosing objects are ``scopes``
+    (innermost first, ending with its module) in ``package``: ``.x`` is relative to the package,
+    ``..x`` to its parent; a bare or dotted name is looked up in each scope, then in ``attngeom``."""
+    if target.startswith("."):
+        rest = target.lstrip(".")
+        base = package.split(".")
+        base = base[: len(base) - (len(target) - len(rest) - 1)]
+        return [".".join([*base, rest]), f"{scopes[-1]}.{rest}"]
+    return [target, *(f"{s}.{target}" for s in scopes), f"{package}.{target}", f"attngeom.{target}"]
+
+
+def unresolved(target: str, scopes: list[str], package: str) -> bool:
+    """True when no candidate of ``target`` exists (see :func:`candidates`)."""
+    return not any(_exists(c) for c in candidates(target.strip("()"), scopes, package))
+
+
+def docstring_roles(path: Path, module: str):
+    """``(scopes, role, target)`` of every role in the docstrings of one source file, read statically."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+
+    def visit(node, scopes):
+        docs = [ast.get_docstring(node, clean=False) or ""]
+        body = getattr(node, "body", [])
+        for before, after in zip(body, body[1:]):          # attribute docstrings: a string after an assignment
+            if isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs.append(after.value.value)
+        for match in ROLE.finditer("\n".join(docs)):
+            yield scopes, match.group(1), match.group(2)
+        for child in body:
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from visit(child, [f"{scopes[0]}.{child.name}", *scopes])
+
+    yield from visit(tree, [module])
+
+
+def _package(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def broken_references() -> list[str]:
+    """Every role in the docstrings of ``src/attngeom`` whose target does not resolve."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        module = ".".join(["attngeom", *parts])
+        for scopes, role, target in docstring_roles(path, module):
+            if unresolved(target, scopes, _package(module, path)):
+                bad.append(f"{path.relative_to(ROOT.parent.parent)}: {scopes[0]}: :{role}:`{target}` does not resolve")
+    return bad
+
+
+log = logging.getLogger("mkdocs.hooks.attngeom")
+
+
+def on_pre_build(config):
+    """A docstring's cross-reference that points nowhere fails the strict build."""
+    for line in broken_references():
+        log.warning(line)
 
 
 class SphinxRoles(Extension):

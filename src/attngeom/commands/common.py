@@ -2,7 +2,7 @@
 
 A command is thin: it checks its arguments (everything that needs no model, before any compute),
 opens its :class:`~attngeom.runs.run.Run` (which claims the output directory), loads the model, calls
-an experiment of the core and writes its outputs through :meth:`Run.finish`.
+an experiment of the core and writes its outputs through :meth:`~attngeom.runs.run.Run.finish`.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ depth, and ``Σ_j f_j = 1`` at every depth when the maps are exact.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -89,6 +90,12 @@ class ExploreData:
     @property
     def T(self) -> int:
         return len(self.ids)
+
+    def to_html(self, path: str | Path) -> Path:
+        """Write the explorer page (one offline HTML file, docs/explore.md) to ``path``; returns it."""
+        from attngeom.reports.explore import write
+
+        return write(self, path)
 
     @property
     def exact(self) -> bool:

@@ -4,7 +4,7 @@
 * :mod:`.handle` — :class:`ModelHandle` (model, tokenizer, ``adapter``, readable tokens).
 * :mod:`.adapter` — :class:`ArchitectureAdapter`: attention modules, decoder layers, ``W_O``, ``W_V``
   and head geometry by attention layer, found by :func:`discover` (a probe forward, no per-model
-  code); :data:`SUPPORTED_ARCHITECTURES` (the types tests/test_architectures.py verifies).
+  code); :data:`SUPPORTED_ARCHITECTURES` (the types tests/models/test_architectures.py verifies).
 * :mod:`.bundled` — :data:`BUNDLED_MODELS` (``smollm2-135m``, ``gemma3-270m``).
 * :mod:`.gguf_cache` — GGUF dequantisation and the float safetensors cache.
 * :mod:`.device` — :func:`resolve_device` / :func:`check_device` and :func:`resolve_dtype`; imports

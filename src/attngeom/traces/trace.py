@@ -137,9 +137,8 @@ class Trace:
         """Write the interactive explorer of this trace (one offline HTML file, see docs/explore.md);
         ``options`` go to :func:`attngeom.explorer.data.from_trace` (``top_k``, ``exact_max_tokens``, ``sink``)."""
         from attngeom.explorer.data import from_trace
-        from attngeom.reports.explore import write
 
-        return write(from_trace(self, **options), path)
+        return from_trace(self, **options).to_html(path)
 
     def _repr_html_(self) -> str:
         """The explorer inline in Jupyter (an ``<iframe srcdoc>``)."""
