@@ -133,7 +133,7 @@ def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _byte_to_unicode_inverse() -> dict[str, int]:
-    from attngeom.model import _byte_decoder
+    from attngeom.model.handle import _byte_decoder
 
     return _byte_decoder()
 

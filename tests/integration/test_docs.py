@@ -172,3 +172,10 @@ def test_site_builds_without_warnings(tmp_path):
     assert "Token-importance metrics" in metrics and "contribution_from" in metrics
     assert ":func:" not in metrics and ":mod:" not in metrics   # Sphinx roles turned into code spans
     assert (site / "api" / "attngeom.metrics.registry" / "index.html").is_file()
+    # The public API (attngeom and each package, with the table of its public names) and the
+    # internals (each submodule) are two sections of the navigation.
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert "API reference" in index and "Internals" in index
+    sinks = (site / "api" / "attngeom.sinks" / "index.html").read_text(encoding="utf-8")
+    assert "Public names" in sinks
+    assert 'href="../attngeom.sinks.suppression/#attngeom.sinks.suppression.experiment"' in sinks

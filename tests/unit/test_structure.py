@@ -201,3 +201,18 @@ def test_layers_import_only_downwards():
                 if _layer_of(bits[1]) > _layer_of(part):
                     bad.append(f"{rel}:{node.lineno} ({part}) imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_packages_export_only_public_names_that_exist():
+    """Each package's ``lazy`` dict names public names only (no ``_name``), and each is defined by the
+    submodule it names; ``__all__`` is that dict."""
+    import importlib
+
+    for init in sorted(PKG.glob("*/__init__.py")):
+        package = importlib.import_module(f"attngeom.{init.parent.name}")
+        for name in getattr(package, "__all__", []):
+            assert not name.startswith("_"), f"{package.__name__} exports the private name {name}"
+            assert hasattr(package, name), f"{package.__name__}.{name} is not defined where its __init__ says"
+    for name in attngeom.__all__:
+        assert not name.startswith("_") or name == "__version__"
+        assert hasattr(attngeom, name), name

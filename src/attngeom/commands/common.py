@@ -157,7 +157,7 @@ def model_identity(args) -> dict:
     """``--model``, ``--dtype`` and ``--device`` normalised without loading anything: an explicit
     ``--dtype float32`` on CPU is the same run as the default. Bad devices fail here (exit 2)."""
     from attngeom.runs.distributed import local_device
-    from attngeom.model import check_device, dtype_name, resolve_dtype
+    from attngeom.model.device import check_device, dtype_name, resolve_dtype
 
     device = check_device(getattr(args, "device", None) or local_device())
     dtype = resolve_dtype(getattr(args, "dtype", None), device)

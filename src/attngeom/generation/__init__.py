@@ -3,20 +3,13 @@
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "DEFAULT_TOP_K": "decoding",
-    "TABLE_METRICS": "decoding",
-    "chat_messages": "decoding",
     "prompt_ids": "decoding",
     "model_stop_ids": "decoding",
     "Decoding": "decoding",
-    "check_context": "decoding",
     "generate": "decoding",
-    "GrowingNorms": "decoding",
-    "GenerationBatch": "decoding",
     "stream": "decoding",
     "stream_ids": "decoding",
     "AnswerSources": "decoding",
     "Answers": "decoding",
     "generation_stage": "decoding",
-    "generation_record": "settings",
 })

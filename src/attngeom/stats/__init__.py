@@ -3,18 +3,10 @@
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "DEFAULT_RESAMPLES": "resampling",
-    "DEFAULT_LEVEL": "resampling",
     "resample_counts": "resampling",
     "resample_sums": "resampling",
     "ratio_of_sums": "resampling",
     "perplexity": "resampling",
     "percentile_interval": "resampling",
-    "beats_share": "resampling",
     "bootstrap": "resampling",
-    "bootstrap_loop": "resampling",
-    "interval_dict": "resampling",
-    "side_of": "resampling",
-    "nanmedian_rows": "resampling",
-    "nanmean_rows": "resampling",
 })
