@@ -1,4 +1,4 @@
-"""The papers' claims measured on one model, with intervals and verdicts: :mod:`.catalogue`."""
+"""The papers' claims (SPEC §3–§6) measured on one model, with intervals and verdicts: :mod:`.catalogue` (docs/claims.md)."""
 
 from attngeom._exports import lazy
 

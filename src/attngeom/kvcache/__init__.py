@@ -1,4 +1,4 @@
-"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`)."""
+"""KV-cache eviction under a budget (SPEC §9): a compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`)."""
 
 from attngeom._exports import lazy
 

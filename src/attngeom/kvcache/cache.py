@@ -1,4 +1,4 @@
-"""A compressed KV cache for transformers (per-head eviction under a budget), and reading under it.
+"""A compressed KV cache for transformers (per-head eviction under a budget, SPEC §9), and reading under it.
 
 **The cache.** :class:`CompressedCache` is a transformers ``DynamicCache`` whose full-attention
 layers are :class:`CompressedLayer` s (sliding-window layers of hybrid models keep transformers' own

@@ -1,4 +1,4 @@
-"""Where a model keeps its attention, found by watching it run: the one place that knows structure.
+"""Where a model keeps its attention, found by watching it run: the one place that knows structure (SPEC §1).
 
 attngeom reads q, k and v from the attention call itself (:mod:`attngeom.capture.plugin`), so what it
 needs from the model's structure is small: which modules call transformers' attention interface,

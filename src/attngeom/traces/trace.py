@@ -1,4 +1,4 @@
-"""Running a model under the capture plug-in: full traces for one text, streams for corpora.
+"""Running a model under the capture plug-in: full traces for one text, streams for corpora (SPEC §2).
 
 - :func:`analyze` — one text (or token ids) -> :class:`Trace` with every layer's metric maps.
 - :func:`analyze_batch` — several texts, right-padded into batches; per-text results equal
