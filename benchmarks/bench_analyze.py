@@ -7,7 +7,7 @@ next), so that load from other jobs on a shared machine hits every method alike:
 
 ``sdpa``
     a plain forward pass with ``attn_implementation="sdpa"``, transformers' default: the forward
-    users compare with (issue 10's targets are ratios to it).
+    users compare with (the performance targets are ratios to it).
 ``eager``
     a plain forward pass with ``attn_implementation="eager"``.
 ``capture``

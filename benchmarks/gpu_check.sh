@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issue 9, item 5), meant to finish within 8 minutes on one CUDA GPU:
+# GPU check, meant to finish within 8 minutes on one CUDA GPU:
 #   1. a venv with a CUDA build of torch, the project with its test extras and the bundled model
 #      (reused when it already imports a CUDA torch; GPU_VENV picks it, default .venv-gpu);
 #   2. the device-agnostic tests on cuda (ATTNGEOM_TEST_DEVICE=cuda: tests/integration/test_gpu_check.py, the

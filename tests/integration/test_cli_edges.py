@@ -1,5 +1,5 @@
-"""The command-level defects found in testing (issue: one experiment runner for every command): each
-case gets one line and exit 2 before any compute, or a meaningful result."""
+"""Command-level edge cases of every command: each gets one line and exit 2 before any compute, or
+a meaningful result."""
 
 from __future__ import annotations
 

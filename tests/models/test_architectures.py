@@ -45,7 +45,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
 MIN_SUPPORTED = 105
 REQUIRED = ("gpt2", "gpt_neox", "gptj", "opt", "olmo", "olmo2", "phi", "phi3", "stablelm", "starcoder2", "cohere",
             "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "smollm3")
-"""Types the project promises (issue 18)."""
+"""Types the project promises to support (docs/architectures.md)."""
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,

@@ -72,7 +72,8 @@ def test_weightless_trace_refuses_weights(handle, tmp_path):
 
 
 def test_traces_store_no_weights_unless_asked(handle, tmp_path):
-    """Issue 8: a 10-token trace of SmolLM2-135M was 45 MB, every layer's W_O and G included."""
+    """A trace holds no per-layer W_O or G unless asked (``weights=True``): with them a 10-token trace
+    of SmolLM2-135M is about 45 MB."""
     tr = analyze(handle, TEXTS[1])
     small, big = tr.save(tmp_path / "small"), tr.save(tmp_path / "big", weights=True)
     names = set(safetensors_keys(small / "tensors.safetensors"))
