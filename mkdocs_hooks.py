@@ -161,7 +161,7 @@ def _role_text(match: re.Match) -> str:
     return f"`{shown}`"
 
 
-def _exists(dotted: str) -> bool:
+def exists(dotted: str) -> bool:
     """``dotted`` names a module, or a module then attributes (a class's annotated fields and the
     ``self.name`` it assigns count as its attributes)."""
     parts = dotted.split(".")
@@ -208,7 +208,7 @@ def candidates(target: str, scopes: list[str], package: str) -> list[str]:
 
 def unresolved(target: str, scopes: list[str], package: str) -> bool:
     """True when no candidate of ``target`` exists (see :func:`candidates`)."""
-    return not any(_exists(c) for c in candidates(target.strip("()"), scopes, package))
+    return not any(exists(c) for c in candidates(target.strip("()"), scopes, package))
 
 
 def docstring_roles(path: Path, module: str):
