@@ -2,48 +2,20 @@
 
 For one query ``t`` of one layer and every head ``h`` (vectorised over heads and over ``N``), with
 ``a [H, S]`` the attention row over the query's candidate sources and ``v [H, S, d]`` their value
-states in head space, the *attention-scaled values* are ``y_j = a_tj v_j``. For a selection ``S_N``
-of ``N`` sources:
-
-- ``s_N = Σ_{j∈S_N} y_j``; ``D_j = d(y_j, s_N)`` with ``d`` Euclidean or cosine
-  ``1 − ⟨x,y⟩/(‖x‖‖y‖ + 1e-12)``;
-- ``ρ_max = max_{j∈S} D_j``, ``ρ_min = min_{j∉S} D_j``;
-- ``P_N = N / (N + |{j∉S : D_j <= ρ_max}|)``, ``R_N = |{j∈S : D_j < ρ_min}| / N``,
-  ``F_N = 2 P_N R_N / (P_N + R_N)``;
-- ``GInv_N = Σ_{i∈S} Σ_{j∉S} [D_j <= D_i]``, with ``P_N >= N/(N+GInv_N)``,
-  ``R_N >= max(0, 1 − GInv_N/N)`` and ``GInv_N = 0 ⇔ P_N = R_N = 1``.
-
-Selections: the top-``N`` by attention (ties to the earlier position), the same with the sink removed
-from the candidates, and seeded random subsets of the same size (several repeats; also with and
-without the sink). ``N`` runs over ``1, 2, 4, …, 256`` below the number of candidates.
+states in head space: the attention-scaled values ``y_j = a_tj v_j``, the selections (top-``N``
+by attention, ties to the earlier position; the same without the sink; seeded random subsets) and
+``s_N``, ``D_j``, ``P_N``, ``R_N``, ``F_N``, ``GInv_N`` and their bounds are defined in SPEC §5.
+``N`` runs over ``1, 2, 4, …, 256`` below the number of candidates.
 
 Everything is computed from three quantities per selection: ``⟨s_N, y_j⟩``, ``‖s_N‖²`` and
 ``‖y_j‖²``. From vectors they come from prefix sums of the ``y``'s in selection order; from a Gram
 matrix ``K_jk = ⟨y_j, y_k⟩`` (the sink-aware prediction below) from prefix sums of its rows. The same
 scoring code then serves measurement and prediction.
 
-**Sink-aware regime.** :func:`sink_regime` measures, at the query: the value-norm ratio non-sink /
-sink (``mean_{j>0} ‖v_j‖ / ‖v_0‖``) and the non-sink norms' coefficient of variation; the mean cosine
-between the sink's value and the others'; the mean cosine between non-sink values at position
-distance ``δ`` and the least-squares fit of ``exp(−λ δ)`` to it (``λ`` and the mean absolute error);
-the piecewise-constant attention profile: the sink's weight ``a_0``, a *middle* level ``m`` (the mean
-weight of positions ``1 .. t−w``) and a *recency* level ``r`` (the mean weight of the last ``w``
-positions), with ``w`` the window that minimises the squared error of that three-piece fit.
-
-:func:`predict_curves` turns those parameters into a prediction with this **model**:
-
-- attention ``â_0 = a_0``, ``â_j = m`` in the middle, ``â_j = r`` in the recency window;
-- value norms ``ν_j = 1`` for ``j > 0`` and ``ν_0 = 1 / ratio`` (P, R, F do not depend on scale);
-- value cosines ``cos(v_j, v_k) = exp(−λ|j−k|)`` for ``j, k > 0`` and ``cos(v_0, v_j) = κ``, the
-  measured mean sink cosine;
-- hence a Gram matrix ``K_jk = â_j ν_j â_k ν_k cos(v_j, v_k)`` of the ``y``'s, from which ``D_j``
-  (squared Euclidean distances clamped at 0 where the model matrix is not positive semidefinite) and
-  the predicted ``P_N, R_N, F_N`` follow by exactly the definitions above, for the model's own top-N
-  (ties to the earlier position), with and without the sink.
-
-The *best small N* is the ``N`` in ``2 .. small_n_max`` (default 16) with the largest ``F_N`` (ties to
-the smaller ``N``), predicted and measured; ``N = 1`` is left out because ``F_1 = 1`` trivially in
-Euclidean space (the single selected ``y`` is its own sum).
+**Sink-aware regime** (SPEC §5): :func:`sink_regime` measures the value norms, the value cosines
+and their ``exp(−λ δ)`` fit and the three-piece attention profile at the query;
+:func:`predict_curves` turns them into the model's Gram matrix and predicts ``P_N, R_N, F_N``
+with the same scoring code; :func:`best_small_n` picks the best small ``N``, predicted and measured.
 """
 
 from __future__ import annotations
