@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     from attngeom import load_model
     from attngeom.capture.plugin import Session
-    from attngeom.generation.decoding import AnswerSources, Decoding, generate, stream_ids
+    from attngeom.generation.decoding import AnswerSources, Decoding, generate, stream_generation_ids
     from attngeom.streaming.reducers import HeadStats, TokenStats
 
     if args.threads:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         else:
             reducers = [HeadStats(), TokenStats(), AnswerSources()] if method == "stepwise" else [AnswerSources()]
             text = [HeadStats(), TokenStats()] if method == "analyze" else []
-            answer = stream_ids(handle, ids, reducers, dec, text_reducers=text)[len(ids):]
+            answer = stream_generation_ids(handle, ids, reducers, dec, text_reducers=text)[len(ids):]
         sync()
         return time.perf_counter() - t0, answer
 

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import torch
 
     from attngeom import load_model
-    from attngeom.kvcache.cache import cache_bytes, compressing, new_cache, step
+    from attngeom.kvcache.cache import cache_bytes, compressing, new_cache, cached_forward
     from attngeom.kvcache.policies import get_policy
 
     if args.threads:
@@ -69,10 +69,10 @@ def main(argv=None) -> int:
     def run(policy) -> tuple[float, int]:
         cache = new_cache(handle, policy, None if policy.name == "full" else args.budget)
         with compressing(handle.model, cache):
-            last = step(handle, cache, prompt)[0, -1]
+            last = cached_forward(handle, cache, prompt)[0, -1]
             t0 = time.perf_counter()
             for _ in range(args.new):
-                last = step(handle, cache, last.argmax().reshape(1, 1))[0, -1]
+                last = cached_forward(handle, cache, last.argmax().reshape(1, 1))[0, -1]
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             return (time.perf_counter() - t0) / args.new, cache_bytes(cache)

@@ -9,7 +9,7 @@ One window of each of ``--sizes`` tokens (default 512, 2048, 8192) of the shared
   (``logits_to_keep=1``), as the selection's own forward computes them: no method pays for the
   ``[T, V]`` logits (until 2026-12-01 the clean forwards computed every position's logits, which
   flattered the selection's ratios by the LM head's share of that forward);
-- ``selection``: :func:`attngeom.traces.trace.stream` with :class:`attngeom.selection.topn.SelectionStats` on
+- ``selection``: :func:`attngeom.traces.trace.stream` with :class:`attngeom.selection.reducer.SelectionStats` on
   every layer: the captured forward plus, at the last query, every N (1, 2, 4, …, 256 below the
   window), both distances, top-N with and without the sink, 8 random repeats, the sink-aware regime
   parameters (the target's workload); then the command's full default beside it: also 8 random
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from attngeom.capture.plugin import Session  # noqa: E402
 from attngeom.model import load_model  # noqa: E402
 from attngeom.streaming.reducers import Batch  # noqa: E402
-from attngeom.selection.topn import SelectionStats  # noqa: E402
+from attngeom.selection import SelectionStats  # noqa: E402
 from attngeom.traces.trace import forward, stream  # noqa: E402
 
 DATA = Path("/work/shared/data/wikitext-2-raw-test.txt")

@@ -12,7 +12,7 @@ from attngeom import analyze, load_model
 from attngeom.cli import main
 from attngeom.data.corpora import SAMPLE_TEXT
 from attngeom.runs.contract import ExperimentResult
-from attngeom.runs.run import Memory
+from attngeom.runs.run import InMemoryRun
 
 
 TEXT = "The cat sat on the mat; the dog lay by the door."
@@ -272,7 +272,7 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
     assert main(["analyze", "--model", str(tiny_llama_dir), "--text", text, "--layers", "0,2", "--figure-layers", "2",
                  "--window", "8", "--out", str(out), "--no-progress"]) == 0
     settings = AnalyzeSettings(layers=(0, 2), figure_layers=(2,), window=8)
-    res = analysis.experiment(handle, Memory(), text, settings, source="--text")
+    res = analysis.experiment(handle, InMemoryRun(), text, settings, source="--text")
     assert isinstance(res, ExperimentResult) and res.name == "analyze" and res.settings == settings.record()
     _same_as_written(res, out, ("model", "input", "per_layer", "top_tokens", "maps", "definitions"))
     pw = res.per_window
@@ -286,11 +286,11 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
     out = tmp_path / "generate"
     assert main(["analyze", "--model", str(tiny_llama_dir), "--text", "The cat sat", "--generate", "4",
                  "--out", str(out), "--no-progress"]) == 0
-    res = analysis.experiment(handle, Memory(), "The cat sat", AnalyzeSettings(decoding=Decoding(4)), source="--text")
+    res = analysis.experiment(handle, InMemoryRun(), "The cat sat", AnalyzeSettings(decoding=Decoding(4)), source="--text")
     assert {"answer_shares", "answer_sources", "answer_summary"} <= set(res.tables)
     _same_as_written(res, out, ("generation",))
     with pytest.raises(InputError, match="windows do not apply"):
-        analysis.experiment(handle, Memory(), "The cat sat", AnalyzeSettings(decoding=Decoding(4), window=8))
+        analysis.experiment(handle, InMemoryRun(), "The cat sat", AnalyzeSettings(decoding=Decoding(4), window=8))
 
     data = tmp_path / "prompts.txt"
     data.write_text("The cat sat\na b c\n")
@@ -299,7 +299,7 @@ def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path
                  "--no-progress"]) == 0
     from attngeom.data.corpora import resolve_texts
 
-    res = analysis.answer_experiment(handle, Memory(), resolve_texts(str(data), None),
+    res = analysis.answer_experiment(handle, InMemoryRun(), resolve_texts(str(data), None),
                                      AnalyzeSettings(decoding=Decoding(2)), source=str(data))
     assert set(res.tables) == {"answers", "answer_shares", "answer_sources", "answer_summary"}
     _same_as_written(res, out, ("prompts", "answer_tokens"))

@@ -3,7 +3,7 @@ tables are written."""
 
 import json
 
-from attngeom.claims import catalogue as CL
+from attngeom import claims as CL
 from attngeom.cli import main
 from attngeom.heads.taxonomy import REGIMES
 
@@ -12,7 +12,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("The sink collects attention | but adds *little* to the output. " * 40)
     out = tmp_path / "claims"
-    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "5",
+    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "12",
             "--calib-windows", "2", "--ratios", "0.3,0.6", "--ns", "2,4", "--repeats", "2", "--retentions", "100,75",
             "--bootstrap", "200", "--out", str(out), "--no-progress"]
     assert main(args) == 0
@@ -20,7 +20,11 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     ids = [r["id"] for r in res["rows"]]
     assert ids == [c["id"] for c in CL.CLAIMS]
     for r in res["rows"]:
+        if r["id"] == "early_critical_head":     # measured on the 2 calibration windows only
+            assert (r["verdict"], r["windows"], r["low"], r["high"]) == (CL.TOO_FEW, 2, None, None)
+            continue
         assert r["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE)
+        assert r["windows"] == (10 if r["id"].startswith("taxonomy_removal") else 12)
         if r["low"] is not None and r["high"] is not None:
             assert r["low"] <= r["high"]
     assert res["settings"]["bootstrap"] == 200
@@ -37,6 +41,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     md = (out / "claims.md").read_text()
     assert md.count("Per removal ratio: r=0.3: ") == 4 and "ΔPPL per removal ratio" in md
     assert md.count("\n| ") >= len(CL.CLAIMS) + 1
+    assert "| too few windows |" in md and "## Terms" in md and "**semantic cone**" in md
     for c in CL.CLAIMS:
         assert c["id"].replace("_", "\\_") in md
     assert (out / "run.json").exists()

@@ -34,7 +34,7 @@ def test_cli_runs_and_resumes(tiny_llama_dir, tmp_path, capsys):
     assert s["units_done"] == 2 and set(s["metrics"]) == {"attention", "random"}
     man = json.loads((out / "run.json").read_text())
     assert man["command"] == "faithfulness" and man["complete"] and set(man["files"]) == {
-        "table.parquet", "summary.json", "faithfulness.png"}
+        "table.parquet", "summary.json", "faithfulness.png", "report.md"}
     # the same command again: the run is complete, nothing is recomputed or rewritten
     before = {f: (out / f).stat().st_mtime_ns for f in man["files"]}
     assert _cli(tiny_llama_dir, out, *args) == 0

@@ -255,14 +255,14 @@ def test_corpus_mode_resumes_after_an_interruption(tiny_llama_dir, tmp_path, mon
         return ["analyze", "--model", str(tiny_llama_dir), "--data", str(data), "--fields", "prompt",
                 "--generate", "3", "--out", str(out), "--no-progress"]
 
-    real, seen = G.stream_ids, []
+    real, seen = G.stream_generation_ids, []
 
     def interrupted(handle, ids, *a, index=0, **k):
         if index == 1:
             raise KeyboardInterrupt
         return real(handle, ids, *a, index=index, **k)
 
-    monkeypatch.setattr(G, "stream_ids", interrupted)
+    monkeypatch.setattr(G, "stream_generation_ids", interrupted)
     assert main(argv(tmp_path / "o")) == 130
     assert not (tmp_path / "o" / "answers.parquet").exists()
 
@@ -270,7 +270,7 @@ def test_corpus_mode_resumes_after_an_interruption(tiny_llama_dir, tmp_path, mon
         seen.append(index)
         return real(handle, ids, *a, index=index, **k)
 
-    monkeypatch.setattr(G, "stream_ids", counted)
+    monkeypatch.setattr(G, "stream_generation_ids", counted)
     assert main(argv(tmp_path / "o")) == 0
     assert seen == [1, 2]                                   # prompt 0 came from its record
     assert main(argv(tmp_path / "fresh")) == 0

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from attngeom.cli import main
-from attngeom.selection import topn as SEL
+from attngeom import selection as SEL
 
 TEXTS = ["The cat sat on the mat; the dog lay by the door.", "A short one, with commas."]
 

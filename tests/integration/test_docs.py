@@ -170,4 +170,4 @@ def test_site_builds_without_warnings(tmp_path):
     assert "API reference" in index and "Internals" in index
     sinks = (site / "api" / "attngeom.sinks" / "index.html").read_text(encoding="utf-8")
     assert "Public names" in sinks
-    assert 'href="../attngeom.sinks.suppression/#attngeom.sinks.suppression.experiment"' in sinks
+    assert 'href="../attngeom.sinks.corpus/#attngeom.sinks.corpus.experiment"' in sinks

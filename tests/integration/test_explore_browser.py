@@ -222,7 +222,8 @@ def test_token_text_is_data(driver, tiny_llama, tmp_path):
     spans = driver.find_elements("css selector", "#tokens .tok")
     assert len(spans) == len(NASTY)
     shown = driver.execute_script("return Array.from(document.querySelectorAll('#tokens .tok')).map(s => s.textContent)")
-    expect = ["".join(chr(0x2400 + ord(c)) if ord(c) < 32 else c for c in t) for t in NASTY]
+    visible = {"\n": "\u21b5", "\t": "\u2192", "\r": "\u23ce"}
+    expect = ["".join(visible.get(c, f"\\x{ord(c):02x}") if ord(c) < 32 else c for c in t) for t in NASTY]
     assert shown == expect
     # nothing became markup: no element inside a token, no extra script or image, no alert
     assert driver.execute_script("return document.querySelectorAll('#tokens .tok *').length") == 0

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attngeom.capture.plugin import Session
-from attngeom.streaming.reducers import Batch, Reducer
+from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
 from tiny_models import tiny_model
 
@@ -75,7 +75,7 @@ def test_device_capture_exact(arch, dtype, test_device):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, model.config.vocab_size, (1, T), generator=g)
     ids[0, 0] = 1
-    batch = Batch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    batch = InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0])
     seen, hooks = {}, []
     for name, mod in model.named_modules():
         if name.endswith("self_attn"):

@@ -18,7 +18,7 @@ import pytest
 from attngeom.cli import main
 from attngeom.errors import InputError, OutputError
 from attngeom.runs.storage import decode_record, encode_record
-from attngeom.runs.run import MANIFEST, Memory, Run, merge_sums, verify
+from attngeom.runs.run import MANIFEST, InMemoryRun, Run, merge_sums, verify
 
 TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. "
         "Rain fell all night; in the morning the streets were wet and quiet. ") * 12
@@ -69,7 +69,7 @@ def test_stage_records_groups_and_resumes(tmp_path):
     # only the missing units are computed (records of other stages are kept apart)
     assert again.stage("sq", 9, _square(calls), group=5)
     assert calls == [[7, 8]]
-    assert Memory().stage("sq", 7, _square(calls), group=3, group_key=lambda u: u < 4) == recs
+    assert InMemoryRun().stage("sq", 7, _square(calls), group=3, group_key=lambda u: u < 4) == recs
 
 
 def test_changed_fingerprints_are_recomputed(tmp_path):
@@ -98,7 +98,7 @@ def test_directory_rules(tmp_path):
     snapshot = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with pytest.raises(InputError, match="holds an attngeom sinks run"):
         Run(out, "selection", {"a": 1})
-    with pytest.raises(InputError, match=r"a sinks run with other settings \(a, b\)"):
+    with pytest.raises(InputError, match=r"an attngeom sinks run with other settings \(a, b\)"):
         Run(out, "sinks", {"a": 2, "b": 0})
     assert snapshot == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert Run(out, "sinks", {"a": 1}).complete

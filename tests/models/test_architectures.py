@@ -270,7 +270,7 @@ def own_forward(model) -> torch.Tensor:
 
 def check_model(model, model_type: str) -> str:
     """Run every check on a built model; returns the notes for the table (raises on failure)."""
-    from attngeom.traces.trace import Batch, forward
+    from attngeom.traces.trace import InputBatch, forward
 
     from tiny_models import tiny_tokenizer
 
@@ -280,7 +280,7 @@ def check_model(model, model_type: str) -> str:
     own, ref = _first_rows(*_o_proj_inputs(adapter, lambda: own_forward(model), T))
     checker = Checker()
     session = Session(observers=[checker])
-    batch = Batch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    batch = InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0])
     under, got = _first_rows(*_o_proj_inputs(adapter, lambda: forward(handle, batch, session, logits=True), T))
     L = adapter.num_layers
     assert session.layers_seen == list(range(L)), session.layers_seen
@@ -299,8 +299,8 @@ def _stream_every_reducer(handle, ids) -> None:
 
     from attngeom.explorer.data import RowCollector
     from attngeom.streaming.reducers import FullCapture, HeadStats, TokenStats
-    from attngeom.selection.topn import SelectionStats
-    from attngeom.sinks.suppression import SinkStats, SourceRemoval
+    from attngeom.selection import SelectionStats
+    from attngeom.sinks import SinkStats, SourceRemoval
     from attngeom.traces.trace import stream
 
     reducers = [HeadStats(), TokenStats(), FullCapture(), SinkStats(),
@@ -461,7 +461,7 @@ class _Blocks:
 def test_output_projection_bias_is_added_once_and_belongs_to_no_source():
     """GPT-2: the c_proj output is ``o_i + b_O`` with ``o_i = Σ_h W_O^h o_i^h`` built from the blocks,
     and the contributions (defined on ``o_i``) sum to one."""
-    from attngeom.traces.trace import Batch, forward
+    from attngeom.traces.trace import InputBatch, forward
     from tiny_models import tiny_tokenizer
 
     model = build("gpt2")
@@ -475,7 +475,7 @@ def test_output_projection_bias_is_added_once_and_belongs_to_no_source():
         hooks.append(ad.o_proj(l).register_forward_hook(lambda m, a, y, l=l: outputs.__setitem__(l, y.detach()[0])))
     blocks = _Blocks("layer_output")
     try:
-        forward(handle, Batch(ids=_ids(128), lengths=torch.tensor([T]), index=[0]), Session(observers=[blocks]))
+        forward(handle, InputBatch(ids=_ids(128), lengths=torch.tensor([T]), index=[0]), Session(observers=[blocks]))
     finally:
         for h in hooks:
             h.remove()
@@ -494,7 +494,7 @@ def test_learned_sinks_are_a_virtual_source_of_zero_value():
     import numpy as np
 
     from attngeom.streaming.reducers import HeadStats
-    from attngeom.traces.trace import Batch, forward, stream
+    from attngeom.traces.trace import InputBatch, forward, stream
     from tiny_models import tiny_tokenizer
 
     model = build("gpt_oss")
@@ -504,7 +504,7 @@ def test_learned_sinks_are_a_virtual_source_of_zero_value():
         eager = model(ids, output_attentions=True, use_cache=False).attentions      # [1, H, T, T] per layer
     handle = ModelHandle(model=model, tokenizer=tiny_tokenizer(), spec="gpt_oss", name="gpt_oss")
     blocks = _Blocks("learned_sink", "entropy")
-    forward(handle, Batch(ids=ids, lengths=torch.tensor([T]), index=[0]), Session(observers=[blocks]))
+    forward(handle, InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0]), Session(observers=[blocks]))
     for l, ref in enumerate(eager):
         got = blocks.seen[l]
         torch.testing.assert_close(got["a"], ref.float(), rtol=1e-5, atol=1e-6)
@@ -581,13 +581,13 @@ def test_latent_attention_is_refused_before_any_stage_runs():
     before its taxonomy stages run (the weight-norm order needs ``‖W_V‖``)."""
     from attngeom.heads import removal as HD
     from attngeom.heads.settings import HeadsSettings
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import InMemoryRun
     from tiny_models import tiny_tokenizer
 
     handle = ModelHandle(model=build("deepseek_v2"), tokenizer=tiny_tokenizer(), spec="deepseek_v2", name="deepseek_v2")
     stages = []
 
-    class Counting(Memory):
+    class Counting(InMemoryRun):
         def stage(self, name, *args, **kw):
             stages.append(name)
             return super().stage(name, *args, **kw)

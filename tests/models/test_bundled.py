@@ -11,7 +11,7 @@ from attngeom.faithfulness.curves import window_units
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.generation.decoding import model_stop_ids
 from attngeom.metrics import formulas as M
-from attngeom.sinks.suppression import SinkStats
+from attngeom.sinks import SinkStats
 from attngeom.traces.trace import Trace, analyze, stream
 from checks import METRICS, assert_same_trace, metric_error
 
@@ -48,7 +48,7 @@ def test_cos_v0_m_in_model_space(smollm2):
 def test_faithfulness_of_one_short_window(smollm2):
     units = window_units([smollm2.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
     settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,))
-    res = faithfulness_experiment(smollm2, units=units, settings=settings, progress=False)
+    res = faithfulness_experiment(smollm2, None, units=units, settings=settings, progress=False)
     table, summary = res.tables["table"], res.summary
     assert summary["clean"] < 1e4 and len(table) == 4
     # masking the most important half hurts more than masking the least important half

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from attngeom.capture.plugin import Session
-from attngeom.streaming.reducers import Batch, Reducer
+from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
 from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_model
 from checks import o_proj_inputs as capture_o_proj_inputs
@@ -106,7 +106,7 @@ def check_architecture(name: str, T: int, *, bitwise: bool = False, threads: int
     model, cfg = handle.model, handle.model.config
     assert model.dtype == torch.bfloat16
     ids = random_ids(cfg.vocab_size, T).to(device)
-    batch = Batch(ids=ids[None].cpu(), lengths=torch.tensor([T]), index=[0])
+    batch = InputBatch(ids=ids[None].cpu(), lengths=torch.tensor([T]), index=[0])
     t_build = time.perf_counter() - t0
     with torch.no_grad():
         own, ref = _o_proj_inputs(handle.adapter, lambda: model(ids[None], use_cache=False).logits.float().cpu(), T)

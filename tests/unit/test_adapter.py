@@ -10,7 +10,7 @@ from attngeom.capture.plugin import Session, output_grams
 from attngeom.errors import UnsupportedArchitectureError
 from attngeom.model import SUPPORTED_ARCHITECTURES, ArchitectureAdapter, HeadGeometry, adapter_for
 from attngeom.model.adapter import attention_layer, attention_w_o
-from attngeom.streaming.reducers import Batch
+from attngeom.streaming.reducers import InputBatch
 from attngeom.traces.trace import forward
 from tiny_models import ARCHS, tiny_model
 
@@ -155,7 +155,7 @@ def test_w_v_gives_the_values_the_model_uses(arch):
     values = _Values()
     inputs = _AttentionInputs(ad)
     try:
-        forward(handle, Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0]), Session(observers=[values]))
+        forward(handle, InputBatch(ids=ids[None], lengths=torch.tensor([T]), index=[0]), Session(observers=[values]))
     finally:
         inputs.remove()
     assert sorted(values.v) == list(range(g.num_layers))

@@ -44,13 +44,13 @@ def test_ratio_of_sums_and_perplexity_against_reference():
     nll = rng.uniform(100, 200, size=(5, 3))
     tok = rng.integers(50, 60, size=5).astype(float)
     c = bs.resample_counts(5, n_resamples=50, seed=2)
-    ppl = bs.perplexity(c, nll, tok)
+    ppl = bs.resampled_perplexity(c, nll, tok)
     for b in range(50):
         for v in range(3):
             ref = math.exp(sum(c[b, w] * nll[w, v] for w in range(5)) / sum(c[b, w] * tok[w] for w in range(5)))
             assert ppl[b, v] == pytest.approx(ref, rel=1e-12)
     # all-ones counts are the full sample
-    one = bs.perplexity(np.ones((1, 5)), nll, tok)[0]
+    one = bs.resampled_perplexity(np.ones((1, 5)), nll, tok)[0]
     np.testing.assert_allclose(one, np.exp(nll.sum(0) / tok.sum()))
     # a zero denominator gives NaN, not an error
     r = bs.ratio_of_sums(np.array([[1, 0]]), np.array([1.0, 2.0]), np.array([0.0, 1.0]))
@@ -125,3 +125,20 @@ def test_nan_reductions_over_rows():
     m = bs.nanmedian_rows(x)
     assert m[0] == 2.0 and np.isnan(m[1])
     assert bs.nanmean_rows(x)[0] == 2.0
+
+
+def test_fewer_units_than_the_minimum_give_no_interval():
+    samples = np.random.default_rng(0).normal(size=(200, 3))
+    lo, hi = bs.percentile_interval(samples, units=2)
+    assert np.isnan(lo).all() and np.isnan(hi).all() and lo.shape == (3,)
+    lo, hi = bs.percentile_interval(samples, units=bs.MIN_UNITS)
+    assert np.isfinite(lo).all() and (lo < hi).all()
+    assert bs.interval_dict(1.0, samples[:, 0], units=2) == {"value": 1.0, "low": None, "high": None}
+    assert not bs.enough_units(bs.MIN_UNITS - 1) and bs.enough_units(bs.MIN_UNITS)
+
+
+def test_numbers_are_written_one_way():
+    f = bs.format_number
+    assert [f(72390.3), f(114286), f(4.949), f(0.03671), f(-1.537, signed=True), f(2.5, signed=True)] == \
+        ["72,390", "114,286", "4.949", "0.03671", "-1.537", "+2.5"]
+    assert f(None) == f(float("nan")) == "—" and f(1.2e-5) == "1.20e-05"

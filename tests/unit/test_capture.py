@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention_implementation
-from attngeom.streaming.reducers import Batch, HeadStats
+from attngeom.streaming.reducers import InputBatch, HeadStats
 from attngeom.traces.trace import analyze, analyze_batch, forward
 from tiny_models import ARCHS, tiny_model
 from checks import o_proj_inputs
@@ -59,7 +59,7 @@ def test_logits_unchanged_by_analysis(arch):
         ref = model(ids[None]).logits.float()
     stats = HeadStats()
     session = Session(observers=[stats], block_elements=300)
-    batch = Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0])
+    batch = InputBatch(ids=ids[None], lengths=torch.tensor([T]), index=[0])
     got = forward(handle, batch, session, logits=True)
     assert session.layers_seen == list(range(model.config.num_hidden_layers))
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), float((got - ref).abs().max())

@@ -1,20 +1,23 @@
-"""attngeom.claims.catalogue: the vectorised resampled statistics against the experiments' own code (full
-sample and one explicit resample through merge_sums), the verdict rules, and the command end to end."""
+"""attngeom.claims: each analysis's resampled summary (``summary(per_window, weights)``) against the
+experiment's own code (full sample and one explicit resample through merge_sums), the verdict rules, the
+catalogue against docs/claims.md, what claims/ may read of the other analyses, and the command end to end."""
 
+import json
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from attngeom.stats import resampling as bs
-from attngeom.claims import catalogue as CL
-from attngeom.faithfulness import curves as FA
-from attngeom.heads import removal as HD
-from attngeom.selection import topn as SE
-from attngeom.sinks import suppression as SK
+from attngeom import claims as CL
+from attngeom import faithfulness as FA
+from attngeom import heads as HD
+from attngeom import selection as SE
+from attngeom import sinks as SK
+from attngeom.cli import main
 from attngeom.runs.storage import decode_record, encode_record
 from attngeom.reports.claims import escape
-from attngeom.runs.run import Memory, merge_sums
+from attngeom.runs.run import InMemoryRun, merge_sums
 from attngeom.selection.settings import SelectionSettings
 from attngeom.heads.taxonomy import REGIMES, regime_shares, regimes_of
 
@@ -28,7 +31,7 @@ def tiny(tiny_llama):
     return h, ids
 
 
-def test_hist_quantile_equals_the_scalar_version():
+def test_histogram_quantile_over_many_histograms_equals_one_at_a_time():
     rng = np.random.default_rng(0)
     lo, hi, bins = -1.0, 1.0, 10
     c = rng.integers(0, 5, size=(50, bins + 2)).astype(float)
@@ -40,7 +43,7 @@ def test_hist_quantile_equals_the_scalar_version():
     c[3] = 0
     c[3, 4] = 1                   # one bin
     for q in (0.1, 0.5, 0.9):
-        v = CL.hist_quantile(c, lo, hi, q)
+        v = SK.histogram_quantile(c, lo, hi, q)
         for k in range(len(c)):
             ref = SK.histogram_quantile(c[k], lo, hi, q)
             if np.isnan(ref):
@@ -49,7 +52,7 @@ def test_hist_quantile_equals_the_scalar_version():
                 assert v[k] == pytest.approx(ref, abs=1e-12)
 
 
-def test_quadratic_vertex_interior_equals_quadratic_fit():
+def test_quadratic_fit_shape_equals_quadratic_fit():
     rng = np.random.default_rng(1)
     sums = []
     for k in range(60):
@@ -60,7 +63,7 @@ def test_quadratic_vertex_interior_equals_quadratic_fit():
         sums.append([n, rho.sum(), (rho ** 2).sum(), (rho ** 3).sum(), (rho ** 4).sum(), y.sum(), (y * rho).sum(),
                      (y * rho ** 2).sum(), (y * y).sum()])
     sums = np.array(sums)
-    convex, interior = CL.quadratic_vertex_interior(sums)
+    convex, interior = SK.quadratic_fit_shape(sums)
     for k in range(len(sums)):
         ref = SK.quadratic_fit(sums[k])
         assert bool(convex[k]) == bool(ref["convex"])
@@ -77,13 +80,12 @@ def _sink_reference(recs, weights=None):
     return s, heavy
 
 
-def test_sink_stats_equal_summarize_on_the_sample_and_on_a_resample(tiny):
+def test_sinks_summary_equals_summarize_on_the_sample_and_on_a_resample(tiny):
     h, ids = tiny
     work = SK.window_work(h, ids, batch_size=1)
     recs = [decode_record(encode_record(work([u]))) for u in range(len(ids))]   # as a Run stores them
-    X = CL.sink_arrays(recs)
     for counts in (np.ones(len(ids), dtype=int), np.array([2, 0, 1, 1])):
-        got = {k: v[0] for k, v in CL.sink_stats(X, counts[None]).items()}
+        got = {k: v[0] for k, v in SK.summary({"records": recs}, counts[None]).items()}
         ref, heavy = _sink_reference(recs, list(counts))
         assert got["value_norm_ratio_raw"] == pytest.approx(ref["raw_ratio"], rel=1e-9)
         assert got["value_norm_ratio_projected"] == pytest.approx(ref["value_norm_ratio"], rel=1e-9)
@@ -100,15 +102,15 @@ def test_sink_stats_equal_summarize_on_the_sample_and_on_a_resample(tiny):
         assert got["control_delta_ppl"] == pytest.approx(ref["control_delta_ppl"], rel=1e-9)
 
 
-def test_faithfulness_stats_equal_summarize(tiny):
+def test_faithfulness_summary_equals_summarize(tiny):
     h, ids = tiny
     variants = FA.build_variants(["attention", "contribution", "random"], [0.3, 0.7], seeds=[0, 1])
     units = FA.window_units(ids)
-    res = FA.run_units(h, units, variants, run=Memory(), progress=False)
+    res = FA.run_units(h, units, variants, run=InMemoryRun(), progress=False)
     nll = np.array([[res[(u, v.key)]["nll"] for v in variants] for u in range(len(ids))])
     tok = np.array([u.n_scored for u in units], dtype=float)
     for counts in (np.ones(len(ids), dtype=int), np.array([0, 3, 1, 0])):
-        got = CL.faithfulness_stats(nll, tok, variants, counts[None])
+        got = FA.summary({"nll": nll, "tokens": tok, "variants": variants}, counts[None])
         # the reference: the experiment's own table on the resample (window u repeated counts[u] times)
         rep = [u for u in range(len(ids)) for _ in range(counts[u])]
         fake = {(i, k): res[(u, k)] for i, u in enumerate(rep) for k in [v.key for v in variants]}
@@ -120,29 +122,36 @@ def test_faithfulness_stats_equal_summarize(tiny):
                 assert got["log_aoc"][(m, mode)][0] == pytest.approx(ref["metrics"][m][f"{mode}_log_aoc"], rel=1e-9)
 
 
-def test_selection_stats_equal_summarize(tiny):
+def test_selection_summary_equals_summarize(tiny):
     h, ids = tiny
-    res = SE.experiment(h, Memory(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
+    res = SE.experiment(h, InMemoryRun(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
                                                            predict=False, batch_size=1))
     sel, summary = res.tables["selection"], res.summary
-    X = CL.selection_arrays(sel, len(ids), [2, 4])
-    got = CL.selection_stats(X, np.ones((1, len(ids))))
+    point = SE.summary(res.per_window)
+    assert point["ns"] == [2, 4]
+    got = point["mean_f"]
     for kind, key in (("topn", "with_sink"), ("topn_nosink", "without_sink")):
         for i, n in enumerate((2, 4)):
             assert got[kind][0, i] == pytest.approx(summary["euclidean"][key]["f_topn"][n], rel=1e-9)
     assert got["random"][0, 0] == pytest.approx(summary["euclidean"]["with_sink"]["f_random"][2], rel=1e-9)
     # a resample: window 0 twice, window 1 dropped
     c = np.array([[2, 0, 1, 1]])
-    got = CL.selection_stats(X, c)
+    got = SE.summary(res.per_window, c)["mean_f"]
     rows = pd.concat([sel[sel.window == w] for w in (0, 0, 2, 3)])
     ref = rows[(rows.kind == "topn") & (rows.N == 4)]["F"].mean()
     assert got["topn"][0, 1] == pytest.approx(ref, rel=1e-9)
 
 
+def _taxonomy_records(X: np.ndarray) -> list[dict]:
+    """Taxonomy records (as :func:`attngeom.heads.removal.taxonomy_stage` writes them) of winner sums ``[W, L, H, 3]``."""
+    return [{"tax": {"sums": {str(l): {"winner_self": x[l, :, 0], "winner_sink": x[l, :, 1], "winner_other": x[l, :, 2]}
+                              for l in range(x.shape[0])}}} for x in X]
+
+
 def test_regime_shares_and_critical_z_against_reference():
     rng = np.random.default_rng(2)
     X = rng.uniform(size=(5, 3, 4, 3))                      # [W, L, H, 3] winner sums
-    got = CL.regime_share_stats(X, np.ones((1, 5)))[0]
+    got = HD.summary({"taxonomy": _taxonomy_records(X)})["regime_shares"][0]
     s = X.sum(0).reshape(-1, 3)
     df = pd.DataFrame({"winner_self": s[:, 0], "winner_sink": s[:, 1], "winner_other": s[:, 2]})
     df["regime"] = regimes_of(df)
@@ -154,7 +163,7 @@ def test_regime_shares_and_critical_z_against_reference():
     delta[0, 2] = 25.0
     regimes = np.array(["Reset"] * 9 + ["Mixer"] * 3, dtype=object)
     tax = pd.DataFrame({"layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L), "regime": regimes})
-    z = CL.critical_z(delta.reshape(1, -1), regimes)[0]
+    z = HD.critical_z(delta.reshape(1, -1), regimes)[0]
     crit = HD.critical_heads(delta, tax, k=3.0)
     by = {(c["layer"], c["head"]): c["z"] for c in crit}
     assert (0, 2) in by
@@ -223,3 +232,116 @@ def test_per_ratio_verdicts_on_a_hand_made_case():
     pc = {"delta": {k: np.array([float(np.mean(v))]) for k, v in comp.items()}}
     out = CL.per_ratio_verdicts(pc, {"delta": comp}, "comprehensiveness", [("contribution", "attention")], [0.2, 0.8])
     assert [d["verdict"] for d in out["ratios"].values()] == [CL.HOLDS, CL.REFUTED]
+
+
+ANALYSES = ("faithfulness", "sinks", "selection", "heads", "kvcache")
+
+
+def _record_keys() -> set[str]:
+    """The string keys the analyses write into their stage records (what a ``work`` function returns
+    or fills in) and into an experiment's ``per_window``."""
+    import ast
+    from pathlib import Path
+
+    import attngeom
+
+    keys: set[str] = set()
+
+    def dict_keys(node):
+        return {k.value for k in getattr(node, "keys", []) if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+
+    for part in ANALYSES:
+        for path in (Path(attngeom.__file__).parent / part).glob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for f in ast.walk(tree):
+                if not isinstance(f, ast.FunctionDef):
+                    continue
+                for n in ast.walk(f):
+                    if f.name == "work" and isinstance(n, ast.Return) and isinstance(n.value, ast.Dict):
+                        keys |= dict_keys(n.value)
+                    if isinstance(n, (ast.Assign, ast.AugAssign)):
+                        targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                        for t in targets:
+                            name = t.id if isinstance(t, ast.Name) else (t.value.id if isinstance(t, ast.Subscript)
+                                                                          and isinstance(t.value, ast.Name) else None)
+                            if name in ("per_window", "rec", "record") or (f.name == "work" and name is not None):
+                                keys |= dict_keys(n.value)
+                                if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant):
+                                    keys.add(t.slice.value)
+                    if isinstance(n, ast.keyword) and n.arg == "per_window":
+                        keys |= dict_keys(n.value)
+    return keys
+
+
+def test_claims_reads_other_analyses_only_through_their_public_functions():
+    """claims/ imports no private name (``_x``) of another module, reaches none through a module
+    attribute, never indexes another experiment's ``per_window`` and uses none of the key literals
+    of the analyses' records: each analysis turns its own records into its summary."""
+    import ast
+    from pathlib import Path
+
+    import attngeom
+
+    record_keys = _record_keys()
+    assert {"nll", "tokens", "records", "taxonomy", "sensitivity", "removal", "tax", "stats"} <= record_keys
+    trees = {p.name: ast.parse(p.read_text(encoding="utf-8")) for p in sorted((Path(attngeom.__file__).parent / "claims").glob("*.py"))}
+    own = {n.slice.value for t in trees.values() for n in ast.walk(t)                # keys claims writes itself
+           if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.slice, ast.Constant)}
+    record_keys -= own
+    bad = []
+    for name, tree in trees.items():
+        path = Path(name)
+        for n in ast.walk(tree):
+            where = f"{path.name}:{getattr(n, 'lineno', '?')}"
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("attngeom"):
+                bad += [f"{where} imports {a.name}" for a in n.names if a.name.startswith("_")]
+            elif isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+                bad.append(f"{where} reads .{n.attr}")
+            elif isinstance(n, ast.Attribute) and n.attr in ("stage", "records"):
+                bad.append(f"{where} reads .{n.attr}")
+            elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "per_window":
+                bad.append(f"{where} indexes per_window")
+            elif isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in record_keys:
+                bad.append(f"{where} reads the record key {n.slice.value!r}")
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args
+                  and isinstance(n.args[0], ast.Constant) and n.args[0].value in record_keys):
+                bad.append(f"{where} reads the record key {n.args[0].value!r}")
+    assert not bad, bad
+
+
+def test_docs_claims_table_is_the_catalogue():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "claims.md").read_text(encoding="utf-8")
+    assert CL.catalogue_table() in page
+    table = [line for line in page.splitlines() if line.startswith("| ") and line.split("|")[2].strip().startswith("`")]
+    assert len(table) == len(CL.CLAIMS)
+
+
+def test_rows_on_too_few_windows_get_no_interval_and_say_so():
+    """Two windows: no interval anywhere in the rows or their detail, and the verdict says why."""
+    row = CL.claim_row("sink_value_small", value="4×", low=3.9, high=4.1, verdict=CL.HOLDS,
+                  numbers={"raw": {"value": 4.0, "low": 3.9, "high": 4.1}})
+    detail = {"share": {"value": 0.5, "low": 0.4, "high": 0.6}, "nested": [{"value": 1, "low": 0, "high": 2}]}
+    (out,) = CL.sized([row], detail, 2)
+    assert (out["verdict"], out["interval"], out["low"], out["high"], out["windows"]) == (CL.TOO_FEW, "—", None, None, 2)
+    assert out["numbers"]["raw"] == {"value": 4.0, "low": None, "high": None}
+    assert detail["share"]["low"] is None and detail["nested"][0]["high"] is None
+    assert "at least 10" in out["note"]
+    (kept,) = CL.sized([CL.claim_row("sink_value_small", value="4×", low=3.9, high=4.1, verdict=CL.HOLDS)], {}, 10)
+    assert (kept["verdict"], kept["low"]) == (CL.HOLDS, 3.9)
+
+
+def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The sink collects attention but adds little to the output. " * 30)
+    out = tmp_path / "claims"
+    args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "4",
+            "--ns", "2", "--repeats", "1", "--bootstrap", "100", "--skip", "faithfulness,heads", "--no-progress"]
+    assert main(args + ["--out", str(out)]) == 0
+    res = json.loads((out / "claims.json").read_text())
+    assert {r["id"] for r in res["rows"]} == {c["id"] for c in CL.CLAIMS[4:12]}          # sinks and selection
+    assert all(r["verdict"] == CL.TOO_FEW for r in res["rows"])                          # on 4 windows
+    assert (out / "report.md").is_file() and "too few windows" in (out / "report.md").read_text()
+    assert main(args[:-3] + ["--skip", "faithfulness,nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown analysis 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()

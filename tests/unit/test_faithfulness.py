@@ -13,7 +13,7 @@ from attngeom.errors import InputError
 from attngeom.faithfulness import curves as F
 from attngeom.faithfulness.curves import CLEAN, build_variants, experiment, run_units, summarize, task_units, window_units
 from attngeom.capture.interventions import RankIntervention, Variant
-from attngeom.streaming.reducers import Batch
+from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import Run
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.faithfulness.tasks import load_task
@@ -77,7 +77,7 @@ def test_clean_ppl_equals_plain_model(tiny_llama, tmp_path):
     v = Variant("contribution", "sufficiency", 0.7)
     nll = 0.0
     for u, w in enumerate(wins):
-        b = Batch(ids=torch.tensor(w)[None], lengths=torch.tensor([len(w)]), index=[0])
+        b = InputBatch(ids=torch.tensor(w)[None], lengths=torch.tensor([len(w)]), index=[0])
         lg = forward(tiny_llama, b, Session(intervention=RankIntervention(v, salts=[u])), logits=True).double()
         nll -= float(torch.log_softmax(lg[0, :-1], -1).gather(-1, b.ids[0, 1:, None]).sum())
     row = table[(table.metric == "contribution") & (table["mode"] == "sufficiency") & (table.ratio == 0.7)].iloc[0]
@@ -226,7 +226,7 @@ def test_task_accuracy_matches_slow_path(tiny_llama, tmp_path, task, rows):
     # intervened: each option alone under the same ranking gives the batched log-likelihood
     v = Variant("contribution", "comprehensiveness", 0.5)
     for i, tu in enumerate(units):
-        b = Batch(ids=torch.tensor(tu.ids)[None], lengths=torch.tensor([len(tu.ids)]), index=[0])
+        b = InputBatch(ids=torch.tensor(tu.ids)[None], lengths=torch.tensor([len(tu.ids)]), index=[0])
         lg = forward(tiny_llama, b, Session(intervention=RankIntervention(v, salts=[tu.salt])), logits=True)[0].double()
         lp = torch.log_softmax(lg, -1)
         T = len(tu.ids)

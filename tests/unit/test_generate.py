@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attngeom.errors import InputError
-from attngeom.generation.decoding import AnswerSources, Decoding, generation_stage, prompt_ids, stream
+from attngeom.generation.decoding import AnswerSources, Decoding, generation_stage, prompt_ids, stream_generation
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
 from attngeom.traces.trace import Trace, analyze
 from attngeom.traces.trace import stream as stream_texts
@@ -51,7 +51,7 @@ def test_every_step_equals_the_full_forward_row(arch, block_elements):
     if arch != "llama":
         assert P > handle.model.config.sliding_window                  # every step is past the window
     rows = StepRows(P + N)
-    full_ids = stream(handle, ids, [rows], Decoding(N, stop=()), block_elements=block_elements)
+    full_ids = stream_generation(handle, ids, [rows], Decoding(N, stop=()), block_elements=block_elements)
     T = len(full_ids)
     assert T == P + N
     full = analyze(handle, full_ids)                                  # one forward, no cache
@@ -89,7 +89,7 @@ def test_sampling_is_reproducible_and_top_p_limits_it():
     ids = handle.encode(PROMPT)
 
     def run(**kw):
-        return stream(handle, ids, [], Decoding(24, stop=(), **kw))
+        return stream_generation(handle, ids, [], Decoding(24, stop=(), **kw))
 
     a, b = run(sample=True, seed=3), run(sample=True, seed=3)
     assert a == b
@@ -104,10 +104,10 @@ def test_sampling_is_reproducible_and_top_p_limits_it():
 def test_stop_token_ends_the_answer_and_is_kept():
     handle = tiny_model("llama")
     ids = handle.encode(PROMPT)
-    free = stream(handle, ids, [], Decoding(N, stop=()))
+    free = stream_generation(handle, ids, [], Decoding(N, stop=()))
     answer = free[len(ids):]
     stop_at = answer[3]
-    got = stream(handle, ids, [], Decoding(N, stop=(stop_at,)))
+    got = stream_generation(handle, ids, [], Decoding(N, stop=(stop_at,)))
     first = answer.index(stop_at)
     assert got == free[:len(ids) + first + 1]
 
@@ -120,12 +120,12 @@ def test_reducers_during_generation_equal_the_full_forward(arch, mode):
     ids = handle.encode(PROMPT)
     heads, tokens = HeadStats(), TokenStats()
     if mode == "steps":
-        full_ids = stream(handle, ids, [heads, tokens], Decoding(N, stop=()))
+        full_ids = stream_generation(handle, ids, [heads, tokens], Decoding(N, stop=()))
     else:
         T = len(ids) + N
         rows = StepRows(T)
         answer = AnswerSources()
-        full_ids = stream(handle, ids, [answer], Decoding(N, stop=()), text_reducers=[heads, tokens, rows])
+        full_ids = stream_generation(handle, ids, [answer], Decoding(N, stop=()), text_reducers=[heads, tokens, rows])
         assert len(answer.result()["shares"]) == N * (handle.num_layers + 1)
         full = analyze(handle, full_ids)
         assert {q for _, q in rows.rows} == set(range(T))
@@ -170,7 +170,7 @@ def test_answer_tables_against_the_full_trace():
     handle = tiny_model("mistral")
     trace = analyze(handle, PROMPT, generate=N, stop=())
     tables = AnswerSources(top_k=4)
-    stream(handle, trace.ids[:trace.prompt_length], [tables], Decoding(N, stop=()))
+    stream_generation(handle, trace.ids[:trace.prompt_length], [tables], Decoding(N, stop=()))
     res = tables.result()
     shares, sources = _slow_answer_tables(trace, sink=0, top_k=4)
     P, L = trace.prompt_length, handle.num_layers
@@ -220,7 +220,7 @@ def test_generation_stage_merges_records(tmp_path):
     merged = generation_stage(handle, None, "generate", prompts, dec, lambda: [AnswerSources()])[0].result()
     for u, p in enumerate(prompts):
         one = AnswerSources()
-        stream(handle, p, [one], dec, index=u)
+        stream_generation(handle, p, [one], dec, index=u)
         a = merged["shares"][merged["shares"]["text"] == u].reset_index(drop=True)
         b = one.result()["shares"]
         assert a.equals(b)
@@ -336,7 +336,7 @@ def test_device_generation_is_exact(test_device):
     handle.model.to(test_device)
     ids = handle.encode(PROMPT)
     rows = StepRows(len(ids) + 8)
-    full_ids = stream(handle, ids, [rows], Decoding(8, stop=()))
+    full_ids = stream_generation(handle, ids, [rows], Decoding(8, stop=()))
     with torch.no_grad():
         ref = handle.model.generate(torch.tensor([ids], device=test_device), max_new_tokens=8, min_new_tokens=8,
                                     do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
@@ -347,5 +347,16 @@ def test_device_generation_is_exact(test_device):
         for q in range(len(ids), len(full_ids)):
             for m in METRICS:
                 assert _close(rows.rows[(lt.index, q)][m], getattr(lt, m)[:, q], m) < 1e-4, (lt.index, q, m)
-    a = stream(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
-    assert a == stream(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
+    a = stream_generation(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
+    assert a == stream_generation(handle, ids, [], Decoding(8, sample=True, seed=11, stop=()))
+def test_generation_progress_counts_tokens(capsys):
+    """The bar counts generated tokens (not prompts), on stderr, and only when asked for."""
+    from attngeom.generation.decoding import stream_generation_ids
+
+    handle = tiny_model("llama")
+    ids = handle.encode("The cat sat")
+    stream_generation_ids(handle, ids, [], Decoding(5, stop=()), progress=True)
+    err = capsys.readouterr().err
+    assert "generating" in err and "0/5" in err and "token/s" in err     # a total of 5 tokens, not 1 prompt
+    stream_generation_ids(handle, ids, [], Decoding(5, stop=()))
+    assert capsys.readouterr().err == ""

@@ -67,9 +67,9 @@ def test_one_head_equals_zeroing_its_slice_under_gqa(arch):
 def test_batched_sensitivity_equals_one_at_a_time():
     h = tiny_model("llama")
     ws = [h.encode(TEXTS[0]), h.encode(TEXTS[1])]
-    base = HD.perplexity(h, ws)
+    base = HD.removal_perplexity(h, ws)
     sens = HD.single_head_sensitivity(h, ws, batch_size=5, base_ppl=base, progress=False)
-    slow = np.array([[HD.perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
+    slow = np.array([[HD.removal_perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
     assert sens.shape == (h.num_layers, h.num_heads)
     assert np.allclose(sens, slow, rtol=1e-5, atol=1e-6)
     assert np.abs(sens).max() > 0
@@ -161,8 +161,8 @@ def test_sensitivity_batches_equal_one_removal_at_a_time_and_replace_no_forward(
         for k in hooks:
             k.remove()
     assert replaced == []  # no module's forward is replaced on the way
-    base = HD.perplexity(h, ws)
-    one = np.array([[HD.perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
+    base = HD.removal_perplexity(h, ws)
+    one = np.array([[HD.removal_perplexity(h, ws, [(l, k)]) - base for k in range(h.num_heads)] for l in range(h.num_layers)])
     assert np.allclose(batched, one, rtol=1e-5, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ from attngeom.capture import plugin as capture
 from attngeom.capture.plugin import Block, LayerState, Session
 from attngeom.errors import InputError
 from attngeom.capture.interventions import RankIntervention, SourceMask, Variant, masked_count, random_scores, select_mask
-from attngeom.streaming.reducers import Batch
+from attngeom.streaming.reducers import InputBatch
 from attngeom.traces.trace import forward, make_batches
 from tiny_models import ARCHS, tiny_model
 
@@ -22,7 +22,7 @@ IDS = [1] + list(range(10, 34))  # BOS + 24 tokens: longer than the sliding wind
 T = len(IDS)
 
 
-def _batch(handle, rows: int = 1) -> Batch:
+def _batch(handle, rows: int = 1) -> InputBatch:
     return next(make_batches(handle, [IDS] * rows, rows))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attngeom.capture.plugin import Block, LayerState, Session
-from attngeom.streaming.reducers import Batch, HeadStats
+from attngeom.streaming.reducers import InputBatch, HeadStats
 from attngeom.traces.trace import analyze, forward
 from test_capture import _ids
 from tiny_models import ARCHS, tiny_model
@@ -38,7 +38,7 @@ def test_winner_shares_equal_an_argmax_reference(arch, block_elements):
     trace = analyze(handle, ids)
     for winner_norm in ("raw", "projected"):
         stats = HeadStats(fields=WINNERS, winner_norm=winner_norm)
-        batch = Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0])
+        batch = InputBatch(ids=ids[None], lengths=torch.tensor([T]), index=[0])
         stats.begin(batch)
         forward(handle, batch, Session(observers=[stats], block_elements=block_elements))
         got = stats.result()
@@ -58,14 +58,14 @@ def test_winner_shares_with_padding_equal_one_text_at_a_time():
     ids = torch.zeros(2, n, dtype=torch.long)
     for b, t in enumerate(texts):
         ids[b, : len(t)] = t
-    batch = Batch(ids=ids, lengths=torch.tensor([len(t) for t in texts]), index=[0, 1])
+    batch = InputBatch(ids=ids, lengths=torch.tensor([len(t) for t in texts]), index=[0, 1])
     both = HeadStats(fields=WINNERS)
     both.begin(batch)
     forward(handle, batch, Session(observers=[both], block_elements=150))
     sums = {}
     for t in texts:
         one = HeadStats(fields=WINNERS)
-        single = Batch(ids=t[None], lengths=torch.tensor([len(t)]), index=[0])
+        single = InputBatch(ids=t[None], lengths=torch.tensor([len(t)]), index=[0])
         one.begin(single)
         forward(handle, single, Session(observers=[one]))
         for layer, s in one.sums.items():
@@ -163,7 +163,7 @@ def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
 
     ids = _ids(handle)
     for budget in (300, 1 << 24):
-        forward(handle, Batch(ids=ids[None], lengths=torch.tensor([T]), index=[0]),
+        forward(handle, InputBatch(ids=ids[None], lengths=torch.tensor([T]), index=[0]),
                 Session(observers=[Check()], block_elements=budget))
     assert sorted(set(seen)) == list(range(cfg.num_hidden_layers))
     assert by_map == {True, False}, by_map

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attngeom.selection import topn as SEL
+from attngeom import selection as SEL
 from attngeom.streaming.reducers import FullCapture
 from attngeom.traces.trace import stream
 
@@ -214,7 +214,7 @@ def test_rows_taken_in_chunks_equal_the_slow_loop(chunk, monkeypatch):
     rows taken all at once (``None``) or one set of ``G`` rows at a time (``1``): every row against
     the slow loop, and both ways the same counts."""
     if chunk is not None:
-        monkeypatch.setattr(SEL, "GEOMETRY_ELEMENTS", chunk)
+        monkeypatch.setattr("attngeom.selection.separation.GEOMETRY_ELEMENTS", chunk)
     a, v = _random_case(9, H=3, S=25, d=4, ties=True)
     y = a[..., None] * v
     ns = SEL.default_ns(25)

@@ -8,7 +8,7 @@ import torch
 from attngeom.metrics import formulas as M
 from attngeom.capture.plugin import Session
 from attngeom.capture.interventions import control_columns
-from attngeom.sinks.suppression import HISTOGRAMS, SinkStats, SourceRemoval, counterfactual_norm, histogram_counts, histogram_quantile, log_share_sums, pair_factors, quadratic_fit, rho_star, sink_terms, variance_shares
+from attngeom.sinks import HISTOGRAMS, SinkStats, SourceRemoval, counterfactual_norm, histogram_counts, histogram_quantile, log_share_sums, pair_factors, quadratic_fit, rho_star, sink_terms, variance_shares
 from attngeom.traces.trace import analyze, forward, make_batches, stream
 from tiny_models import tiny_model
 
@@ -308,7 +308,7 @@ def test_value_norm_ratio_of_a_zero_sink_value_is_inf_without_warning():
     than the other values: ``inf``, not a division warning; no samples or 0/0 give NaN."""
     import warnings
 
-    from attngeom.sinks.suppression import _ratio_of_means
+    from attngeom.sinks.reducer import _ratio_of_means
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

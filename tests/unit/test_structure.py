@@ -3,7 +3,8 @@
 Core is every module of ``attngeom`` outside ``commands/``, ``reports/``, ``cli.py`` and
 ``__main__.py``. The one exception is documented and checked here: ``Trace.to_html``,
 ``Trace._repr_html_`` and ``ExploreData.to_html`` (the explorer's entry points) import the explorer
-and ``attngeom.reports.explore`` lazily, inside the methods."""
+and ``attngeom.reports.explore`` lazily, inside the methods, and ``Trace.plot_token_map`` imports
+``attngeom.reports.plot`` the same way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 import attngeom
 
 PKG = Path(attngeom.__file__).parent
-PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("data.py", "to_html")}
+PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("data.py", "to_html"),
+                             ("trace.py", "plot_token_map")}
 
 
 def _core_modules():

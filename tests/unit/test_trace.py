@@ -301,12 +301,12 @@ def test_save_into_a_file_path_is_an_output_error(handle, tmp_path):
 def test_token_nll_in_chunks_equals_one_log_softmax(monkeypatch, chunk):
     """The chunked NLL gives exactly the values of one log-softmax over all positions, padding 0."""
     from attngeom.streaming import passes as TR
-    from attngeom.streaming.reducers import Batch
+    from attngeom.streaming.reducers import InputBatch
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 9, 50, generator=g) * 4
     ids = torch.randint(0, 50, (3, 9), generator=g)
-    batch = Batch(ids=ids, lengths=torch.tensor([9, 5, 1]), index=[0, 1, 2])
+    batch = InputBatch(ids=ids, lengths=torch.tensor([9, 5, 1]), index=[0, 1, 2])
     monkeypatch.setattr(TR, "NLL_CHUNK_ELEMENTS", chunk)
     got = TR.token_nll(logits, batch)
     ref = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)

@@ -12,10 +12,10 @@ answer as a text. :func:`answer_experiment` answers many prompts (corpus mode). 
 
     from attngeom import load_model
     from attngeom.analysis.single_text import experiment
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import InMemoryRun
     from attngeom.analysis.settings import AnalyzeSettings
 
-    res = experiment(load_model("smollm2-135m"), Memory(), "The cat sat.", AnalyzeSettings(layers=(0, 15)))
+    res = experiment(load_model("smollm2-135m"), InMemoryRun(), "The cat sat.", AnalyzeSettings(layers=(0, 15)))
     res.tables["tokens"], res.tables["heads"], res.summary["per_layer"]
 
 **Windows** (``window``, ``stride``): the input's tokens (BOS excluded) are cut into windows of
@@ -154,7 +154,7 @@ DEFINITIONS = {
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, text_or_ids, settings: AnalyzeSettings = AnalyzeSettings(),
+def experiment(handle: ModelHandleLike, run: RunLike | None, text_or_ids, settings: AnalyzeSettings = AnalyzeSettings(),
                *, source: str | None = None) -> ExperimentResult:
     """The single-text analysis of ``text_or_ids`` (a text, token ids, or with ``settings.decoding``
     a prompt: text, ids or chat messages) with ``settings``
@@ -336,7 +336,7 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
                     layers: list[int]) -> dict:
     """Generate the answer with the answer tables observing every step and the per-head and
     per-token summaries seeing prompt + answer as a text (text reducers of
-    :func:`attngeom.generation.decoding.stream`: the same rows, one call for the answer instead of one per
+    :func:`attngeom.generation.decoding.stream_generation`: the same rows, one call for the answer instead of one per
     token), as stage ``generate`` of the run (one record, resumable). Returns the prompt + answer
     ids, the summaries and the answer tables (with token strings)."""
     from attngeom.generation.decoding import AnswerSources, Answers, generation_stage, prompt_ids
@@ -382,7 +382,7 @@ def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding
     }
 
 
-def answer_experiment(handle: ModelHandleLike, run: RunLike, prompts: Sequence,
+def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Sequence,
                       settings: AnalyzeSettings, *, source: str | None = None) -> ExperimentResult:
     """Corpus mode: an answer to each of ``prompts`` (texts, or chat messages) generated with
     ``settings.decoding`` and analysed, as stage ``generate`` of ``run`` (one record per prompt:

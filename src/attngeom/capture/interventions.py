@@ -2,7 +2,7 @@
 its mass-matched control, SPEC §4) and removing heads (SPEC §6) inside the forward pass.
 
 What belongs here: the edits of the mixing weights. The statistics measured under an edit belong to
-the experiment that measures them (:class:`attngeom.sinks.suppression.SourceRemoval` records head-output norms
+the experiment that measures them (:class:`attngeom.sinks.removal.SourceRemoval` records head-output norms
 and cone measures around :func:`remove_source`; :mod:`attngeom.heads.removal` measures perplexity under
 :class:`HeadRemoval`).
 

@@ -57,6 +57,7 @@ def add_parser(subparsers) -> None:
                    help="draw maps only when the (first) input window has at most this many tokens "
                         "(default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    common.add_figure_args(p, no_figures=False)
     add_generation_args(p)
     g = p.add_argument_group("corpus mode (with --generate: answer every prompt of a file)")
     g.add_argument("--data", default=None,
@@ -78,6 +79,7 @@ def _checked(args) -> dict:
     if heads is not None and not heads:
         raise InputError("--heads names no head")
     check_at_least(args, window=3, stride=1, sink=0, max_map_tokens=0)
+    common.figure_format(args)
     if args.stride is not None and args.window is None:
         raise InputError("--stride needs --window")
     return {k: None if v is None else tuple(v) for k, v in
@@ -113,7 +115,7 @@ def run(args) -> int:
 
             files = _write_tables(staging, res.tables)
             t0 = time.perf_counter()
-            files += _draw(staging, handle, res)
+            files += _draw(staging, handle, res, args)
             res.summary["runtime_s"] = {"total": round(time.perf_counter() - t_start, 3), "load_model": round(t_load, 3),
                                         "maps_and_figures": round(time.perf_counter() - t0, 3)}
             res.summary["files"] = files = files + ["summary.json", "report.md"]
@@ -156,9 +158,9 @@ def _run_corpus(args, layers, t_start) -> int:
 
         def write(staging: Path) -> list[str]:
             res.summary["runtime_s"] = round(time.perf_counter() - t_start, 3)
-            res.summary["files"] = _write_tables(staging, res.tables) + ["summary.json"]
+            res.summary["files"] = _write_tables(staging, res.tables) + ["summary.json", "report.md"]
             write_json(staging / "summary.json", res.summary)
-            return list(res.summary["files"])
+            return common.write_report(staging, "analyze", res.summary, res.summary["files"][:-1])
 
         files = run.finish(write)
     print(f"attngeom analyze: {len(texts)} prompt(s) answered -> {run.out}/ ({', '.join(files)})", file=sys.stderr)
@@ -171,22 +173,33 @@ def _write_tables(staging: Path, tables: dict) -> list[str]:
     return [f"{name}.parquet" for name in tables]
 
 
-def _draw(staging: Path, handle, res) -> list[str]:
-    """The maps and per-head grids of the figure layers (first window) and the per-layer sink figure."""
+def _draw(staging: Path, handle, res, args) -> list[str]:
+    """The maps and per-head grids of the figure layers (first window) and the per-layer sink figure,
+    in ``--figure-format``, with a progress bar (a layer's maps take a few seconds)."""
+    from tqdm.auto import tqdm
+
     from attngeom.traces import trace as tr
     from attngeom.analysis.single_text import map_window
     from attngeom.reports import analyze as rep
 
+    fmt = common.figure_format(args)
     files, first, s = [], map_window(res), res.summary
-    if first is not None:
-        trace = tr.analyze(handle, first, layers=s["figure_layers"])
-        title = f"{handle.name}" + (" (first window)" if s["input"]["windows"] > 1 else "")
-        heads = None if res.settings["heads"] == "all" else res.settings["heads"]
-        for k, lt in enumerate(trace.layers):
-            files.append(rep.draw_token_maps(lt, trace.tokens, staging / f"maps_layer{lt.index}.png", title=title))
-            files.append(rep.draw_head_grid(lt, trace.tokens, staging / f"heads_layer{lt.index}.png",
-                                            heads=heads, title=title))
-            trace.layers[k] = None  # free this layer's maps before the next one
-        del trace
-    files.append(rep.draw_sinks(res.tables["heads"], staging / "sinks_per_layer.png", title=handle.name))
+    gen = s.get("generation")
+    divider = gen["prompt_tokens"] if gen else None
+    layers = s["figure_layers"] if first is not None else []
+    with tqdm(total=len(layers) + 1, desc="figures", unit="figure", disable=args.no_progress, file=sys.stderr) as bar:
+        if first is not None:
+            trace = tr.analyze(handle, first, layers=layers)
+            title = f"{handle.name}" + (" (first window)" if s["input"]["windows"] > 1 else "")
+            heads = None if res.settings["heads"] == "all" else res.settings["heads"]
+            for k, lt in enumerate(trace.layers):
+                files.append(rep.draw_token_maps(lt, trace.tokens, staging / f"maps_layer{lt.index}.{fmt}", title=title,
+                                                 divider=divider))
+                files.append(rep.draw_head_grid(lt, trace.tokens, staging / f"heads_layer{lt.index}.{fmt}",
+                                                heads=heads, title=title, divider=divider))
+                trace.layers[k] = None  # free this layer's maps before the next one
+                bar.update(1)
+            del trace
+        files.append(rep.draw_sinks(res.tables["heads"], staging / f"sinks_per_layer.{fmt}", title=handle.name))
+        bar.update(1)
     return [Path(f).name for f in files]

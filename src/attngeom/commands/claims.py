@@ -1,7 +1,7 @@
 """``attngeom claims``: every claim of the two papers scored on one model, with bootstrap intervals.
 
 Reduced runs of the faithfulness, sinks, selection and heads experiments on the same windows
-(:mod:`attngeom.claims.catalogue`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
+(:mod:`attngeom.claims.orchestration`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
 resamples, default 1000) gives a 95 % interval for every number. Resumable from ``--out/checkpoint``.
 Writes to ``--out``: ``claims.md`` (one row per claim: measured value, interval, verdict; the rules;
 the numbers behind each verdict) and ``claims.json`` (the same rows and every interval).
@@ -15,9 +15,14 @@ import time
 from attngeom.errors import InputError
 from attngeom.commands import common
 
+ANALYSES = ("faithfulness", "sinks", "selection", "heads")
+"""The reduced experiments of ``attngeom claims``, in the order they run (``--skip``)."""
+
 
 def add_parser(subparsers) -> None:
-    from attngeom.claims.catalogue import DEFAULTS
+    from attngeom.claims.settings import ClaimsSettings
+
+    DEFAULTS = ClaimsSettings()
 
     p = subparsers.add_parser(
         "claims", help="score every claim of the two papers on a model, with bootstrap intervals",
@@ -26,10 +31,18 @@ def add_parser(subparsers) -> None:
                     "bootstrap interval over windows, and a verdict (holds / refuted / inconclusive; rules in "
                     "docs/claims.md).")
     common.add_model_args(p)
-    common.add_data_args(p)
-    p.set_defaults(window=DEFAULTS.window, max_windows=DEFAULTS.max_windows)
+    common.add_data_args(p, window=DEFAULTS.window, max_windows=DEFAULTS.max_windows)
     p.add_argument("--calib-windows", type=int, default=DEFAULTS.calib_windows,
-                   help=f"first windows used as the head-removal calibration split (default {DEFAULTS.calib_windows})")
+                   help="first windows used as the head-removal calibration split (default %(default)s); the "
+                        "single-head removal reads each of them once per head (layers x heads passes per "
+                        "window: 270 for SmolLM2-135M, most of a default run's time), and claim 16 rests on "
+                        "these windows alone")
+    p.add_argument("--skip", default="",
+                   help="analyses left out, comma-separated, from " + ", ".join(ANALYSES) + "; by default none is. "
+                        "Cost per window: faithfulness 1 + 2 x 5 rankings x ratios forward passes (claims 1-4; "
+                        "91 by default), sinks 3 (claims 5-10), selection 1 (claims 11-12), heads the taxonomy "
+                        "pass, a pass per removal order and retention, and the single-head removal on the "
+                        "calibration windows (claims 13-16)")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS.ratios),
                    help="faithfulness removal ratios (default %(default)s)")
     p.add_argument("--seeds", default=",".join(str(s) for s in DEFAULTS.seeds),
@@ -74,21 +87,26 @@ def check_args(args) -> dict:
         raise InputError(f"--fixed-order must list {', '.join(REGIMES)} once each, got {args.fixed_order!r}")
     if not args.data.startswith("hf:"):
         read_texts(args.data, common.fields_of(args))
-    return {"ratios": ratios, "seeds": sorted(set(seeds)), "ns": sorted(set(ns)), "retentions": retentions,
+    skip = [x.strip() for x in args.skip.split(",") if x.strip()]
+    unknown = sorted(set(skip) - set(ANALYSES))
+    if unknown:
+        raise InputError(f"--skip: unknown analysis {unknown[0]!r}; known: {', '.join(ANALYSES)}")
+    if set(skip) >= set(ANALYSES):
+        raise InputError("--skip leaves no analysis to run")
+    return {"skip": [a for a in ANALYSES if a in skip], "ratios": ratios, "seeds": sorted(set(seeds)), "ns": sorted(set(ns)), "retentions": retentions,
             "fixed_order": order}
 
 
 def run(args) -> int:
-    from attngeom.claims.catalogue import Settings, experiment
+    from attngeom.claims.orchestration import experiment
+    from attngeom.claims.settings import ClaimsSettings as Settings
     from attngeom.data.corpora import load_windows
     from attngeom.runs.storage import clean_json
     from attngeom.reports.claims import render
 
     opts = check_args(args)
     fields = common.fields_of(args)
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
+    settings = {**common.corpus_identity(args, fields), "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
                 "bootstrap": args.bootstrap, "seed": args.seed}
     t0 = time.time()
     with common.open_run(args, "claims", settings) as run:
@@ -103,7 +121,7 @@ def run(args) -> int:
             window=args.window, max_windows=args.max_windows, calib_windows=args.calib_windows,
             ratios=tuple(opts["ratios"]), seeds=tuple(opts["seeds"]), ns=tuple(opts["ns"]), repeats=args.repeats,
             retentions=tuple(opts["retentions"]), fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap,
-            seed=args.seed))
+            seed=args.seed), analyses=[a for a in ANALYSES if a not in opts["skip"]])
         model_name = getattr(handle, "name", args.model)
         seconds = time.time() - t0
         out = {"command": "claims", "model": model_name, "data": args.data, "window": args.window,
@@ -112,7 +130,8 @@ def run(args) -> int:
         def write(staging) -> list[str]:
             (staging / "claims.md").write_text(render(res.summary, model_name, args.data, seconds), encoding="utf-8")
             common.write_json(staging / "claims.json", clean_json(out))
-            return ["claims.md", "claims.json"]
+            return common.write_report(staging, "claims", {**res.summary, "data": args.data, "window": args.window},
+                                       ["claims.md", "claims.json"], model_name)
 
         run.finish(write)
     if run.comm.rank == 0:

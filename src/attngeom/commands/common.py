@@ -32,20 +32,56 @@ def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[st
 
 
 def write_outputs(staging: Path, tables: dict, names, model_name: str, summary: dict,
-                  report: str | None) -> list[str]:
+                  report: str | None, args=None) -> list[str]:
     """An experiment command's outputs: its tables (:func:`write_tables`), the figures of
-    ``attngeom.reports.<report>`` (its ``render(staging)``, which reads the tables just written;
-    listed in ``summary["figures"]``; none when ``report`` is None), then ``summary.json``.
-    Returns the file names."""
+    ``attngeom.reports.<report>`` (its ``render(staging, fmt)``, which reads the tables just written,
+    in ``--figure-format``; listed in ``summary["figures"]``; none when ``report`` is None), then
+    ``summary.json`` and ``report.md`` (:func:`write_report`). Returns the file names."""
     files = write_tables(staging, tables, names, model_name)
     if report is not None:
         import importlib
 
         render = importlib.import_module(f"..reports.{report}", __package__).render
-        summary["figures"] = [p.name for p in render(staging)]
+        summary["figures"] = draw(lambda: render(staging, figure_format(args)), args)
         files += summary["figures"]
     write_json(staging / "summary.json", summary)
-    return files + ["summary.json"]
+    return write_report(staging, summary["command"], summary, files + ["summary.json"], model_name)
+
+
+def write_report(staging: Path, command: str, summary: dict, files: list[str], model: str | None = None) -> list[str]:
+    """``report.md`` (:func:`attngeom.reports.run_report.render`) beside ``files``; returns the file
+    names with it."""
+    from attngeom.reports.run_report import render
+
+    files = list(files) + ["report.md"]
+    (staging / "report.md").write_text(render(command, summary, files, model), encoding="utf-8")
+    return files
+
+
+def add_figure_args(p, no_figures: bool = True) -> None:
+    """``--figure-format`` (and ``--no-figures``) of a command that draws."""
+    p.add_argument("--figure-format", default="png",
+                   help="file format of the figures: png (default), pdf, svg, or any other format matplotlib "
+                        "writes (eps, ps, jpg, tiff, webp, ...)")
+    if no_figures:
+        p.add_argument("--no-figures", action="store_true", help="write tables, summary and report only")
+
+
+def figure_format(args) -> str:
+    """``--figure-format``, checked (before any compute when called early): one-line error when
+    matplotlib does not write it."""
+    from attngeom.reports.common import check_format
+
+    return check_format(getattr(args, "figure_format", None) or "png")
+
+
+def draw(render, args) -> list[str]:
+    """Run ``render()`` (returns the figure paths) with a line on stderr while it draws (figures take
+    seconds); returns the file names."""
+    quiet = args is None or getattr(args, "no_progress", False)
+    if not quiet:
+        print("attngeom: drawing figures ...", file=sys.stderr, flush=True)
+    return [Path(p).name for p in render()]
 
 
 def add_model_args(p) -> None:
@@ -62,9 +98,9 @@ def add_data_args(p, required: bool = True, repeat: bool = False, window: int = 
                    help="corpus: a text file, WikiText raw file, .jsonl/.csv/.parquet file, a folder written by "
                         "datasets' save_to_disk, or hf:NAME[:CONFIG][@SPLIT]")
     p.add_argument("--fields", default=None, help="JSONL/CSV/Parquet/dataset fields joined per record, e.g. question,answer")
-    p.add_argument("--window", type=int, default=window, help=f"tokens per window, BOS included (default {window})")
+    p.add_argument("--window", type=int, default=window, help="tokens per window, BOS included (default %(default)s)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: no overlap)")
-    p.add_argument("--max-windows", type=int, default=max_windows, help=f"windows to use (default {max_windows})")
+    p.add_argument("--max-windows", type=int, default=max_windows, help="windows to use (default %(default)s)")
 
 
 def add_out_arg(p, default: str | None = None) -> None:
@@ -165,6 +201,14 @@ def model_identity(args) -> dict:
     if Path(spec).exists():  # a local file or directory: the same run from any working directory
         spec = str(Path(spec).resolve())
     return {"model": spec, "dtype": dtype_name(dtype), "device_type": device.type}
+
+
+def corpus_identity(args, fields: list[str] | None, data: dict | None = None) -> dict:
+    """The identity of a corpus command's run before its own options: the model
+    (:func:`model_identity`), the corpus (:func:`data_identity` of ``--data``, or ``data`` as given),
+    its ``--fields`` and how it is cut into windows (``--window``, ``--stride``, ``--max-windows``)."""
+    return {**model_identity(args), **(data_identity(args.data) if data is None else data), "fields": fields,
+            "window": args.window, "stride": args.stride, "max_windows": args.max_windows}
 
 
 def open_run(args, command: str, settings: dict):

@@ -42,8 +42,9 @@ def add_parser(subparsers) -> None:
                    help=f"sources kept per (layer, head, query) beyond --exact-max-tokens (default {DEFAULT_TOP_K})")
     p.add_argument("--exact-max-tokens", type=int, default=DEFAULT_EXACT_MAX_TOKENS,
                    help=f"keep every source (exact maps) up to this many tokens (default {DEFAULT_EXACT_MAX_TOKENS})")
-    p.add_argument("--sink", type=int, default=0, help="position of the sink token (default 0)")
+    p.add_argument("--sink", type=int, default=0, help="position of the sink token (default %(default)s)")
     add_generation_args(p)
+    common.add_progress_arg(p)
     add_out_arg(p, default=DEFAULT_OUT)
     p.set_defaults(func=run)
 
@@ -72,7 +73,7 @@ def run(args) -> int:
         if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
             data = build(handle, prompt, layers=layers, top_k=args.top_k,
                          exact_max_tokens=args.exact_max_tokens, sink=args.sink, decoding=decoding, chat=args.chat,
-                         system=args.system)
+                         system=args.system, progress=not args.no_progress)
             ids = data.ids
         else:
             ids = handle.encode(text)

@@ -22,8 +22,8 @@ def add_parser(subparsers) -> None:
              "(or multiple-choice accuracy)",
         description="Comprehensiveness (mask the k_i = floor(r(i+1)) highest-ranked sources of every query) "
                     "and sufficiency (mask the lowest-ranked) at every intervened layer, for each ranking "
-                    "metric and removal ratio r; writes table.parquet, summary.json and faithfulness.png to "
-                    "--out, and resumes from the records in --out/checkpoint when rerun.")
+                    "metric and removal ratio r; writes table.parquet, summary.json, report.md and the figure "
+                    "faithfulness.png (--figure-format) to --out, and resumes from the records in --out/checkpoint when rerun.")
     add_model_args(p)
     add_data_args(p, required=True)
     p.add_argument("--task", choices=["mmlu", "winogrande", "boolq"], default=None,
@@ -42,6 +42,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-rows", type=int, default=None,
                    help="variants of one window per batched forward (default: as many as fit ~3 GB of logits)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    common.add_figure_args(p)
     add_out_arg(p)
     p.set_defaults(func=run)
 
@@ -59,6 +60,7 @@ def run(args) -> int:
                                    per_head=args.per_head, absolute=args.absolute, rows=args.batch_rows)
     variants_of(options)  # bad metrics, ratios or seeds fail here, before the model loads
     check_at_least(args, window=2, max_windows=1, stride=1, batch_rows=1)
+    fmt = common.figure_format(args)
     fields = fields_of(args)
     examples = None
     if args.task:
@@ -98,13 +100,13 @@ def run(args) -> int:
             write_parquet(table, staging / "table.parquet")
             write_json(staging / "summary.json", summary)
             files = ["table.parquet", "summary.json"]
-            if not table.empty:
+            if not table.empty and not args.no_figures:
                 from attngeom.reports.faithfulness import plot
 
-                plot(table, staging / "faithfulness.png", measure=summary.get("measure", "ppl"),
-                     title=summary.get("title"))
-                files.append("faithfulness.png")
-            return files
+                files += common.draw(lambda: [plot(table, staging / f"faithfulness.{fmt}",
+                                                   measure=summary.get("measure", "ppl"), title=summary.get("title"))],
+                                     args)
+            return common.write_report(staging, "faithfulness", summary, files)
 
         files = run.finish(write)
         if run.comm.rank == 0:

@@ -54,7 +54,7 @@ def add_parser(subparsers) -> None:
                         "(default %(default)g)")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="windows per forward pass (default %(default)s)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -68,6 +68,7 @@ def check_args(args) -> list[float]:
     data = args.data or []
     if len(data) > 2:
         raise InputError(f"--data may be given at most twice (two corpora to compare), got {len(data)}")
+    common.figure_format(args)
     common.check_at_least(args, window=3, calib_windows=1, batch_size=1, stride=1, max_windows=2)
     if args.max_windows is not None and args.max_windows <= args.calib_windows:
         raise InputError(f"--max-windows {args.max_windows} leaves no held-out window after "
@@ -89,8 +90,7 @@ def run(args) -> int:
 
     retentions = check_args(args)
     fields = common.fields_of(args)
-    settings = {**common.model_identity(args), "data": [common.data_identity(d) for d in args.data],
-                "fields": fields, "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
+    settings = {**common.corpus_identity(args, fields, {"data": [common.data_identity(d) for d in args.data]}),
                 "calib_windows": args.calib_windows, "retentions": retentions, "winner_norm": args.winner_norm,
                 "sink": args.sink, "seed": args.seed, "critical_k": args.critical_k}
     with common.open_run(args, "heads", settings) as run:
@@ -107,7 +107,7 @@ def run(args) -> int:
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
-                                        None if args.no_figures else "heads")
+                                        None if args.no_figures else "heads", args)
 
         run.finish(write)
     if run.comm.rank == 0:

@@ -1,6 +1,6 @@
 """``attngeom kvcache``: language modelling under a KV-cache budget, policy by policy.
 
-Each window of ``--data`` is read with the compressed cache of :mod:`attngeom.kvcache.cache` under every
+Each window of ``--data`` is read (:mod:`attngeom.kvcache.evaluation`) with the compressed cache of :mod:`attngeom.kvcache.cache` under every
 policy of ``--policies`` (:mod:`attngeom.kvcache.policies`) and every budget of ``--budgets`` (entries per
 key/value head), ``--chunk`` tokens per forward pass (1: token by token, the reference); every
 (window, policy, budget) is one resumable unit in ``--out/checkpoint``. The ``taxonomy`` policy's
@@ -28,7 +28,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from attngeom.errors import InputError
-from attngeom.kvcache.settings import KVCacheSettings
+from attngeom.kvcache.settings import KVCacheInputs, KVCacheSettings
 from attngeom.commands import common
 
 if TYPE_CHECKING:
@@ -45,23 +45,26 @@ def add_parser(subparsers) -> None:
                     "under each policy and report perplexity against the full cache, with bootstrap intervals, "
                     "the memory saved and the time per token.")
     common.add_model_args(p)
-    common.add_data_args(p, window=1024, max_windows=4)
+    d = KVCacheInputs()
+    common.add_data_args(p, window=d.window, max_windows=d.max_windows)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS,
                    help=f"entries per key/value head, e.g. 64,256 (default {DEFAULT_BUDGETS})")
     p.add_argument("--chunk", type=int, default=KVCacheSettings().chunk,
                    help="tokens per forward pass, eviction between passes (default 1: token by token)")
-    p.add_argument("--calibration-windows", type=int, default=2,
-                   help="windows after the evaluated ones for the taxonomy policy's head regimes (default 2)")
+    p.add_argument("--calibration-windows", type=int, default=d.calibration_windows,
+                   help="windows after the evaluated ones for the taxonomy policy's head regimes (default %(default)s)")
     p.add_argument("--answers", default=None,
                    help="also evaluate answers under a budget: a .jsonl/.csv/.parquet file of prompts with "
                         "reference continuations")
     p.add_argument("--prompt-field", default="prompt", help="the prompt's field in --answers (default prompt)")
     p.add_argument("--reference-field", default="reference",
                    help="the reference continuation's field in --answers (default reference)")
-    p.add_argument("--max-examples", type=int, default=16, help="examples of --answers to use (default 16)")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated per example (default 16)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    p.add_argument("--max-examples", type=int, default=d.max_examples,
+                   help="examples of --answers to use (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens,
+                   help="greedy tokens generated per example (default %(default)s)")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -82,6 +85,7 @@ def run(args) -> int:
     from attngeom.data.corpora import load_windows, parse_int_list, read_texts
     from attngeom.kvcache.policies import needs_regimes
 
+    common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, stride=1, chunk=1, calibration_windows=1, max_examples=1,
                           new_tokens=1)
     policies = _policies(args.policies)
@@ -95,9 +99,7 @@ def run(args) -> int:
         read_texts(args.data, fields)
     qa_pairs = _answer_texts(args) if args.answers else None
     calib_n = args.calibration_windows if needs_regimes(policies) else 0
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
+    settings = {**common.corpus_identity(args, fields), "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
     if args.answers:
         settings.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
                          "reference_field": args.reference_field, "max_examples": args.max_examples,
@@ -114,14 +116,14 @@ def run(args) -> int:
                 raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
                                  f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
             regimes = _regimes(handle, run, calib)
-        from attngeom.kvcache.cache import experiment
+        from attngeom.kvcache.evaluation import experiment
 
         result = experiment(handle, run, evaluated, KVCacheSettings(tuple(policies), tuple(budgets), args.chunk),
-                            regimes)
+                            regimes=regimes)
         reads, summary_df, pairs_df = (result.tables[k] for k in ("reads", "summary", "pairs"))
         answers_df = answers_summary = None
         if qa_pairs:
-            from attngeom.kvcache.cache import answers, summarize_answers
+            from attngeom.kvcache.evaluation import answers, summarize_answers
             from attngeom.streaming.passes import to_ids
 
             examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]
@@ -152,10 +154,10 @@ def run(args) -> int:
             if not args.no_figures:
                 from attngeom.reports.kvcache import render
 
-                summary["figures"] = [p.name for p in render(staging)]
+                summary["figures"] = common.draw(lambda: render(staging, common.figure_format(args)), args)
                 files += summary["figures"]
             common.write_json(staging / "summary.json", summary)
-            return files + ["summary.json"]
+            return common.write_report(staging, "kvcache", summary, files + ["summary.json"], model_name)
 
         run.finish(write)
     if run.comm.rank == 0:

@@ -6,7 +6,7 @@ space of attention-scaled values ``y_j = a_tj v_j``, for ``N = 1, 2, 4, …, 256
 candidate count, Euclidean and cosine; the same with the sink excluded from the candidates; seeded
 random subsets (``--repeats``, default 8) with and without the sink; inversions ``GInv_N`` and the
 bounds of SPEC §5 checked on every selection; the sink-aware regime and the prediction of ``P, R, F``
-from its fitted parameters (see :mod:`attngeom.selection.topn`).
+from its fitted parameters (see :mod:`attngeom.selection.prediction`).
 
 Writes to ``--out``: ``selection.parquet`` (one row per window, layer, query, kind, distance, head,
 N: measured P, R, F, GInv, ρ_max, ρ_min; random kinds as means over repeats with ``F_std``; the
@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--small-n-max", type=int, default=d.small_n_max,
                    help="largest N considered for the best small N (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per forward pass (default %(default)s)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -66,8 +66,10 @@ def add_parser(subparsers) -> None:
 def parse_args_checked(args):
     """Validate everything that does not need the model; returns (ns, distances, queries, layers)."""
     from attngeom.data.corpora import parse_int_list
-    from attngeom.selection.topn import DISTANCES, POWERS, check_ns
+    from attngeom.selection.separation import check_ns
+    from attngeom.selection.settings import DISTANCES, POWERS
 
+    common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, repeats=0, max_lag=1, stride=1,
                           small_n_max=1)
     if args.sink < 0 or args.sink >= args.window - 1:
@@ -106,7 +108,7 @@ def check_corpus(spec: str, args) -> None:
 
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows
-    from attngeom.selection.topn import experiment
+    from attngeom.selection.corpus import experiment
     from attngeom.selection.settings import SelectionSettings
 
     ns, distances, queries, layers = parse_args_checked(args)
@@ -114,9 +116,7 @@ def run(args) -> int:
     options = {"ns": ns, "distances": distances, "repeats": args.repeats, "seed": args.seed, "queries": queries,
                "sink": args.sink, "predict": not args.no_predict, "max_lag": args.max_lag,
                "small_n_max": args.small_n_max, "random_without_sink": not args.no_random_nosink}
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "layers": "all" if layers is None else sorted(set(layers)), **options}
+    settings = {**common.corpus_identity(args, fields), "layers": "all" if layers is None else sorted(set(layers)), **options}
     with common.open_run(args, "selection", settings) as run:
         if common.already_complete(run, "selection"):
             return 0
@@ -148,7 +148,7 @@ def run(args) -> int:
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
-                                        None if args.no_figures else "selection")
+                                        None if args.no_figures else "selection", args)
 
         run.finish(write)
     if run.comm.rank == 0:

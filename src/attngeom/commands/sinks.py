@@ -1,7 +1,7 @@
 """``attngeom sinks``: attention sinks as active suppressors (SPEC §4).
 
-The experiment is :func:`attngeom.sinks.suppression.experiment` (three passes per window: the unedited model
-with :class:`~attngeom.sinks.suppression.SinkStats`, sink-norm removal, and the mass-matched control removal),
+The experiment is :func:`attngeom.sinks.corpus.experiment` (three passes per window: the unedited model
+with :class:`~attngeom.sinks.reducer.SinkStats`, sink-norm removal, and the mass-matched control removal),
 resumable from ``--out/checkpoint``. Writes to ``--out``:
 
 - ``heads.parquet`` — one row per (layer, head): sink rate and contribution, factor decomposition
@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
                    help="layers where the sink (and the control source) is removed (default: all)")
     p.add_argument("--sink", type=int, default=d.sink, help="sink position (default %(default)s, the BOS token)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per forward pass (default %(default)s)")
-    p.add_argument("--no-figures", action="store_true", help="write tables and summary only")
+    common.add_figure_args(p)
     common.add_progress_arg(p)
     common.add_out_arg(p)
     p.set_defaults(func=run)
@@ -51,8 +51,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows, read_texts
     from attngeom.sinks.settings import SinksSettings
-    from attngeom.sinks.suppression import experiment
+    from attngeom.sinks.corpus import experiment
 
+    common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)
     if args.window is not None and args.sink >= args.window - 1:
         raise InputError(f"--sink {args.sink} leaves no query after it in windows of {args.window} tokens")
@@ -61,9 +62,7 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)  # a missing, empty or malformed corpus fails before the model loads
-    settings = {**common.model_identity(args), **common.data_identity(args.data), "fields": fields,
-                "window": args.window, "stride": args.stride, "max_windows": args.max_windows,
-                "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
+    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
                 "removal_layers": "all" if removal_layers is None else sorted(set(removal_layers))}
     with common.open_run(args, "sinks", settings) as run:
         if common.already_complete(run, "sinks"):
@@ -94,7 +93,7 @@ def run(args) -> int:
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
-                                        None if args.no_figures else "sinks")
+                                        None if args.no_figures else "sinks", args)
 
         run.finish(write)
     m = res.summary

@@ -325,8 +325,9 @@ def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None
 
 def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = None,
           exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0, decoding=None,
-          chat: bool = False, system: str | None = None) -> ExploreData:
-    """Run one text (a string or token ids) through the model and collect the explorer's data.
+          chat: bool = False, system: str | None = None, progress: bool = False) -> ExploreData:
+    """Run one text (a string or token ids) through the model and collect the explorer's data
+    (``progress``: a bar on stderr, counting the generated tokens with ``decoding``).
 
     One streaming pass over ``layers`` (default all) keeps only the rows (exact or top-k), the
     per-head statistics (:class:`attngeom.streaming.reducers.HeadStats`, regimes by
@@ -361,13 +362,13 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     answer = None
     try:
         if decoding is None:
-            stream(handle, [ids], [rows, stats], layers=layers, progress=False)
+            stream(handle, [ids], [rows, stats], layers=layers, progress=progress)
         else:
-            from attngeom.generation.decoding import AnswerSources, stream_ids
+            from attngeom.generation.decoding import AnswerSources, stream_generation_ids
 
             sources = AnswerSources(sink=sink)
             P = len(ids)
-            ids = stream_ids(handle, ids, [rows, stats, sources], decoding, layers=layers)
+            ids = stream_generation_ids(handle, ids, [rows, stats, sources], decoding, layers=layers, progress=progress)
             answer = _answer_summary(sources.result()["summary"], layers, P)
             rows.crop(len(ids))
     finally:

@@ -9,6 +9,8 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "task_table": "curves",
     "summarize": "curves",
     "task_units": "curves",
+    "complete_examples": "curves",
+    "summary": "curves",
     "experiment": "curves",
     "FaithfulnessSettings": "settings",
     "TASKS": "tasks",

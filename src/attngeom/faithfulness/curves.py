@@ -37,12 +37,13 @@ import torch
 
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
-from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, perplexity
+from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, check_scorable, perplexity
 from attngeom.capture.interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant
-from attngeom.streaming.reducers import Batch
+from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import fingerprint
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.streaming.passes import batch_nll
+from attngeom.stats import resampling
 
 DEFAULT_RATIOS = FaithfulnessSettings.ratios
 DEFAULT_SEEDS = FaithfulnessSettings.seeds
@@ -139,7 +140,7 @@ def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], lay
     uses variant ``b``)."""
     T = len(unit.ids)
     ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
-    batch = Batch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
+    batch = InputBatch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
     session = Session(intervention=RankIntervention(chunk, salts=[unit.salt] * len(chunk)), layers=layers)
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
 
@@ -152,7 +153,7 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
     The work is one runner stage (:meth:`attngeom.runs.run.Run.stage`) whose units are the (unit,
     variant) pairs, pair ``p = u·V + k`` for variant ``k``; the pairs of one unit run together,
     ``rows`` per batched forward (default :func:`auto_rows`). With ``run`` every finished forward is
-    a record (resume, sharding); without (:class:`~attngeom.runs.run.Memory`), in memory."""
+    a record (resume, sharding); without (:class:`~attngeom.runs.run.InMemoryRun`), in memory."""
     keys = [v.key for v in variants]
     if len(set(keys)) != len(keys):
         raise InputError("two variants have the same name")
@@ -164,9 +165,9 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
         unit = units[pairs[0] // V]
         return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers)}
 
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import run_or_in_memory
 
-    records = (run or Memory()).stage(
+    records = run_or_in_memory(run).stage(
         "faithfulness", len(units) * V, work, group=R, group_key=lambda p: p // V,
         fingerprints=[units[p // V].digest for p in range(len(units) * V)],
         desc=progress if isinstance(progress, str) else "faithfulness", unit="fwd")
@@ -293,8 +294,37 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 # --------------------------------------------------------------------------------------------
 
 
-def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Sequence[Unit],
-               settings: FaithfulnessSettings = FaithfulnessSettings(), progress: bool | str = True, examples=None,
+def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
+    """The perplexity experiment's curves under resampling ``weights`` (bootstrap counts per window
+    ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
+    from its ``per_window`` (``nll [W, V]`` summed NLL per window and variant, column 0 the clean
+    forward, ``tokens [W]``, ``variants``). Returns arrays ``[R]``: ``clean`` (its perplexity),
+    ``aoc[(metric, mode)]`` (mean ΔPPL over the ratios), ``log_aoc[(metric, mode)]`` (mean log PPL
+    ratio) and ``delta[(metric, mode, ratio)]`` (random: mean over seeds), the definitions of
+    :func:`summarize` (tests/unit/test_claims.py checks that both agree)."""
+    nll, tokens, variants = per_window["nll"], per_window["tokens"], per_window["variants"]
+    counts = resampling.counts_or_once(weights, len(tokens))
+    ppl = resampling.resampled_perplexity(counts, nll, tokens)                      # [R, V]
+    clean = ppl[:, 0]
+    groups: dict = {}
+    for k, v in enumerate(variants):
+        if v.metric is None:
+            continue
+        groups.setdefault((v.metric, v.mode), []).append(k)
+    out = {"clean": clean, "aoc": {}, "log_aoc": {}, "delta": {}}
+    for key, cols in groups.items():
+        out["aoc"][key] = (ppl[:, cols] - clean[:, None]).mean(1)
+        out["log_aoc"][key] = np.log(ppl[:, cols] / clean[:, None]).mean(1)
+        by_ratio: dict = {}
+        for c in cols:
+            by_ratio.setdefault(variants[c].ratio, []).append(c)
+        for r, cs in by_ratio.items():
+            out["delta"][key + (r,)] = (ppl[:, cs] - clean[:, None]).mean(1)
+    return out
+
+
+def experiment(handle: ModelHandleLike, run: RunLike | None, units: Sequence[Unit],
+               settings: FaithfulnessSettings = FaithfulnessSettings(), *, progress: bool | str = True, examples=None,
                meta: dict | None = None) -> ExperimentResult:
     """Run (or, with a ``run`` holding records, resume) the experiment on ``units`` with ``settings``
     (:class:`~attngeom.faithfulness.settings.FaithfulnessSettings`; ``examples``: score a multiple-choice task).
@@ -307,6 +337,8 @@ def experiment(handle: ModelHandleLike, run: RunLike | None = None, *, units: Se
     every variant has finished enter the result."""
     variants = variants_of(settings)
     measure = "accuracy" if examples is not None else "ppl"
+    if examples is None:
+        check_scorable(sum(u.n_scored for u in units), "the input")
     results = run_units(handle, units, variants, layers=settings.layers, rows=settings.rows, progress=progress,
                         run=run)
     per_window: dict = {"variants": variants}

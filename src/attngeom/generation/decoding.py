@@ -8,11 +8,11 @@
 - :func:`generate` — the decoding loop alone: every forward call runs through the capture plug-in
   with a :class:`~attngeom.capture.plugin.Session`, so its observers see the prompt's blocks and then one
   one-query block per layer and step (SPEC §1-2: the same ``a_ij^h``, ``v_j^h`` and metrics).
-- :func:`stream` — reducers over the generation, at every step, or as ``text_reducers`` over prompt +
+- :func:`stream_generation` — reducers over the generation, at every step, or as ``text_reducers`` over prompt +
   answer as a text (the answer in one call against the cached prompt); no ``T x T`` map kept.
 - :func:`attngeom.traces.trace.analyze_generation` (``attngeom.analyze(model, prompt, generate=N)``) — a
   full :class:`~attngeom.traces.trace.Trace` of prompt + answer (``trace.prompt_length``,
-  ``trace.generated``) whose maps are the per-step rows, built from :func:`stream_ids` here.
+  ``trace.generated``) whose maps are the per-step rows, built from :func:`stream_generation_ids` here.
 - :class:`AnswerSources` — per generated token its top prompt sources and where its contribution
   comes from (prompt, earlier answer, sink), per layer and for the model; :func:`generation_stage`
   runs prompts through an :class:`attngeom.runs.run.Run` (resumable, data-parallel).
@@ -32,6 +32,8 @@ reducers need the answer's rows.
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -42,7 +44,7 @@ import torch
 from attngeom.capture.plugin import Block, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike, RunLike
-from attngeom.streaming.reducers import Batch, Reducer
+from attngeom.streaming.reducers import InputBatch, Reducer
 
 DEFAULT_TOP_K = 5
 """Prompt sources listed per generated token and metric in :class:`AnswerSources`."""
@@ -216,13 +218,15 @@ def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decodin
 
 @torch.no_grad()
 def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
-             steps: Session | None = None, last_step: bool = True, cache=None) -> list[int]:
+             steps: Session | None = None, last_step: bool = True, cache=None, progress: bool = False) -> list[int]:
     """Generate from prompt ``ids`` with the model's KV cache; every forward call runs through the
     capture plug-in. ``session`` (default: no observers) is active for the prompt's forward call
     and, unless ``steps`` is given, for the decoding steps too. Returns the answer's ids (ending with
     a stop token when one came). With ``last_step`` the last answer token is run through the model
     too, so the sessions have seen every position ``0 .. P + len(answer) - 1``. ``cache``: the
-    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer)."""
+    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer).
+    ``progress``: a bar on stderr counting the generated tokens."""
+    from tqdm.auto import tqdm
     from transformers import DynamicCache
 
     model = handle.model
@@ -239,7 +243,9 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
     step = torch.tensor([ids], device=device)
     answer: list[int] = []
     kw = {_cache_argument(model): cache}
-    with attngeom_attention_implementation(model):
+    bar = tqdm(total=decoding.max_new_tokens, desc="generating", unit="token", leave=False, disable=not progress,
+               file=sys.stderr)
+    with attngeom_attention_implementation(model), bar:
         while True:
             length = len(ids) + len(answer)
             with (steps if answer else session).active(torch.tensor([length], device=device)):
@@ -254,6 +260,7 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
             gen = gen or decoding.generator(logits.device)
             token = decoding.choose(logits, gen)
             answer.append(token)
+            bar.update(1)
             if not last_step and (len(answer) == decoding.max_new_tokens or token in stop):
                 return answer
             step = torch.tensor([[token]], device=device)
@@ -310,17 +317,17 @@ class GrowingNorms:
 
 
 @dataclass
-class GenerationBatch(Batch):
-    """The :class:`~attngeom.streaming.reducers.Batch` reducers see during generation: ``prompt_length``
+class GenerationBatch(InputBatch):
+    """The :class:`~attngeom.streaming.reducers.InputBatch` reducers see during generation: ``prompt_length``
     tokens of prompt; at ``begin`` ``ids`` is the prompt padded to the longest possible answer, at
     ``end`` prompt + answer."""
 
     prompt_length: int = 0
 
 
-def stream(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decoding: Decoding, *,
-           text_reducers: Sequence[Reducer] = (), chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
-           block_elements: int | None = None, index: int = 0) -> list[int]:
+def stream_generation(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decoding: Decoding, *,
+                      text_reducers: Sequence[Reducer] = (), chat: bool = False, system: str | None = None, layers: Iterable[int] | None = None,
+                      block_elements: int | None = None, index: int = 0) -> list[int]:
     """Generate an answer to ``prompt`` (see :func:`prompt_ids`) with ``reducers`` observing
     ``layers`` (default all) at every step; no full maps are kept. Returns prompt + answer ids
     (the reducers saw ``GenerationBatch`` with ``index=[index]``).
@@ -331,14 +338,15 @@ def stream(handle: ModelHandleLike, prompt, reducers: Sequence[Reducer], decodin
     instead of per token and layer: what suits summaries of every position (``HeadStats``,
     ``TokenStats``)."""
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
-    return stream_ids(handle, ids, reducers, decoding, text_reducers=text_reducers, layers=layers,
-                       block_elements=block_elements, index=index)
+    return stream_generation_ids(handle, ids, reducers, decoding, text_reducers=text_reducers, layers=layers,
+                                 block_elements=block_elements, index=index)
 
 
-def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding, *,
-               text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
-               block_elements: int | None = None, index: int = 0) -> list[int]:
-    """:func:`stream` for a prompt already given as the model's token ids (:func:`prompt_ids`)."""
+def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[Reducer], decoding: Decoding,
+                          *, text_reducers: Sequence[Reducer] = (), layers: Iterable[int] | None = None,
+                          block_elements: int | None = None, index: int = 0, progress: bool = False) -> list[int]:
+    """:func:`stream_generation` for a prompt already given as the model's token ids (:func:`prompt_ids`);
+    ``progress``: a bar counting the generated tokens."""
     from transformers import DynamicCache
 
     P, N = len(ids), decoding.max_new_tokens
@@ -356,7 +364,7 @@ def stream_ids(handle: ModelHandleLike, ids: Sequence[int], reducers: Sequence[R
 
     cache = DynamicCache()
     answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
-                      last_step=bool(reducers) or not text_reducers, cache=cache)
+                      last_step=bool(reducers) or not text_reducers, cache=cache, progress=progress)
     if text_reducers:
         _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(), *text_reducers]))
     full = list(ids) + answer
@@ -398,11 +406,11 @@ class AnswerSources(Reducer):
         self.sources: list[pd.DataFrame] = []
         self.summary: list[pd.DataFrame] = []
 
-    def begin(self, batch: Batch) -> None:
+    def begin(self, batch: InputBatch) -> None:
         super().begin(batch)
         P = getattr(batch, "prompt_length", None)
         if not P:
-            raise InputError("AnswerSources observes generation (attngeom.generation.decoding.stream)")
+            raise InputError("AnswerSources observes generation (attngeom.generation.decoding.stream_generation)")
         self.P = int(P)
         self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, query) -> [2, T] float64
 
@@ -422,7 +430,7 @@ class AnswerSources(Reducer):
                 row[m, block.k_start:block.k_start + n] = got[name][0, :n].double().cpu().numpy()
             self._rows[(block.layer, q)] = row
 
-    def end(self, batch: Batch) -> None:
+    def end(self, batch: InputBatch) -> None:
         T, P, index = int(batch.lengths[0]), self.P, batch.index[0]
         ids = batch.ids[0, :T].tolist()
         layers = sorted({l for l, _ in self._rows})
@@ -495,7 +503,7 @@ class Answers(Reducer):
     def observe(self, block: Block) -> None:
         pass
 
-    def end(self, batch: Batch) -> None:
+    def end(self, batch: InputBatch) -> None:
         T, P = int(batch.lengths[0]), int(batch.prompt_length)
         answer = batch.ids[0, P:T].tolist()
         self.answers.append(pd.DataFrame([{
@@ -514,21 +522,23 @@ def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: 
     per prompt, resumable and shared among processes; None: in memory), and return ``make()`` loaded
     with the merged states (as :func:`attngeom.traces.trace.reduce_stage` does for texts). The decoding
     settings belong in the run's settings: a record is reused only for the same prompt ids. The last
-    ``text`` reducers of ``make()`` are ``text_reducers`` (:func:`stream`)."""
-    from attngeom.runs.run import Memory, fingerprint, merge_sums
+    ``text`` reducers of ``make()`` are ``text_reducers`` (:func:`stream_generation`)."""
+    from attngeom.runs.run import fingerprint, merge_sums, run_or_in_memory
 
     for ids in prompts:
         check_context(handle, len(ids), decoding)
+    comm = getattr(run, "comm", None)
+    progress = bool(getattr(run, "progress", False)) and (comm is None or comm.rank == 0)
 
     def work(units: list[int]) -> dict:
         reducers = make()
         cut = len(reducers) - text
         for u in units:
-            stream_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
-                        index=u)
+            stream_generation_ids(handle, prompts[u], reducers[:cut], decoding, text_reducers=reducers[cut:], layers=layers,
+                        index=u, progress=progress)
         return {str(k): r.state() for k, r in enumerate(reducers)}
 
-    records = (run or Memory()).stage(name, len(prompts), work, desc=desc or name, unit="prompt",
+    records = run_or_in_memory(run).stage(name, len(prompts), work, desc=desc or name, unit="prompt",
                                       fingerprints=[fingerprint(x) for x in prompts])
     merged = merge_sums(records.values())
     return [r.load_state(merged[str(k)]) for k, r in enumerate(make())]

@@ -41,12 +41,14 @@ import torch
 
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
-from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, window_records
-from attngeom.runs.contract import perplexity as perplexity_of
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, one_window_each,
+                                    per_window_array, window_records)
+from attngeom.runs.contract import perplexity
 from attngeom.capture.interventions import HeadRemoval
 from attngeom.model.adapter import adapter_for
 from attngeom.heads.settings import HeadsSettings
 from attngeom.heads.taxonomy import REGIMES
+from attngeom.stats import resampling
 from attngeom.streaming.passes import batch_nll, make_batches, scored_tokens, to_ids
 
 RETENTIONS = HeadsSettings.retentions
@@ -107,9 +109,10 @@ def nll_sum(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: 
     return float(nll.sum()), int(count.sum())
 
 
-def perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
+def removal_perplexity(handle: ModelHandleLike, windows: Sequence, removed=(), batch_size: int = 4) -> float:
+    """Perplexity of ``windows`` with ``removed`` heads zeroed (one evaluation of the model; :func:`attngeom.runs.contract.perplexity` of :func:`nll_sum`)."""
     total, count = nll_sum(handle, windows, removed, batch_size)
-    return perplexity_of(total, count)
+    return perplexity(total, count)
 
 
 def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows: Sequence,
@@ -118,13 +121,13 @@ def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows
     """Summed NLL of every window under each removal (a list of heads), as stage ``name`` of ``run``
     (one unit per removal; resumable): float64 ``[R, W]`` and the token count of each window
     ``[W]`` (the per-window sums a bootstrap over windows resamples)."""
-    from attngeom.runs.run import Memory, fingerprint
+    from attngeom.runs.run import fingerprint, run_or_in_memory
 
     def work(units: list[int]) -> dict:
         parts = [window_nll(handle, windows, removals[u], batch_size) for u in units]
         return {"nll": [p[0] for p in parts], "tokens": [p[1] for p in parts]}
 
-    recs = (run or Memory()).stage(name, len(removals), work, desc=desc or name, unit="removal",
+    recs = run_or_in_memory(run).stage(name, len(removals), work, desc=desc or name, unit="removal",
                                    fingerprints=[fingerprint([x for lh in r for x in lh]) for r in removals])
     nll = np.zeros((len(removals), len(windows)))
     tokens = np.zeros(len(windows), dtype=np.int64)
@@ -138,7 +141,7 @@ def removal_nll(handle: ModelHandleLike, run: RunLike | None, name: str, windows
 def _perplexities(nll: np.ndarray, tokens: np.ndarray) -> list[float]:
     """Perplexity of each row of per-window NLL sums ``[R, W]`` over all the windows."""
     count = int(np.sum(tokens))
-    return [perplexity_of(float(np.sum(row)), count) for row in nll]
+    return [perplexity(float(np.sum(row)), count) for row in nll]
 
 
 def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int = 4,
@@ -149,7 +152,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
     Several removals of the same layer share one forward pass: the batch holds one copy of the
     windows per removal (:class:`HeadRemoval` with one removal per row), about ``batch_size``
     windows per pass."""
-    from attngeom.runs.run import Memory
+    from attngeom.runs.run import run_or_in_memory
 
     L, H = handle.num_layers, handle.num_heads
     per_pass = max(1, batch_size // max(1, len(windows)))
@@ -163,7 +166,7 @@ def sensitivity_nll(handle: ModelHandleLike, windows: Sequence, batch_size: int 
         x = batch_nll(handle, batch, session).numpy()
         return {"nll": [x[k * len(windows):(k + 1) * len(windows)] for k in range(len(group))]}
 
-    recs = (run or Memory()).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
+    recs = run_or_in_memory(run).stage("sensitivity", L * H, work, group=per_pass, group_key=lambda u: u // H,
                                    desc="single-head removal", unit="head")
     out = np.zeros((L * H, len(windows)))
     for key, d in recs.items():
@@ -177,14 +180,14 @@ def single_head_sensitivity(handle: ModelHandleLike, windows: Sequence, batch_si
                             run: RunLike | None = None) -> np.ndarray:
     """ΔPPL of removing each head alone on ``windows``: ``[L, H]`` (from :func:`sensitivity_nll`)."""
     if base_ppl is None:
-        base_ppl = perplexity(handle, windows, (), batch_size)
+        base_ppl = removal_perplexity(handle, windows, (), batch_size)
     return _sensitivity(handle, windows, sensitivity_nll(handle, windows, batch_size, run), base_ppl)
 
 
 def _sensitivity(handle: ModelHandleLike, windows: Sequence, nll: np.ndarray, base_ppl: float) -> np.ndarray:
     """ΔPPL ``[L, H]`` from :func:`sensitivity_nll`'s ``[L·H, W]`` sums over ``windows``."""
     count = sum(max(0, len(to_ids(handle, w)) - 1) for w in windows)
-    deltas = [perplexity_of(float(np.sum(row)), count) - base_ppl for row in nll]
+    deltas = [perplexity(float(np.sum(row)), count) - base_ppl for row in nll]
     return np.array(deltas).reshape(handle.num_layers, handle.num_heads)
 
 
@@ -276,6 +279,32 @@ def critical_heads(sensitivity: np.ndarray, tax: pd.DataFrame, k: float = 3.0, m
     return sorted(out, key=lambda d: -d["delta_ppl"])
 
 
+def critical_z(delta: np.ndarray, regimes: np.ndarray, min_group: int = 8) -> np.ndarray:
+    """Leave-one-out z of every head's single-removal ΔPPL within its regime (the whole model when
+    the regime has fewer than ``min_group`` other heads), as :func:`critical_heads`:
+    ``delta [R, K]``, ``regimes [K]`` -> ``[R, K]`` (NaN where the others have no spread)."""
+    delta = np.asarray(delta, dtype=np.float64)
+    K = delta.shape[1]
+    z = np.full(delta.shape, np.nan)
+    groups = {}
+    for r in np.unique(regimes):
+        idx = np.nonzero(regimes == r)[0]
+        groups[r] = idx if len(idx) - 1 >= min_group else np.arange(K)
+    for k in range(K):
+        idx = groups[regimes[k]]
+        if len(idx) < 2:
+            continue
+        g = delta[:, idx]
+        n = len(idx) - 1
+        s = g.sum(1) - delta[:, k]
+        q = (g * g).sum(1) - delta[:, k] ** 2
+        mu = s / n
+        sd = np.sqrt(np.maximum(q / n - mu * mu, 0))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            z[:, k] = np.where(sd > 0, (delta[:, k] - mu) / np.where(sd > 0, sd, 1), np.nan)
+    return z
+
+
 def heldout_removal_nll(handle: ModelHandleLike, heldout: Sequence, orders: dict[str, list[tuple[int, int]]],
                         retentions: Sequence[float], batch_size: int = 4, run: RunLike | None = None) -> dict:
     """Per-window NLL on the held-out windows for every order and retention below 100 %, and for
@@ -322,7 +351,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
     (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
     before and after ``split`` never share a record (the calibration / held-out boundary)."""
     from attngeom.capture.plugin import Session
-    from attngeom.runs.run import Memory, fingerprint
+    from attngeom.runs.run import fingerprint, run_or_in_memory
     from attngeom.heads.taxonomy import TaxonomyStats
 
     ids = [to_ids(handle, w) for w in windows]
@@ -338,7 +367,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
             n += scored_tokens(batch)
         return {"tax": tax.state(), "nll": nll, "tokens": n}
 
-    return (run or Memory()).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
+    return run_or_in_memory(run).stage(name, len(ids), work, group=batch_size, group_key=lambda u: u < split,
                                    desc=f"taxonomy: {name}", unit="window", fingerprints=[fingerprint(w) for w in ids])
 
 
@@ -350,10 +379,10 @@ def taxonomy_of(records: dict, units, sink: int, winner_norm: str) -> tuple[pd.D
     parts = [d for key, d in records.items() if key[0] in units]
     merged = merge_sums(parts)
     df = TaxonomyStats(sink=sink, winner_norm=winner_norm).load_state(merged["tax"]).result()
-    return df, perplexity_of(merged["nll"], merged["tokens"])
+    return df, perplexity(merged["nll"], merged["tokens"])
 
 
-def experiment(handle: ModelHandleLike, run: RunLike, corpora: Sequence[Sequence],
+def experiment(handle: ModelHandleLike, run: RunLike | None, corpora: Sequence[Sequence],
                settings: HeadsSettings = HeadsSettings(), *,
                names: Sequence[str] = ("corpus1", "corpus2")) -> ExperimentResult:
     """The head experiment of SPEC §6 (see :mod:`attngeom.commands.heads`) as stages of ``run``, with
@@ -472,3 +501,73 @@ def _regimes_by_layer(tables: Sequence[pd.DataFrame], names: Sequence[str]) -> p
         part.insert(0, "corpus", name)
         parts.append(part)
     return parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries under resampling
+# --------------------------------------------------------------------------------------------
+
+
+def winner_sums(tax_records: Sequence[dict]) -> np.ndarray:
+    """Per-window source-winner sums ``[W, L, H, 3]`` (self, sink, other) from the records of
+    :func:`taxonomy_stage` (one window each)."""
+    def get(r):
+        sums = r["tax"]["sums"]
+        return [np.stack([sums[l]["winner_self"], sums[l]["winner_sink"], sums[l]["winner_other"]], -1)
+                for l in layer_order(sums)]
+    return per_window_array(tax_records, get)
+
+
+def _taxonomy_records(per_window: dict) -> list:
+    return one_window_each(per_window, "taxonomy", "heads")
+
+
+def sensitivity_summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Single-head removal on the calibration windows under resampling ``weights`` (counts per
+    calibration window ``[R, Wc]``; None: each once): ``base_ppl [R]`` (the unedited perplexity) and
+    ``delta [R, L·H]`` (ΔPPL of removing each head alone, row ``layer·H + head``), from
+    ``per_window["sensitivity"]`` and the calibration windows' taxonomy records."""
+    nll_s = np.asarray(per_window["sensitivity"], dtype=np.float64)                 # [L*H, Wc]
+    calib = _taxonomy_records(per_window)[:nll_s.shape[1]]
+    base = per_window_array(calib, lambda t: t["nll"])
+    tok = per_window_array(calib, lambda t: t["tokens"])
+    counts = resampling.counts_or_once(weights, len(calib))
+    ppl = resampling.resampled_perplexity(counts, np.concatenate([base[None], nll_s], 0).T, tok)
+    return {"base_ppl": ppl[:, 0], "delta": ppl[:, 1:] - ppl[:, :1]}
+
+
+def calibration_perplexity(per_window: dict) -> float:
+    """The unedited perplexity of the calibration windows (from their taxonomy records)."""
+    calib = _taxonomy_records(per_window)[:np.shape(per_window["sensitivity"])[1]]
+    return perplexity(per_window_array(calib, lambda t: t["nll"]).sum(), per_window_array(calib, lambda t: t["tokens"]).sum())
+
+
+def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The head experiment's regime shares under resampling ``weights`` (bootstrap counts per window
+    ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``)
+    over all windows of the first corpus, from its ``per_window["taxonomy"]`` records
+    (``batch_size=1``): ``{"regime_shares": [R, 3]}`` in the order of
+    :data:`~attngeom.heads.taxonomy.REGIMES`, plurality with ties to the first (as
+    :func:`attngeom.heads.taxonomy.regimes_of`; tests/unit/test_claims.py checks both agree)."""
+    X = winner_sums(_taxonomy_records(per_window))
+    counts = resampling.counts_or_once(weights, len(X))
+    s = resampling.resample_sums(counts, X)                                  # [R, L, H, 3]
+    reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [R, L*H]
+    return {"regime_shares": np.stack([(reg == k).mean(1) for k in range(3)], 1)}
+
+
+def removal_summary(per_window: dict, weights: np.ndarray | None = None,
+                    extra: dict | None = None) -> dict[tuple, np.ndarray]:
+    """Held-out perplexity of every (order, retention) of ``per_window["removal"]``
+    (:func:`heldout_removal_nll`; ``("", 100.0)`` the unedited model), and of the ``extra`` removals
+    (key -> summed NLL per held-out window ``[Wh]``, e.g. from :func:`removal_nll`), under resampling
+    ``weights`` (counts per held-out window ``[R, Wh]``; None: each once): key -> ``[R]``."""
+    removal = per_window["removal"]
+    keys, nll = list(removal["keys"]), np.asarray(removal["nll"], dtype=np.float64)
+    if extra:
+        keys += list(extra)
+        nll = np.concatenate([nll, np.stack([np.asarray(x, dtype=np.float64) for x in extra.values()])], 0)
+    tokens = np.asarray(removal["tokens"], dtype=np.float64)
+    counts = resampling.counts_or_once(weights, len(tokens))
+    ppl = resampling.resampled_perplexity(counts, nll.T, tokens)
+    return {k: ppl[:, i] for i, k in enumerate(keys)}

@@ -18,18 +18,23 @@ Query heads sharing a key/value head (grouped-query attention) are pooled before
 ``"layer"`` (the mean over all heads of the layer: the same choice in every head, as TOVA does).
 
 Every policy's docstring names its source; ``docs/kvcache.md`` lists the scores side by side.
-What belongs here: scores and protections. Not here: storage, eviction mechanics, evaluation
-(:mod:`attngeom.kvcache.cache`).
+torch is imported inside the functions that use it, so that the registry's names (the settings'
+and ``--help``'s default policies) need no torch.
+What belongs here: scores, protections and the taxonomy policy's per-head budgets
+(:func:`taxonomy_budgets`). Not here: storage and eviction mechanics (:mod:`attngeom.kvcache.cache`),
+evaluation (:mod:`attngeom.kvcache.evaluation`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from attngeom.errors import InputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    import torch
 
 SINKS = 4
 """Protected attention-sink entries of StreamingLLM (its paper keeps 4 initial tokens)."""
@@ -60,6 +65,8 @@ class EvictionContext:
 
     def recent(self, count: torch.Tensor | int) -> torch.Tensor:
         """``[B, Hkv, n]`` bool: the entry is among the last ``count`` positions (per head)."""
+        import torch
+
         count = torch.as_tensor(count, device=self.pos.device).reshape(1, -1, 1)
         return self.pos >= self.seen - count
 
@@ -104,6 +111,8 @@ class Policy:
 
 def _tiers(*levels: torch.Tensor) -> torch.Tensor:
     """Tier per entry: the number of protections it has (``levels`` bool maps)."""
+    import torch
+
     out = torch.zeros_like(levels[0], dtype=torch.int64)
     for lv in levels:
         out = out + lv.long()
@@ -121,12 +130,16 @@ def _recent_count(ctx: EvictionContext, share: float) -> torch.Tensor:
 
 def full() -> Policy:
     """The full cache: nothing is evicted (the reference)."""
+    import torch
+
     return Policy("full", "full cache (no eviction)", lambda ctx: (torch.zeros_like(ctx.pos), ctx.pos.float()))
 
 
 def window() -> Policy:
     """Recent window: keep the last ``budget`` tokens (the sliding-window baseline of StreamingLLM:
     Xiao et al., *Efficient Streaming Language Models with Attention Sinks*, ICLR 2024)."""
+    import torch
+
     return Policy("window", "the most recent tokens", lambda ctx: (torch.zeros_like(ctx.pos), ctx.pos.float()))
 
 
@@ -150,12 +163,16 @@ def tova() -> Policy:
     """TOVA (Oren et al., *Transformers are Multi-State RNNs*, EMNLP 2024): the current query's
     attention (the last query of the forward pass), averaged over the layer's heads as the paper
     does (the same entries are kept in every head of a layer); no protected entries."""
+    import torch
+
     return Policy("tova", "current query's attention (layer mean)", lambda ctx: (torch.zeros_like(ctx.pos), ctx.score),
                   needs="attention", accumulate=False, pool="layer", last=1)
 
 
 def _max_pool(score: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
     """1-D max pooling over the entries (kept in position order), padding excluded."""
+    import torch
+
     x = score.masked_fill(~valid, float("-inf"))
     B, H, n = x.shape
     y = torch.nn.functional.max_pool1d(x.reshape(B * H, 1, n), kernel, stride=1, padding=kernel // 2)
@@ -207,7 +224,9 @@ def taxonomy(recent: float = RECENT, sinks: int = SINKS) -> Policy:
     *DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads*, ICLR
     2025). Key/value heads with a Retriever query head keep a large budget and evict like H2O;
     Mixer/Reset heads keep ``sinks`` sink tokens + a recent window in a small budget
-    (:func:`attngeom.kvcache.cache.taxonomy_budgets`: the layer's total equals ``H_kv × budget``)."""
+    (:func:`taxonomy_budgets`: the layer's total equals ``H_kv × budget``)."""
+    import torch
+
 
     def priority(ctx):
         streaming = ctx.streaming if ctx.streaming is not None else torch.zeros_like(ctx.budget, dtype=torch.bool)
@@ -243,3 +262,33 @@ def get_policy(name: str) -> Policy:
 def needs_regimes(names) -> bool:
     """Whether any of the policies ``names`` takes per-head budgets from a head taxonomy."""
     return any(get_policy(n).per_head_budgets for n in names)
+
+
+# --------------------------------------------------------------------------------------------
+# Taxonomy-aware budgets
+# --------------------------------------------------------------------------------------------
+
+
+def taxonomy_budgets(regimes: "pd.DataFrame", num_heads: int, num_kv_heads: int, budget: int,
+                     small: int | None = None, chunk: int = 1) -> tuple[dict, dict]:
+    """Per-layer budgets per key/value head from a taxonomy table (``layer, head, regime``):
+    ``(budgets {layer: [Hkv]}, streaming {layer: [Hkv]})``. A key/value head with a Retriever
+    query head keeps a large budget; the others (Mixer/Reset only) keep ``small`` entries
+    (default ``max(SINKS + 4, budget // 4, SINKS + chunk)``, never more than ``budget``) as sink +
+    window; the Retriever heads share the rest,
+    so each layer holds ``H_kv × budget`` entries in all. A layer without Retriever heads gives
+    every head ``budget`` as sink + window; a layer of Retrievers only gives each ``budget``."""
+    small = min(budget, max(SINKS + 4, budget // 4, SINKS + chunk)) if small is None else int(small)
+    n_rep = num_heads // num_kv_heads
+    budgets, streaming = {}, {}
+    for layer, g in regimes.groupby("layer"):
+        is_retr = {int(h): r == "Retriever" for h, r in zip(g["head"], g["regime"])}
+        retr = [any(is_retr.get(k * n_rep + i, False) for i in range(n_rep)) for k in range(num_kv_heads)]
+        n_r = sum(retr)
+        if n_r in (0, num_kv_heads):
+            budgets[int(layer)] = [budget] * num_kv_heads
+        else:
+            large = (num_kv_heads * budget - (num_kv_heads - n_r) * small) // n_r
+            budgets[int(layer)] = [large if r else small for r in retr]
+        streaming[int(layer)] = [not r for r in retr]
+    return budgets, streaming

@@ -20,17 +20,19 @@ from pathlib import Path
 
 from attngeom.metrics import registry
 from attngeom.reports import markdown as md
-from attngeom.reports.common import DPI  # sets the Agg backend first
+from attngeom.reports.common import DPI, MIN_FONT_PT, save_figure  # sets the Agg backend first
 
 import matplotlib
 import numpy as np
 from matplotlib import colors
 
 MAX_LABELLED_TOKENS = 64
+MAX_GRID_LABELLED_TOKENS = 40
+TICK_PITCH_IN = 1.08 * MIN_FONT_PT / 72  # one token label of MIN_FONT_PT points per row: the map grows with T
 MAP_DPI = DPI            # token-level maps with token labels (small fonts need the resolution)
 MAP_DPI_UNLABELLED = 100 # token-level maps of long inputs: >= 2 pixels per token up to ~200 tokens
-GRID_DPI = 110           # per-head grids: no labels inside, 2-inch maps
-PNG_COMPRESSION = 3
+GRID_DPI = 110           # per-head grids, 2-inch maps
+DIVIDER_COLOR = "#2da44e"
 MASK_COLOR = "#e6e6e6"
 SEQ_CMAP = "magma_r"
 DIV_CMAP = "RdBu_r"
@@ -47,8 +49,9 @@ registry)."""
 
 
 def token_label(tok: str, max_len: int = 12) -> str:
-    """A token string readable as a tick label: newlines/tabs escaped, leading space shown as '␣'."""
-    s = tok.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    """A token string readable as a tick label: a line break shown as '↵', a tab '→', a carriage
+    return '⏎' (glyphs DejaVu Sans has), a leading space as '␣'."""
+    s = tok.replace("\n", "↵").replace("\t", "→").replace("\r", "⏎")
     if s.startswith(" "):
         s = "␣" + s[1:]
     s = s.replace("$", r"\$")
@@ -95,8 +98,13 @@ def _cmap(name: str):
 
 
 def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, fig, title: str,
-              colorbar: bool = True, norm=None, ticks: bool = True, cax=None):
+              colorbar: bool = True, norm=None, ticks: bool = True, cax=None, divider: int | None = None,
+              offset: int = 0, fontsize: float = 9):
+    """One map with its title (``fontsize``; labels and ticks a little smaller, never below
+    :data:`MIN_FONT_PT`); ``divider``: a line before that row and column (the first answer token);
+    ``offset``: the position of the first row and column (a cropped map)."""
     T = m.shape[0]
+    small = max(MIN_FONT_PT, fontsize - 2)
     shown = np.where(_causal_mask(T), np.nan, m)
     extend = "neither"
     if norm is None:
@@ -110,7 +118,11 @@ def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, f
                    interpolation=_interpolation(T, ax.get_position().width * fig.get_figwidth() * fig.dpi),
                    aspect="equal")
     # a plain text above the axes: set_title re-measures the tick labels to place itself
-    ax.text(0.5, 1.015, title, transform=ax.transAxes, fontsize=10, ha="center", va="bottom")
+    ax.text(0.5, 1.015, title, transform=ax.transAxes, fontsize=fontsize + 1, ha="center", va="bottom")
+    if divider is not None and 0 < divider - offset < T:
+        d = divider - offset - 0.5
+        ax.axhline(d, color=DIVIDER_COLOR, lw=1.0)
+        ax.axvline(d, color=DIVIDER_COLOR, lw=1.0)
     # a small margin left of column 0, so that the sink column is not hidden under the frame
     if T > MAX_LABELLED_TOKENS:
         ax.set_xlim(-0.5 - 0.012 * T, T - 0.5)
@@ -118,25 +130,30 @@ def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, f
         spine.set_linewidth(0.6)
     if ticks and tokens is not None and T <= MAX_LABELLED_TOKENS:
         labels = [token_label(t) for t in tokens]
-        fs = 7 if T <= 24 else (5.5 if T <= 44 else 4.5)
         ax.set_xticks(range(T))
-        ax.set_xticklabels(labels, rotation=90, fontsize=fs)
+        ax.set_xticklabels(labels, rotation=90, fontsize=MIN_FONT_PT)
         ax.set_yticks(range(T))
-        ax.set_yticklabels(labels, fontsize=fs)
+        ax.set_yticklabels(labels, fontsize=MIN_FONT_PT)
         ax.tick_params(length=1.5, pad=1)
-        ax.set_xlabel("source token $j$", fontsize=9)
-        ax.set_ylabel("query token $i$", fontsize=9)
+        ax.set_xlabel("source token $j$", fontsize=small)
+        ax.set_ylabel("query token $i$", fontsize=small)
     elif ticks:
-        ax.set_xlabel("source position $j$", fontsize=9)
-        ax.set_ylabel("query position $i$", fontsize=9)
-        ax.tick_params(labelsize=7)
+        if offset:
+            from matplotlib.ticker import FuncFormatter
+
+            shift = FuncFormatter(lambda x, _: f"{int(round(x)) + offset}")
+            ax.xaxis.set_major_formatter(shift)
+            ax.yaxis.set_major_formatter(shift)
+        ax.set_xlabel("source position $j$", fontsize=small)
+        ax.set_ylabel("query position $i$", fontsize=small)
+        ax.tick_params(labelsize=MIN_FONT_PT)
     else:
         ax.set_xticks([])
         ax.set_yticks([])
     if colorbar:
         cb = fig.colorbar(im, cax=cax, extend=extend) if cax is not None else \
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, extend=extend)
-        cb.ax.tick_params(labelsize=7)
+        cb.ax.tick_params(labelsize=MIN_FONT_PT)
     return im
 
 
@@ -151,8 +168,8 @@ def _figure(width: float, height: float, dpi: float):
 
 
 def _save(fig, path: Path) -> None:
-    """PNG at the figure's own resolution; fast zlib level (the maps are flat colour areas)."""
-    fig.savefig(path, dpi=fig.dpi, pil_kwargs={"compress_level": PNG_COMPRESSION})
+    """At the figure's own resolution, in the format of ``path``; laid out by hand already."""
+    save_figure(fig, path, dpi=fig.dpi, layout=False)
 
 
 def _interpolation(T: int, pixels: float) -> str:
@@ -182,14 +199,17 @@ def _axes_at(fig, x: float, y: float, w: float, h: float):
 # --------------------------------------------------------------------------------------------
 
 
-def draw_token_maps(layer_trace, tokens: list[str], path: str | Path, title: str = "") -> str:
+def draw_token_maps(layer_trace, tokens: list[str], path: str | Path, title: str = "",
+                    divider: int | None = None) -> str:
     """``maps_layer{L}.png``: the token-level maps (all heads) of one layer in a 2x2 grid:
-    attention and contribution on top, value-weighted and output-normalised below."""
+    attention and contribution on top, value-weighted and output-normalised below. ``divider``:
+    the first answer token's position (a line between prompt and answer)."""
     path = Path(path)
     T = len(tokens)
     labelled = T <= MAX_LABELLED_TOKENS
-    # inches: room for tick labels left of / below each map, the map, its colour bar, its title
-    left, bottom, box = (1.05, 1.0, 4.6) if labelled else (0.7, 0.6, 4.2)
+    # inches: room for tick labels left of / below each map, the map (a token label per row), its
+    # colour bar, its title
+    left, bottom, box = (1.05, 1.0, max(4.6, T * TICK_PITCH_IN)) if labelled else (0.7, 0.6, 4.2)
     right, title_h, top = 0.85, 0.45, 0.8
     panel_w, panel_h = left + box + right, bottom + box + title_h
     fig = _figure(2 * panel_w, 2 * panel_h + top, MAP_DPI if labelled else MAP_DPI_UNLABELLED)
@@ -198,19 +218,22 @@ def draw_token_maps(layer_trace, tokens: list[str], path: str | Path, title: str
         ax, cax = _axes_at(fig, x0, y0, box, box), _axes_at(fig, x0 + box + 0.12, y0, 0.17, box)
         m = layer_trace.token_score(name)
         _draw_map(ax, m, diverging=name == "contribution", tokens=tokens, fig=fig, title=f"{label}: {formula}",
-                  cax=cax)
+                  cax=cax, divider=divider)
+    answer = "; green line: prompt | answer" if divider is not None and 0 < divider < T else ""
     fig.suptitle(f"{title} — layer {layer_trace.index}, all {layer_trace.num_heads} heads, T = {T} tokens\n"
                  "rows: queries $i$; columns: sources $j$; grey: not visible (causal mask); "
-                 "colour scales: square root (signed for the contribution)", fontsize=11,
+                 f"colour scales: square root (signed for the contribution){answer}", fontsize=11,
                  y=1 - 0.12 / fig.get_figheight(), va="top")
     _save(fig, path)
     return path.name
 
 
 def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list[int] | None = None,
-                   title: str = "") -> str:
+                   title: str = "", divider: int | None = None) -> str:
     """``heads_layer{L}.png``: for each head, attention ``a_ij^h`` beside the intra-head contribution
-    ``c_ij^h``, with shared colour scales across heads.
+    ``c_ij^h``, with shared colour scales across heads; token labels left of the first column and
+    below the last row (up to :data:`MAX_GRID_LABELLED_TOKENS` tokens); ``divider``: the first
+    answer token's position (a line between prompt and answer on every map).
 
     All maps are images placed in one canvas axes measured in inches (an axes per map, each with
     its own ticks and layout, cost most of the drawing time)."""
@@ -225,7 +248,13 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
     per_row = 3 if n > 4 else min(n, 2) if n > 1 else 1
     rows = int(np.ceil(n / per_row))
     # inches: square maps of side ``box`` in pairs, a title above each, two colour bars on the right
+    labelled = T <= MAX_GRID_LABELLED_TOKENS
     box, pair_gap, group_gap, title_h, left, bottom, top, right = 2.0, 0.1, 0.3, 0.3, 0.15, 0.15, 0.8, 2.35
+    labels = [token_label(t) for t in tokens] if labelled else []
+    if labelled:
+        box = max(box, T * TICK_PITCH_IN)
+        margin = 0.1 + 0.6 * MIN_FONT_PT / 72 * max(len(x) for x in labels)
+        left, bottom = left + margin, bottom + margin
     grid_w = per_row * (2 * box + pair_gap) + (per_row - 1) * group_gap
     grid_h = rows * (box + title_h) - title_h
     fig = _figure(left + grid_w + right, bottom + grid_h + title_h + top, GRID_DPI)
@@ -254,6 +283,11 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
             canvas.add_patch(Rectangle((x0 - pad, y - pad), box + 2 * pad, box + 2 * pad, fill=False, lw=0.6,
                                        clip_on=False))
             canvas.text(x0 + box / 2, y + box + 0.06, label, fontsize=8, ha="center", va="bottom")
+            if divider is not None and 0 < divider < T:
+                d = divider * box / T
+                canvas.plot([x0, x0 + box], [y + box - d] * 2, color=DIVIDER_COLOR, lw=0.8)
+                canvas.plot([x0 + d] * 2, [y, y + box], color=DIVIDER_COLOR, lw=0.8)
+            _grid_labels(canvas, labels, x0, y, box, left_side=c == 0 and x0 == x, below=r == rows - 1)
             if cmap is att_cmap:
                 im_a = im
             else:
@@ -274,6 +308,17 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
                  fontsize=10, y=1 - 0.1 / fig.get_figheight(), va="top")
     _save(fig, path)
     return path.name
+
+
+def _grid_labels(canvas, labels: list[str], x0: float, y: float, box: float, left_side: bool, below: bool) -> None:
+    """Token labels of one map of a per-head grid (canvas in inches): rows left of it, columns below."""
+    T = len(labels)
+    for i, lab in enumerate(labels):
+        c = (i + 0.5) * box / T
+        if left_side:
+            canvas.text(x0 - 0.06, y + box - c, lab, fontsize=MIN_FONT_PT, ha="right", va="center")
+        if below:
+            canvas.text(x0 + c, y - 0.06, lab, fontsize=MIN_FONT_PT, ha="center", va="top", rotation=90)
 
 
 def draw_sinks(heads_df, path: str | Path, title: str = "") -> str:
@@ -391,7 +436,7 @@ def report_markdown(summary: dict) -> str:
         elif f.startswith("heads_layer"):
             note = "per head: attention beside intra-head contribution"
         else:
-            note = FILE_NOTES.get(f, "")
+            note = FILE_NOTES.get(f, FILE_NOTES.get(f.rsplit(".", 1)[0] + ".png", ""))
         lines.append(f"- {md.link(f, f)} — {md.text(note)}")
     return "\n".join(lines) + "\n"
 

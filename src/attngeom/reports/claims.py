@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attngeom.reports.markdown import text as _text
+from attngeom.stats.resampling import MIN_UNITS, TOO_FEW, format_number
 
 
 def escape(value) -> str:
@@ -10,7 +11,26 @@ def escape(value) -> str:
     return "" if value is None else _text(value)
 
 
-VERDICT_MARK = {"holds": "**holds**", "refuted": "**refuted**", "inconclusive": "inconclusive"}
+VERDICT_MARK = {"holds": "**holds**", "refuted": "**refuted**", "inconclusive": "inconclusive",
+                TOO_FEW: "too few windows"}
+
+TERMS = (
+    ("ΔPPL", "the change in perplexity (exp of the mean next-token loss) when tokens, the sink or heads are removed"),
+    ("AOC", "area over the curve: the mean ΔPPL over the removal ratios r (SPEC §3.3); comprehensiveness removes "
+            "the top-ranked fraction r of the tokens (a more faithful metric raises ΔPPL more), sufficiency keeps "
+            "only it (a more faithful metric raises ΔPPL less)"),
+    ("sink", "the first token (position 0), which takes much of the attention; ṽ_0 its value vector projected by "
+             "the head's output map"),
+    ("semantic cone", "the directions of a head's non-sink (semantic) value vectors; an output's place in it is "
+                      "its cosine with their mean direction (SPEC §4)"),
+    ("F_N", "how separable the N tokens a head selects (its top N by attention) are from the rest: the harmonic "
+            "mean of precision P_N and recall R_N of the ball around their sum (SPEC §5)"),
+    ("Retriever / Mixer / Reset", "the head types (SPEC §6), from the source that wins most queries "
+                                  "(largest attention × value norm): Retriever the query itself, Mixer the sink, "
+                                  "Reset neither"),
+    ("z", "how far one head's single-removal ΔPPL lies above the other heads of its type, in standard deviations"),
+)
+"""The terms ``claims.md`` uses, defined at its end."""
 
 
 def render(result: dict, model: str, data: str, seconds: float | None = None) -> str:
@@ -26,7 +46,9 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
     lines.append(f"Intervals: 95 % percentile bootstrap over windows, {s.get('bootstrap')} resamples, seed "
                  f"{s.get('seed')}." + (f" Run time {seconds:.0f} s." if seconds is not None else ""))
     lines.append("Verdict: **holds** when the whole interval is on the claim's side, **refuted** when it is "
-                 "all on the other side, otherwise inconclusive (rules below and in docs/claims.md).")
+                 "all on the other side, otherwise inconclusive (rules below and in docs/claims.md); "
+                 f"**too few windows** when the claim rests on fewer than {MIN_UNITS} windows, where no "
+                 "interval is given. Terms are defined at the end.")
     lines += ["", "| # | claim | paper | measured | 95 % interval | verdict |", "|--:|---|---|---|---|---|"]
     for k, r in enumerate(result["rows"], 1):
         paper = "CW" if r["paper"].startswith("Contribution") else "TS"
@@ -44,7 +66,7 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
             lines.append(f"Per removal ratio: {escape(pr['summary'])}. Crossover: {escape(cross)}.")
         for name, d in (r.get("numbers") or {}).items():
             if isinstance(d, dict) and "value" in d:
-                extra = f", beats in {d['beats_share']:.0%} of resamples" if "beats_share" in d else ""
+                extra = f", beats in {100 * d['beats_share']:.1f} % of resamples" if "beats_share" in d else ""
                 lines.append(f"- {escape(name)}: {_num(d['value'])} [{_num(d['low'])}, {_num(d['high'])}]{extra}")
         lines.append("")
     heads = result.get("detail", {}).get("heads")
@@ -82,16 +104,14 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
                     f"{_num(by[r]['value'])} [{_num(by[r]['low'])}, {_num(by[r]['high'])}]" if r in by else ""
                     for r in ratios) + " |")
             lines.append("")
+    lines += ["## Terms", ""] + [f"- **{escape(term)}**: {escape(meaning)}." for term, meaning in TERMS]
+    lines.append(f"- Numbers: 4 significant digits, thousands separated by commas; — where there is no value "
+                 f"or interval.")
     return "\n".join(lines) + "\n"
 
 
 def _num(x) -> str:
-    if x is None:
-        return "n/a"
-    a = abs(x)
-    if a >= 1e5:
-        return f"{x:,.0f}"
-    return f"{x:.4g}"
+    return format_number(x)
 
 
 def side_by_side(results: dict[str, dict]) -> str:
@@ -118,7 +138,7 @@ def side_by_side(results: dict[str, dict]) -> str:
             if r is None:
                 cells += ["not run", ""]
                 continue
-            iv = "" if r["interval"] in (None, "n/a") else f" {r['interval']}"
+            iv = "" if r["interval"] in (None, "n/a", "—") else f" {r['interval']}"
             cells += [escape(f"{r['value']}{iv}"), VERDICT_MARK.get(r["verdict"], escape(r["verdict"]))]
         same = ""
         if agree:

@@ -1,4 +1,10 @@
-"""Shared figure settings: the Agg backend (no display needed), resolution, and saving."""
+"""Shared figure settings: the Agg backend (no display needed), resolution, formats, the smallest
+text size, and saving.
+
+Every figure attngeom draws is saved by :func:`save_figure`, in the format its file name ends with
+(any format matplotlib writes: PNG, PDF, SVG, EPS, ...; :func:`check_format`). Sizes are set in
+points at the saved size of the figure: no text is smaller than :data:`MIN_FONT_PT` (7 pt, legible
+at one column of a paper when the figure is printed at the size it was saved at)."""
 
 from __future__ import annotations
 
@@ -9,12 +15,76 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from attngeom.errors import InputError  # noqa: E402
+
 DPI = 150
+MIN_FONT_PT = 7.0
+"""The smallest text size of a saved figure, in points at its saved size."""
+PNG_COMPRESSION = 3
+COLUMN_WIDTH_IN = 3.3
+"""One column of a two-column paper, in inches: the default width of :mod:`attngeom.reports.plot`."""
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Lay out, write as PNG at :data:`DPI`, close (figures are not kept open between runs)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+def formats() -> list[str]:
+    """The file formats matplotlib writes here (``png``, ``pdf``, ``svg``, ``eps``, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def check_format(fmt: str) -> str:
+    """``fmt`` lower-cased when matplotlib writes it, else one-line :class:`InputError`."""
+    f = str(fmt).lower().lstrip(".")
+    if f not in formats():
+        raise InputError(f"unknown figure format {fmt!r}; matplotlib writes {', '.join(formats())}")
+    return f
+
+
+def legible(fig, minimum: float = MIN_FONT_PT) -> None:
+    """Raise every text of ``fig`` smaller than ``minimum`` points to ``minimum``."""
+    from matplotlib.text import Text
+
+    for t in fig.findobj(Text):
+        if t.get_text() and t.get_fontsize() < minimum:
+            t.set_fontsize(minimum)
+
+
+def _plain(value, _pos=None) -> str:
+    return f"{value:g}"
+
+
+def tidy_axes(fig) -> None:
+    """Ticks a reader takes in at once, on every axes of ``fig``: log and symlog axes in plain
+    numbers (``60``, not ``6×10¹``; ``-100``, not ``−10²``; minor ticks labelled too when fewer than two major ticks are in view), and a linear axis labelled
+    "layer ..." ticked at whole layers only."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+    for ax in fig.axes:
+        for axis, lim in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            if axis.get_scale() in ("log", "symlog"):
+                axis.set_major_formatter(FuncFormatter(_plain))
+                lo, hi = sorted(lim)
+                majors = [t for t in axis.get_majorticklocs() if lo <= t <= hi]
+                axis.set_minor_formatter(FuncFormatter(_plain) if len(majors) < 2 else NullFormatter())
+            elif axis.get_label_text().strip().lower().startswith("layer") and axis.get_scale() == "linear":
+                axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def save_figure(fig, path: Path, dpi: float | None = None, layout: bool = True) -> Path:
+    """Lay out (``layout``: tight layout; figures laid out by hand pass False), tidy the ticks
+    (:func:`tidy_axes`), make every text at least :data:`MIN_FONT_PT`, write in the format of ``path``'s suffix (raster formats at ``dpi``,
+    default :data:`DPI`; PDF and SVG without a creation date, so the same figure gives the same
+    file) and close (figures are not kept open between runs)."""
+    path = Path(path)
+    fmt = check_format(path.suffix or ".png")
+    tidy_axes(fig)
+    legible(fig)
+    if layout:
+        fig.tight_layout()
+    kwargs = {"pil_kwargs": {"compress_level": PNG_COMPRESSION}} if fmt == "png" else {}
+    if fmt in ("pdf", "svg", "svgz", "eps", "ps"):
+        kwargs["metadata"] = {"pdf": {"CreationDate": None}, "svg": {"Date": None},
+                              "svgz": {"Date": None}}.get(fmt, {"CreationDate": None})
+    fig.savefig(path, dpi=dpi or DPI, format=fmt, **kwargs)
     plt.close(fig)
     return path

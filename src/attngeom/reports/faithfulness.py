@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from attngeom.reports.common import save_figure  # sets the Agg backend first
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
 COLORS = {
     "attention": "#1f77b4",
@@ -61,9 +60,4 @@ def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str
         title = f"Faithfulness of token rankings (clean {what} {clean:.4g}, {units} {noun})"
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=150)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

@@ -1,4 +1,4 @@
-"""Figures of ``attngeom heads`` (PNG, dpi 150), from ``heads.parquet``, ``removal.parquet`` and
+"""Figures of ``attngeom heads`` (PNG by default, any format matplotlib writes), from ``heads.parquet``, ``removal.parquet`` and
 ``regimes_by_layer.parquet``:
 
 - ``heads-regime-grid.png`` — layer x head grid coloured by regime (Retriever / Mixer / Reset), the
@@ -72,7 +72,7 @@ def fig_regime_grid(heads: pd.DataFrame, path: Path) -> Path:
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(f"{_title(heads)}: head regimes (shade = share of the winning label)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=DPI)
+    return save_figure(fig, path, layout=False)
     plt.close(fig)
     return path
 
@@ -136,16 +136,17 @@ def fig_sensitivity(heads: pd.DataFrame, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def render(out_dir: str | Path, heads: pd.DataFrame | None = None, curves: pd.DataFrame | None = None,
-           by_layer: pd.DataFrame | None = None) -> list[Path]:
+def render(out_dir: str | Path, fmt: str = "png", heads: pd.DataFrame | None = None,
+           curves: pd.DataFrame | None = None, by_layer: pd.DataFrame | None = None) -> list[Path]:
+    """Draw every figure from the tables in ``out_dir`` in format ``fmt``; returns their paths."""
     out = Path(out_dir)
     heads = pd.read_parquet(out / "heads.parquet") if heads is None else heads
     curves = pd.read_parquet(out / "removal.parquet") if curves is None else curves
     by_layer = pd.read_parquet(out / "regimes_by_layer.parquet") if by_layer is None else by_layer
-    return [fig_regime_grid(heads, out / "heads-regime-grid.png"),
-            fig_regimes_by_layer(by_layer, out / "heads-regimes-by-layer.png"),
-            fig_removal(curves, out / "heads-removal.png"),
-            fig_sensitivity(heads, out / "heads-sensitivity.png")]
+    return [fig_regime_grid(heads, out / f"heads-regime-grid.{fmt}"),
+            fig_regimes_by_layer(by_layer, out / f"heads-regimes-by-layer.{fmt}"),
+            fig_removal(curves, out / f"heads-removal.{fmt}"),
+            fig_sensitivity(heads, out / f"heads-sensitivity.{fmt}")]
 
 
 if __name__ == "__main__":  # pragma: no cover

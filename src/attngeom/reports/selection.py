@@ -1,4 +1,4 @@
-"""Figures of ``attngeom selection`` (PNG, dpi 150), drawn from ``selection.parquet`` and
+"""Figures of ``attngeom selection`` (PNG by default, any format matplotlib writes), drawn from ``selection.parquet`` and
 ``regime.parquet``:
 
 - ``selection-f-vs-n.png`` — mean F_N against N (log scale), one panel per distance: top-N (solid)
@@ -165,16 +165,18 @@ def fig_sink_regime(reg: pd.DataFrame, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def render(out_dir: str | Path, sel: pd.DataFrame | None = None, reg: pd.DataFrame | None = None) -> list[Path]:
+def render(out_dir: str | Path, fmt: str = "png", sel: pd.DataFrame | None = None,
+           reg: pd.DataFrame | None = None) -> list[Path]:
+    """Draw every figure from the tables in ``out_dir`` in format ``fmt``; returns their paths."""
     out = Path(out_dir)
     if sel is None:
         sel = pd.read_parquet(out / "selection.parquet")
     if reg is None:
         reg = pd.read_parquet(out / "regime.parquet")
-    paths = [fig_f_vs_n(sel, out / "selection-f-vs-n.png"), fig_pr(sel, out / "selection-pr.png"),
-             fig_layers(sel, out / "selection-layers.png")]
+    paths = [fig_f_vs_n(sel, out / f"selection-f-vs-n.{fmt}"), fig_pr(sel, out / f"selection-pr.{fmt}"),
+             fig_layers(sel, out / f"selection-layers.{fmt}")]
     if len(reg):
-        paths.append(fig_sink_regime(reg, out / "selection-sink-regime.png"))
+        paths.append(fig_sink_regime(reg, out / f"selection-sink-regime.{fmt}"))
     return paths
 
 

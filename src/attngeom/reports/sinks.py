@@ -1,4 +1,4 @@
-"""Figures of ``attngeom sinks`` (PNG, dpi 150), drawn from the tables in an output directory.
+"""Figures of ``attngeom sinks`` (PNG by default, any format matplotlib writes), drawn from the tables in an output directory.
 
 ``render(out_dir)`` reads ``heads/curve/drift/hist/removal/ppl.parquet`` and writes
 
@@ -240,8 +240,8 @@ def fig_drift(drift: pd.DataFrame, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def render(out_dir) -> list[Path]:
-    """Draw every figure from the tables in ``out_dir``; returns the PNG paths."""
+def render(out_dir, fmt: str = "png") -> list[Path]:
+    """Draw every figure from the tables in ``out_dir`` in format ``fmt``; returns their paths."""
     out = Path(out_dir)
     heads = pd.read_parquet(out / "heads.parquet")
     curve = pd.read_parquet(out / "curve.parquet")
@@ -250,12 +250,12 @@ def render(out_dir) -> list[Path]:
     removal = pd.read_parquet(out / "removal.parquet")
     ppl = pd.read_parquet(out / "ppl.parquet")
     return [
-        fig_convexity(heads, curve, out / "sinks-convexity.png"),
-        fig_rho_star(heads, hist, out / "sinks-rho-star.png"),
-        fig_anti_alignment(heads, out / "sinks-anti-alignment.png"),
-        fig_decomposition(heads, out / "sinks-decomposition.png"),
-        fig_removal(removal, ppl, out / "sinks-removal.png"),
-        fig_drift(drift, out / "sinks-drift.png"),
+        fig_convexity(heads, curve, out / f"sinks-convexity.{fmt}"),
+        fig_rho_star(heads, hist, out / f"sinks-rho-star.{fmt}"),
+        fig_anti_alignment(heads, out / f"sinks-anti-alignment.{fmt}"),
+        fig_decomposition(heads, out / f"sinks-decomposition.{fmt}"),
+        fig_removal(removal, ppl, out / f"sinks-removal.{fmt}"),
+        fig_drift(drift, out / f"sinks-drift.{fmt}"),
     ]
 
 

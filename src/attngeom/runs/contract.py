@@ -6,12 +6,15 @@ What belongs here: the shape every ``experiment()`` function of attngeom returns
 :class:`ModelHandleLike` and :class:`RunLike` protocols), :func:`window_records` and
 :func:`perplexity`. No model code, no experiment's own logic.
 
+Every experiment has one signature, ``experiment(handle, run, inputs, settings, *, options)``: ``run`` may
+be None (:func:`attngeom.runs.run.run_or_in_memory`: computed in memory, nothing recorded), the inputs
+(windows, units, corpora or a text) come third, the settings fourth, anything else is keyword-only.
 An experiment is **settings** (one frozen dataclass in the ``settings`` module of its package, recorded in the
 result), **stages of units**
 run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
 is a record), and a **result**: its ``tables`` (DataFrames, what a command writes), its ``summary``
 (a JSON-able dict) and its ``per_window`` statistics (additive sums per window, the rows a
-bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.catalogue` composes the
+bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.orchestration` composes the
 other experiments through their results only.
 """
 
@@ -33,6 +36,21 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------------------------
 # Perplexity: one rule for every experiment
 # --------------------------------------------------------------------------------------------
+
+
+MIN_SCORED_TOKENS = 16
+"""The fewest predicted tokens a perplexity change is computed from: on fewer, one token's loss
+moves the perplexity by orders of magnitude (a 4-token text's sink removal reads as ΔPPL −3,530)."""
+
+
+def check_scorable(tokens: int, what: str) -> None:
+    """Refuse (:class:`~attngeom.errors.InputError`, one line) a perplexity change on fewer than
+    :data:`MIN_SCORED_TOKENS` predicted tokens."""
+    from attngeom.errors import InputError
+
+    if tokens < MIN_SCORED_TOKENS:
+        raise InputError(f"{what} has {tokens} predicted token(s); a perplexity change needs at least "
+                         f"{MIN_SCORED_TOKENS}: give longer or more texts")
 
 
 def perplexity(nll, tokens):
@@ -112,7 +130,7 @@ class Comm(Protocol):
 @runtime_checkable
 class RunLike(Protocol):
     """What the experiments use of a run (:class:`attngeom.runs.run.Run` with an output folder, or
-    :class:`attngeom.runs.run.Memory` in memory): stages of units whose records are returned keyed
+    :class:`attngeom.runs.run.InMemoryRun` in memory, which an experiment makes itself from ``run=None``): stages of units whose records are returned keyed
     by the tuple of units each record covers."""
 
     comm: Comm
@@ -149,3 +167,23 @@ def window_records(records: Mapping[tuple[int, ...], Any]) -> list | None:
     if any(len(k) != 1 for k in keys):
         return None
     return [records[k] for k in keys]
+
+
+def layer_order(d: Mapping) -> list:
+    """Keys of a per-layer dict in layer order (keys are ints or their strings, as records store them)."""
+    return sorted(d, key=lambda k: int(k))
+
+
+def per_window_array(records: Sequence, get: Callable[[Any], Any]) -> np.ndarray:
+    """``get(record)`` of each window's record stacked: float64 ``[W, ...]`` (the rows a bootstrap
+    over windows resamples)."""
+    return np.stack([np.asarray(get(r), dtype=np.float64) for r in records])
+
+
+def one_window_each(per_window: Mapping[str, Any], key: str, analysis: str) -> list:
+    """``per_window[key]``: an experiment's records of one window each (what :func:`window_records`
+    gave; missing when the records were batched)."""
+    recs = per_window.get(key)
+    if recs is None:
+        raise ValueError(f"the {analysis} summary under resampling needs one window per record (batch_size=1)")
+    return recs

@@ -150,12 +150,12 @@ class TorchComm:
 
 def comm_from_env(device: str | None = None):
     """:class:`TorchComm` under a multi-process launch (``WORLD_SIZE > 1``), else the one-process
-    :class:`~attngeom.runs.run.Solo`. ``device``: the ``--device`` given, to choose the backend
+    :class:`~attngeom.runs.run.SingleProcess`. ``device``: the ``--device`` given, to choose the backend
     (``nccl`` needs CUDA: asking for it without a GPU is an :class:`InputError`)."""
-    from attngeom.runs.run import Solo
+    from attngeom.runs.run import SingleProcess
 
     if world_size() <= 1:
-        return Solo()
+        return SingleProcess()
     import torch
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK"):

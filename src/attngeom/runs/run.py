@@ -57,11 +57,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from attngeom.runs import lock as runlock
 from attngeom.errors import InputError, OutputError
 from attngeom.runs.storage import clean_json, decode_record, dumps, encode_record, fsync_dir, sha256_file, write_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from attngeom.runs.contract import RunLike
 
 FORMAT = 2
 MANIFEST = "run.json"
@@ -79,7 +82,7 @@ KINDS = {MANIFEST: "run", SETTINGS: "run-settings", OUTPUTS: "run-outputs"}
 # --------------------------------------------------------------------------------------------
 
 
-class Solo:
+class SingleProcess:
     """The communication of a one-process run; :mod:`attngeom.runs.distributed` has the real one."""
 
     rank = 0
@@ -148,11 +151,11 @@ def merge_sums(parts: Iterable, weights: Sequence[float] | None = None):
 # --------------------------------------------------------------------------------------------
 
 
-class Memory:
+class InMemoryRun:
     """A run without an output directory: :meth:`stage` computes every unit in memory, grouped as
     :meth:`Run.stage` groups them (for the Python API and tests; nothing is recorded)."""
 
-    comm = Solo()
+    comm = SingleProcess()
     progress = False
 
     def stage(self, name: str, n_units: int, work: Callable[[list[int]], object], *, group: int = 1,
@@ -258,6 +261,12 @@ def _differences(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def run_or_in_memory(run: RunLike | None) -> RunLike:
+    """``run`` itself, or an :class:`InMemoryRun` when it is None: every experiment takes ``run=None``
+    for a computation in memory (nothing recorded)."""
+    return InMemoryRun() if run is None else run
+
+
 class Run:
     """One run of ``command`` with ``settings`` (JSON-able; they decide whether a directory resumes)
     in ``out``. Claims the directory at once (see the module docstring): raises
@@ -276,7 +285,7 @@ class Run:
         self.identity = _identity(command, self.settings)
         self.overwrite = bool(overwrite)
         self.progress = bool(progress)
-        self.comm = comm or Solo()
+        self.comm = comm or SingleProcess()
         self.started = time.time()
         self.created = False
         self.resumed = False
@@ -382,7 +391,7 @@ class Run:
                     what = f"an attngeom {owner.get('command')} run"
                 else:
                     diff = _differences(owner, self.identity)
-                    what = f"a {self.command} run with other settings ({', '.join(diff) or 'format'})"
+                    what = f"an attngeom {self.command} run with other settings ({', '.join(diff) or 'format'})"
                 raise InputError(f"{out} holds {what}; use another --out, or --overwrite to replace it "
                                  "(nothing was changed)")
         elif self._other_files():

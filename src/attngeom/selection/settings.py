@@ -13,7 +13,7 @@ DISTANCES = ("euclidean", "cosine")
 
 @dataclass(frozen=True)
 class SelectionSettings:
-    """The selection experiment (SPEC §5; :class:`attngeom.selection.topn.SelectionStats` holds the
+    """The selection experiment (SPEC §5; :class:`attngeom.selection.reducer.SelectionStats` holds the
     meaning of each option): sizes ``ns``, ``distances``, ``repeats`` random subsets per size seeded
     by ``seed``, the ``queries`` analysed per window (``"last"``, ``"all"`` or a sample size), the
     ``sink`` position, the sink-aware prediction (``predict``, with the cosine-decay fit up to
@@ -35,7 +35,7 @@ class SelectionSettings:
     batch_size: int = 2
 
     def stats_options(self) -> dict:
-        """The keyword arguments of :class:`~attngeom.selection.topn.SelectionStats`."""
+        """The keyword arguments of :class:`~attngeom.selection.reducer.SelectionStats`."""
         return {k: v for k, v in asdict(self).items() if k not in ("layers", "batch_size")}
 
     def record(self) -> dict:

@@ -13,6 +13,13 @@ ratios, ...) is then evaluated on every row. :func:`attngeom.runs.run.merge_sums
 Conventions: ``n_resamples`` resamples (default 1000; shape letter ``R``), 95 % **percentile** intervals
 (``[q_{2.5 %}, q_{97.5 %}]`` of the resampled statistic, numpy's linear interpolation), one
 ``numpy.random.default_rng(seed)`` stream per call so a seed fixes every resample.
+
+**Sample size.** An interval needs at least :data:`MIN_UNITS` independent units (windows or
+examples). ``n`` units have only ``C(2n-1, n)`` distinct resamples (3 for 2 windows, 35 for 4, 92,378
+for 10): below 10 the percentile interval is made of a handful of values, often ends at the point
+value itself and covers far less than 95 %. :func:`percentile_interval` and :func:`interval_dict`
+given ``units`` below the minimum return no interval (NaN / None), and a verdict resting on them is
+:data:`TOO_FEW` (:func:`enough_units` is the one test).
 """
 
 from __future__ import annotations
@@ -23,6 +30,15 @@ import numpy as np
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
+MIN_UNITS = 10
+"""The fewest independent units (windows, examples) an interval is computed from."""
+TOO_FEW = "too few windows"
+"""The verdict of a claim whose interval would rest on fewer than :data:`MIN_UNITS` windows."""
+
+
+def enough_units(n: int) -> bool:
+    """Whether ``n`` independent units are enough for an interval (``n >= MIN_UNITS``)."""
+    return int(n) >= MIN_UNITS
 
 
 def resample_counts(n: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> np.ndarray:
@@ -36,6 +52,12 @@ def resample_counts(n: int, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0)
         return np.zeros((n_resamples, 0), dtype=np.int64)
     rng = np.random.default_rng(seed)
     return rng.multinomial(n, np.full(n, 1.0 / n), size=n_resamples).astype(np.int64)
+
+
+def counts_or_once(weights: np.ndarray | None, n: int) -> np.ndarray:
+    """Resampling ``weights`` (counts ``[R, n]``) as given, or ``[1, n]`` ones for None (every item
+    once: the point estimate)."""
+    return np.ones((1, n)) if weights is None else np.asarray(weights)
 
 
 def resample_sums(counts: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -58,7 +80,7 @@ def ratio_of_sums(counts: np.ndarray, num: np.ndarray, den: np.ndarray) -> np.nd
         return np.where(d != 0, n / np.where(d != 0, d, 1.0), np.nan)
 
 
-def perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def resampled_perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Perplexity ``exp(Σ c·NLL / Σ c·tokens)`` per resample: ``nll [W, ...]`` (summed NLL per
     window and variant), ``tokens [W]`` -> ``[R, ...]`` (NaN where a resample has no token:
     :func:`attngeom.runs.contract.perplexity`)."""
@@ -69,12 +91,17 @@ def perplexity(counts: np.ndarray, nll: np.ndarray, tokens: np.ndarray) -> np.nd
     return ppl(resample_sums(counts, nll), resample_sums(counts, np.broadcast_to(tok, nll.shape)))
 
 
-def percentile_interval(samples: np.ndarray, level: float = DEFAULT_LEVEL) -> tuple[np.ndarray, np.ndarray]:
+def percentile_interval(samples: np.ndarray, level: float = DEFAULT_LEVEL,
+                        units: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Percentile interval of bootstrap ``samples [R, ...]`` along axis 0: ``(low, high)`` each
-    ``[...]``. NaN resamples are left out (all NaN -> NaN)."""
+    ``[...]``. NaN resamples are left out (all NaN -> NaN). ``units``: the number of independent
+    units resampled; below :data:`MIN_UNITS` both ends are NaN."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     s = np.asarray(samples, dtype=np.float64)
+    if units is not None and not enough_units(units):
+        nan = np.full(s.shape[1:], np.nan)
+        return nan, nan.copy()
     a = (1 - level) / 2
     with np.errstate(all="ignore"):
         import warnings
@@ -121,9 +148,10 @@ def bootstrap_loop(n: int, statistic: Callable[[np.ndarray], object], n_resample
     return [statistic(c) for c in resample_counts(n, n_resamples, seed)]
 
 
-def interval_dict(point, samples: np.ndarray, level: float = DEFAULT_LEVEL) -> dict:
-    """``{"value", "low", "high"}`` of a scalar statistic (floats; NaN -> None)."""
-    lo, hi = percentile_interval(np.asarray(samples, dtype=np.float64).reshape(len(samples), -1), level)
+def interval_dict(point, samples: np.ndarray, level: float = DEFAULT_LEVEL, units: int | None = None) -> dict:
+    """``{"value", "low", "high"}`` of a scalar statistic (floats; NaN -> None; no interval below
+    :data:`MIN_UNITS` ``units``)."""
+    lo, hi = percentile_interval(np.asarray(samples, dtype=np.float64).reshape(len(samples), -1), level, units)
     return {"value": _num(point), "low": _num(lo[0]), "high": _num(hi[0])}
 
 
@@ -157,6 +185,22 @@ def nanmean_rows(x: np.ndarray) -> np.ndarray:
         return np.nanmean(np.asarray(x, dtype=np.float64), axis=1)
 
 
+def format_number(x, signed: bool = False) -> str:
+    """The one way a statistic is written: 4 significant digits, thousands separated by commas
+    and no exponent from 1,000 up (``72,390``), an exponent only below 0.001 (``1.2e-05``);
+    ``"—"`` when missing."""
+    x = _num(x)
+    if x is None:
+        return "—"
+    sign = "+" if signed else ""
+    a = abs(x)
+    if a >= 1000:
+        return format(round(x), sign + ",d")
+    if a != 0 and a < 1e-3:
+        return format(x, sign + ".2e")
+    return format(x, sign + ".4g")
+
+
 def _num(x):
     try:
         x = float(x)
@@ -166,6 +210,6 @@ def _num(x):
 
 
 __all__: Sequence[str] = (
-    "DEFAULT_RESAMPLES", "DEFAULT_LEVEL", "resample_counts", "resample_sums", "ratio_of_sums", "perplexity",
+    "DEFAULT_RESAMPLES", "DEFAULT_LEVEL", "MIN_UNITS", "TOO_FEW", "enough_units", "format_number", "resample_counts", "counts_or_once", "resample_sums", "ratio_of_sums", "resampled_perplexity",
     "percentile_interval", "beats_share", "bootstrap", "bootstrap_loop", "interval_dict", "side_of",
     "nanmedian_rows", "nanmean_rows")

@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "make_batches": "passes",
     "forward": "passes",
     "stream": "passes",
+    "InputBatch": "reducers",
     "Batch": "reducers",
     "Reducer": "reducers",
     "HeadStats": "reducers",

@@ -16,7 +16,7 @@ import torch
 from attngeom.capture.plugin import Intervention, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
-from attngeom.streaming.reducers import Batch, Reducer
+from attngeom.streaming.reducers import InputBatch, Reducer
 
 
 
@@ -52,7 +52,7 @@ def check_length(handle: ModelHandleLike, n: int) -> None:
 
 
 def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
-                 index: Sequence[int] | None = None) -> Iterator[Batch]:
+                 index: Sequence[int] | None = None) -> Iterator[InputBatch]:
     """Group inputs into right-padded batches of at most ``batch_size`` texts. ``index``: each
     input's number in the whole stream (default ``0, 1, ...``): reducers see it as ``batch.index``."""
     pad = handle.tokenizer.pad_token_id if handle.tokenizer.pad_token_id is not None else 0
@@ -63,7 +63,7 @@ def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
         ids = torch.full((len(chunk), T), pad, dtype=torch.long)
         for b, (_, x) in enumerate(chunk):
             ids[b, : len(x)] = torch.tensor(x)
-        return Batch(ids=ids, lengths=torch.tensor([len(x) for _, x in chunk]), index=[i for i, _ in chunk])
+        return InputBatch(ids=ids, lengths=torch.tensor([len(x) for _, x in chunk]), index=[i for i, _ in chunk])
 
     for i, item in enumerate(items):
         ids = to_ids(handle, item)
@@ -82,7 +82,7 @@ def make_batches(handle: ModelHandleLike, items: Iterable, batch_size: int = 1,
 
 
 @torch.no_grad()
-def forward(handle: ModelHandleLike, batch: Batch, session: Session, logits: bool = False) -> torch.Tensor | None:
+def forward(handle: ModelHandleLike, batch: InputBatch, session: Session, logits: bool = False) -> torch.Tensor | None:
     """One forward pass of ``batch`` with ``session`` active. Returns float32 logits ``[B, T, V]``
     when ``logits`` is set (else only the last position's are computed, and None is returned)."""
     model = handle.model
@@ -101,7 +101,7 @@ NLL_CHUNK_ELEMENTS = 1 << 20
 """Logits per log-softmax call in :func:`token_nll` (4 MiB of float32)."""
 
 
-def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+def token_nll(logits: torch.Tensor, batch: InputBatch) -> torch.Tensor:
     """Negative log-likelihood of each next token: ``logits [B, T, V]`` -> ``[B, T-1]`` (0 on padding).
 
     Position ``t`` holds ``-log p(x_{t+1} | x_{<=t})``; the first token is never predicted."""
@@ -122,7 +122,7 @@ def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batch_nll(handle: ModelHandleLike, batch: Batch, session: Session | None = None,
+def batch_nll(handle: ModelHandleLike, batch: InputBatch, session: Session | None = None,
               last: int | None = None) -> torch.Tensor:
     """Summed next-token NLL of each text of ``batch`` under ``session`` (default: unedited):
     float64 ``[B]``. ``last``: score only the last ``last`` predictions of each row (e.g. the
@@ -138,7 +138,7 @@ def batch_nll(handle: ModelHandleLike, batch: Batch, session: Session | None = N
     return nll.double().sum(-1).cpu()
 
 
-def scored_tokens(batch: Batch) -> int:
+def scored_tokens(batch: InputBatch) -> int:
     """Next-token predictions in ``batch``: ``Σ (length - 1)``."""
     return int((batch.lengths - 1).clamp_min(0).sum())
 

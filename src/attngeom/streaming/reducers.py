@@ -25,9 +25,9 @@ from attngeom.capture.plugin import Block, Workspace
 
 
 @dataclass
-class Batch:
-    """Right-padded token ids of several texts. ``ids [B, T]``, ``lengths [B]``, ``index``: each
-    text's position in the input stream."""
+class InputBatch:
+    """Right-padded token ids of several texts (a batch of *inputs*, what a reducer's ``begin`` and
+    ``end`` see). ``ids [B, T]``, ``lengths [B]``, ``index``: each text's position in the input stream."""
 
     ids: torch.Tensor
     lengths: torch.Tensor
@@ -37,6 +37,10 @@ class Batch:
     def attention_mask(self) -> torch.Tensor:
         T = self.ids.shape[1]
         return (torch.arange(T)[None, :] < self.lengths[:, None]).long()
+
+
+Batch = InputBatch
+"""The former name of :class:`InputBatch` (``attngeom.Batch``), kept as an alias."""
 
 
 class Reducer:
@@ -59,13 +63,13 @@ class Reducer:
             setattr(self, name, _import(state[name]))
         return self
 
-    def begin(self, batch: Batch) -> None:
+    def begin(self, batch: InputBatch) -> None:
         self.batch = batch
 
     def observe(self, block: Block) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def end(self, batch: Batch) -> None:
+    def end(self, batch: InputBatch) -> None:
         pass
 
     def result(self):
@@ -283,7 +287,7 @@ class TokenStats(Reducer):
         self.frames: list[pd.DataFrame] = []
         self._acc: dict[int, dict[str, torch.Tensor]] = {}
 
-    def begin(self, batch: Batch) -> None:
+    def begin(self, batch: InputBatch) -> None:
         super().begin(batch)
         self._acc = {}
 
@@ -332,7 +336,7 @@ class TokenStats(Reducer):
             acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()
         return acc
 
-    def end(self, batch: Batch) -> None:
+    def end(self, batch: InputBatch) -> None:
         for layer, acc in sorted(self._acc.items()):
             seen = acc["seen_by"].clamp_min(1)
             for b, text in enumerate(batch.index):
@@ -363,7 +367,7 @@ class FullCapture(Reducer):
         self.length = length
         self.layers: dict[int, dict] = {}
 
-    def begin(self, batch: Batch) -> None:
+    def begin(self, batch: InputBatch) -> None:
         super().begin(batch)
         self.layers = {}
 

@@ -26,7 +26,7 @@ def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequen
     index in ``items`` as ``batch.index``. ``each=True`` returns ``(reducers, per_item)`` with
     ``per_item`` one ``make()`` per item loaded with its record's state, in item order (None when
     a record covers several items: ``batch_size > 1``)."""
-    from attngeom.runs.run import Memory, fingerprint, merge_sums
+    from attngeom.runs.run import fingerprint, merge_sums, run_or_in_memory
 
     ids = [to_ids(handle, x) for x in items]
 
@@ -36,7 +36,7 @@ def reduce_stage(handle: ModelHandleLike, run: RunLike, name: str, items: Sequen
                index=units)
         return {str(k): r.state() for k, r in enumerate(reducers)}
 
-    records = (run or Memory()).stage(name, len(ids), work, group=batch_size, desc=desc or name, unit="window",
+    records = run_or_in_memory(run).stage(name, len(ids), work, group=batch_size, desc=desc or name, unit="window",
                                       fingerprints=[fingerprint(x) for x in ids])
     merged = merge_sums(records.values())
     reducers = [r.load_state(merged[str(k)]) for k, r in enumerate(make())]

@@ -26,13 +26,13 @@ from attngeom.metrics import registry
 from attngeom.capture.plugin import Block, LayerState, Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
-from attngeom.streaming.passes import Batch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
+from attngeom.streaming.passes import InputBatch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
 from attngeom.streaming.reducers import FullCapture
 from attngeom.streaming.stages import reduce_stage, summaries
 
 __all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation",
            # re-exported: the forward passes (attngeom.streaming.passes) and runner stages (attngeom.streaming.stages)
-           "Batch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
+           "InputBatch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
            "token_nll", "reduce_stage", "summaries"]
 
 
@@ -140,6 +140,15 @@ class Trace:
 
         return from_trace(self, **options).to_html(path)
 
+    def plot_token_map(self, layer: int, metric: str = "contribution", head: int | None = None, tokens=None,
+                       path: str | Path | None = None, **options):
+        """One map of ``layer`` for a paper (:func:`attngeom.reports.plot.token_map`): token level or
+        ``head``, cropped to ``tokens`` (a slice of positions), saved to ``path`` in the format of its
+        suffix (PDF, SVG, PNG, ...) or returned as a matplotlib figure; ``options``: ``width``, ``title``."""
+        from attngeom.reports.plot import token_map
+
+        return token_map(self, layer, metric, head=head, tokens=tokens, path=path, **options)
+
     def _repr_html_(self) -> str:
         """The explorer inline in Jupyter (an ``<iframe srcdoc>``)."""
         from attngeom.explorer.data import from_trace
@@ -201,18 +210,21 @@ def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[
 def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: bool = False,
                        system: str | None = None, sample: bool = False, temperature: float | None = None,
                        top_p: float | None = None, seed: int | None = None, stop: Sequence[int] | None = None,
-                       layers: Iterable[int] | None = None, block_elements: int | None = None) -> Trace:
+                       layers: Iterable[int] | None = None, block_elements: int | None = None,
+                       progress: bool = False) -> Trace:
     """Generate up to ``generate`` tokens after ``prompt`` (:mod:`attngeom.generation.decoding`) and return the
     :class:`Trace` of prompt + answer: ``trace.ids`` is exactly what the model saw, ``trace.prompt_length`` where
     the answer starts, and each layer's maps are the rows captured step by step (equal to a full
-    forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``."""
-    from attngeom.generation.decoding import Decoding, prompt_ids, stream_ids
+    forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``.
+    ``progress``: a bar on stderr counting the generated tokens."""
+    from attngeom.generation.decoding import Decoding, prompt_ids, stream_generation_ids
 
     decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
                         stop=None if stop is None else tuple(stop))
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))
     capture = FullCapture(length=len(ids) + decoding.max_new_tokens)
-    full = stream_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements)
+    full = stream_generation_ids(handle, ids, [capture], decoding, layers=layers, block_elements=block_elements,
+                      progress=progress)
     T = len(full)
     lts = [LayerTrace(layer, st["a"][0, :, :T, :T].clone(), st["v"][0, :, :T].clone(), st["G"], st["w_o"],
                       learned_sink=st["sink"][0, :, :T].clone() if "sink" in st else None)
