@@ -1,4 +1,4 @@
-"""The single-text analysis of ``attngeom analyze`` as an experiment (:mod:`.single_text`; SPEC §2, §7)."""
+"""The single-text analysis of ``attngeom analyze`` as an experiment (:mod:`.single_text`)."""
 
 from attngeom._exports import lazy
 

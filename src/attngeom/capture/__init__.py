@@ -1,4 +1,4 @@
-"""The capture engine (SPEC §1–§3): the attention plug-in (:mod:`.plugin`), and the interventions applied inside it (:mod:`.interventions`)."""
+"""The capture engine: the attention plug-in (:mod:`.plugin`), and the interventions applied inside it (:mod:`.interventions`)."""
 
 from attngeom._exports import lazy
 

@@ -1,4 +1,4 @@
-"""The interactive explorer's data (:mod:`.data`; SPEC §2, §8): flows, top sources and head tables from a trace; its HTML is
+"""The interactive explorer's data (:mod:`.data`): flows, top sources and head tables from a trace; its HTML is
 :mod:`attngeom.reports.explore`."""
 
 from attngeom._exports import lazy

@@ -4,12 +4,13 @@ from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "build_variants": "curves",
+    "variants_of": "curves",
     "window_units": "curves",
+    "run_units": "curves",
     "ppl_table": "curves",
     "task_table": "curves",
     "summarize": "curves",
     "task_units": "curves",
-    "complete_examples": "curves",
     "summary": "curves",
     "experiment": "curves",
     "FaithfulnessSettings": "settings",

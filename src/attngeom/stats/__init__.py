@@ -4,11 +4,7 @@ from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "MIN_UNITS": "resampling",
-    "TOO_FEW": "resampling",
-    "enough_units": "resampling",
-    "format_number": "resampling",
     "resample_counts": "resampling",
-    "counts_or_once": "resampling",
     "resample_sums": "resampling",
     "ratio_of_sums": "resampling",
     "resampled_perplexity": "resampling",
