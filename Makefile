@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 EXPLORE_OUT ?= out/demo-explore
 
-.PHONY: install browser demo test test-kernels bench docs clean
+.PHONY: install browser demo test test-unit test-integration test-models test-kernels bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-# Headless Chromium and its driver for the browser tests of the explorer (tests/test_explore_browser.py;
+# Headless Chromium and its driver for the browser tests of the explorer (tests/integration/test_explore_browser.py;
 # selenium comes with the `test` extra). Installed with apt-get when missing and we are root on
 # Debian/Ubuntu, where a failed install stops `make test`; elsewhere those tests are skipped with the reason.
 browser:
@@ -43,19 +43,34 @@ demo: $(STAMP)
 
 # Where the browser could be installed (root with apt-get), its tests must run: ATTNGEOM_REQUIRE_BROWSER=1
 # turns their skip into a failure.
+REQUIRE_BROWSER = ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
+
 test: $(STAMP) browser
-	ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1) $(PY) -m pytest -q
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q
+
+# The three tiers of docs/testing.md, one at a time: unit (tiny models, about a minute on one core),
+# integration (the command line, runs, distributed, the browser, the docs), models (the bundled
+# models, the seed architectures, the architecture matrix, precision).
+test-unit: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
+
+test-integration: $(STAMP) browser
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests/integration
+
+test-models: $(STAMP)
+	$(PY) -m pytest -q tests/models
 
 # The precision tests again under other CPU kernels than the machine's defaults (bf16 rounding
 # depends on them: docs/precision.md). CI runs this after `make test`.
 test-kernels: $(STAMP)
-	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/test_precision.py
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/models/test_precision.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_analyze.py
 
 # The documentation site (docs/*.md and the API reference from the docstrings) into site/;
-# any warning fails the build (tests/test_docs.py builds it in `make test` too).
+# any warning fails the build, a broken cross-reference in a docstring too (tests/integration/test_docs.py
+# builds it in `make test`).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 

@@ -7,7 +7,7 @@ next), so that load from other jobs on a shared machine hits every method alike:
 
 ``sdpa``
     a plain forward pass with ``attn_implementation="sdpa"``, transformers' default: the forward
-    users compare with (issue 10's targets are ratios to it).
+    users compare with (the performance targets are ratios to it).
 ``eager``
     a plain forward pass with ``attn_implementation="eager"``.
 ``capture``
@@ -15,7 +15,7 @@ next), so that load from other jobs on a shared machine hits every method alike:
 ``attention_stats``
     streaming attention-level statistics only: ``HeadStats(fields=("sink_rate", "self_attention",
     "entropy"))`` and ``TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))``;
-    these never touch a head-space product (tests/test_registry.py checks it).
+    these never touch a head-space product (tests/unit/test_registry.py checks it).
 ``eager_attn``
     the same with ``output_attentions=True`` (every layer's ``[H, T, T]`` map is kept).
 ``analyze``

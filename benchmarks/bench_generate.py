@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of analysis during generation against plain ``model.generate`` (issue 19's target: at
+"""Benchmark of analysis during generation against plain ``model.generate`` (the target: at
 most 1.5x), on the bundled model (``load_model("smollm2-135m")``, float32, CPU unless ``--device``).
 
 For each prompt length ``P`` and number of new tokens ``N`` the same prompt (seeded random token

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU check (issue 9, item 5), meant to finish within 8 minutes on one CUDA GPU:
+# GPU check, meant to finish within 8 minutes on one CUDA GPU:
 #   1. a venv with a CUDA build of torch, the project with its test extras and the bundled model
 #      (reused when it already imports a CUDA torch; GPU_VENV picks it, default .venv-gpu);
-#   2. the device-agnostic tests on cuda (ATTNGEOM_TEST_DEVICE=cuda: tests/test_gpu_check.py, the
-#      default-suite seed-architecture check and generation step by step, tests/test_generate.py);
+#   2. the device-agnostic tests on cuda (ATTNGEOM_TEST_DEVICE=cuda: tests/integration/test_gpu_check.py, the
+#      default-suite seed-architecture check and generation step by step, tests/unit/test_generate.py);
 #   3. analysis / SDPA-forward ratios (time, peak CUDA memory) in bf16, measured side by side in one
 #      process, alternating, after a warm-up: the bundled SmolLM2-135M at T=2048, 8192 and 32768
 #      (32768 is past its trained context: timing only) and the 2-layer LLaMA-3.1-8B configuration
@@ -53,7 +53,7 @@ EOF
 # ---- 2. device-agnostic tests on cuda ---------------------------------------------------------
 if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     ATTNGEOM_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
-        tests/test_gpu_check.py tests/test_seed_architectures.py tests/test_generate.py -k "device or default_suite"
+        tests/integration/test_gpu_check.py tests/models/test_seed_architectures.py tests/unit/test_generate.py -k "device or default_suite"
 fi
 
 # ---- 3. analysis / SDPA ratios in bf16 --------------------------------------------------------

@@ -1,5 +1,5 @@
 """bf16 drift under every CPU kernel and thread setting: the measurements the bounds of
-``tests/test_precision.py`` and ``docs/precision.md`` come from.
+``tests/models/test_precision.py`` and ``docs/precision.md`` come from.
 
 Runs ``tests/precision_check.py`` (the same measurement the tests make: the built-in sample text,
 2 windows of 128 tokens for the maps, 1 for faithfulness) once per setting, each in a fresh
@@ -32,7 +32,7 @@ from kernel_settings import label as kernel_label  # noqa: E402
 
 THREADS = (1, 2)
 
-# the quantities tests/test_precision.py bounds: (path in the report, larger is worse)
+# the quantities tests/models/test_precision.py bounds: (path in the report, larger is worse)
 QUANTITIES = {
     "map row_rel_median (max over maps)": ("maps", "row_rel_median", True),
     "map row_rel_p99 (max over maps)": ("maps", "row_rel_p99", True),

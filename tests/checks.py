@@ -1,4 +1,9 @@
-"""Checks shared by the test tiers: hooks that read what a model computes without attngeom."""
+"""Checks shared by the test tiers: hooks that read what a model computes without attngeom, the
+equality of two traces, and input files written for a test."""
+
+import json
+
+import numpy as np
 
 
 def o_proj_inputs(adapter, run, tokens: int):
@@ -23,3 +28,36 @@ def o_proj_inputs(adapter, run, tokens: int):
         for h in hooks:
             h.remove()
     return seen, out
+
+
+METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
+"""The five token-importance maps of SPEC §2."""
+
+
+def metric_error(got: np.ndarray, want: np.ndarray, name: str) -> float:
+    """Max error, relative to the map's scale for the unnormalised value_weighted (norms ~10)."""
+    err = float(np.abs(got - want).max())
+    return err / max(1.0, float(np.abs(want).max())) if name == "value_weighted" else err
+
+
+ACCESSORS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter",
+             "value_norm", "head_output_norm", "output_norm", "head_share")
+
+
+def assert_same_trace(tr, back):
+    """Two traces hold the same tokens, layers, metric maps, factors and token scores, bit for bit."""
+    assert back.tokens == tr.tokens and back.ids == tr.ids and back.model_name == tr.model_name
+    assert [lt.index for lt in back.layers] == [lt.index for lt in tr.layers]
+    for a, b in zip(tr.layers, back.layers):
+        for name in ACCESSORS:
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (a.index, name)
+        for k, x in a.factors().items():
+            assert np.array_equal(x, b.factors()[k]), (a.index, k)
+        for m in ("attention", "value_weighted", "output_normalized", "contribution"):
+            assert np.array_equal(a.token_score(m), b.token_score(m)), (a.index, m)
+
+
+def write_jsonl(path, rows):
+    """``rows`` (dicts) as one JSON object a line in ``path``; returns ``path``."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -82,10 +82,38 @@ def dev_zero(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    """A tiny random Llama saved as a Hugging Face model directory (what ``--model DIR`` loads)."""
+def tiny_llama():
+    """The tiny random Llama of ``tiny_model("llama")`` (3 layers, 4 query heads, 2 value heads), built
+    once per session and shared: a test that changes it (its tokenizer, its device, a hook) builds its
+    own with ``tiny_model``."""
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_llama):
+    """:func:`tiny_llama` saved as a Hugging Face model directory (what ``--model DIR`` loads)."""
     d = tmp_path_factory.mktemp("tiny-llama")
-    handle = tiny_model("llama")
-    handle.model.save_pretrained(d)
-    handle.tokenizer.save_pretrained(d)
+    tiny_llama.model.save_pretrained(d)
+    tiny_llama.tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct (``load_model("smollm2-135m")``), loaded once per session
+    (the first load ever dequantises it into ``$ATTNGEOM_CACHE``). Tests that use it are marked
+    ``slow`` and live in tests/models or tests/integration."""
+    from attngeom import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: for bad input that a command must refuse before it loads one
+    (every command loads through ``attngeom.commands.common.load``)."""
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded although the input is bad")
+
+    monkeypatch.setattr("attngeom.commands.common.load", boom)
+    monkeypatch.setattr("attngeom.model.load_model", boom)

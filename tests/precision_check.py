@@ -4,7 +4,7 @@ The comparison is end to end: the same checkpoint loaded twice, once in float32 
 bfloat16 (weights rounded to bf16, every matmul of the forward in bf16, softmax in float32 then
 cast to bf16, as eager does), analysed on the same token ids. attngeom's metric math itself runs in
 float32 in both cases (capture upcasts q/k/v pieces, the attention probabilities and W_O); what
-differs is what the bf16 forward hands it. ``tests/test_precision.py`` checks the bounds written in
+differs is what the bf16 forward hands it. ``tests/models/test_precision.py`` checks the bounds written in
 ``docs/precision.md``; this module also prints the full report::
 
     .venv/bin/python tests/precision_check.py [--data ../shared/data/wikitext-2-raw-test.txt]

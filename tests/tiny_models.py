@@ -85,7 +85,7 @@ _SPECS = {
 }
 
 ARCHS = list(_SPECS)
-"""The architectures of the tiny test models (every other type: tests/test_architectures.py)."""
+"""The architectures of the tiny test models (every other type: tests/models/test_architectures.py)."""
 
 _TOKENIZER = None
 
@@ -133,7 +133,7 @@ def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _byte_to_unicode_inverse() -> dict[str, int]:
-    from attngeom.model import _byte_decoder
+    from attngeom.model.handle import _byte_decoder
 
     return _byte_decoder()
 

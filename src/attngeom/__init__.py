@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from attngeom.data import load_windows, read_texts
     from attngeom.kvcache import CompressedCache
     from attngeom.model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap
-    from attngeom.streaming import Batch, FullCapture, InputBatch, HeadStats, Reducer, TokenStats
-    from attngeom.traces import LayerTrace, Trace, analyze, analyze_batch, stream
+    from attngeom.streaming import Batch, FullCapture, InputBatch, HeadStats, Reducer, TokenStats, stream
+    from attngeom.traces import LayerTrace, Trace, analyze, analyze_batch
 
 
 def __getattr__(name: str):

@@ -11,6 +11,8 @@ import pytest
 from attngeom import analyze, load_model
 from attngeom.cli import main
 from attngeom.data.corpora import SAMPLE_TEXT
+from attngeom.runs.contract import ExperimentResult
+from attngeom.runs.run import InMemoryRun
 
 
 TEXT = "The cat sat on the mat; the dog lay by the door."
@@ -27,15 +29,6 @@ def run_default(tiny_llama_dir, tmp_path_factory):
     rc = main(["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--out", str(out)])
     assert rc == 0
     return out
-
-
-def _no_model(monkeypatch):
-    """Make any model load fail loudly: bad input must be refused before it."""
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded although the input is bad")
-
-    monkeypatch.setattr("attngeom.commands.common.load", boom)   # every command calls common.load
-    monkeypatch.setattr("attngeom.model.load_model", boom)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,13 +172,11 @@ def _fails(capsys, argv, *needles):
     return err
 
 
-def test_empty_text(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
+def test_empty_text(no_model, capsys, tmp_path):
     _fails(capsys, ["analyze", "--text", "   ", "--out", str(tmp_path / "o")], "empty")
 
 
-def test_missing_and_empty_file(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
+def test_missing_and_empty_file(no_model, capsys, tmp_path):
     _fails(capsys, ["analyze", "--file", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")], "not found")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n")
@@ -193,15 +184,13 @@ def test_missing_and_empty_file(monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "o" / "summary.json").exists()
 
 
-def test_unwritable_out(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
+def test_unwritable_out(no_model, capsys, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     _fails(capsys, ["analyze", "--text", TEXT, "--out", str(blocker / "sub")], "cannot write", str(blocker))
 
 
-def test_bad_options_before_load(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
+def test_bad_options_before_load(no_model, capsys, tmp_path):
     _fails(capsys, ["analyze", "--stride", "4", "--out", str(tmp_path / "o")], "--stride needs --window")
     _fails(capsys, ["analyze", "--layers", "0,x", "--out", str(tmp_path / "o")], "--layers")
     _fails(capsys, ["analyze", "--window", "1", "--out", str(tmp_path / "o")], "--window")
@@ -230,7 +219,7 @@ def test_too_long_without_window(tiny_llama_dir, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_short_text(tmp_path):
+def test_default_model_short_text(smollm2, tmp_path):
     text = "Paris is the capital of France."
     out = tmp_path / "o"
     assert main(["analyze", "--text", text, "--layers", "0,15,29", "--out", str(out), "--no-progress"]) == 0
@@ -240,7 +229,77 @@ def test_default_model_short_text(tmp_path):
     for l in (0, 15, 29):
         assert (out / f"maps_layer{l}.png").is_file()
     heads = pd.read_parquet(out / "heads.parquet").set_index(["layer", "head"])
-    lt = analyze(load_model("smollm2-135m"), text, layers=[15]).layers[0]
+    lt = analyze(smollm2, text, layers=[15]).layers[0]
     for h in range(lt.num_heads):
         assert heads.loc[(15, h), "sink_rate"] == pytest.approx(lt.attention[h, 1:, 0].mean(), abs=1e-5)
         assert heads.loc[(15, h), "sink_contribution"] == pytest.approx(lt.contribution[h, 1:, 0].mean(), abs=1e-4)
+
+
+def _same_as_written(res, out, summary_keys):
+    """``res``'s tables equal the Parquet files the command wrote into ``out``; its summary holds
+    summary.json's keys (less the command's own, ``runtime_s`` and ``files``) with the same values,
+    ``settings`` aside (the command records its run's, model and input identity included)."""
+    import json
+
+    import pandas as pd
+
+    from attngeom.runs.storage import dumps
+
+    for name, df in res.tables.items():
+        pd.testing.assert_frame_equal(pd.read_parquet(out / f"{name}.parquet"), df, obj=name)
+    written = json.loads((out / "summary.json").read_text())
+    assert set(written) == set(res.summary) | {"runtime_s", "files"} and set(res.summary) >= set(summary_keys)
+    assert sorted(f for f in written["files"] if f.endswith(".parquet")) == sorted(f"{n}.parquet" for n in res.tables)
+    mine = json.loads(dumps(res.summary))
+    assert written["settings"].items() >= mine.pop("settings").items()
+    assert {k: written[k] for k in mine} == mine
+
+
+def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path):
+    """attngeom.analysis.single_text.experiment on a text in windows, and on a prompt with its answer
+    (--generate), returns the tables attngeom analyze writes and summary.json's numbers; the
+    per-window sums add up to the per-layer sinks of the summary."""
+    from attngeom.analysis import single_text as analysis
+    from attngeom import load_model
+    from attngeom.cli import main
+    from attngeom.errors import InputError
+    from attngeom.generation.decoding import Decoding
+    from attngeom.analysis.settings import AnalyzeSettings
+
+    handle = load_model(str(tiny_llama_dir))
+    text = "The cat sat on the mat; the dog lay by the door."
+    out = tmp_path / "text"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", text, "--layers", "0,2", "--figure-layers", "2",
+                 "--window", "8", "--out", str(out), "--no-progress"]) == 0
+    settings = AnalyzeSettings(layers=(0, 2), figure_layers=(2,), window=8)
+    res = analysis.experiment(handle, InMemoryRun(), text, settings, source="--text")
+    assert isinstance(res, ExperimentResult) and res.name == "analyze" and res.settings == settings.record()
+    _same_as_written(res, out, ("model", "input", "per_layer", "top_tokens", "maps", "definitions"))
+    pw = res.per_window
+    W = res.summary["input"]["windows"]
+    assert W > 2 and len(pw["ids"]) == W and pw["sink_attention"].shape == (W, 2)
+    assert analysis.map_window(res) == pw["ids"][0]
+    for j, row in enumerate(res.summary["per_layer"]):
+        for k in ("sink_attention", "sink_contribution", "sink_contribution_to_layer_output"):
+            assert pw[k][:, j].sum() / pw["queries"][:, j].sum() == pytest.approx(row[k], rel=1e-12, abs=1e-15)
+
+    out = tmp_path / "generate"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", "The cat sat", "--generate", "4",
+                 "--out", str(out), "--no-progress"]) == 0
+    res = analysis.experiment(handle, InMemoryRun(), "The cat sat", AnalyzeSettings(decoding=Decoding(4)), source="--text")
+    assert {"answer_shares", "answer_sources", "answer_summary", "answer_heads"} <= set(res.tables)
+    _same_as_written(res, out, ("generation",))
+    with pytest.raises(InputError, match="windows do not apply"):
+        analysis.experiment(handle, InMemoryRun(), "The cat sat", AnalyzeSettings(decoding=Decoding(4), window=8))
+
+    data = tmp_path / "prompts.txt"
+    data.write_text("The cat sat\na b c\n")
+    out = tmp_path / "corpus"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--data", str(data), "--generate", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    from attngeom.data.corpora import resolve_texts
+
+    res = analysis.answer_experiment(handle, InMemoryRun(), resolve_texts(str(data), None),
+                                     AnalyzeSettings(decoding=Decoding(2)), source=str(data))
+    assert set(res.tables) == {"answers", "answer_shares", "answer_sources", "answer_summary", "answer_heads"}
+    _same_as_written(res, out, ("prompts", "answer_tokens"))

@@ -1,5 +1,5 @@
-"""The command-level defects found in testing (issue: one experiment runner for every command): each
-case gets one line and exit 2 before any compute, or a meaningful result."""
+"""Command-level edge cases of every command: each gets one line and exit 2 before any compute, or
+a meaningful result."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ from attngeom.cli import main
 from attngeom.runs.run import MANIFEST
 
 TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. ") * 10
-
-
-def _no_model(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded although the input is bad")
-
-    monkeypatch.setattr("attngeom.commands.common.load", boom)   # every command calls common.load
 
 
 @pytest.fixture
@@ -45,8 +38,7 @@ def _err(capsys) -> str:
     ("heads", ["--stride", "0"]),
     ("faithfulness", ["--stride", "0"]),
 ])
-def test_meaningless_options_are_refused_before_any_compute(cmd, extra, corpus, tmp_path, capsys, monkeypatch):
-    _no_model(monkeypatch)
+def test_meaningless_options_are_refused_before_any_compute(no_model, cmd, extra, corpus, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main([cmd, "--data", str(corpus), "--out", str(out), "--no-progress", *extra])
     line = _err(capsys)
@@ -55,12 +47,11 @@ def test_meaningless_options_are_refused_before_any_compute(cmd, extra, corpus, 
 
 
 @pytest.mark.parametrize("cmd", ["analyze", "faithfulness", "sinks", "selection", "heads"])
-def test_device_cuda_without_a_gpu(cmd, corpus, tmp_path, capsys, monkeypatch):
+def test_device_cuda_without_a_gpu(no_model, cmd, corpus, tmp_path, capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    _no_model(monkeypatch)
     data = [] if cmd == "analyze" else ["--data", str(corpus)]
     rc = main([cmd, *data, "--device", "cuda", "--out", str(tmp_path / "o"), "--no-progress"])
     line = _err(capsys)

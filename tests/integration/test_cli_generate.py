@@ -36,14 +36,6 @@ def run_generate(tiny_llama_dir, tmp_path_factory):
     return out
 
 
-def _no_model(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded although the input is bad")
-
-    monkeypatch.setattr("attngeom.commands.common.load", boom)
-    monkeypatch.setattr("attngeom.model.load_model", boom)
-
-
 def _fails(capsys, argv, *needles):
     """Exit 2 with one error line, the last on stderr (a model load may print its progress before)."""
     assert main(argv) == 2
@@ -160,14 +152,12 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("command, extra, needle",
                          [(c, e, n) for c in ("analyze", "explore") for e, n in BAD_OPTIONS]
                          + [("analyze", ["--generate", "3", "--window", "8"], "--window does not apply")])
-def test_bad_options_before_load(monkeypatch, capsys, tmp_path, command, extra, needle):
-    _no_model(monkeypatch)
+def test_bad_options_before_load(no_model, capsys, tmp_path, command, extra, needle):
     _fails(capsys, [command, "--text", TEXT, "--out", str(tmp_path / "o"), *extra], needle)
     assert not (tmp_path / "o" / "summary.json").exists()
 
 
-def test_bad_messages_file_before_load(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
+def test_bad_messages_file_before_load(no_model, capsys, tmp_path):
     bad = tmp_path / "m.json"
     bad.write_text("[{\"role\": \"user\"")
     _fails(capsys, ["analyze", "--file", str(bad), "--generate", "2", "--out", str(tmp_path / "o")], "not valid JSON")
@@ -226,8 +216,7 @@ def test_corpus_mode(tiny_llama_dir, tmp_path, capsys):
     assert "already holds this complete run" in capsys.readouterr().err
 
 
-def test_corpus_mode_refusals(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
+def test_corpus_mode_refusals(no_model, capsys, tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": "x"}) + "\n")
     o = str(tmp_path / "o")

@@ -1,5 +1,7 @@
 """The documentation: docs/index.md links every page of docs/; every name SPEC.md gives as
-implementing a section exists in ``src/attngeom`` (read statically); and the site (``mkdocs.yml``:
+implementing a section exists in ``src/attngeom`` (read statically); every name the README and the
+pages import or cite (``from attngeom.x import y``, ``attngeom.x.y``) imports; every cross-reference
+in a docstring (``:func:`...```) resolves; and the site (``mkdocs.yml``:
 the pages in ``docs/`` and an API reference generated from the docstrings by ``mkdocs_hooks.py``)
 builds with ``mkdocs build --strict`` and prints no warning. The site test is skipped, with the install command as the reason, where the
 ``docs`` extra is not installed (``pip install -e '.[docs]'``; ``make`` installs it)."""
@@ -77,6 +79,53 @@ def test_spec_names_the_code_of_every_section():
     assert not problems, "SPEC.md names code that does not exist:\n" + "\n".join(problems)
 
 
+FROM_IMPORT = re.compile(r"from (attngeom(?:\.\w+)*) import (\([\w, \n]+\)|[\w, ]+)")
+DOTTED = re.compile(r"(?<![\w/.-])attngeom(?:\.\w+)+(?![\w/-]|\.md)")
+
+
+def _cited(text: str) -> set[str]:
+    """The dotted names a page imports (``from attngeom.x import a, b``) or cites (``attngeom.x.y``)."""
+    names = {m.group(0) for m in DOTTED.finditer(text)}
+    for m in FROM_IMPORT.finditer(text):
+        for name in m.group(2).strip("()").replace("\n", " ").split(","):
+            if name.strip():
+                names.add(f"{m.group(1)}.{name.split(' as ')[0].strip()}")
+    return names
+
+
+def _hooks():
+    """mkdocs_hooks.py, the site's hook module: it resolves names the way the strict build does."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT))
+    return mkdocs_hooks
+
+
+@needs_mkdocs
+def test_every_name_the_readme_and_the_pages_cite_imports():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    cited = {(p.relative_to(ROOT).as_posix(), n) for p in pages for n in _cited(p.read_text(encoding="utf-8"))}
+    assert len(cited) > 100 and ("README.md", "attngeom.data.load_windows") in cited
+    exists = _hooks().exists
+    broken = sorted(f"{page}: {name}" for page, name in cited if not exists(name))
+    assert not broken, "documented names that do not import:\n" + "\n".join(broken)
+
+
+@needs_mkdocs
+def test_every_cross_reference_in_a_docstring_resolves():
+    hooks = _hooks()
+    plugin = ["attngeom.capture.plugin"]
+    assert hooks.unresolved("Session.run", plugin, "attngeom.capture")          # no such method
+    assert not hooks.unresolved("Session.active", plugin, "attngeom.capture")
+    assert not hooks.unresolved(".formulas", ["attngeom.metrics"], "attngeom.metrics")
+    assert hooks.unresolved(".nothing", ["attngeom.metrics"], "attngeom.metrics")
+    assert not hooks.unresolved("attngeom.runs.run.Run.finish", ["attngeom.commands.common"], "attngeom.commands")
+    broken = hooks.broken_references()
+    assert not broken, "\n".join(broken)
+
+
 def _build(tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
@@ -115,3 +164,10 @@ def test_site_builds_without_warnings(tmp_path):
     assert "Token-importance metrics" in metrics and "contribution_from" in metrics
     assert ":func:" not in metrics and ":mod:" not in metrics   # Sphinx roles turned into code spans
     assert (site / "api" / "attngeom.metrics.registry" / "index.html").is_file()
+    # The public API (attngeom and each package, with the table of its public names) and the
+    # internals (each submodule) are two sections of the navigation.
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert "API reference" in index and "Internals" in index
+    sinks = (site / "api" / "attngeom.sinks" / "index.html").read_text(encoding="utf-8")
+    assert "Public names" in sinks
+    assert 'href="../attngeom.sinks.corpus/#attngeom.sinks.corpus.experiment"' in sinks

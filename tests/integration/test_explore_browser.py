@@ -16,7 +16,6 @@ import pytest
 
 from attngeom.explorer import data as E
 from attngeom.reports import explore as R
-from tiny_models import tiny_model
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "out" / "test-artifacts"
 CHROME_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -106,13 +105,8 @@ def select(driver, element_id: str, value) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def page(tiny, tmp_path_factory):
-    data = E.build(tiny, TEXT)
+def page(tiny_llama, tmp_path_factory):
+    data = E.build(tiny_llama, TEXT)
     path = tmp_path_factory.mktemp("explore") / "explore.html"
     R.write(data, path)
     return data, path
@@ -174,7 +168,7 @@ def test_click_token_grid_metric_layer(driver, page):
     assert console_errors(driver) == []
 
 
-def test_hover_and_jupyter_iframe(driver, page, tiny, tmp_path):
+def test_hover_and_jupyter_iframe(driver, page, tiny_llama, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
 
     data, path = page
@@ -186,7 +180,7 @@ def test_hover_and_jupyter_iframe(driver, page, tiny, tmp_path):
     # the Jupyter view (trace.explore()): the same page inside <iframe srcdoc sandbox="allow-scripts">
     from attngeom import analyze
 
-    trace = analyze(tiny, TEXT)
+    trace = analyze(tiny_llama, TEXT)
     frame_page = tmp_path / "notebook.html"
     frame_page.write_text(f"<!DOCTYPE html><html><body>{trace.explore()._repr_html_()}</body></html>", encoding="utf-8")
     driver.get(frame_page.resolve().as_uri())
@@ -202,8 +196,8 @@ def test_hover_and_jupyter_iframe(driver, page, tiny, tmp_path):
     assert console_errors(driver) == []
 
 
-def test_topk_page(driver, tiny, tmp_path):
-    data = E.build(tiny, TEXT, top_k=4, exact_max_tokens=8)
+def test_topk_page(driver, tiny_llama, tmp_path):
+    data = E.build(tiny_llama, TEXT, top_k=4, exact_max_tokens=8)
     assert not data.exact
     path = R.write(data, tmp_path / "topk.html")
     open_page(driver, path)
@@ -218,9 +212,9 @@ def test_topk_page(driver, tiny, tmp_path):
     assert console_errors(driver) == []
 
 
-def test_token_text_is_data(driver, tiny, tmp_path):
-    ids = tiny.encode("x" * (len(NASTY) + 4))[: len(NASTY)]
-    data = E.build(tiny, ids)
+def test_token_text_is_data(driver, tiny_llama, tmp_path):
+    ids = tiny_llama.encode("x" * (len(NASTY) + 4))[: len(NASTY)]
+    data = E.build(tiny_llama, ids)
     data.tokens = list(NASTY)
     path = R.write(data, tmp_path / "nasty.html")
     open_page(driver, path)
@@ -244,13 +238,11 @@ def test_token_text_is_data(driver, tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_bundled_model_sample(driver, tmp_path):
+def test_bundled_model_sample(driver, smollm2, tmp_path):
     """The bundled model on the built-in sample text (what ``make demo`` writes)."""
-    from attngeom import load_model
     from attngeom.data.corpora import SAMPLE_TEXT
 
-    handle = load_model("smollm2-135m")
-    data = E.build(handle, SAMPLE_TEXT)
+    data = E.build(smollm2, SAMPLE_TEXT)
     path = R.write(data, tmp_path / "explore.html")
     ms = open_page(driver, path)
     assert ms < 10000   # ~1-3 s on the shared 2-core machine; the 3 s target at T = 2048 is in docs/explore.md
@@ -265,13 +257,13 @@ def test_bundled_model_sample(driver, tmp_path):
     assert console_errors(driver) == []
 
 
-def test_answer_view(driver, tiny, tmp_path):
+def test_answer_view(driver, tiny_llama, tmp_path):
     """A generation: the answer is underlined, an answer token shows the row that predicted it
     (or its own row with the box unticked), and the answer summary lists the prompt tokens the whole
     answer drew on, as Python computed them."""
     from attngeom.generation.decoding import Decoding
 
-    data = E.build(tiny, "The cat sat", decoding=Decoding(6, stop=()))
+    data = E.build(tiny_llama, "The cat sat", decoding=Decoding(6, stop=()))
     P, T = data.answer["prompt_length"], data.T
     path = R.write(data, tmp_path / "answer.html")
     open_page(driver, path)

@@ -1,5 +1,5 @@
 """Start-up: ``attngeom --help`` and argument errors answer without importing torch,
-transformers, pandas or matplotlib (issue 8: < 1.5 s), and ``python -m attngeom`` works."""
+transformers, pandas or matplotlib (within 1.5 s), and ``python -m attngeom`` works."""
 
 import os
 import subprocess
@@ -98,7 +98,7 @@ def test_each_command_parser_is_light(command):
 
 
 def test_help_time_budget():
-    """Issue 8: < 1.5 s. Measured on the shared 2-core machine: ``python -c pass`` ~0.02 s,
+    """Within 1.5 s. Measured on the shared 2-core machine: ``python -c pass`` ~0.02 s,
     ``python -m attngeom --help`` ~0.1 s (importing torch alone takes ~2.2 s). Best of 3, minus the
     interpreter's own start-up, so a loaded machine does not fail it."""
     base = best_of([sys.executable, "-c", "pass"])

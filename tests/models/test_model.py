@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from attngeom import model as model_mod
+from attngeom.model import handle as handle_mod
 from attngeom.model import gguf_cache, loading
 from attngeom.errors import InputError, ModelLoadError, UnsupportedArchitectureError
 from attngeom.model import (
@@ -244,11 +244,11 @@ def test_tokens_are_readable():
 
 
 def test_token_cleanup_helpers():
-    assert model_mod._unbyte("Ġcapital") == " capital"
-    assert model_mod._unbyte("Ċ") == "\n"
-    assert model_mod._unbyte("Ã©") == "é"
-    assert model_mod._unsentencepiece("▁the") == " the"
-    assert model_mod._unsentencepiece("<0x0A>") == "\n"
+    assert handle_mod._unbyte("Ġcapital") == " capital"
+    assert handle_mod._unbyte("Ċ") == "\n"
+    assert handle_mod._unbyte("Ã©") == "é"
+    assert handle_mod._unsentencepiece("▁the") == " the"
+    assert handle_mod._unsentencepiece("<0x0A>") == "\n"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

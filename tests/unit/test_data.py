@@ -7,14 +7,9 @@ import pytest
 
 from attngeom.data.corpora import check_layers, load_windows, parse_float_list, parse_int_list, read_texts, resolve_texts, windows
 from attngeom.errors import InputError
-from tiny_models import BOS_ID, tiny_model
+from tiny_models import BOS_ID
 
 WIKI = Path(__file__).resolve().parents[1] / "data" / "wikitext-2-raw-test-excerpt.txt"
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_model("llama")
 
 
 def test_windows_cut_with_bos_and_stride():
@@ -67,17 +62,17 @@ def test_hf_dataset_offline_fails_fast(monkeypatch):
         resolve_texts("hf:wikitext:wikitext-2-raw-v1@test")
 
 
-def test_load_windows_from_wikitext(handle):
-    w = load_windows(handle, str(WIKI), window=64, max_windows=5)
+def test_load_windows_from_wikitext(tiny_llama):
+    w = load_windows(tiny_llama, str(WIKI), window=64, max_windows=5)
     assert len(w) == 5 and all(len(x) == 64 and x[0] == BOS_ID for x in w)
     # consecutive windows continue the text (no overlap by default)
-    text_ids = handle.tokenizer(WIKI.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    text_ids = tiny_llama.tokenizer(WIKI.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     assert w[0][1:] + w[1][1:] == text_ids[:126]
 
 
-def test_load_windows_refuses_window_longer_than_context(handle):
+def test_load_windows_refuses_window_longer_than_context(tiny_llama):
     with pytest.raises(InputError, match="context"):
-        load_windows(handle, str(WIKI), window=handle.max_positions + 1)
+        load_windows(tiny_llama, str(WIKI), window=tiny_llama.max_positions + 1)
 
 
 def test_parsers():
@@ -241,7 +236,7 @@ def test_folder_digest_follows_its_content(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "csv"])
-def test_byte_order_mark_is_dropped(fmt, tmp_path, handle):
+def test_byte_order_mark_is_dropped(fmt, tmp_path, tiny_llama):
     body = {"txt": "The cat sat on the mat. " * 8,
             "jsonl": json.dumps({"text": "The cat sat on the mat. " * 8}) + "\n",
             "csv": "text\n" + "The cat sat on the mat. " * 8 + "\n"}[fmt]
@@ -249,7 +244,7 @@ def test_byte_order_mark_is_dropped(fmt, tmp_path, handle):
     plain.write_bytes(body.encode("utf-8"))
     marked.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
     assert read_texts(marked) == read_texts(plain) and not read_texts(marked)[0].startswith("\ufeff")
-    assert load_windows(handle, str(marked), window=16) == load_windows(handle, str(plain), window=16)
+    assert load_windows(tiny_llama, str(marked), window=16) == load_windows(tiny_llama, str(plain), window=16)
 
 
 def test_deeply_nested_jsonl_line_is_one_line(tmp_path):

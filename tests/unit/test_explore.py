@@ -1,5 +1,5 @@
 """The explorer's data (attngeom.explorer.data), its HTML (attngeom.reports.explore) and ``attngeom explore``.
-The browser side is tests/test_explore_browser.py."""
+The browser side is tests/integration/test_explore_browser.py."""
 
 from __future__ import annotations
 
@@ -16,29 +16,23 @@ from attngeom import analyze
 from attngeom.explorer import data as E
 from attngeom.cli import main
 from attngeom.reports import explore as R
-from tiny_models import tiny_model
 
 TEXT = "The cat sat on the mat; the dog lay by the door."
 
 
 @pytest.fixture(scope="module")
-def handle():
-    return tiny_model("llama")
+def ids(tiny_llama):
+    return tiny_llama.encode(TEXT)
 
 
 @pytest.fixture(scope="module")
-def ids(handle):
-    return handle.encode(TEXT)
+def exact(tiny_llama, ids):
+    return E.build(tiny_llama, ids)
 
 
 @pytest.fixture(scope="module")
-def exact(handle, ids):
-    return E.build(handle, ids)
-
-
-@pytest.fixture(scope="module")
-def trace(handle, ids):
-    return analyze(handle, ids)
+def trace(tiny_llama, ids):
+    return analyze(tiny_llama, ids)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,14 +82,14 @@ def test_flow_of_the_model_sums_to_one(exact):
         assert np.all(f[:, t + 1:] == 0)                        # causal: nothing from later tokens
 
 
-def test_residual_share_is_the_projection(handle, ids):
+def test_residual_share_is_the_projection(tiny_llama, ids):
     """r_i = <y_i, x_i>/|y_i|^2 with x the layer input (the hidden state the model returns) and
     y = x + the layer's attention output, recomputed here outside the capture."""
-    data = E.build(handle, ids)
-    model = handle.model
+    data = E.build(tiny_llama, ids)
+    model = tiny_llama.model
     with torch.no_grad():
         hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    dec = handle.adapter.decoder_layers
+    dec = tiny_llama.adapter.decoder_layers
     for k, l in enumerate(data.layers):
         x = hs[l][0].double()
         with torch.no_grad():
@@ -135,9 +129,9 @@ def test_top_source_matches_the_maps(exact, trace):
     assert j == int(np.argmax(lt.attention[1, q]))
 
 
-def test_topk_rows(handle, ids, exact):
+def test_topk_rows(tiny_llama, ids, exact):
     k = 3
-    top = E.build(handle, ids, top_k=k, exact_max_tokens=5)
+    top = E.build(tiny_llama, ids, top_k=k, exact_max_tokens=5)
     assert top.top_k == k and not top.exact
     T, H = top.T, top.num_heads
     for li, l in enumerate(top.layers):
@@ -156,11 +150,11 @@ def test_topk_rows(handle, ids, exact):
                     assert x == pytest.approx(dict(full_c)[p], rel=8e-3, abs=1e-3)
 
 
-def test_head_stats_and_sinks(exact, handle, ids):
+def test_head_stats_and_sinks(exact, tiny_llama, ids):
     from attngeom.streaming.reducers import HeadStats
     from attngeom.traces.trace import stream
 
-    hs = stream(handle, [ids], [HeadStats()], progress=False)[0].result()
+    hs = stream(tiny_llama, [ids], [HeadStats()], progress=False)[0].result()
     H = exact.num_heads
     for k, l in enumerate(exact.layers):
         g = hs[hs.layer == l].sort_values("head")
@@ -172,18 +166,18 @@ def test_head_stats_and_sinks(exact, handle, ids):
     assert exact.head_stats["regime"].shape == (len(exact.layers), H)
 
 
-def test_layers_subset_and_bad_layers(handle, ids):
-    d = E.build(handle, ids, layers=[1])
+def test_layers_subset_and_bad_layers(tiny_llama, ids):
+    d = E.build(tiny_llama, ids, layers=[1])
     assert d.layers == [1] and len(d.rows["attention"]) == 1
     with pytest.raises(Exception, match="layer 9 does not exist"):
-        E.build(handle, ids, layers=[9])
+        E.build(tiny_llama, ids, layers=[9])
     with pytest.raises(Exception, match="not analysed"):
         d.sources(0, None, 1, "attention")
 
 
-def test_one_token_is_refused(handle):
+def test_one_token_is_refused(tiny_llama):
     with pytest.raises(Exception, match="at least 2"):
-        E.build(handle, [handle.tokenizer.bos_token_id])
+        E.build(tiny_llama, [tiny_llama.tokenizer.bos_token_id])
 
 
 def test_from_trace_equals_build(exact, trace):
@@ -202,9 +196,9 @@ NASTY = ["<s>", "<script>alert(1)</script>", "</script><!--", "\"quoted\" 'singl
          "a|b||c", "cr\rlf\n", "שלום", "مرحبا", "😀👍🏽", "&amp; &lt;", "\u2028\u2029", "]]>", "{{x}}"]
 
 
-def nasty_data(handle):
-    ids = handle.encode("x" * (len(NASTY) + 2))[: len(NASTY)]
-    d = E.build(handle, ids)
+def nasty_data(tiny_llama):
+    ids = tiny_llama.encode("x" * (len(NASTY) + 2))[: len(NASTY)]
+    d = E.build(tiny_llama, ids)
     d.tokens = list(NASTY)
     return d
 
@@ -215,8 +209,8 @@ def _data_block(page: str) -> str:
     return m.group(1)
 
 
-def test_page_is_self_contained_and_escaped(handle):
-    d = nasty_data(handle)
+def test_page_is_self_contained_and_escaped(tiny_llama):
+    d = nasty_data(tiny_llama)
     page = R.render(d)
     block = _data_block(page)
     for ch in "<>&\u2028\u2029":
@@ -278,13 +272,6 @@ def test_trace_to_html_and_repr(trace, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def _no_model(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded although the input is bad")
-
-    monkeypatch.setattr("attngeom.commands.common.load", boom)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--text", "   "], "--text is empty"),
     (["--file", "/nonexistent/file.txt"], "input file not found"),
@@ -293,16 +280,14 @@ def _no_model(monkeypatch):
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--exact-max-tokens", "-3"], "--exact-max-tokens"),
 ])
-def test_bad_input_before_the_model(argv, message, monkeypatch, tmp_path, capsys):
-    _no_model(monkeypatch)
+def test_bad_input_before_the_model(no_model, argv, message, tmp_path, capsys):
     rc = main(["explore", *argv, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "o").exists()
 
 
-def test_empty_file(monkeypatch, tmp_path, capsys):
-    _no_model(monkeypatch)
+def test_empty_file(no_model, tmp_path, capsys):
     f = tmp_path / "empty.txt"
     f.write_text("\n \n")
     assert main(["explore", "--file", str(f), "--out", str(tmp_path / "o")]) == 2

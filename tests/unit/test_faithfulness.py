@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pandas as pd
@@ -10,7 +9,6 @@ import pytest
 import torch
 
 from attngeom.capture.plugin import Session
-from attngeom.cli import main
 from attngeom.errors import InputError
 from attngeom.faithfulness import curves as F
 from attngeom.faithfulness.curves import CLEAN, build_variants, experiment, run_units, summarize, task_units, window_units
@@ -20,7 +18,7 @@ from attngeom.runs.run import Run
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.faithfulness.tasks import load_task
 from attngeom.traces.trace import forward
-from tiny_models import tiny_model
+from checks import write_jsonl as _write
 
 TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. "
         "Rain fell all night; in the morning the streets were wet and quiet.")
@@ -30,11 +28,6 @@ def _windows(handle, n=3, window=24):
     from attngeom.data.corpora import windows
     ids = handle.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     return windows(ids, window, bos=handle.tokenizer.bos_token_id, max_windows=n)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 def _settings(**kw):
@@ -60,15 +53,15 @@ def _table_summary(*args, **kw):
     return res.tables["table"], res.summary
 
 
-def test_clean_ppl_equals_plain_model(llama, tmp_path):
-    wins = _windows(llama)
-    res = experiment(llama, _run(tmp_path), units=window_units(wins), settings=_settings(), progress=False)
+def test_clean_ppl_equals_plain_model(tiny_llama, tmp_path):
+    wins = _windows(tiny_llama)
+    res = experiment(tiny_llama, _run(tmp_path), units=window_units(wins), settings=_settings(), progress=False)
     table, summary = res.tables["table"], res.summary
     nll, n = 0.0, 0
     with torch.no_grad():
         for w in wins:
             ids = torch.tensor(w)[None]
-            logits = llama.model(input_ids=ids, use_cache=False).logits.double()
+            logits = tiny_llama.model(input_ids=ids, use_cache=False).logits.double()
             lp = torch.log_softmax(logits[0, :-1], -1)
             nll -= float(lp.gather(-1, ids[0, 1:, None]).sum())
             n += len(w) - 1
@@ -85,7 +78,7 @@ def test_clean_ppl_equals_plain_model(llama, tmp_path):
     nll = 0.0
     for u, w in enumerate(wins):
         b = InputBatch(ids=torch.tensor(w)[None], lengths=torch.tensor([len(w)]), index=[0])
-        lg = forward(llama, b, Session(intervention=RankIntervention(v, salts=[u])), logits=True).double()
+        lg = forward(tiny_llama, b, Session(intervention=RankIntervention(v, salts=[u])), logits=True).double()
         nll -= float(torch.log_softmax(lg[0, :-1], -1).gather(-1, b.ids[0, 1:, None]).sum())
     row = table[(table.metric == "contribution") & (table["mode"] == "sufficiency") & (table.ratio == 0.7)].iloc[0]
     assert row["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-4)
@@ -102,20 +95,20 @@ def test_clean_ppl_equals_plain_model(llama, tmp_path):
     assert s["complete"] and s["units_done"] == len(wins)
 
 
-def test_batched_rows_equal_one_variant_per_forward(llama):
-    units = window_units(_windows(llama, n=2))
+def test_batched_rows_equal_one_variant_per_forward(tiny_llama):
+    units = window_units(_windows(tiny_llama, n=2))
     variants = _variants()
-    many = run_units(llama, units, variants, rows=len(variants), progress=False)
-    one = run_units(llama, units, variants, rows=1, progress=False)
+    many = run_units(tiny_llama, units, variants, rows=len(variants), progress=False)
+    one = run_units(tiny_llama, units, variants, rows=1, progress=False)
     assert many.keys() == one.keys()
     for k in many:
         assert many[k]["nll"] == pytest.approx(one[k]["nll"], rel=1e-5, abs=1e-4)
 
 
-def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
-    units = window_units(_windows(llama, n=4))
+def test_resume_after_a_kill_gives_the_same_table(tiny_llama, tmp_path, monkeypatch):
+    units = window_units(_windows(tiny_llama, n=4))
     variants = _variants()
-    full, full_s = _table_summary(llama, _run(tmp_path / "full"), units=units, settings=_settings(rows=5),
+    full, full_s = _table_summary(tiny_llama, _run(tmp_path / "full"), units=units, settings=_settings(rows=5),
                                   progress=False)
 
     class Killed(Exception):
@@ -134,7 +127,7 @@ def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
 
     monkeypatch.setattr(F, "_pair_nll", dies_after(5))  # 4 forwards per window (17 variants, 5 rows)
     with pytest.raises(Killed):
-        experiment(llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5), progress=False)
+        experiment(tiny_llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5), progress=False)
     # a kill in the middle of a write leaves a cut line: it is ignored and redone
     log = next((tmp_path / "part" / "checkpoint").glob("records-*.jsonl"))
     assert len(log.read_text().splitlines()) == 5
@@ -142,7 +135,7 @@ def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
         f.write('{"stage": "faithfulness", "units": [15, 16], "da')
     calls.clear()
     monkeypatch.setattr(F, "_pair_nll", dies_after(10**9))
-    part, part_s = _table_summary(llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5),
+    part, part_s = _table_summary(tiny_llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5),
                                   progress=False)
     assert len(calls) == 4 * 4 - 5  # finished forwards were skipped
     pd.testing.assert_frame_equal(part, full)
@@ -150,17 +143,17 @@ def test_resume_after_a_kill_gives_the_same_table(llama, tmp_path, monkeypatch):
         assert part_s[k] == full_s[k]
     # a rerun of a finished run computes nothing
     calls.clear()
-    again, _ = _table_summary(llama, _run(tmp_path / "part"), units=units, settings=_settings(), progress=False)
+    again, _ = _table_summary(tiny_llama, _run(tmp_path / "part"), units=units, settings=_settings(), progress=False)
     assert calls == []
     pd.testing.assert_frame_equal(again, full)
 
 
-def test_partial_results_use_only_finished_windows(llama, tmp_path, monkeypatch):
-    units = window_units(_windows(llama, n=3))
+def test_partial_results_use_only_finished_windows(tiny_llama, tmp_path, monkeypatch):
+    units = window_units(_windows(tiny_llama, n=3))
     variants = _variants()
     run = _run(tmp_path)
-    run_units(llama, units[:2], variants, rows=len(variants), progress=False, run=run)  # windows 0 and 1 only
-    results = run_units(llama, units, variants, rows=len(variants), progress=False, run=_run(tmp_path))
+    run_units(tiny_llama, units[:2], variants, rows=len(variants), progress=False, run=run)  # windows 0 and 1 only
+    results = run_units(tiny_llama, units, variants, rows=len(variants), progress=False, run=_run(tmp_path))
     assert F.complete_units(results, 3, variants) == [0, 1, 2]
     table = F.ppl_table(results, [0, 1], variants)
     assert (table["units"] == 2).all() and (table["tokens"] == sum(u.n_scored for u in units[:2])).all()
@@ -189,11 +182,6 @@ def test_summary_orders_and_random_seeds():
 # --------------------------------------------------------------------------------------------
 
 
-def _write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 MMLU = [{"question": "What is 2+2?", "choices": ["3", "4", "5", "22"], "answer": 1},
         {"question": "Color of the sky?", "choices": ["blue", "green"], "answer": "0"},
         {"question": "Pick C", "choices": ["a", "b", "c"], "answer": "C"}]
@@ -219,16 +207,16 @@ def _slow_logliks(handle, examples):
 
 
 @pytest.mark.parametrize("task,rows", [("mmlu", MMLU), ("winogrande", WINO), ("boolq", BOOLQ)])
-def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
+def test_task_accuracy_matches_slow_path(tiny_llama, tmp_path, task, rows):
     examples = load_task(_write(tmp_path / f"{task}.jsonl", rows), task)
     assert [ex.answer for ex in examples] == {"mmlu": [1, 0, 2], "winogrande": [0, 1], "boolq": [1, 0]}[task]
-    units = task_units(llama, examples)
+    units = task_units(tiny_llama, examples)
     settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,), rows=3)
     variants = F.variants_of(settings)
-    table, summary = _table_summary(llama, _run(tmp_path / "out"), units=units, settings=settings,
+    table, summary = _table_summary(tiny_llama, _run(tmp_path / "out"), units=units, settings=settings,
                                     examples=examples, progress=False)
-    slow = _slow_logliks(llama, examples)
-    results = run_units(llama, units, variants, rows=3, progress=False, run=_run(tmp_path / "out"))
+    slow = _slow_logliks(tiny_llama, examples)
+    results = run_units(tiny_llama, units, variants, rows=3, progress=False, run=_run(tmp_path / "out"))
     for i, tu in enumerate(units):
         assert -results[(i, "clean")]["nll"] == pytest.approx(slow[(tu.example, tu.option)], rel=1e-4, abs=1e-4)
     pred = [max(range(len(ex.options)), key=lambda k: (slow[(e, k)], -k)) for e, ex in enumerate(examples)]
@@ -239,7 +227,7 @@ def test_task_accuracy_matches_slow_path(llama, tmp_path, task, rows):
     v = Variant("contribution", "comprehensiveness", 0.5)
     for i, tu in enumerate(units):
         b = InputBatch(ids=torch.tensor(tu.ids)[None], lengths=torch.tensor([len(tu.ids)]), index=[0])
-        lg = forward(llama, b, Session(intervention=RankIntervention(v, salts=[tu.salt])), logits=True)[0].double()
+        lg = forward(tiny_llama, b, Session(intervention=RankIntervention(v, salts=[tu.salt])), logits=True)[0].double()
         lp = torch.log_softmax(lg, -1)
         T = len(tu.ids)
         ll = sum(float(lp[T - 1 - tu.n_scored + n, tu.ids[T - tu.n_scored + n]]) for n in range(tu.n_scored))
@@ -276,116 +264,6 @@ def test_bad_variant_lists():
 # --------------------------------------------------------------------------------------------
 # The command line (tiny model saved as a local model directory)
 # --------------------------------------------------------------------------------------------
-
-
-def _cli(tiny_llama_dir, out, *extra):
-    return main(["faithfulness", "--model", str(tiny_llama_dir), "--out", str(out), "--no-progress", *extra])
-
-
-def test_cli_runs_and_resumes(tiny_llama_dir, tmp_path, capsys):
-    data = tmp_path / "corpus.txt"
-    data.write_text(TEXT * 3)
-    out = tmp_path / "out"
-    args = ["--data", str(data), "--window", "32", "--max-windows", "2", "--metrics", "attention,random",
-            "--ratios", "0.25,0.75", "--seeds", "0,1"]
-    assert _cli(tiny_llama_dir, out, *args) == 0
-    printed = capsys.readouterr().out
-    assert "clean ppl" in printed and "attention" in printed
-    table = pd.read_parquet(out / "table.parquet")
-    assert len(table) == 2 * 2 + 2 * 2 * 2
-    s = json.loads((out / "summary.json").read_text())
-    assert s["units_done"] == 2 and set(s["metrics"]) == {"attention", "random"}
-    man = json.loads((out / "run.json").read_text())
-    assert man["command"] == "faithfulness" and man["complete"] and set(man["files"]) == {
-        "table.parquet", "summary.json", "faithfulness.png", "report.md"}
-    # the same command again: the run is complete, nothing is recomputed or rewritten
-    before = {f: (out / f).stat().st_mtime_ns for f in man["files"]}
-    assert _cli(tiny_llama_dir, out, *args) == 0
-    assert "already holds this complete run" in capsys.readouterr().err
-    assert before == {f: (out / f).stat().st_mtime_ns for f in man["files"]}
-    # an explicit --dtype float32 is the default on CPU: the same run
-    assert _cli(tiny_llama_dir, out, *args, "--dtype", "float32") == 0
-    # JSONL with fields joined
-    jl = tmp_path / "gsm.jsonl"
-    _write(jl, [{"question": "How many legs has a cat?", "answer": "Four legs. " * 5}] * 3)
-    assert _cli(tiny_llama_dir, tmp_path / "out2", "--data", str(jl), "--fields", "question,answer", "--window", "32",
-                "--metrics", "contribution", "--ratios", "0.5") == 0
-    # a task
-    task = _write(tmp_path / "boolq.jsonl", BOOLQ)
-    assert _cli(tiny_llama_dir, tmp_path / "out3", "--data", str(task), "--task", "boolq", "--metrics", "attention",
-                "--ratios", "0.5") == 0
-    assert json.loads((tmp_path / "out3" / "summary.json").read_text())["measure"] == "accuracy"
-
-
-@pytest.mark.parametrize("extra,msg", [
-    (["--ratios", "0,0.5"], "ratio 0 is outside (0, 1)"),
-    (["--ratios", "0.5,1.2"], "ratio 1.2 is outside (0, 1)"),
-    (["--ratios", "a,b"], "--ratios must be"),
-    (["--metrics", "attention,saliency"], "unknown metric 'saliency'"),
-    (["--window", "1000"], "longer than the model's context (256"),
-    (["--layers", "0,7"], "layer 7 does not exist"),
-    (["--fields", "question,nope"], "field 'nope' is missing"),
-    (["--task", "mmlu"], "out of range"),
-])
-def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, extra, msg):
-    data = tmp_path / "data.jsonl"
-    _write(data, [{"question": "q", "choices": ["a", "b"], "answer": 3, "text": TEXT}])
-    out = tmp_path / "out"
-    rc = _cli(tiny_llama_dir, out, "--data", str(data), *extra)
-    err = capsys.readouterr().err
-    assert rc == 2 and msg in err, err
-    assert not out.exists()  # a failed run leaves no directory behind
-    # a directory that holds other files is refused before anything else, and left as it was
-    out.mkdir()
-    keep = out / "previous.txt"
-    keep.write_text("earlier results")
-    rc = _cli(tiny_llama_dir, out, "--data", str(data), *extra)
-    err = capsys.readouterr().err
-    assert rc == 2 and (msg in err or "not empty" in err), err
-    assert keep.read_text() == "earlier results"
-    assert sorted(p.name for p in out.iterdir()) == ["previous.txt"]
-
-
-def test_cli_refuses_to_mix_settings(tiny_llama_dir, tmp_path, capsys):
-    data = tmp_path / "corpus.txt"
-    data.write_text(TEXT)
-    out = tmp_path / "out"
-    base = ["--data", str(data), "--window", "32", "--max-windows", "1", "--metrics", "attention", "--ratios", "0.5"]
-    assert _cli(tiny_llama_dir, out, *base) == 0
-    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    for other in (["--layers", "0"], ["--ratios", "0.4"], ["--metrics", "contribution"], ["--seeds", "3"]):
-        assert _cli(tiny_llama_dir, out, *base[:-4], *(other if other[0] == "--metrics" else base[6:8]),
-                    *(other if other[0] != "--metrics" else base[8:])) == 2
-        err = capsys.readouterr().err
-        assert "other settings" in err and other[0].lstrip("-") in err, err
-    assert before == {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    # --overwrite replaces the run whole
-    assert _cli(tiny_llama_dir, out, *base, "--layers", "0", "--overwrite") == 0
-    assert json.loads((out / "run.json").read_text())["settings"]["layers"] == [0]
-    assert len(list((out / "checkpoint").glob("records-*.jsonl"))) == 1
-
-
-def test_missing_data_file_and_offline_dataset(tiny_llama_dir, tmp_path, capsys, monkeypatch):
-    assert _cli(tiny_llama_dir, tmp_path / "o", "--data", str(tmp_path / "nope.txt")) == 2
-    assert "data file not found" in capsys.readouterr().err
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    assert _cli(tiny_llama_dir, tmp_path / "o", "--data", "hf:wikitext:wikitext-2-raw-v1") == 2
-    err = capsys.readouterr().err
-    assert "network" in err or "datasets" in err
-
-
-@pytest.mark.slow
-def test_default_model_one_short_window(tmp_path):
-    from attngeom.model import load_model
-
-    h = load_model("smollm2-135m")
-    units = window_units([h.encode("The quick brown fox jumps over the lazy dog. " * 3)[:24]])
-    settings = FaithfulnessSettings(metrics=("contribution", "random"), ratios=(0.5,), seeds=(0,))
-    table, s = _table_summary(h, None, units=units, settings=settings, progress=False)
-    assert s["clean"] < 1e4 and len(table) == 4
-    # masking the most important half hurts more than masking the least important half
-    c = table[table.metric == "contribution"].set_index("mode")["change"]
-    assert c["comprehensiveness"] > c["sufficiency"]
 
 
 @pytest.mark.parametrize("content,msg", [

@@ -7,21 +7,15 @@ import pytest
 import torch
 
 from attngeom.errors import InputError
-from attngeom.generation.decoding import AnswerSources, Decoding, generation_stage, model_stop_ids, prompt_ids, stream_generation
+from attngeom.generation.decoding import AnswerSources, Decoding, generation_stage, prompt_ids, stream_generation
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
 from attngeom.traces.trace import Trace, analyze
 from attngeom.traces.trace import stream as stream_texts
+from checks import METRICS, metric_error as _close
 from tiny_models import tiny_chat_tokenizer, tiny_model
 
-METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
 PROMPT = "The cat sat"          # 12 tokens with BOS: longer than the tiny models' window of 8
 N = 14
-
-
-def _close(got: np.ndarray, want: np.ndarray, name: str) -> float:
-    """Max error, relative to the map's scale for the unnormalised value_weighted (norms ~10)."""
-    err = float(np.abs(got - want).max())
-    return err / max(1.0, float(np.abs(want).max())) if name == "value_weighted" else err
 
 
 class StepRows(Reducer):
@@ -332,26 +326,6 @@ def test_explorer_of_a_generation_equals_the_explorer_of_its_text(exact_max_toke
     for m in ("attention", "contribution"):
         assert np.allclose(view.answer["model"][m], gen.answer["model"][m], atol=1e-5)
         assert np.allclose(view.answer["layers"][m], gen.answer["layers"][m], atol=1e-5)
-
-
-@pytest.mark.slow
-def test_bundled_model_chat_answer():
-    """SmolLM2-135M-Instruct through its chat template: the greedy answer equals model.generate's,
-    it ends on the template's end of turn (the model's EOS), and the rows captured step by step
-    equal one forward pass of prompt + answer."""
-    from attngeom import load_model
-
-    handle = load_model("smollm2-135m")
-    trace = analyze(handle, "What is the capital of France?", generate=12, chat=True, layers=[0, 15, 29])
-    P = trace.prompt_length
-    with torch.no_grad():
-        ref = handle.model.generate(torch.tensor([trace.ids[:P]]), max_new_tokens=12, do_sample=False)
-    assert trace.ids == ref[0].tolist()
-    assert trace.ids[-1] in model_stop_ids(handle) and len(trace.ids) < P + 12      # it stopped by itself
-    full = analyze(handle, trace.ids, layers=[0, 15, 29])
-    for a, b in zip(trace.layers, full.layers):
-        for m in METRICS:
-            assert _close(getattr(a, m)[:, P:], getattr(b, m)[:, P:], m) < 1e-4, (a.index, m)
 
 
 def test_device_generation_is_exact(test_device):

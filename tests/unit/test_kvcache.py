@@ -1,6 +1,5 @@
 """The compressed KV cache (attngeom.kvcache.cache), its policies (attngeom.kvcache.policies), the evaluation under a budget (attngeom.kvcache.evaluation) and `attngeom kvcache`."""
 
-import json
 
 import numpy as np
 import pandas as pd
@@ -9,7 +8,6 @@ import torch
 from transformers import DynamicCache
 
 from attngeom.capture.plugin import Session
-from attngeom.cli import main
 from attngeom.kvcache.cache import CacheScorer, CompressedCache, cache_bytes, cached_forward, compressing, kept_entries, new_cache, pool_heads
 from attngeom.kvcache.evaluation import read_under_budget
 from attngeom.kvcache.policies import taxonomy_budgets
@@ -276,59 +274,6 @@ def test_chunked_reading_moves_perplexity_by_a_measured_amount():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_cli_runs_resumes_and_refuses_bad_input(tiny_llama_dir, tmp_path, capsys):
-    data = tmp_path / "corpus.txt"
-    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 8)
-    out = tmp_path / "out"
-    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "40", "--max-windows", "2",
-            "--policies", "full,streamingllm,contribution,taxonomy", "--budgets", "8,16", "--chunk", "2",
-            "--calibration-windows", "1", "--out", str(out), "--no-progress"]
-    assert main(args) == 0
-    reads = pd.read_parquet(out / "reads.parquet")
-    assert len(reads) == 4 * 2 * 2 and "ppl" in reads                # (policy, budget, window)
-    assert np.allclose(reads.ppl, np.exp(reads.nll / reads.tokens))
-    summ = pd.read_parquet(out / "summary.parquet")
-    # 2 windows are too few for an interval: none is given, in the tables or the report
-    assert summ[["ppl_low", "ppl_high", "delta_low", "delta_high"]].isna().all().all() and summ.ppl.notna().all()
-    assert "too few windows" in (out / "report.md").read_text()
-    pairs = pd.read_parquet(out / "pairs.parquet")
-    assert len(pairs) == 2 * 4 * 3                                     # budgets x ordered pairs of 4 policies
-    assert (pairs.a_better.between(0, 1)).all()
-    full = summ[summ.policy == "full"]
-    assert (full.delta_ppl == 0).all()
-    assert (summ[summ.policy == "streamingllm"].memory_saved > 0.5).all()
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["windows"] == 2 and "kvcache-ppl.png" in summary["figures"]
-    assert (out / "kvcache-ppl.png").stat().st_size > 0 and (out / "regimes.parquet").is_file()
-    capsys.readouterr()
-    assert main(args) == 0
-    assert "already holds this complete run" in capsys.readouterr().err
-    # a run stopped part-way resumes from its records
-    out2 = tmp_path / "out2"
-    import attngeom.kvcache.evaluation as K
-
-    calls, real = [], K.read_under_budget
-
-    def flaky(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    K.read_under_budget = flaky
-    try:
-        assert main(args[:-3] + ["--out", str(out2), "--no-progress"]) == 130
-    finally:
-        K.read_under_budget = real
-    assert main(args[:-3] + ["--out", str(out2), "--no-progress"]) == 0
-    again = pd.read_parquet(out2 / "reads.parquet")
-    assert np.allclose(again.sort_values(["policy", "budget", "window"]).nll.to_numpy(),
-                       reads.sort_values(["policy", "budget", "window"]).nll.to_numpy(), atol=1e-6)
-    for bad, msg in ((["--chunk", "8"], "chunk"), (["--policies", "h2o,nope"], "unknown KV-cache policy")):
-        assert main(args[:-3] + bad + ["--out", str(tmp_path / "bad")]) == 2
-        assert msg in capsys.readouterr().err
-
-
 def test_per_head_budgets_pad_smaller_heads_and_the_padding_is_invisible():
     h = tiny_model("llama")                                          # 2 kv heads
     ids = _ids(30)
@@ -373,27 +318,6 @@ def test_answers_agree_with_the_full_cache_when_nothing_is_evicted():
     assert len(s) == 3 * 2 and (s[s.budget == 32].match == 1).all()
     # 2 examples are too few for an interval: none is given
     assert s[["match_low", "match_high", "ref_ppl_low", "ref_delta_high"]].isna().all().all()
-
-
-def test_cli_answers(tiny_llama_dir, tmp_path, capsys):
-    data = tmp_path / "corpus.txt"
-    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 4)
-    qa = tmp_path / "qa.jsonl"
-    qa.write_text("\n".join(json.dumps({"prompt": f"The cat sat on the mat {i} times and", "reference": " the dog slept"})
-                            for i in range(3)))
-    out = tmp_path / "out"
-    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "24", "--max-windows", "1",
-            "--policies", "streamingllm", "--budgets", "8", "--answers", str(qa), "--max-examples", "2",
-            "--new-tokens", "3", "--no-progress"]
-    assert main(args + ["--out", str(out)]) == 0
-    ans = pd.read_parquet(out / "answers.parquet")
-    assert len(ans) == 2 * 2 and set(ans.policy) == {"full", "streamingllm"}
-    assert (ans[ans.policy == "full"].match == 1).all()
-    assert (out / "answers-summary.parquet").is_file() and (out / "kvcache-answers.png").is_file()
-    assert len(json.loads((out / "summary.json").read_text())["answers"]) == 2
-    qa.write_text(json.dumps({"prompt": "a prompt", "answer": "x"}) + "\n")
-    assert main(args + ["--out", str(tmp_path / "bad")]) == 2
-    assert "reference" in capsys.readouterr().err
 
 
 def test_generate_with_the_compressed_cache():
@@ -442,49 +366,6 @@ def test_hybrid_models_compress_only_their_full_attention_layers():
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, DynamicSlidingWindowLayer, CompressedLayer]
     assert cache.layers[2].size <= 6 and cache.layers[2].seen == 30
-
-
-SLOW_CLI = """
-import sys, time
-import attngeom.runs.run as R
-real = R.Run._append
-def slow(self, rec):
-    real(self, rec)
-    time.sleep(3)
-R.Run._append = slow
-from attngeom.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_cli_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    data = tmp_path / "corpus.txt"
-    data.write_text("The cat sat on the mat. The dog slept by the door, and the bird sang.\n" * 6)
-    args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "32", "--max-windows", "2",
-            "--policies", "full,h2o", "--budgets", "8", "--no-figures", "--no-progress", "--out"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    assert main(args + [str(tmp_path / "whole")]) == 0
-    part = tmp_path / "part"
-    p = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *args, str(part)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    records = lambda: sum(len(f.read_text().splitlines()) for f in (part / "checkpoint").glob("records-*.jsonl")) \
-        if (part / "checkpoint").is_dir() else 0
-    while records() < 1 and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert 1 <= records() < 4 and not (part / "run.json").exists()          # killed mid-run
-    assert main(args + [str(part)]) == 0
-    a, b = (pd.read_parquet(d / "reads.parquet") for d in (tmp_path / "whole", part))
-    cols = ["window", "policy", "budget", "nll", "tokens", "ppl", "peak_bytes"]
-    pd.testing.assert_frame_equal(a[cols], b[cols])
 
 
 def test_pairwise_differences_on_shared_resamples():

@@ -11,15 +11,9 @@ from attngeom.errors import InputError
 from attngeom.capture.interventions import RANK_METRICS, RankIntervention, Variant
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
 from attngeom.traces.trace import analyze, stream
-from tiny_models import tiny_model
 
 TEXTS = ["a b c d e f g h i j k l m n", "the cat sat on the mat while the dog slept"]
 ATTENTION_FIELDS = ("sink_rate", "self_attention", "entropy")
-
-
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_model("llama")
 
 
 @pytest.fixture
@@ -48,8 +42,8 @@ def test_builtin_table():
         R.Metric("bad", "bad", lambda b: b.a, frozenset({"no_such_quantity"}))
 
 
-def test_a_registered_metric_is_everywhere(handle, toy_metric):
-    trace = analyze(handle, TEXTS[1])
+def test_a_registered_metric_is_everywhere(tiny_llama, toy_metric):
+    trace = analyze(tiny_llama, TEXTS[1])
     lt = trace.layers[0]
     a, vn = lt.a.numpy(), lt.v.norm(dim=-1).numpy()
     expected = a * vn[:, None, :] ** 2
@@ -77,8 +71,8 @@ def test_a_registered_metric_is_everywhere(handle, toy_metric):
     assert R.label("toy") == "toy metric"
 
 
-def test_unknown_metric_is_refused_everywhere(handle):
-    lt = analyze(handle, TEXTS[0]).layers[0]
+def test_unknown_metric_is_refused_everywhere(tiny_llama):
+    lt = analyze(tiny_llama, TEXTS[0]).layers[0]
     with pytest.raises(InputError, match="unknown metric"):
         lt.metric("toy")
     with pytest.raises(KeyError):
@@ -89,9 +83,9 @@ def test_unknown_metric_is_refused_everywhere(handle):
         Variant("toy", "comprehensiveness", 0.5)
 
 
-def test_received_fast_path_equals_score_maps(handle):
+def test_received_fast_path_equals_score_maps(tiny_llama):
     """The one-product sums over queries equal the sums of the token-level score maps."""
-    block = analyze(handle, TEXTS[1]).layers[1].block
+    block = analyze(tiny_llama, TEXTS[1]).layers[1].block
     w = torch.rand(1, block.a.shape[2], generator=torch.Generator().manual_seed(0))
     fast = block.received(w)
     for name in R.received_names():
@@ -133,28 +127,28 @@ def _count_head_space_calls(monkeypatch) -> dict:
     return calls
 
 
-def test_attention_level_reducers_compute_no_head_space_product(handle, monkeypatch):
+def test_attention_level_reducers_compute_no_head_space_product(tiny_llama, monkeypatch):
     heads = HeadStats(fields=ATTENTION_FIELDS)
     tokens = TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))
     assert R.needs_of([heads, tokens]) <= R.ATTENTION_LEVEL
     calls = _count_head_space_calls(monkeypatch)
     spy = Spy()
-    stream(handle, TEXTS, [heads, tokens, spy], batch_size=2, progress=False, block_elements=100)
+    stream(tiny_llama, TEXTS, [heads, tokens, spy], batch_size=2, progress=False, block_elements=100)
     assert spy.blocks > 0
     assert not (spy.computed & HEAD_SPACE_KEYS), spy.computed
     assert calls["n"] == 0
     # and the full reducers do compute them (the spy and the counters see it)
     spy = Spy()
-    stream(handle, TEXTS, [HeadStats(), TokenStats(), spy], batch_size=2, progress=False, block_elements=100)
+    stream(tiny_llama, TEXTS, [HeadStats(), TokenStats(), spy], batch_size=2, progress=False, block_elements=100)
     assert {"uG", "p", "value_norm"} <= spy.computed and calls["n"] > 0
     assert not R.needs_of([HeadStats(), TokenStats()]) <= R.ATTENTION_LEVEL
 
 
-def test_subsets_of_columns_equal_the_full_reducers(handle):
+def test_subsets_of_columns_equal_the_full_reducers(tiny_llama):
     full_h, full_t = HeadStats(), TokenStats()
     part_h = HeadStats(fields=ATTENTION_FIELDS)
     part_t = TokenStats(metrics=("attention", "contribution"), columns=("entropy",))
-    stream(handle, TEXTS, [full_h, full_t, part_h, part_t], batch_size=2, progress=False, block_elements=100)
+    stream(tiny_llama, TEXTS, [full_h, full_t, part_h, part_t], batch_size=2, progress=False, block_elements=100)
     fh, ph = full_h.result(), part_h.result()
     assert list(ph.columns) == ["layer", "head", "queries", *ATTENTION_FIELDS]
     assert np.allclose(fh[list(ATTENTION_FIELDS)].to_numpy(), ph[list(ATTENTION_FIELDS)].to_numpy())

@@ -3,7 +3,6 @@ regime and its prediction, the reducer on a tiny model and the CLI's bad-input e
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -14,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attngeom import selection as SEL
-from attngeom.cli import main
 from attngeom.streaming.reducers import FullCapture
 from attngeom.traces.trace import stream
 
@@ -355,20 +353,15 @@ def test_best_small_n():
 TEXTS = ["The cat sat on the mat; the dog lay by the door.", "A short one, with commas."]
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-def test_reducer_last_query_matches_slow_loop_on_captured_maps(llama):
+def test_reducer_last_query_matches_slow_loop_on_captured_maps(tiny_llama):
     red = SEL.SelectionStats(repeats=2, predict=False, dtype=torch.float64)
     cap = FullCapture()
-    stream(llama, TEXTS, [red, cap], batch_size=2, progress=False)
+    stream(tiny_llama, TEXTS, [red, cap], batch_size=2, progress=False)
     sel, reg = red.result()
     assert red.violations == 0
-    L, H = llama.num_layers, llama.num_heads
+    L, H = tiny_llama.num_layers, tiny_llama.num_heads
     assert set(sel["layer"]) == set(range(L)) and set(sel["head"]) == set(range(H))
-    lengths = [len(llama.encode(t)) for t in TEXTS]
+    lengths = [len(tiny_llama.encode(t)) for t in TEXTS]
     assert sorted(set(zip(sel["window"], sel["query"]))) == [(0, lengths[0] - 1), (1, lengths[1] - 1)]
     maps = cap.result()
     b, t = 1, lengths[1] - 1
@@ -386,15 +379,15 @@ def test_reducer_last_query_matches_slow_loop_on_captured_maps(llama):
     assert len(reg) == 2 * L * H
 
 
-def test_reducer_all_and_sampled_queries(llama):
+def test_reducer_all_and_sampled_queries(tiny_llama):
     red = SEL.SelectionStats(repeats=1, queries="all", ns=[1, 2, 4], predict=False)
-    stream(llama, ["Short one."], [red], layers=[0], progress=False)
+    stream(tiny_llama, ["Short one."], [red], layers=[0], progress=False)
     sel, reg = red.result()
-    T = len(llama.encode("Short one."))
+    T = len(tiny_llama.encode("Short one."))
     assert sorted(sel["query"].unique()) == list(range(1, T))
     assert (sel["N"] < sel["query"] + 1).all()
     red2 = SEL.SelectionStats(repeats=1, queries=3, ns=[1, 2], predict=False)
-    stream(llama, TEXTS, [red2], layers=[1], progress=False)
+    stream(tiny_llama, TEXTS, [red2], layers=[1], progress=False)
     s2, _ = red2.result()
     per_window = s2.groupby("window")["query"].nunique()
     assert (per_window == 3).all()
@@ -407,75 +400,6 @@ def test_sliding_window_model_runs_without_violations():
     sel, reg = red.result()
     assert red.violations == 0 and len(sel)
     assert (reg["candidates"] <= 8).all() and not reg["has_sink"].any()
-
-
-# ------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, llama):
-    d = tmp_path_factory.mktemp("tiny_llama_sel")
-    llama.model.save_pretrained(d)
-    llama.tokenizer.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    p = tmp_path_factory.mktemp("corpus") / "c.txt"
-    p.write_text(" ".join(TEXTS * 6))
-    return p
-
-
-def test_cli_end_to_end(model_dir, corpus, tmp_path):
-    out = tmp_path / "sel"
-    rc = main(["selection", "--model", str(model_dir), "--data", str(corpus), "--window", "24", "--max-windows", "2",
-               "--out", str(out), "--no-progress"])
-    assert rc == 0
-    s = json.loads((out / "summary.json").read_text())
-    assert s["bound_violations"] == 0 and s["ns"] == [1, 2, 4, 8, 16]
-    for dist in ("euclidean", "cosine"):
-        for part in ("with_sink", "without_sink"):
-            assert set(s[dist][part]["f_topn"]) == {"1", "2", "4", "8", "16"} or \
-                set(s[dist][part]["f_topn"]) == {1, 2, 4, 8, 16}
-    assert s["euclidean"]["with_sink"]["f_topn"]["1"] == 1.0
-    sel = pd.read_parquet(out / "selection.parquet")
-    assert set(sel["kind"]) == set(SEL.KINDS)
-    for f in s["figures"]:
-        assert (out / f).stat().st_size > 10_000
-
-
-def _no_model(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded although the input is bad")
-
-    monkeypatch.setattr("attngeom.commands.common.load", boom)
-    monkeypatch.setattr("attngeom.model.load_model", boom)
-
-
-@pytest.mark.parametrize("argv,needle", [
-    (["--window", "64", "--ns", "1,2,64"], "not below the window length"),
-    (["--window", "64", "--ns", "0,2"], "at least 1"),
-    (["--window", "64", "--distances", "manhattan"], "--distances"),
-    (["--window", "64", "--queries", "some"], "--queries"),
-    (["--window", "64", "--repeats", "-1"], "--repeats"),
-])
-def test_cli_bad_options_before_load(monkeypatch, capsys, tmp_path, corpus, argv, needle):
-    _no_model(monkeypatch)
-    rc = main(["selection", "--data", str(corpus), "--out", str(tmp_path / "o"), *argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err and needle in err, err
-
-
-def test_cli_empty_corpus_before_load(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n\n")
-    rc = main(["selection", "--data", str(empty), "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
-    assert rc == 2 and "holds no text" in err
 
 
 @pytest.mark.parametrize("ties,chunk", [(False, None), (True, None), (True, 1000)])

@@ -1,9 +1,10 @@
 """The placement rule: core modules never import the command line or the presentation layer.
 
 Core is every module of ``attngeom`` outside ``commands/``, ``reports/``, ``cli.py`` and
-``__main__.py``. The one exception is documented and checked here: ``Trace.to_html`` and
-``Trace._repr_html_`` and ``Trace.explore`` (the explorer's entry points on a trace) import ``attngeom.reports.explore``
-lazily, inside the methods, and ``Trace.plot_token_map`` imports ``attngeom.reports.plot`` the same way."""
+``__main__.py``. The one exception is documented and checked here: ``Trace.to_html``,
+``Trace._repr_html_``, ``Trace.explore`` and ``ExploreData.to_html`` (the explorer's entry points)
+import the explorer and ``attngeom.reports.explore`` lazily, inside the methods, and
+``Trace.plot_token_map`` imports ``attngeom.reports.plot`` the same way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import attngeom
 
 PKG = Path(attngeom.__file__).parent
-PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("trace.py", "explore"),
+PRESENTATION_ENTRY_POINTS = {("trace.py", "to_html"), ("trace.py", "_repr_html_"), ("trace.py", "explore"), ("data.py", "to_html"),
                              ("trace.py", "plot_token_map")}
 
 
@@ -202,3 +203,18 @@ def test_layers_import_only_downwards():
                 if _layer_of(bits[1]) > _layer_of(part):
                     bad.append(f"{rel}:{node.lineno} ({part}) imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_packages_export_only_public_names_that_exist():
+    """Each package's ``lazy`` dict names public names only (no ``_name``), and each is defined by the
+    submodule it names; ``__all__`` is that dict."""
+    import importlib
+
+    for init in sorted(PKG.glob("*/__init__.py")):
+        package = importlib.import_module(f"attngeom.{init.parent.name}")
+        for name in getattr(package, "__all__", []):
+            assert not name.startswith("_"), f"{package.__name__} exports the private name {name}"
+            assert hasattr(package, name), f"{package.__name__}.{name} is not defined where its __init__ says"
+    for name in attngeom.__all__:
+        assert not name.startswith("_") or name == "__version__"
+        assert hasattr(attngeom, name), name

@@ -8,7 +8,6 @@ import pandas as pd
 import pytest
 import torch
 
-from attngeom.cli import main
 from attngeom.heads.taxonomy import REGIMES, TaxonomyStats, corpus_agreement, regime_alignment, regime_shares, regimes_of, shares_by_depth, shares_by_layer
 from attngeom.traces.trace import stream
 
@@ -138,39 +137,3 @@ def test_corpus_agreement():
 # ------------------------------------------------------------------------------------------------
 
 
-def _no_model(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded although the input is bad")
-
-    monkeypatch.setattr("attngeom.commands.common.load", boom)
-    monkeypatch.setattr("attngeom.model.load_model", boom)
-
-
-def test_three_corpora_refused_before_load(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
-    c = tmp_path / "c.txt"
-    c.write_text("some text " * 50)
-    rc = main(["heads", "--data", str(c), "--data", str(c), "--data", str(c), "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
-    assert rc == 2 and "at most twice" in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize("ret", ["100,0", "101", "50,-5", "nan", ""])
-def test_retention_outside_range_refused(monkeypatch, capsys, tmp_path, ret):
-    _no_model(monkeypatch)
-    c = tmp_path / "c.txt"
-    c.write_text("some text " * 50)
-    rc = main(["heads", "--data", str(c), "--retentions", ret, "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
-    assert rc == 2 and "retention" in err and "Traceback" not in err, err
-
-
-def test_empty_corpus_refused_before_load(monkeypatch, capsys, tmp_path):
-    _no_model(monkeypatch)
-    c = tmp_path / "c.txt"
-    c.write_text("some text " * 50)
-    e = tmp_path / "e.txt"
-    e.write_text("\n \n")
-    rc = main(["heads", "--data", str(c), "--data", str(e), "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
-    assert rc == 2 and "holds no text" in err

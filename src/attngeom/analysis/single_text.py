@@ -1,5 +1,6 @@
 """The single-text analysis (``attngeom analyze``) as an experiment: one text, or a prompt and the
-model's own answer, reduced to per-token and per-head tables and a summary.
+model's own answer (SPEC §7), reduced to per-token and per-head tables and a summary (the metrics of
+SPEC §2).
 
 :func:`experiment` analyses one text (or token ids): one streaming pass of
 :class:`~attngeom.streaming.reducers.HeadStats` and :class:`~attngeom.streaming.reducers.TokenStats` over the text, cut

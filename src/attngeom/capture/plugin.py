@@ -9,7 +9,7 @@ honoured as a virtual source of zero value (SPEC §1).
 
 With no :class:`Session` active the function is plain SDPA (or, where SDPA cannot express the
 layer, the exact blocked computation below), so a model left on ``"attngeom"`` behaves as usual.
-Inside :func:`Session.run` it computes attention in blocks of queries, exactly as the eager
+Inside :meth:`Session.active` it computes attention in blocks of queries, exactly as the eager
 implementation does (softmax in float32, then cast to the model dtype), hands each block to the
 session's *observers* (which reduce metrics as they go) and lets an optional *intervention* edit
 the weights that mix the values (no renormalisation, SPEC §3). Blocks only ever hold

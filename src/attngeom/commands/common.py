@@ -2,7 +2,7 @@
 
 A command is thin: it checks its arguments (everything that needs no model, before any compute),
 opens its :class:`~attngeom.runs.run.Run` (which claims the output directory), loads the model, calls
-an experiment of the core and writes its outputs through :meth:`Run.finish`.
+an experiment of the core and writes its outputs through :meth:`~attngeom.runs.run.Run.finish`.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def model_identity(args) -> dict:
     import torch
 
     from attngeom.runs.distributed import local_device
-    from attngeom.model import check_device, dtype_name, resolve_dtype
+    from attngeom.model.device import check_device, dtype_name, resolve_dtype
 
     device = check_device(getattr(args, "device", None) or local_device())
     dtype = resolve_dtype(getattr(args, "dtype", None), device)

@@ -16,19 +16,15 @@ sink figures and the contribution-flow graph. :mod:`attngeom.reports.explore` re
 largest sources: by value for attention, by absolute value for contribution (so strong negative
 contributions stay visible). Values are stored as float16 (top-k: rounded to 7 significant bits).
 
-**Contribution flow** (docs/explore.md). With ``x_i^l`` the residual stream entering layer ``l`` at
-position ``i`` and ``Δ_i^l`` the attention update added to it (``y_i^l = x_i^l + Δ_i^l``), the
-residual share is ``r_i^l = ⟨y_i^l, x_i^l⟩ / ‖y_i^l‖²`` (``1 - r_i^l = ⟨y_i^l, Δ_i^l⟩ / ‖y_i^l‖²``).
-Layer ``l`` moves information between positions by the row-stochastic (rows sum to 1, entries may be
-negative) matrix ``A^l = diag(r^l) + diag(1 - r^l) C^l``; the MLP is position-wise and moves none.
-From token ``t`` after the last analysed layer, ``f^{out} = e_t`` and ``f^{before l} = f^{after l} A^l``
-(:func:`flow`): ``f_j`` is the share of token ``t``'s final state that comes from position ``j`` at that
-depth, and ``Σ_j f_j = 1`` at every depth when the maps are exact.
+**Contribution flow** (SPEC §8): the residual shares ``r_i^l`` (:class:`ResidualShares`), the
+transfer matrix ``A^l`` (:meth:`ExploreData.transfer_rows`) and the flow ``f`` back from one token
+(:func:`flow`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -102,6 +98,12 @@ class ExploreData:
     def T(self) -> int:
         return len(self.ids)
 
+    def to_html(self, path: str | Path) -> Path:
+        """Write the explorer page (one offline HTML file, docs/explore.md) to ``path``; returns it."""
+        from attngeom.reports.explore import write
+
+        return write(self, path)
+
     @property
     def exact(self) -> bool:
         return self.top_k is None
@@ -133,7 +135,7 @@ class ExploreData:
         return self.sources(layer, head, query, metric)[0][0]
 
     def transfer_rows(self, layer: int) -> list[dict[int, float]]:
-        """``A^l`` of the module docstring as sparse rows ``[{j: A_ij}]`` (what :func:`flow` composes);
+        """The transfer matrix ``A^l`` of SPEC §8 as sparse rows ``[{j: A_ij}]`` (what :func:`flow` composes);
         residual share 0 when unknown."""
         k = self._k(layer)
         r = self.residual_share[k] if self.residual_share is not None else np.zeros(self.T)
@@ -258,7 +260,7 @@ class RowCollector(Reducer):
 
 
 class ResidualShares:
-    """Forward hooks that record ``r_i^l = ⟨y_i, x_i⟩/‖y_i‖²`` per decoder layer (module docstring).
+    """Forward hooks that record ``r_i^l = ⟨y_i, x_i⟩/‖y_i‖²`` per decoder layer (SPEC §8).
 
     ``x`` is the input of the decoder layer that holds the attention layer; ``Δ`` is what the attention
     adds to it: the attention module's output, or, where a norm follows attention before the residual

@@ -20,7 +20,7 @@
 **Exactness.** The cache is a ``DynamicCache`` that keeps every earlier token in every layer (a
 sliding-window layer sees only its window through the model's own mask, as without a cache), so a
 decoding step's block holds query ``t`` against sources ``0..t`` at their absolute positions, and
-its metrics equal row ``t`` of a full forward of prompt + answer (tests/test_generate.py).
+its metrics equal row ``t`` of a full forward of prompt + answer (tests/unit/test_generate.py).
 
 **Which row explains a token.** Generated token ``x_t`` (position ``t >= P``, ``P`` the prompt
 length) is predicted by the output at position ``t - 1``: its *producing row* is query ``t - 1``
@@ -390,7 +390,7 @@ def stream_generation(handle: ModelHandleLike, prompt, reducers: Sequence[Reduce
 
     ``text_reducers`` see prompt + answer as a text instead: the prompt's blocks during its forward
     call, then the answer's in one more call against the cached prompt after the generation. Their
-    rows are the steps' rows (tests/test_generate.py) and a reducer's Python work is paid per block
+    rows are the steps' rows (tests/unit/test_generate.py) and a reducer's Python work is paid per block
     instead of per token and layer: what suits summaries of every position (``HeadStats``,
     ``TokenStats``)."""
     ids = prompt_ids(handle, prompt, chat=chat, system=system, stop=decoding.stop_ids(handle))

@@ -1,4 +1,4 @@
-"""A compressed KV cache for transformers (per-head eviction under a budget): the reusable cache.
+"""A compressed KV cache for transformers (per-head eviction under a budget, SPEC §9): the reusable cache.
 
 **The cache.** :class:`CompressedCache` is a transformers ``DynamicCache`` whose full-attention
 layers are :class:`CompressedLayer` s (sliding-window layers of hybrid models keep transformers' own

@@ -1,4 +1,4 @@
-"""KV-cache eviction policies: one registry entry each, one uniform signature.
+"""KV-cache eviction policies (their scores: SPEC §9): one registry entry each, one uniform signature.
 
 A policy answers two questions for the compressed cache of :mod:`attngeom.kvcache.cache`:
 

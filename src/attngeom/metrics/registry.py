@@ -15,7 +15,7 @@ that offers a metric by name reads this table:
   the faithfulness experiment's default rankings).
 
 Adding a metric is one :func:`register` call (``Metric(name, label, per_head, needs, ...)``) and its
-test; see ``tests/test_registry.py``, which registers a toy metric and finds it everywhere.
+test; see ``tests/unit/test_registry.py``, which registers a toy metric and finds it everywhere.
 
 **Quantities and needs.** :data:`QUANTITIES` names every quantity a block can compute, with the
 quantities it is computed from. A reducer (observer) declares what it reads as a class or instance

@@ -3,8 +3,8 @@
 * :mod:`.loading` — :func:`load_model` and the spec forms it accepts.
 * :mod:`.handle` — :class:`ModelHandle` (model, tokenizer, ``adapter``, readable tokens).
 * :mod:`.adapter` — :class:`ArchitectureAdapter`: attention modules, decoder layers, ``W_O``, ``W_V``
-  and head geometry by attention layer, found by :func:`discover` (a probe forward, no per-model
-  code); :data:`SUPPORTED_ARCHITECTURES` (the types tests/test_architectures.py verifies).
+  and head geometry by attention layer, found by :func:`.adapter.discover` (a probe forward, no
+  per-model code); :data:`SUPPORTED_ARCHITECTURES` (the types tests/models/test_architectures.py verifies).
 * :mod:`.bundled` — :data:`BUNDLED_MODELS` (``smollm2-135m``, ``gemma3-270m``).
 * :mod:`.gguf_cache` — GGUF dequantisation and the float safetensors cache.
 * :mod:`.device` — :func:`resolve_device` / :func:`check_device` and :func:`resolve_dtype`; imports
@@ -14,11 +14,9 @@ Names are imported on first use, so ``from attngeom.model import check_device`` 
 transformers.
 """
 
-from __future__ import annotations
+from attngeom._exports import lazy
 
-import importlib
-
-_EXPORTS = {
+__getattr__, __dir__, __all__ = lazy(__name__, {
     # loading
     "load_model": "loading",
     "wrap": "loading",
@@ -27,28 +25,11 @@ _EXPORTS = {
     "check_weights": "loading",
     # handle
     "ModelHandle": "handle",
-    "_byte_decoder": "handle",
-    "_unbyte": "handle",
-    "_unsentencepiece": "handle",
-    "special_token_ids": "handle",
-    "special_positions": "handle",
-    # what the API takes as a model
-    "check_handle": "arguments",
-    "as_model": "arguments",
-    "is_handle": "arguments",
-    "takes_handle": "arguments",
-    "takes_model": "arguments",
     # adapter
     "ArchitectureAdapter": "adapter",
     "HeadGeometry": "adapter",
-    "AttentionSite": "adapter",
-    "Projection": "adapter",
-    "EXCEPTIONS": "adapter",
-    "discover": "adapter",
-    "attention_layer": "adapter",
     "SUPPORTED_ARCHITECTURES": "adapter",
     "adapter_for": "adapter",
-    "attention_w_o": "adapter",
     "check_supported": "adapter",
     # bundled models
     "BUNDLED_MODELS": "bundled",
@@ -60,21 +41,5 @@ _EXPORTS = {
     "resolve_device": "device",
     "check_device": "device",
     "resolve_dtype": "device",
-    "dtype_name": "device",
     "DTYPE_NAMES": "device",
-}
-
-__all__ = sorted(name for name in _EXPORTS if not name.startswith("_"))
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+})

@@ -1,4 +1,4 @@
-"""Where a model keeps its attention, found by watching it run: the one place that knows structure.
+"""Where a model keeps its attention, found by watching it run: the one place that knows structure (SPEC §1).
 
 attngeom reads q, k and v from the attention call itself (:mod:`attngeom.capture.plugin`), so what it
 needs from the model's structure is small: which modules call transformers' attention interface,
@@ -762,7 +762,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
     "vaultgemma", "youtu", "zamba", "zamba2", "zaya",
 )
-"""``config.model_type`` values that tests/test_architectures.py verifies (docs/architectures.md; the
+"""``config.model_type`` values that tests/models/test_architectures.py verifies (docs/architectures.md; the
 test fails when this list and its own result differ). Any other decoder-only model whose attention
 discovery establishes is accepted too: this list is what is known to be exact, not a gate."""
 

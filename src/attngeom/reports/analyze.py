@@ -189,7 +189,7 @@ def _wrapped(text: str, width_in: float, fontsize: float) -> str:
 def _axes_at(fig, x: float, y: float, w: float, h: float):
     """Axes at a fixed place given in inches from the bottom left. The analyze figures are laid out
     by hand: constrained/tight layout measured every tick label of every panel again and took most
-    of the drawing time (issue 8)."""
+    of the drawing time."""
     W, H = fig.get_size_inches()
     return fig.add_axes((x / W, y / H, w / W, h / H))
 

@@ -1,28 +1,10 @@
 """Geometry of token selection (SPEC §5): the sink-aware regime and the prediction of the curves from it.
 
-
-**Sink-aware regime.** :func:`sink_regime` measures, at the query: the value-norm ratio non-sink /
-sink (``mean_{j>0} ‖v_j‖ / ‖v_0‖``) and the non-sink norms' coefficient of variation; the mean cosine
-between the sink's value and the others'; the mean cosine between non-sink values at position
-distance ``δ`` and the least-squares fit of ``exp(−λ δ)`` to it (``λ`` and the mean absolute error);
-the piecewise-constant attention profile: the sink's weight ``a_0``, a *middle* level ``m`` (the mean
-weight of positions ``1 .. t−w``) and a *recency* level ``r`` (the mean weight of the last ``w``
-positions), with ``w`` the window that minimises the squared error of that three-piece fit.
-
-:func:`predict_curves` turns those parameters into a prediction with this **model**:
-
-- attention ``â_0 = a_0``, ``â_j = m`` in the middle, ``â_j = r`` in the recency window;
-- value norms ``ν_j = 1`` for ``j > 0`` and ``ν_0 = 1 / ratio`` (P, R, F do not depend on scale);
-- value cosines ``cos(v_j, v_k) = exp(−λ|j−k|)`` for ``j, k > 0`` and ``cos(v_0, v_j) = κ``, the
-  measured mean sink cosine;
-- hence a Gram matrix ``K_jk = â_j ν_j â_k ν_k cos(v_j, v_k)`` of the ``y``'s, from which ``D_j``
-  (squared Euclidean distances clamped at 0 where the model matrix is not positive semidefinite) and
-  the predicted ``P_N, R_N, F_N`` follow by exactly the definitions above, for the model's own top-N
-  (ties to the earlier position), with and without the sink.
-
-The *best small N* is the ``N`` in ``2 .. small_n_max`` (default 16) with the largest ``F_N`` (ties to
-the smaller ``N``), predicted and measured; ``N = 1`` is left out because ``F_1 = 1`` trivially in
-Euclidean space (the single selected ``y`` is its own sum).
+The sink-aware regime, the prediction model and the best small ``N`` are defined in SPEC §5
+(docs/SPEC.md): :func:`sink_regime` measures the value norms, the value cosines and their
+``exp(−λ δ)`` fit and the three-piece attention profile at the query; :func:`predict_curves` turns
+them into the model's Gram matrix and predicts ``P_N, R_N, F_N`` with the scoring code of
+:mod:`attngeom.selection.separation`; :func:`best_small_n` picks the best small ``N``.
 """
 
 from __future__ import annotations

@@ -2,24 +2,15 @@
 
 For one query ``t`` of one layer and every head ``h`` (vectorised over heads and over ``N``), with
 ``a [H, S]`` the attention row over the query's candidate sources and ``v [H, S, d]`` their value
-states in head space, the *attention-scaled values* are ``y_j = a_tj v_j``. For a selection ``S_N``
-of ``N`` sources:
-
-- ``s_N = Σ_{j∈S_N} y_j``; ``D_j = d(y_j, s_N)`` with ``d`` Euclidean or cosine
-  ``1 − ⟨x,y⟩/(‖x‖‖y‖ + 1e-12)``;
-- ``ρ_max = max_{j∈S} D_j``, ``ρ_min = min_{j∉S} D_j``;
-- ``P_N = N / (N + |{j∉S : D_j <= ρ_max}|)``, ``R_N = |{j∈S : D_j < ρ_min}| / N``,
-  ``F_N = 2 P_N R_N / (P_N + R_N)``;
-- ``GInv_N = Σ_{i∈S} Σ_{j∉S} [D_j <= D_i]``, with ``P_N >= N/(N+GInv_N)``,
-  ``R_N >= max(0, 1 − GInv_N/N)`` and ``GInv_N = 0 ⇔ P_N = R_N = 1``.
-
-Selections: the top-``N`` by attention (ties to the earlier position), the same with the sink removed
-from the candidates, and seeded random subsets of the same size (several repeats; also with and
-without the sink). ``N`` runs over ``1, 2, 4, …, 256`` below the number of candidates.
+states in head space: the attention-scaled values ``y_j = a_tj v_j``, the selections (top-``N``
+by attention, ties to the earlier position; the same without the sink; seeded random subsets) and
+``s_N``, ``D_j``, ``P_N``, ``R_N``, ``F_N``, ``GInv_N`` and their bounds are defined in SPEC §5.
+``N`` runs over ``1, 2, 4, …, 256`` below the number of candidates.
 
 Everything is computed from three quantities per selection: ``⟨s_N, y_j⟩``, ``‖s_N‖²`` and
 ``‖y_j‖²``. From vectors they come from prefix sums of the ``y``'s in selection order; from a Gram
-matrix ``K_jk = ⟨y_j, y_k⟩`` (the sink-aware prediction below) from prefix sums of its rows. The same
+matrix ``K_jk = ⟨y_j, y_k⟩`` (the sink-aware prediction, :mod:`attngeom.selection.prediction`) from
+prefix sums of its rows. The same scoring code then serves measurement and prediction.
 """
 
 from __future__ import annotations

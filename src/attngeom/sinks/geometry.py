@@ -1,39 +1,14 @@
 """Attention sinks as active suppressors (SPEC §4): the pure math, per head in head space.
 
-Everything is computed per layer ``l``, head ``h`` and query ``i`` in head space through the Gram
-matrix ``G = W_O^h W_O^hᵀ`` (SPEC §2): ``⟨ṽ_a, ṽ_b⟩ = v_aᵀ G v_b``. With the sink at position ``s``
-(default 0), ``ρ_i = a_is`` the sink rate, ``u_i = Σ_j a_ij v_j`` the head output in head space:
+Every quantity is defined in SPEC §4 (docs/SPEC.md): the sink rate ``ρ_i``, the semantic part
+``m_i``, anti-alignment, the counterfactual and its minimiser ``ρ*`` (:func:`rho_star`), the
+decomposition by position class (levels and :func:`variance_shares`), semantic drift with its
+cancellation and norm reduction.
 
-- ``m_i = Σ_{j≠s} a_ij ṽ_j`` — the *semantic* (non-sink) part of the head output, so that
-  ``o_i = ρ_i ṽ_s + m_i``; computed directly as ``(a with the sink column zeroed) · v`` (no
-  cancellation when ``ρ_i → 1``).
-- anti-alignment ``cos(ṽ_s, m_i) = v_sᵀ G m_i / (‖ṽ_s‖ ‖m_i‖)`` and, per source ``j ≠ s`` of each
-  text, ``cos(ṽ_s, ṽ_j)``.
-- counterfactual ``o(ρ) = ρ ṽ_s + (1−ρ) r_i`` with ``r_i = m_i / (1−ρ_i)``; ``‖o(ρ)‖²`` is a convex
-  quadratic with minimiser ``ρ* = ⟨r, r − ṽ_s⟩ / ‖r − ṽ_s‖²`` (:func:`rho_star`).
-- decomposition ``c_ij = a_ij · (‖ṽ_j‖/‖o_i‖) · cos(o_i, ṽ_j)`` for the sink (``j = s``) and the
-  tail (``j ≠ s``). How much of the contribution each factor explains is summarised two ways:
-
-  * **levels**: the mean of each factor (sink: over queries; tail: over all visible
-    (query, source) pairs, unweighted);
-  * **variance shares**: with ``y = log|c| = log a + log(‖ṽ‖/‖o‖) + log|cos|``, the share of factor
-    ``k`` is ``Cov(log f_k, y) / Var(y)`` over the same population. The three shares sum to 1
-    exactly; a factor whose share is near 0 does not explain *which* entries have large
-    contributions, even if its level is large (e.g. a sink rate that is high everywhere).
-
-- semantic drift: ``H̃_i`` = entropy of the renormalised non-sink attention
-  ``a_ij / (1−ρ_i)``, ``j ≠ s``, divided by ``log`` of the number of visible non-sink sources
-  (1 = uniform over them, i.e. the most diffuse). How much the sink's value cancels the drift of the
-  semantic mean is measured by
-
-  * ``cancel_i = −⟨ρ_i ṽ_s, m_i⟩ / ‖m_i‖²`` — the component of ``ρ_i ṽ_s`` along ``−m_i/‖m_i‖``
-    as a fraction of ``‖m_i‖`` (1 = the sink cancels the semantic mean entirely along its own
-    direction, 0 = orthogonal, negative = it adds to it), and
-  * ``norm_reduction_i = 1 − ‖o_i‖ / ‖m_i‖`` (positive when adding the sink shortens the output).
-
-  Over many queries both are aggregated as ratios of sums (queries with a tiny ``‖m_i‖`` would
-  dominate a plain mean of ratios): ``cancel = Σ_i (−⟨ρ_i ṽ_s, m_i⟩/‖m_i‖) / Σ_i ‖m_i‖`` (the
-  ``‖m_i‖``-weighted mean of ``cancel_i``) and ``norm_reduction = 1 − Σ_i ‖o_i‖ / Σ_i ‖m_i‖``.
+How they are computed: per layer ``l``, head ``h`` and query ``i``, in head space through the Gram
+matrix ``G = W_O^h W_O^hᵀ`` (SPEC §2), ``⟨ṽ_a, ṽ_b⟩ = v_aᵀ G v_b``, with the sink at position ``s``
+(default 0) and ``u_i = Σ_j a_ij v_j`` the head output in head space. ``m_i`` is computed directly
+as ``(a with the sink column zeroed) · v``, so there is no cancellation when ``ρ_i → 1``.
 
 What belongs here: formulas on tensors and on summed statistics (histograms, least-squares fits).
 Not here: the corpus reducer (:mod:`attngeom.sinks.reducer`), removal (:mod:`attngeom.sinks.removal`),

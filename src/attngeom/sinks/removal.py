@@ -1,15 +1,10 @@
 """Attention sinks (SPEC §4): sink-norm removal and its control, as an intervention that records
 the head outputs it leaves.
 
-Sink-norm removal (:class:`SourceRemoval`): the weights that mix the values get the sink column
-zeroed for every query ``i > s`` of the chosen layers (the sink token's own query keeps its output:
-it can see nothing else), no renormalisation (SPEC §3). The *control* removes, for every query and
-head, the one non-sink visible source whose attention is closest to the sink's ``|a_ij − a_is|``
-(so the removed mass is as close to the sink's as any single other source allows; the mean removed
-mass of both is reported). The *cone measure* of a head output ``o_i`` is the attention-weighted
-mean cosine of ``o_i`` with the semantic sources, ``κ_i = Σ_{j≠s} (a_ij/(1−ρ_i)) cos(o_i, ṽ_j)``
-(how far inside the cone of the semantic values the output lies), reported beside
-``cos(o_i, m_i)``, which is 1 by construction after sink removal at that layer.
+Sink-norm removal, its control and the cone measure ``κ`` are defined in SPEC §4 (docs/SPEC.md);
+:class:`SourceRemoval` edits the weights that mix the values (no renormalisation, SPEC §3) and
+records the output norm, ``κ`` (column ``cone``) and ``cos(o_i, m_i)`` (``cos_output_semantic``)
+of the outputs it leaves.
 """
 
 from __future__ import annotations

@@ -3,23 +3,11 @@
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "DEFAULT_RESAMPLES": "resampling",
-    "DEFAULT_LEVEL": "resampling",
     "MIN_UNITS": "resampling",
-    "TOO_FEW": "resampling",
-    "enough_units": "resampling",
-    "format_number": "resampling",
     "resample_counts": "resampling",
-    "counts_or_once": "resampling",
     "resample_sums": "resampling",
     "ratio_of_sums": "resampling",
     "resampled_perplexity": "resampling",
     "percentile_interval": "resampling",
-    "beats_share": "resampling",
     "bootstrap": "resampling",
-    "bootstrap_loop": "resampling",
-    "interval_dict": "resampling",
-    "side_of": "resampling",
-    "nanmedian_rows": "resampling",
-    "nanmean_rows": "resampling",
 })

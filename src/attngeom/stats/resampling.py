@@ -1,4 +1,4 @@
-"""A seeded bootstrap over windows: resample counts, percentile intervals, ratio-of-sums
+"""A seeded bootstrap over windows (docs/claims.md): resample counts, percentile intervals, ratio-of-sums
 statistics and pairwise "A beats B" shares. Pure numpy; no model, no pandas.
 
 The experiments record additive sums per window (NLL and token counts, reducer sums, histogram

@@ -3,16 +3,8 @@
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "to_ids": "passes",
-    "check_ids": "passes",
-    "vocabulary_size": "passes",
-    "check_length": "passes",
     "make_batches": "passes",
     "forward": "passes",
-    "NLL_CHUNK_ELEMENTS": "passes",
-    "token_nll": "passes",
-    "batch_nll": "passes",
-    "scored_tokens": "passes",
     "stream": "passes",
     "InputBatch": "reducers",
     "Batch": "reducers",
@@ -20,6 +12,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "HeadStats": "reducers",
     "TokenStats": "reducers",
     "FullCapture": "reducers",
-    "reduce_stage": "stages",
     "summaries": "stages",
 })

@@ -1,4 +1,4 @@
-"""Observers that reduce attention blocks as the forward pass goes.
+"""Observers that reduce attention blocks as the forward pass goes (the quantities of SPEC §2).
 
 A reducer sees every :class:`~attngeom.capture.plugin.Block` of the layers it is run on and keeps only
 summaries, so that long inputs and whole corpora can be analysed in bounded memory. The later

@@ -4,7 +4,6 @@ two traces compared (:mod:`.compare`)."""
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "TRACE_FORMAT": "saved",
     "load_trace": "saved",
     "save_trace": "saved",
     "LayerTrace": "trace",

@@ -1,4 +1,4 @@
-"""Running a model under the capture plug-in: full traces for one text, streams for corpora.
+"""Running a model under the capture plug-in: full traces for one text, streams for corpora (SPEC §2).
 
 - :func:`analyze` — one text (or token ids) -> :class:`Trace` with every layer's metric maps.
 - :func:`analyze_batch` — several texts, right-padded into batches; per-text results equal
@@ -224,9 +224,8 @@ class Trace:
         """Write the interactive explorer of this trace (one offline HTML file, see docs/explore.md);
         ``options`` go to :func:`attngeom.explorer.data.from_trace` (``top_k``, ``exact_max_tokens``, ``sink``)."""
         from attngeom.explorer.data import from_trace
-        from attngeom.reports.explore import write
 
-        return write(from_trace(self, **options), path)
+        return from_trace(self, **options).to_html(path)
 
     def plot_token_map(self, layer: int, metric: str = "contribution", head: int | None = None, tokens=None,
                        path: str | Path | None = None, **options):
