@@ -25,6 +25,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "Observer": "plugin",
     "Intervention": "plugin",
     "Workspace": "plugin",
+    "GrowingTensor": "plugin",
     "Session": "plugin",
     "output_grams": "plugin",
     "exact_attention": "plugin",
