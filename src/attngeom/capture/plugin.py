@@ -584,6 +584,7 @@ def exact_attention(
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
         state = LayerState(layer=layer, module=module, value=value.detach().float(), w_o=w_o, G=G, G_full=G_full,
                            kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device))
+        state.__dict__["grouped"] = True     # repeat_kv's layout by construction: no comparison of kv_head's data
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])
     budget = session.block_elements if session else DEFAULT_BLOCK_ELEMENTS
