@@ -271,6 +271,17 @@ def test_answer_tables_against_the_full_trace():
         assert np.allclose(got, want, atol=1e-5)
 
 
+def test_answer_top_sources_break_ties_by_the_earlier_position():
+    from attngeom.generation.decoding import GenerationBatch
+
+    tables = AnswerSources(top_k=3)
+    tables.begin(GenerationBatch(ids=torch.arange(12)[None], lengths=torch.tensor([12]), index=[0], prompt_length=8))
+    row = np.array([[0.5, 0.1, 0.3, 0.3, 0.3, 0.0, 0.3, 0.2, 0.9],             # the sink (0) and the answer (8) left out
+                    [0.0, 0.2, 0.1, 0.4, 0.1, 0.4, 0.1, 0.4, 0.0]])
+    got = {m: [(r["source"], r["score"]) for r in tables._top(row) if r["metric"] == m] for m in ("attention", "contribution")}
+    assert got == {"attention": [(2, 0.3), (3, 0.3), (4, 0.3)], "contribution": [(3, 0.4), (5, 0.4), (7, 0.4)]}
+
+
 def pd_na():
     import pandas as pd
 

@@ -471,6 +471,7 @@ class AnswerSources(Reducer):
             raise InputError("AnswerSources observes generation (attngeom.generation.decoding.stream)")
         self.P = int(P)
         self._prompt_ids = batch.ids[0, :self.P].tolist()
+        self._candidates = np.array([j for j in range(self.P) if j != self.sink], dtype=int)   # the sink has its share
         self._reset()
 
     def _reset(self) -> None:
@@ -567,13 +568,16 @@ class AnswerSources(Reducer):
         return out
 
     def _top(self, row: np.ndarray) -> list[dict]:
-        P, ids = self.P, self._prompt_ids
-        cand = np.array([j for j in range(P) if j != self.sink], dtype=int)
+        ids, cand, k_top = self._prompt_ids, self._candidates, self.top_k
         out = []
         for k, m in enumerate(TABLE_METRICS):
             if not len(cand):
                 break
-            order = cand[np.lexsort((cand, -row[k, cand]))][: self.top_k]
+            scores = row[k, cand]
+            sel = cand
+            if len(cand) > k_top and not np.isnan(scores).any():   # only what can rank: the k-th largest and above
+                sel = cand[scores >= np.partition(scores, len(cand) - k_top)[len(cand) - k_top]]
+            order = sel[np.lexsort((sel, -row[k, sel]))][:k_top]
             out += [{"metric": m, "rank": r, "source": int(j), "source_id": ids[j], "score": float(row[k, j])}
                     for r, j in enumerate(order)]
         return out
