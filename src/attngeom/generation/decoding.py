@@ -218,7 +218,24 @@ def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decodin
                          f"{total}, past {getattr(handle, 'name', 'the model')}'s context of {limit} tokens")
 
 
-class GrowingLayer(DynamicLayer):
+class BatchMappedLayer(DynamicLayer):
+    """A cache layer whose batch operations of ``generate`` (beam search, batch expansion) apply
+    one function to every per-row tensor it holds (:meth:`_map_batch`)."""
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+
+class GrowingLayer(BatchMappedLayer):
     """A full-attention cache layer whose keys and values are :class:`~attngeom.capture.plugin.GrowingTensor` s:
     room for ``capacity`` tokens from the first call (doubling past it), each call writes only its
     new tokens, and the keys and values handed to attention are views of the filled part — equal,
@@ -261,15 +278,6 @@ class GrowingLayer(DynamicLayer):
             for g in (self._keys, self._values):
                 g.map_storage(fn)
             self.keys, self.values = self._keys.tensor, self._values.tensor
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
 
 
 class GrowingCache(DynamicCache):
