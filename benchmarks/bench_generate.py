@@ -24,11 +24,18 @@ The methods alternate within each repeat (the order rotates from one repeat to t
 from other jobs hits them alike; the median of the repeats is reported with the ratio to
 ``generate``. All methods produce the same tokens (checked).
 
+Resident memory (``/proc/self/statm``) is read after every forward call: ``rss1`` after the first
+decoding step, ``rss_peak`` the largest after any call, and their ratio ``growth``. With ``--fresh``
+every (prompt, tokens, method, repeat) runs in a process of its own, so no method inherits the
+heap another one grew (memory then compares alike; the timing too, at the cost of loading the
+model each time).
+
 Usage::
 
     python benchmarks/bench_generate.py                          # P=128,2048 x N=64,512; 1 thread
     python benchmarks/bench_generate.py --prompts 16 --new 8 --repeats 1   # smoke run
     python benchmarks/bench_generate.py --device cuda --json out/bench_generate.json
+    python benchmarks/bench_generate.py --fresh --repeats 1        # each run in its own process
 """
 
 from __future__ import annotations
@@ -48,6 +55,26 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def rss_mb() -> float:
+    """Resident memory of this process in MB (Linux)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def _child(args, P: int, n: int, method: str) -> dict:
+    """One run of ``method`` in a fresh process: ``{"seconds", "answer", "rss1", "rss_peak"}``."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--model", args.model, "--prompts", str(P), "--new", str(n), "--repeats", "1",
+           "--threads", str(args.threads), "--device", args.device, "--methods", method, "--child"]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -56,9 +83,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's default)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: load_model's, float32 on CPU)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--fresh", action="store_true", help="every run in a process of its own")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)   # one run, as JSON (--fresh)
     args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown method {bad[0]}; known: {', '.join(METHODS)}")
 
     import torch
 
@@ -69,13 +103,11 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    handle = load_model(args.model, device=args.device)
+    handle = load_model(args.model, device=args.device, dtype=args.dtype)
     model = handle.model
     model.set_attn_implementation("sdpa")
-    methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        ap.error(f"unknown method {bad[0]}; known: {', '.join(METHODS)}")
+    rss: list[float] = []
+    model.register_forward_hook(lambda *_: rss.append(rss_mb()))
 
     def sync():
         if torch.device(args.device).type == "cuda":
@@ -84,6 +116,7 @@ def main(argv=None) -> int:
     def run(method: str, ids: list[int], n: int) -> tuple[float, list[int]]:
         dec = Decoding(n, stop=())
         sync()
+        rss.clear()
         t0 = time.perf_counter()
         if method == "generate":
             with torch.no_grad():
@@ -100,41 +133,69 @@ def main(argv=None) -> int:
         sync()
         return time.perf_counter() - t0, answer
 
-    g = torch.Generator().manual_seed(0)
     bos = handle.tokenizer.bos_token_id
     results = []
     run("capture", [bos or 0, 1, 2, 3], 2)          # warm-up
     run("generate", [bos or 0, 1, 2, 3], 2)
+
+    def measure(P: int, n: int, method: str, ids: list[int]) -> dict:
+        if args.fresh:
+            return _child(args, P, n, method)
+        t, a = run(method, ids, n)
+        return {"seconds": t, "answer": a, "rss1": rss[1] if len(rss) > 1 else None, "rss_peak": max(rss)}
+
     for P in args.prompts:
+        g = torch.Generator().manual_seed(P)        # the prompt depends on its length only (--fresh children)
         ids = torch.randint(100, handle.model.config.vocab_size, (P,), generator=g).tolist()
         if bos is not None:
             ids[0] = bos
         for n in args.new:
+            if args.child:
+                print(json.dumps(measure(P, n, methods[0], ids)))
+                return 0
             times = {m: [] for m in methods}
+            memory = {m: [] for m in methods}
             answers = {}
             for r in range(args.repeats):
                 order = methods[r % len(methods):] + methods[:r % len(methods)]
                 for m in order:
-                    t, a = run(m, ids, n)
-                    times[m].append(t)
-                    answers[m] = a
+                    got = measure(P, n, m, ids)
+                    times[m].append(got["seconds"])
+                    memory[m].append((got["rss1"], got["rss_peak"]))
+                    answers[m] = got["answer"]
             same = len({tuple(a) for a in answers.values()}) == 1
             med = {m: statistics.median(v) for m, v in times.items()}
+            rss1 = {m: max(x[0] or 0 for x in v) for m, v in memory.items()}
+            peak = {m: max(x[1] for x in v) for m, v in memory.items()}
             base = med.get("generate")
             row = {"prompt": P, "new_tokens": n, "seconds": med, "same_tokens": same,
-                   "ratio_to_generate": {m: (med[m] / base if base else None) for m in methods}}
+                   "ratio_to_generate": {m: (med[m] / base if base else None) for m in methods},
+                   "rss1_mb": rss1, "rss_peak_mb": peak}
             results.append(row)
             print(f"P={P:5d} N={n:4d}  " + "  ".join(
                 f"{m} {med[m]:7.2f}s" + (f" ({med[m] / base:.2f}x)" if base and m != "generate" else "")
                 for m in methods) + ("" if same else "  TOKENS DIFFER"), flush=True)
-    meta = {"model": handle.name, "device": args.device, "threads": torch.get_num_threads(),
+            print("             resident MB after step 1 -> peak (growth):  " + "  ".join(
+                f"{m} {rss1[m]:.0f} -> {peak[m]:.0f} ({peak[m] / rss1[m]:.2f}x)" if rss1[m] else f"{m} -"
+                for m in methods), flush=True)
+    meta = {"model": handle.name, "device": args.device, "dtype": str(model.dtype), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats,
-            "machine": platform.machine()}
+            "machine": platform.machine(), "fresh": args.fresh, "load": _load()}
     print(json.dumps(meta))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0 if all(r["same_tokens"] for r in results) else 1
+
+
+def _load() -> list[float] | None:
+    """The machine's load averages (1, 5, 15 minutes), to say how busy it was."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

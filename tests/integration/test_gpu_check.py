@@ -8,8 +8,10 @@ path, and the invariants hold.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +50,31 @@ def test_gpu_check_fails_fast_without_cuda():
 def test_gpu_check_script_is_valid_bash():
     out = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_gpu_check_refuses_an_unknown_option():
+    out = subprocess.run(["bash", str(SCRIPT), "--fast"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == ["gpu_check: unknown option --fast (the only option is --dry-run)"]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
+    """``--dry-run``: the device tests collected, the analysis / SDPA ratios and the generation
+    benchmark run on the CPU at toy sizes with this Python: the script's code runs without a GPU."""
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("gpu_check: dry run on the CPU")
+    assert "gpu_check: device tests collected (run on cuda by the real check)" in lines
+    ratios = [x for x in lines if x.strip().startswith("tiny-llama") and "time x" in x and "peak above weights" in x]
+    assert [x.split()[1] for x in ratios] == ["T=", "T="] and len(ratios) == 2
+    bench = [x for x in lines if x.startswith("P=    8 N=   2")]
+    assert len(bench) == 1 and "generate" in bench[0] and "analyze" in bench[0] and "TOKENS DIFFER" not in bench[0]
+    assert any(x.strip().startswith("resident MB after step 1") for x in lines)
+    assert lines[-1].startswith("gpu_check: done in ")
 
 
 class _Collect(Reducer):

@@ -14,6 +14,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "Observer": "plugin",
     "Intervention": "plugin",
     "Workspace": "plugin",
+    "GrowingTensor": "plugin",
     "Session": "plugin",
     "exact_attention": "plugin",
 })

@@ -95,6 +95,11 @@ class LayerState:
             return self.value
         return self.value[:, self.kv_head.to(self.value.device)]
 
+    def v_from(self, start: int) -> torch.Tensor:
+        """:attr:`v` of the sources from ``start`` on, ``[B, H, S - start, d]``, without :attr:`v` of
+        all the others (what a decoding step adds to a growing copy)."""
+        return self.value[:, :, start:][:, self.kv_head.to(self.value.device)]
+
     @property
     def group_values(self) -> torch.Tensor:
         """``[B, Hg, S, d]``: the values each group of ``H / Hg`` consecutive query heads shares
@@ -366,12 +371,57 @@ class Workspace:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-        """A tensor of ``shape`` (uninitialised) backed by the buffer ``name``, grown when too small."""
+        """A tensor of ``shape`` (uninitialised) backed by the buffer ``name``, grown when too small
+        (to at least twice its size: the maps of decoding steps grow by one source per step, and
+        must not cost an allocation each)."""
         n = math.prod(shape)
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+        if buf is None or buf.dtype != dtype or buf.device != torch.device(device):
             buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
+        elif buf.numel() < n:
+            buf = self._buffers[name] = torch.empty(max(n, 2 * buf.numel()), dtype=dtype, device=device)
         return buf[:n].view(shape)
+
+
+class GrowingTensor:
+    """A tensor that grows along ``dim`` call after call (a generation's cached keys, values and value
+    norms: one more token per decoding step) without being reallocated at every call: its storage
+    has room for ``capacity`` entries and doubles when full, so ``n`` entries cost ``O(log n)``
+    allocations instead of ``n`` copies of the whole tensor, and the heap does not fragment.
+    :attr:`tensor` is a view of the filled part; its contents equal ``torch.cat`` of the appended
+    pieces. A view handed out stays valid until :meth:`truncate` lets later entries overwrite it."""
+
+    def __init__(self, dim: int, capacity: int = 0):
+        self.dim, self.capacity, self.length = dim, int(capacity), 0
+        self._storage: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return None if self._storage is None else self._storage.narrow(self.dim, 0, self.length)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` (same shape but along ``dim``, same dtype and device) and return :attr:`tensor`."""
+        n = self.length + x.shape[self.dim]
+        buf = self._storage
+        if buf is None or n > buf.shape[self.dim]:
+            shape = list(x.shape)
+            shape[self.dim] = max(n, self.capacity, 0 if buf is None else 2 * buf.shape[self.dim])
+            grown = x.new_empty(shape)
+            if self.length:
+                grown.narrow(self.dim, 0, self.length).copy_(self.tensor)
+            self._storage = buf = grown
+        buf.narrow(self.dim, self.length, x.shape[self.dim]).copy_(x)
+        self.length = n
+        return self.tensor
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` entries (the storage stays)."""
+        self.length = min(self.length, int(length))
+
+    def map_storage(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the storage by ``fn(storage)`` (an operation along other dimensions: batch selection)."""
+        if self._storage is not None:
+            self._storage = fn(self._storage)
 
 
 class Session:
@@ -545,6 +595,7 @@ def exact_attention(
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
         state = LayerState(layer=layer, module=module, value=value.detach().float(), w_o=w_o, G=G, G_full=G_full,
                            kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device))
+        state.__dict__["grouped"] = True     # repeat_kv's layout by construction: no comparison of kv_head's data
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])
     budget = session.block_elements if session else DEFAULT_BLOCK_ELEMENTS

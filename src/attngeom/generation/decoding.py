@@ -17,7 +17,8 @@
   comes from (prompt, earlier answer, sink), per layer and for the model; :func:`generation_stage`
   runs prompts through an :class:`attngeom.runs.run.Run` (resumable, data-parallel).
 
-**Exactness.** The cache is a ``DynamicCache`` that keeps every earlier token in every layer (a
+**Exactness.** The cache (:class:`GrowingCache`, a ``DynamicCache`` preallocated to prompt + answer)
+keeps every earlier token in every layer (a
 sliding-window layer sees only its window through the model's own mask, as without a cache), so a
 decoding step's block holds query ``t`` against sources ``0..t`` at their absolute positions, and
 its metrics equal row ``t`` of a full forward of prompt + answer (tests/unit/test_generate.py).
@@ -41,8 +42,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
 from attngeom.model.arguments import takes_handle
-from attngeom.capture.plugin import Block, Session, attngeom_attention_implementation
+from attngeom.capture.plugin import Block, GrowingTensor, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike, RunLike
 from attngeom.streaming.reducers import InputBatch, Reducer
@@ -268,6 +272,79 @@ def check_context(handle: ModelHandleLike, prompt_length: int, decoding: Decodin
                          f"{total}, past {getattr(handle, 'name', 'the model')}'s context of {limit} tokens")
 
 
+class BatchMappedLayer(DynamicLayer):
+    """A cache layer whose batch operations of ``generate`` (beam search, batch expansion) apply
+    one function to every per-row tensor it holds (:meth:`_map_batch`)."""
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+
+class GrowingLayer(BatchMappedLayer):
+    """A full-attention cache layer whose keys and values are :class:`~attngeom.capture.plugin.GrowingTensor` s:
+    room for ``capacity`` tokens from the first call (doubling past it), each call writes only its
+    new tokens, and the keys and values handed to attention are views of the filled part — equal,
+    element for element, to what transformers' ``DynamicLayer`` concatenates, without its copy of
+    the whole cache at every step."""
+
+    def __init__(self, capacity: int = 0):
+        super().__init__()
+        self._keys, self._values = GrowingTensor(2, capacity), GrowingTensor(2, capacity)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = self._keys.append(key_states), self._values.append(value_states)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative count, as transformers' layers take it)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count: the number of tokens removed from the end")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(0, self._keys.length + tokens_to_remove)
+        self._keys.truncate(keep)
+        self._values.truncate(keep)
+        self.keys, self.values = self._keys.tensor, self._values.tensor
+
+    def reset(self) -> None:
+        capacity = self._keys.capacity
+        super().reset()
+        self._keys, self._values = GrowingTensor(2, capacity), GrowingTensor(2, capacity)
+
+    def _map_batch(self, fn) -> None:
+        if self.get_seq_length() > 0:
+            for g in (self._keys, self._values):
+                g.map_storage(fn)
+            self.keys, self.values = self._keys.tensor, self._values.tensor
+
+
+class GrowingCache(DynamicCache):
+    """The KV cache of a generation: a ``DynamicCache`` (every token in every layer, no config) of
+    :class:`GrowingLayer` s with room for ``capacity`` tokens each (prompt + answer: no
+    reallocation during the generation)."""
+
+    def __init__(self, capacity: int = 0):
+        super().__init__()
+        self.capacity = int(capacity)
+        self.layer_class_to_replicate = lambda: GrowingLayer(self.capacity)
+
+
 @takes_handle
 @torch.no_grad()
 def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, session: Session | None = None, *,
@@ -277,10 +354,9 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
     and, unless ``steps`` is given, for the decoding steps too. Returns the answer's ids (ending with
     a stop token when one came). With ``last_step`` the last answer token is run through the model
     too, so the sessions have seen every position ``0 .. P + len(answer) - 1``. ``cache``: the
-    ``DynamicCache`` to fill (default a new one; it must keep every token in every layer).
-    ``progress``: a bar on stderr counting the generated tokens."""
+    ``DynamicCache`` to fill (default a :class:`GrowingCache` of prompt + answer; it must keep every
+    token in every layer). ``progress``: a bar on stderr counting the generated tokens."""
     from tqdm.auto import tqdm
-    from transformers import DynamicCache
 
     model = handle.model
     device = model.device
@@ -294,7 +370,8 @@ def generate(handle: ModelHandleLike, ids: Sequence[int], decoding: Decoding, se
     check_context(handle, len(ids), decoding)
     stop = set(decoding.stop_ids(handle))
     gen = None                                          # made on the logits' device (the last one under device_map)
-    cache = DynamicCache() if cache is None else cache  # no config: full layers (module docstring)
+    if cache is None:                                   # no config: full layers (module docstring)
+        cache = GrowingCache(len(ids) + decoding.max_new_tokens)
     step = torch.tensor([ids], device=device)
     answer: list[int] = []
     kw = {_cache_argument(model): cache}
@@ -349,10 +426,12 @@ class GrowingNorms:
     ``‖ṽ_j^h‖`` and ``‖v_j^h‖`` of the tokens already cached and computes only the new tokens' at
     each call, then hands the whole vectors to the call's :class:`~attngeom.capture.plugin.LayerState`
     (a cached token's values never change during one generation). Without it every step would
-    recompute every source's ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step."""
+    recompute every source's ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step. The norms are
+    :class:`~attngeom.capture.plugin.GrowingTensor` s with room for ``capacity`` tokens (prompt + answer)."""
 
-    def __init__(self):
-        self.norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, capacity: int = 0):
+        self.capacity = int(capacity)
+        self.norms: dict[int, tuple[GrowingTensor, GrowingTensor]] = {}
 
     def observe(self, block: Block) -> None:
         from attngeom.metrics import formulas as metrics
@@ -360,14 +439,11 @@ class GrowingNorms:
         st = block.state
         if "value_norm" in st.__dict__:                        # this call's layer state has them already
             return
-        S = st.num_sources
         have = self.norms.get(block.layer)
-        m = 0 if have is None or have[0].shape[-1] > S else have[0].shape[-1]
-        new = st.value[:, :, m:][:, st.kv_head.to(st.value.device)]     # the new tokens' values per query head
-        parts = (metrics.projected_value_norm(new, st.G), new.norm(dim=-1))
-        if m:
-            parts = tuple(torch.cat([old, x], dim=-1) for old, x in zip(have, parts))
-        self.norms[block.layer] = parts
+        if have is None or have[0].length > st.num_sources:     # a new generation on this observer
+            have = self.norms[block.layer] = (GrowingTensor(-1, self.capacity), GrowingTensor(-1, self.capacity))
+        new = st.v_from(have[0].length)                          # the new tokens' values per query head
+        parts = (have[0].append(metrics.projected_value_norm(new, st.G)), have[1].append(new.norm(dim=-1)))
         st.__dict__["value_norm"], st.__dict__["raw_value_norm"] = parts   # the cached properties' slots
 
 
@@ -404,8 +480,6 @@ def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers:
                           block_elements: int | None = None, index: int = 0, progress: bool = False) -> list[int]:
     """:func:`stream_generation` for a prompt already given as the model's token ids (:func:`prompt_ids`);
     ``progress``: a bar counting the generated tokens."""
-    from transformers import DynamicCache
-
     P, N = len(ids), decoding.max_new_tokens
     check_context(handle, P, decoding)
     padded = torch.zeros(1, P + N, dtype=torch.long)
@@ -414,16 +488,16 @@ def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers:
     everyone = [*reducers, *text_reducers]
     for r in everyone:
         r.begin(start)
-    norms = GrowingNorms()
+    norms = GrowingNorms(P + N)
 
     def session(observers):
         return Session(observers=observers, layers=layers, block_elements=block_elements)
 
-    cache = DynamicCache()
+    cache = GrowingCache(P + N)
     answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
                       last_step=bool(reducers) or not text_reducers, cache=cache, progress=progress)
     if text_reducers:
-        _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(), *text_reducers]))
+        _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(P + N), *text_reducers]))
     full = list(ids) + answer
     end = GenerationBatch(ids=torch.tensor([full]), lengths=torch.tensor([len(full)]), index=[index],
                           prompt_length=P)
@@ -470,7 +544,9 @@ class AnswerSources(Reducer):
     - ``sources``: the ``top_k`` sources by each metric, prompt and earlier answer tokens alike (the
       sink left out: it has its own share; so are the positions ``exclude`` (or ``{text: positions}``)
       and the tokens ``exclude_ids``, e.g. chat-template and special tokens): ``metric``, ``rank`` (0 first),
-      ``source``, ``source_id``, ``score``; ties: the earlier position first.
+      ``source``, ``source_id``, ``score``; ties: the earlier position first. Each row is ranked when it
+      is observed; an answer token in ``exclude_ids`` (known only at the end) is then left out of the
+      lists, which keeps the order of the rest but may leave such a row fewer than ``top_k`` sources.
     - ``summary``: per layer (null: the model) and prompt position, each metric's mean over the
       answer's producing rows: which prompt tokens the whole answer drew on."""
 
@@ -484,9 +560,28 @@ class AnswerSources(Reducer):
         self.summary: list[pd.DataFrame] = []
 
     def begin(self, batch: InputBatch) -> None:
+        from attngeom.generation.heads import of_text
+
         super().begin(batch)
         self.P = answer_prompt_length(batch, type(self).__name__)
-        self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, query) -> [2, T] float64
+        prompt_ids = batch.ids[0, :self.P].tolist()
+        # left out of the rankings: the sink (it has its share), the excluded positions, prompt tokens in exclude_ids
+        self._left_out = {self.sink, *of_text(self.exclude, batch.index[0]),
+                          *(j for j, t in enumerate(prompt_ids) if t in self.exclude_ids)}
+        self._reset()
+
+    def _reset(self) -> None:
+        # Each producing row [metrics, q + 1] (float64) is reduced when it is observed, so the state
+        # grows by a few numbers per row, not by the row: the per-layer shares and top sources,
+        # the running sum over layers that becomes the model's row, and per layer the sum of the
+        # prompt columns over the rows known to be producing (the latest row waits in _pending:
+        # only the end says whether it is the last token's, which produces nothing).
+        self._tables: dict[tuple[int, int], tuple[dict, list[dict]]] = {}   # (layer, query) -> shares, sources
+        self._layer_sum: dict[int, np.ndarray] = {}                        # query -> Σ_layers row
+        self._layer_count: dict[int, int] = {}
+        self._summary_sum: dict[int, np.ndarray] = {}                      # layer -> Σ_queries row[:, :P]
+        self._summary_count: dict[int, int] = {}
+        self._pending: dict[int, tuple[int, np.ndarray]] = {}              # layer -> (query, row)
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
@@ -498,36 +593,65 @@ class AnswerSources(Reducer):
             n = min(S, q + 1 - block.k_start)                        # sources up to the query
             for m, name in enumerate(TABLE_METRICS):
                 row[m, block.k_start:block.k_start + n] = got[name][0, :n].double().cpu().numpy()
-            self._rows[(block.layer, q)] = row
+            self._add_row(block.layer, q, row)
+
+    def _add_row(self, layer: int, q: int, row: np.ndarray) -> None:
+        self._tables[(layer, q)] = (self._shares(row, q), self._top(row))
+        if q in self._layer_sum:
+            self._layer_sum[q] += row
+        else:
+            self._layer_sum[q] = row.copy()
+        self._layer_count[q] = self._layer_count.get(q, 0) + 1
+        if layer in self._pending:
+            self._commit(layer)
+        self._pending[layer] = (q, row)
+
+    def _commit(self, layer: int) -> None:
+        """Add the layer's pending row to its summary sum (it is a producing row: a later one came)."""
+        _, row = self._pending.pop(layer)
+        self._add_summary(layer, row)
+
+    def _add_summary(self, layer, row: np.ndarray) -> None:
+        prompt = row[:, :self.P]
+        if layer in self._summary_sum:
+            self._summary_sum[layer] += prompt
+        else:
+            self._summary_sum[layer] = prompt.copy()
+        self._summary_count[layer] = self._summary_count.get(layer, 0) + 1
 
     def end(self, batch: InputBatch) -> None:
         T, P, index = int(batch.lengths[0]), self.P, batch.index[0]
         ids = batch.ids[0, :T].tolist()
-        layers = sorted({l for l, _ in self._rows})
+        answer_left_out = {j for j in range(P, T) if ids[j] in self.exclude_ids}
+        layers = sorted({l for l, _ in self._tables})
         queries = range(P - 1, T - 1)                             # the last token produced nothing
-        if not layers or not len(queries):
-            self._rows = {}
-            return
-        model_rows = {q: np.mean([self._rows[(l, q)] for l in layers], axis=0) for q in queries}
-        from attngeom.generation.heads import of_text
-
-        skip = set(of_text(self.exclude, index))
-        shares, sources, summary = [], [], []
-        for layer in [*layers, None]:
-            rows = {q: (self._rows[(layer, q)] if layer is not None else model_rows[q]) for q in queries}
-            for q, row in rows.items():
-                step = q + 1 - P
-                base = {"text": index, "step": step, "position": q + 1, "token_id": ids[q + 1], "layer": layer,
-                        "query": q}
-                shares.append({**base, **self._shares(row, q)})
-                sources += [{**base, **s} for s in self._top(row, ids, skip)]
-            mean = np.mean([rows[q][:, :P] for q in queries], axis=0)         # [metrics, P]
-            summary.append(pd.DataFrame({"text": index, "layer": layer, "position": np.arange(P),
-                                         "token_id": ids[:P], **{m: mean[k] for k, m in enumerate(TABLE_METRICS)}}))
-        self.shares.append(_nullable_layer(pd.DataFrame(shares)))
-        self.sources.append(_nullable_layer(pd.DataFrame(sources)))
-        self.summary.append(_nullable_layer(pd.concat(summary, ignore_index=True)))
-        self._rows = {}
+        for layer, (q, _) in list(self._pending.items()):
+            if q < T - 1:
+                self._commit(layer)
+        if layers and len(queries):
+            model_rows = {q: self._layer_sum[q] / self._layer_count[q] for q in queries}
+            for q in queries:
+                self._add_summary(None, model_rows[q])
+            shares, sources, summary = [], [], []
+            for layer in [*layers, None]:
+                for q in queries:
+                    step = q + 1 - P
+                    base = {"text": index, "step": step, "position": q + 1, "token_id": ids[q + 1], "layer": layer,
+                            "query": q}
+                    row_shares, top = (self._tables[(layer, q)] if layer is not None
+                                       else (self._shares(model_rows[q], q), self._top(model_rows[q])))
+                    shares.append({**base, **row_shares})
+                    ranked = [s for s in top if s["source"] not in answer_left_out]
+                    for m in TABLE_METRICS:
+                        sources += [{**base, "metric": m, "rank": r, "source": s["source"], "source_id": ids[s["source"]],
+                                     "score": s["score"]} for r, s in enumerate(t for t in ranked if t["metric"] == m)]
+                mean = self._summary_sum[layer] / self._summary_count[layer]          # [metrics, P]
+                summary.append(pd.DataFrame({"text": index, "layer": layer, "position": np.arange(P),
+                                             "token_id": ids[:P], **{m: mean[k] for k, m in enumerate(TABLE_METRICS)}}))
+            self.shares.append(_nullable_layer(pd.DataFrame(shares)))
+            self.sources.append(_nullable_layer(pd.DataFrame(sources)))
+            self.summary.append(_nullable_layer(pd.concat(summary, ignore_index=True)))
+        self._reset()
 
     def _shares(self, row: np.ndarray, q: int) -> dict:
         P, sink = self.P, self.sink
@@ -539,16 +663,20 @@ class AnswerSources(Reducer):
                         f"{m}_answer": float(row[k, P:].sum()) - (s if sink >= P else 0.0)})
         return out
 
-    def _top(self, row: np.ndarray, ids: list[int], skip: set[int]) -> list[dict]:
-        cand = np.array([j for j in range(row.shape[1]) if j != self.sink and j not in skip
-                         and ids[j] not in self.exclude_ids], dtype=int)
+    def _top(self, row: np.ndarray) -> list[dict]:
+        keep = np.ones(row.shape[1], dtype=bool)
+        keep[[j for j in self._left_out if j < row.shape[1]]] = False
+        cand, k_top = np.flatnonzero(keep), self.top_k
         out = []
         for k, m in enumerate(TABLE_METRICS):
             if not len(cand):
                 break
-            order = cand[np.lexsort((cand, -row[k, cand]))][: self.top_k]
-            out += [{"metric": m, "rank": r, "source": int(j), "source_id": ids[j], "score": float(row[k, j])}
-                    for r, j in enumerate(order)]
+            scores = row[k, cand]
+            sel = cand
+            if len(cand) > k_top and not np.isnan(scores).any():   # only what can rank: the k-th largest and above
+                sel = cand[scores >= np.partition(scores, len(cand) - k_top)[len(cand) - k_top]]
+            order = sel[np.lexsort((sel, -row[k, sel]))][:k_top]
+            out += [{"metric": m, "source": int(j), "score": float(row[k, j])} for j in order]
         return out
 
     def result(self) -> dict[str, pd.DataFrame]:

@@ -44,11 +44,12 @@ from typing import Sequence
 
 import torch
 from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.model.arguments import takes_handle, takes_model
 from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
+from attngeom.generation.decoding import BatchMappedLayer
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.kvcache.policies import EvictionContext, Policy, get_policy
 
@@ -101,7 +102,7 @@ def kept_entries(policy: Policy, ctx: EvictionContext, keep: torch.Tensor) -> tu
 # --------------------------------------------------------------------------------------------
 
 
-class CompressedLayer(DynamicLayer):
+class CompressedLayer(BatchMappedLayer):
     """One full-attention layer's compressed cache (module docstring). ``budgets``: entries per
     key/value head; ``streaming``: heads given sink + window only (taxonomy); ``num_heads``: query
     heads (for the per-query-head score buffers)."""
@@ -181,21 +182,11 @@ class CompressedLayer(DynamicLayer):
         self.n_new = C
         return self.keys, self.values
 
-    # batch operations of generate (beam search, batch expansion): every per-row tensor alike
     def _map_batch(self, fn) -> None:
         for name in ("keys", "values", "pos", "valid", "acc", "step"):
             t = getattr(self, name)
             if isinstance(t, torch.Tensor) and t.dim() > 1:
                 setattr(self, name, fn(t))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed KV cache cannot be cropped: evicted entries are gone")

@@ -300,8 +300,10 @@ class TokenStats(Reducer):
         acc = self._acc.get(block.layer)
         if acc is None:
             acc = self._acc[block.layer] = self._accumulators(block)
-        elif "value_norm" in acc and acc["value_norm"].shape[-1] < block.state.num_sources:
-            acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()   # sources grew (generation)
+        if "value_norm" in acc and acc["_norms_known"] < block.state.num_sources:   # first block, or sources grew
+            known, S_all = acc["_norms_known"], block.state.num_sources
+            acc["value_norm"][:, known:S_all] = block.state.value_norm[:, :, known:].mean(1).double().cpu()
+            acc["_norms_known"] = S_all
         w = block.query_valid.float()                              # [B, Q]
         received = block.received(w, self.metrics) if self.metrics else {}
         ks = slice(block.k_start, block.k_start + S)
@@ -332,8 +334,8 @@ class TokenStats(Reducer):
         acc = {"_source": source, "_query": query, "seen_by": source[0],
                **{f"{m}_received": source[1 + i] for i, m in enumerate(self.metrics)},
                **{c: query[i] for i, c in enumerate(self._query)}}
-        if "value_norm" in self.columns:
-            acc["value_norm"] = block.state.value_norm.mean(1).double().cpu()
+        if "value_norm" in self.columns:        # filled as the sources come (a generation's grow step by step)
+            acc["value_norm"], acc["_norms_known"] = torch.zeros(B, max(T, block.state.num_sources), dtype=torch.float64), 0
         return acc
 
     def end(self, batch: InputBatch) -> None:
@@ -360,8 +362,8 @@ class FullCapture(Reducer):
     """Keeps each layer's full attention map and head-space pieces for :class:`attngeom.traces.trace.Trace`.
 
     Memory: one ``[B, H, T, T]`` float32 map per layer plus ``[B, H, T, d]`` values. ``length``: the
-    maps' ``T`` when the sources grow from call to call (generation: prompt + new tokens; the values
-    kept are the last call's, which cover every token); default the first block's sources."""
+    maps' ``T`` when the sources grow from call to call (generation: prompt + new tokens; each call
+    copies only the values of its new sources); default the first block's sources."""
 
     def __init__(self, length: int | None = None):
         self.length = length
@@ -376,9 +378,11 @@ class FullCapture(Reducer):
         T = max(block.state.v.shape[2], self.length or 0)
         st = self.layers.get(block.layer)
         if st is None:
+            value = block.state.value
             st = self.layers[block.layer] = {
                 "a": torch.zeros(B, H, T, T, dtype=torch.float32),
-                "v": block.state.v.cpu(),
+                "v": torch.zeros(B, H, T, value.shape[-1], dtype=value.dtype),
+                "v_known": 0,
                 "w_o": block.state.w_o.cpu(),
                 "G": block.state.G.cpu(),
                 "kv_head": block.state.kv_head.cpu(),
@@ -386,8 +390,10 @@ class FullCapture(Reducer):
         st["a"][:, :, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.a.cpu()
         if block.learned_sink is not None:   # gpt-oss: the learned sink's share of each row (SPEC §1)
             st.setdefault("sink", torch.zeros(B, H, T))[:, :, block.q_start:block.q_start + Q] = block.learned_sink.cpu()
-        if block.state.v.shape[2] > st["v"].shape[2]:
-            st["v"] = block.state.v.cpu()
+        known, S_all = st["v_known"], block.state.num_sources
+        if S_all > known:                    # the sources this call added (a cached token's values never change)
+            st["v"][:, :, known:S_all] = block.state.v_from(known).cpu()
+            st["v_known"] = S_all
 
     def result(self) -> dict[int, dict]:
         return self.layers

@@ -1,0 +1,228 @@
+"""attngeom's GPU path on fake CUDA devices (tests/fake_devices.py; docs/testing.md, "The GPU path
+without a GPU").
+
+A tiny random model is placed on a fake ``cuda:0`` in bf16, or split over ``cuda:0`` and ``cuda:1``
+as ``device_map`` places a model, and run through the capture plug-in, the streaming reducers, the
+interventions, generation and the compressed KV cache. Fake tensors carry shapes, dtypes and
+devices but no data, so each path runs as far as it goes before a value must come to the host;
+any operation mixing a ``cuda`` tensor with a ``cpu`` one raises ``FakeTensorDeviceMismatchError``
+and fails the test, so every host copy on the way is an explicit one. What the fakes cannot
+follow (a value read on the host) is listed in :data:`HOST_BOUNDARIES` and checked statically by
+:func:`test_every_host_copy_of_the_gpu_path_is_a_documented_boundary`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
+
+import attngeom
+from attngeom.capture.interventions import HeadRemoval, SourceMask
+from attngeom.capture.plugin import Session, attngeom_attention_implementation
+from attngeom.generation.decoding import Decoding, GrowingCache, GrowingNorms, generate
+from attngeom.kvcache.cache import CacheScorer, CompressedCache, cached_forward, compressing
+from attngeom.metrics import registry
+from attngeom.model.adapter import adapter_for
+from attngeom.streaming.reducers import FullCapture, HeadStats, InputBatch, TokenStats
+from fake_devices import CUDA0, CUDA1, fake_cuda, to_fake
+from tiny_models import tiny_model
+
+# the output projection's cache key reads parameters' data pointers, which fake tensors warn about
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
+
+ROOT = Path(__file__).resolve().parents[2]
+T = 7          # inside the tiny models' sliding window of 8: no mask, the plug-in's causal path (a mask is a boundary)
+
+
+def _forward(handle, session: Session, ids: torch.Tensor) -> torch.Tensor:
+    """One text, no padding: the model's forward without an attention mask (as generation's prompt
+    call runs; a padding or sliding-window mask is read on the host per block, a boundary)."""
+    device = handle.model.device
+    with attngeom_attention_implementation(handle.model), session.active(torch.tensor([ids.shape[1]], device=device)):
+        return handle.model(input_ids=ids.to(device), use_cache=True).logits.float()   # no cache: fake positions force a mask
+
+
+class DeviceCheck:
+    """Observer: every metric of the registry, the received sums, the factors and the per-query
+    quantities of each block, with the device and dtype each lands on."""
+
+    def __init__(self):
+        self.seen: dict[int, set] = {}
+
+    def observe(self, block) -> None:
+        dev = block.a.device
+        out = [block.metric(m) for m in registry.METRICS]
+        out += list(block.received(block.query_valid.float()).values())
+        out += list(block.factors().values())
+        out += [block.entropy, block.head_output_norm, block.output_norm, block.head_share, block.layer_output]
+        for x in out:
+            assert x.device == dev and x.dtype == torch.float32, (x.device, x.dtype)
+        self.seen.setdefault(block.layer, set()).add(str(dev))
+
+
+def _fake_model(arch: str, device_map=None):
+    handle = tiny_model(arch)
+    adapter_for(handle.model)             # discovery compares values: it runs on the real model first
+    mode_cm = fake_cuda()
+    mode = mode_cm.__enter__()
+    to_fake(mode, handle.model, device_map=device_map)
+    return handle, mode_cm
+
+
+@pytest.fixture
+def fake(request):
+    """``(handle, layer devices)``: the tiny model of ``request.param`` (arch, split) on fake devices."""
+    arch, split = request.param
+    layers = tiny_model(arch).num_layers
+    device_map = None
+    if split:
+        device_map = {"model.embed_tokens": CUDA0, "model.rotary_emb": CUDA0, "model.norm": CUDA1, "lm_head": CUDA1,
+                      **{f"model.layers.{i}": (CUDA0 if i < layers // 2 else CUDA1) for i in range(layers)}}
+    handle, cm = _fake_model(arch, device_map)
+    want = {i: str(device_map[f"model.layers.{i}"]) if split else str(CUDA0) for i in range(layers)}
+    try:
+        yield handle, want
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def test_fake_devices_catch_an_implicit_host_mix():
+    with fake_cuda():
+        x = torch.ones(3, 4, device=CUDA0)
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            x + torch.ones(3, 4)
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            x.to(CUDA1) @ x.T
+        assert (x.cpu() + torch.ones(3, 4)).device.type == "cpu"      # an explicit copy is fine
+        assert x[:, 1:3][..., None].shape == (3, 2, 1) and x[torch.tensor([0, 2], device=CUDA0)].shape == (2, 4)
+        with pytest.raises(DataDependentOutputException):
+            x.sum().item()
+
+
+CASES = [("llama", False), ("gemma2", False), ("qwen3", False), ("llama", True)]
+IDS = ["llama", "gemma2-softcap", "qwen3-qk-norm", "llama-split-2-devices"]
+
+
+@pytest.mark.parametrize("fake", CASES, ids=IDS, indirect=True)
+def test_capture_and_reducers_stay_on_the_device(fake):
+    handle, want = fake
+    ids = torch.randint(3, 100, (1, T))
+    batch = InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    check, heads, tokens, full = DeviceCheck(), HeadStats(), TokenStats(), FullCapture()
+    for r in (heads, tokens, full):
+        r.begin(batch)
+    logits = _forward(handle, Session(observers=[check, heads, tokens, full], block_elements=40), ids)
+    assert {l: s for l, s in check.seen.items()} == {l: {d} for l, d in want.items()}
+    assert logits.shape == (1, T, handle.model.config.vocab_size) and logits.dtype == torch.float32
+    for layer in want:                                   # the reducers' host state, reached by explicit copies
+        assert heads.sums[layer]["sink_rate"].device.type == "cpu"
+        assert tokens._acc[layer]["_source"].device.type == "cpu"
+        assert full.layers[layer]["a"].device.type == "cpu" and full.layers[layer]["v"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
+def test_interventions_stay_on_the_device(fake):
+    handle, want = fake
+    ids = torch.randint(3, 100, (1, T))
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    mask[5:, 0] = True
+    for intervention in (HeadRemoval({0: [1], 1: [0, 2]}), SourceMask(mask)):
+        check = DeviceCheck()
+        out = _forward(handle, Session(observers=[check], intervention=intervention), ids)
+        assert out.shape[:2] == (1, T) and check.seen == {l: {d} for l, d in want.items()}
+
+
+@pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
+def test_generation_steps_stay_on_the_device(fake, monkeypatch):
+    """The prompt and 5 decoding steps in the growing KV cache, every call observed. The token
+    choice reads the logits on the host (a boundary): here it returns a fixed token."""
+    handle, want = fake
+    monkeypatch.setattr(Decoding, "choose", lambda self, logits, gen: 7)
+    check, heads, norms = DeviceCheck(), HeadStats(), GrowingNorms(T + 5)
+    cache = GrowingCache(T + 5)
+    answer = generate(handle, list(range(3, 3 + T)), Decoding(5, stop=()), Session(observers=[norms, check, heads]),
+                      cache=cache)
+    assert answer == [7] * 5 and cache.get_seq_length() == T + 5
+    assert check.seen == {l: {d} for l, d in want.items()}
+    for layer, d in want.items():
+        assert str(cache.layers[layer].keys.device) == d and norms.norms[layer][0].tensor.shape[-1] == T + 5
+        assert str(norms.norms[layer][0].tensor.device) == d
+
+
+@pytest.mark.parametrize("fake", CASES[:1], ids=IDS[:1], indirect=True)
+def test_compressed_cache_scores_stay_on_the_device(fake):
+    """A prompt read into a compressed cache whose policy records scores from the capture
+    (CacheScorer). Eviction itself decides on the host (a boundary)."""
+    handle, want = fake
+    cache = CompressedCache(handle.model.config, "h2o", budget=64)
+    with compressing(handle.model, cache):
+        logits = cached_forward(handle, cache, torch.randint(3, 100, (1, T)))
+    assert logits.shape[:2] == (1, T)
+    for layer in want:
+        assert cache.layers[layer].step.device == CUDA0 and cache.layers[layer].keys.device == CUDA0
+
+
+# --------------------------------------------------------------------------------------------
+# What fake tensors cannot follow: every host read of the GPU path, documented
+# --------------------------------------------------------------------------------------------
+
+GPU_PATH = ("capture/plugin.py", "capture/interventions.py", "streaming/reducers.py", "generation/decoding.py",
+            "kvcache/cache.py", "kvcache/policies.py", "metrics/formulas.py", "metrics/registry.py")
+HOST_METHODS = ("cpu", "numpy", "item", "tolist", "nonzero", "equal")
+"""Calls that bring a tensor's values to the host (``torch.equal`` and ``nonzero`` decide on them)."""
+HOST_BUILTINS = ("int", "float", "bool")
+"""Python conversions of a computed value (a call or a subscript: ``int(x.max())``, ``bool(m.all())``)."""
+
+
+def _is_host_read(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    if isinstance(node.func, ast.Attribute):
+        return node.func.attr in HOST_METHODS
+    return (isinstance(node.func, ast.Name) and node.func.id in HOST_BUILTINS and len(node.args) == 1
+            and isinstance(node.args[0], (ast.Call, ast.Subscript)))
+
+
+def _host_calls() -> dict[tuple[str, str], int]:
+    """``{(module, function): count}`` of the host reads in the GPU path's modules; functions are
+    named as ``Class.method`` or ``function`` (the innermost enclosing definition)."""
+    pkg = Path(attngeom.__file__).parent
+    out: dict[tuple[str, str], int] = {}
+    for rel in GPU_PATH:
+        tree = ast.parse((pkg / rel).read_text(encoding="utf-8"))
+        owner: dict[int, str] = {}
+
+        def visit(node, name):
+            for child in ast.iter_child_nodes(node):
+                inner = name
+                if isinstance(child, ast.ClassDef):
+                    inner = child.name
+                elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    inner = f"{name}.{child.name}" if name and name[0].isupper() and "." not in name else child.name
+                owner[id(child)] = inner
+                visit(child, inner)
+
+        visit(tree, "")
+        for node in ast.walk(tree):
+            if _is_host_read(node):
+                key = (rel, owner.get(id(node)) or "<module>")
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _documented() -> set[tuple[str, str]]:
+    """The ``(module, function)`` rows of docs/testing.md's table of host boundaries."""
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    section = text.split("### Host boundaries", 1)[1].split("\n#", 1)[0]
+    return {(m, f) for m, f in re.findall(r"^\| `([\w/]+\.py)` \| `([\w.]+|<module>)` \|", section, re.M)}
+
+
+def test_every_host_copy_of_the_gpu_path_is_a_documented_boundary():
+    found, documented = set(_host_calls()), _documented()
+    assert found - documented == set(), f"host copies not documented in docs/testing.md: {sorted(found - documented)}"
+    assert documented - found == set(), f"documented host boundaries that no longer exist: {sorted(documented - found)}"
