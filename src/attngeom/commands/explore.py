@@ -14,7 +14,7 @@ from pathlib import Path
 
 from attngeom.errors import InputError
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, model_identity, text_identity, text_input
 from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of, settings_of
 
 DEFAULT_TOP_K = 8
@@ -60,19 +60,17 @@ def run(args) -> int:
     settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
                 "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink,
                 **settings_of(decoding, args)}
-    with open_run(args, "explore", settings) as run:
-        if already_complete(run, "explore"):
-            return 0
-        # ---- the model, the data, the page ---------------------------------------------------------
+
+    def work(run):
         from attngeom.data.corpora import check_layers
         from attngeom.explorer.data import build
         from attngeom.reports import explore as rep
 
         handle = common.load(args)
         note_chat_template(args, handle, "explore", prompt)
-        layers = check_layers(layers, handle.num_layers)
+        checked = check_layers(layers, handle.num_layers)
         if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
-            data = build(handle, prompt, layers=layers, top_k=args.top_k,
+            data = build(handle, prompt, layers=checked, top_k=args.top_k,
                          exact_max_tokens=args.exact_max_tokens, sink=args.sink, decoding=decoding, chat=args.chat,
                          system=args.system, progress=not args.no_progress)
             ids = data.ids
@@ -83,7 +81,7 @@ def run(args) -> int:
                 raise InputError(f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}")
             if args.sink >= len(ids):
                 raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
-            data = build(handle, ids, layers=layers, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
+            data = build(handle, ids, layers=checked, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
                          sink=args.sink)
         page = rep.render(data)
 
@@ -91,12 +89,15 @@ def run(args) -> int:
             (staging / PAGE).write_text(page, encoding="utf-8", newline="\n")
             return [PAGE]
 
-        run.finish(write)
-    size = len(page.encode("utf-8"))
-    mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
-    print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
-          f"in {time.perf_counter() - t_start:.1f} s -> {run.out / PAGE}", file=sys.stderr)
-    if data.exact and size > 50e6:
-        print("attngeom explore: note: exact maps grow with layers x heads x T^2; for a smaller page use "
-              "--exact-max-tokens 0 (top-k sources) or fewer --layers", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            size = len(page.encode("utf-8"))
+            mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
+            print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
+                  f"in {time.perf_counter() - t_start:.1f} s -> {out / PAGE}", file=sys.stderr)
+            if data.exact and size > 50e6:
+                print("attngeom explore: note: exact maps grow with layers x heads x T^2; for a smaller page use "
+                      "--exact-max-tokens 0 (top-k sources) or fewer --layers", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "explore", settings, work)
