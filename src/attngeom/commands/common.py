@@ -211,6 +211,17 @@ def model_identity(args) -> dict:
     return out
 
 
+def layers_identity(layers) -> str | list[int]:
+    """Layers as a run's settings record them: ``"all"`` for None, else sorted, each once."""
+    return "all" if layers is None else sorted(set(layers))
+
+
+def settings_identity(settings) -> dict:
+    """An experiment's settings as its run's identity records them: ``settings.record()`` without
+    ``batch_size`` (how many windows share a forward pass says how, not what, is computed)."""
+    return {k: v for k, v in settings.record().items() if k != "batch_size"}
+
+
 def corpus_identity(args, fields: list[str] | None, data: dict | None = None) -> dict:
     """The identity of a corpus command's run before its own options: the model
     (:func:`model_identity`), the corpus (:func:`data_identity` of ``--data``, or ``data`` as given),

@@ -68,7 +68,7 @@ def run(args) -> int:
     model_b = args.model_b or args.model
     settings = {**model_identity(args), "model_b": model_identity(argparse.Namespace(**{**vars(args), "model": model_b})),
                 "a": text_identity(text_a, source_a), "b": text_identity(text_b, source_b),
-                "layers": "all" if layers is None else sorted(set(layers)), "target": args.target}
+                "layers": common.layers_identity(layers), "target": args.target}
 
     def work(run):
         from attngeom.explorer.data import from_trace

@@ -17,16 +17,14 @@ from attngeom.commands import common
 from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, model_identity, text_identity, text_input
 from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of, settings_of
 
-DEFAULT_TOP_K = 8
-"""Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explorer.data.DEFAULT_TOP_K``)."""
-DEFAULT_EXACT_MAX_TOKENS = 512
-"""Every source kept up to this many tokens (``attngeom.explorer.data.DEFAULT_EXACT_MAX_TOKENS``)."""
-
 DEFAULT_OUT = "out/explore"
 PAGE = "explore.html"
 
 
 def add_parser(subparsers) -> None:
+    from attngeom.explorer.settings import ExploreSettings
+
+    d = ExploreSettings()
     p = subparsers.add_parser(
         "explore",
         help="write an interactive, offline HTML explorer of attention vs contribution for one text",
@@ -38,11 +36,11 @@ def add_parser(subparsers) -> None:
     add_model_args(p)
     add_text_args(p, "explore")
     p.add_argument("--layers", default="all", help="layers to include: all (default) or a list, e.g. 0,5,29")
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
-                   help=f"sources kept per (layer, head, query) beyond --exact-max-tokens (default {DEFAULT_TOP_K})")
-    p.add_argument("--exact-max-tokens", type=int, default=DEFAULT_EXACT_MAX_TOKENS,
-                   help=f"keep every source (exact maps) up to this many tokens (default {DEFAULT_EXACT_MAX_TOKENS})")
-    p.add_argument("--sink", type=int, default=0, help="position of the sink token (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=d.top_k,
+                   help="sources kept per (layer, head, query) beyond --exact-max-tokens (default %(default)s)")
+    p.add_argument("--exact-max-tokens", type=int, default=d.exact_max_tokens,
+                   help="keep every source (exact maps) up to this many tokens (default %(default)s)")
+    p.add_argument("--sink", type=int, default=d.sink, help="position of the sink token (default %(default)s)")
     add_generation_args(p)
     common.add_progress_arg(p)
     add_out_arg(p, default=DEFAULT_OUT)
@@ -57,7 +55,7 @@ def run(args) -> int:
     text, source = text_input(args, "explore")
     decoding = decoding_of(args)
     prompt = prompt_of(args, text) if decoding else text
-    settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
+    settings = {**model_identity(args), **text_identity(text, source), "layers": common.layers_identity(layers),
                 "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink,
                 **settings_of(decoding, args)}
 

@@ -75,7 +75,7 @@ def run(args) -> int:
                 "max_examples": args.max_examples if args.task else None,
                 "window": None if args.task else args.window, "stride": None if args.task else args.stride,
                 "max_windows": None if args.task else args.max_windows,
-                "layers": "all" if layers is None else sorted(set(layers)), "per_head": bool(args.per_head),
+                "layers": common.layers_identity(layers), "per_head": bool(args.per_head),
                 "absolute": bool(args.absolute), "metrics": metrics, "ratios": sorted(ratios), "seeds": seeds}
 
     def work(run):

@@ -90,16 +90,15 @@ def run(args) -> int:
 
     retentions = check_args(args)
     fields = common.fields_of(args)
+    options = HeadsSettings(calib_windows=args.calib_windows, retentions=tuple(retentions), winner_norm=args.winner_norm,
+                            sink=args.sink, seed=args.seed, critical_k=args.critical_k, batch_size=args.batch_size)
     settings = {**common.corpus_identity(args, fields, {"data": [common.data_identity(d) for d in args.data]}),
-                "calib_windows": args.calib_windows, "retentions": retentions, "winner_norm": args.winner_norm,
-                "sink": args.sink, "seed": args.seed, "critical_k": args.critical_k}
+                **common.settings_identity(options)}
 
     def work(run):
         handle = common.load(args)
         corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
-        res = experiment(handle, run, corpora, HeadsSettings(
-            calib_windows=args.calib_windows, retentions=tuple(retentions), winner_norm=args.winner_norm, sink=args.sink,
-            seed=args.seed, critical_k=args.critical_k, batch_size=args.batch_size), names=args.data)
+        res = experiment(handle, run, corpora, options, names=args.data)
         model_name = getattr(handle, "name", args.model)
         summary = {"command": "heads", "model": model_name, "data": args.data, "window": args.window,
                    **res.summary, "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}

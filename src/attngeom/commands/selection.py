@@ -17,6 +17,7 @@ layer, query and head: the sink-aware parameters and the measured and predicted 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from attngeom.errors import InputError
@@ -113,18 +114,19 @@ def run(args) -> int:
 
     ns, distances, queries, layers = parse_args_checked(args)
     fields = common.fields_of(args)
-    options = {"ns": ns, "distances": distances, "repeats": args.repeats, "seed": args.seed, "queries": queries,
-               "sink": args.sink, "predict": not args.no_predict, "max_lag": args.max_lag,
-               "small_n_max": args.small_n_max, "random_without_sink": not args.no_random_nosink}
-    settings = {**common.corpus_identity(args, fields), "layers": "all" if layers is None else sorted(set(layers)), **options}
+    options = SelectionSettings(ns=tuple(ns), distances=tuple(distances), repeats=args.repeats, seed=args.seed,
+                                queries=queries, sink=args.sink, predict=not args.no_predict, max_lag=args.max_lag,
+                                small_n_max=args.small_n_max, random_without_sink=not args.no_random_nosink,
+                                batch_size=args.batch_size)
+    settings = {**common.corpus_identity(args, fields), "layers": common.layers_identity(layers),
+                **options.stats_options()}
 
     def work(run):
         handle = common.load(args)
         checked = check_layers(layers, handle.num_layers)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
-        res = experiment(handle, run, windows, SelectionSettings(
-            **{**options, "ns": tuple(ns), "distances": tuple(distances)},
-            layers=None if checked is None else tuple(checked), batch_size=args.batch_size))
+        res = experiment(handle, run, windows,
+                         dataclasses.replace(options, layers=None if checked is None else tuple(checked)))
         model_name = getattr(handle, "name", args.model)
         summary = {
             "command": "selection",

@@ -62,8 +62,8 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)  # a missing, empty or malformed corpus fails before the model loads
-    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
-                "removal_layers": "all" if removal_layers is None else sorted(set(removal_layers))}
+    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": common.layers_identity(layers),
+                "removal_layers": common.layers_identity(removal_layers)}
 
     def work(run):
         handle = common.load(args)

@@ -20,4 +20,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "resolve_mode": "data",
     "build": "data",
     "from_trace": "data",
+    "ExploreSettings": "settings",
 })
