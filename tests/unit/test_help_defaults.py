@@ -12,6 +12,7 @@ from attngeom import cli
 
 SETTINGS = {
     "analyze": ("attngeom.analysis.settings", "AnalyzeSettings", {}),
+    "explore": ("attngeom.explorer.settings", "ExploreSettings", {}),
     "faithfulness": ("attngeom.faithfulness.settings", "FaithfulnessSettings", {}),
     "sinks": ("attngeom.sinks.settings", "SinksSettings", {}),
     "selection": ("attngeom.selection.settings", "SelectionSettings", {}),

@@ -61,12 +61,14 @@ def test_commands_are_thin_modules():
             assert forbidden not in src, f"{p.name} runs the model itself ({forbidden})"
 
 
-def test_explore_defaults_of_the_command_match_the_core():
-    """The command keeps its defaults light (no torch at --help); they must equal the core's."""
+def test_explore_defaults_are_said_once():
+    """The explorer's defaults live in its light settings module (no torch at --help); the core's
+    constants are those fields."""
     from attngeom.explorer import data as explore
-    from attngeom.commands import explore as cmd
+    from attngeom.explorer.settings import ExploreSettings
 
-    assert (cmd.DEFAULT_TOP_K, cmd.DEFAULT_EXACT_MAX_TOKENS) == (explore.DEFAULT_TOP_K, explore.DEFAULT_EXACT_MAX_TOKENS)
+    d = ExploreSettings()
+    assert (explore.DEFAULT_TOP_K, explore.DEFAULT_EXACT_MAX_TOKENS) == (d.top_k, d.exact_max_tokens) == (8, 512)
 
 
 def test_trace_is_in_no_import_cycle():

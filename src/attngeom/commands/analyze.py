@@ -22,7 +22,7 @@ from pathlib import Path
 from attngeom.errors import InputError
 from attngeom.analysis.settings import AnalyzeSettings
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input, write_json, write_parquet
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, model_identity, text_identity, text_input, write_json, write_parquet
 from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of
 
 DEFAULT_OUT = "out/analyze"
@@ -102,9 +102,8 @@ def run(args) -> int:
                                system=args.system, rank_special=args.rank_special)
     prompt = prompt_of(args, text) if settings.decoding else text
     identity = {**model_identity(args), **text_identity(text, source), **settings.record()}
-    with open_run(args, "analyze", identity) as run:
-        if already_complete(run, "analyze"):
-            return 0
+
+    def work(run):
         t0 = time.perf_counter()
         handle = common.load(args)
         t_load = time.perf_counter() - t0
@@ -127,10 +126,13 @@ def run(args) -> int:
             (staging / "report.md").write_text(rep.report_markdown(res.summary), encoding="utf-8")
             return list(files)
 
-        files = run.finish(write)
-    print(f"attngeom analyze: {res.summary['T']} tokens, {len(res.summary['layers'])} layer(s) -> {run.out}/ "
-          f"({', '.join(files)})", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            print(f"attngeom analyze: {res.summary['T']} tokens, {len(res.summary['layers'])} layer(s) -> {out}/ "
+                  f"({', '.join(files)})", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "analyze", identity, work)
 
 
 def _run_corpus(args, layers, t_start) -> int:
@@ -151,9 +153,8 @@ def _run_corpus(args, layers, t_start) -> int:
     fields = fields_of(args)
     identity = {**model_identity(args), **data_identity(args.data), "fields": fields, "max_prompts": args.max_prompts,
                 **settings.answer_record()}
-    with open_run(args, "analyze", identity) as run:
-        if already_complete(run, "analyze"):
-            return 0
+
+    def work(run):
         texts = resolve_texts(args.data, fields)[: args.max_prompts]
         if not texts:
             raise InputError(f"{args.data} holds no prompt")
@@ -168,9 +169,12 @@ def _run_corpus(args, layers, t_start) -> int:
             write_json(staging / "summary.json", res.summary)
             return common.write_report(staging, "analyze", res.summary, res.summary["files"][:-1])
 
-        files = run.finish(write)
-    print(f"attngeom analyze: {len(texts)} prompt(s) answered -> {run.out}/ ({', '.join(files)})", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            print(f"attngeom analyze: {len(texts)} prompt(s) answered -> {out}/ ({', '.join(files)})", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "analyze", identity, work)
 
 
 def _write_tables(staging: Path, tables: dict) -> list[str]:

@@ -109,9 +109,8 @@ def run(args) -> int:
     settings = {**common.corpus_identity(args, fields), "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
                 "bootstrap": args.bootstrap, "seed": args.seed}
     t0 = time.time()
-    with common.open_run(args, "claims", settings) as run:
-        if common.already_complete(run, "claims"):
-            return 0
+
+    def work(run):
         handle = common.load(args)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
         if len(windows) <= args.calib_windows + 1:
@@ -133,11 +132,13 @@ def run(args) -> int:
             return common.write_report(staging, "claims", {**res.summary, "data": args.data, "window": args.window},
                                        ["claims.md", "claims.json"], model_name)
 
-        run.finish(write)
-    if run.comm.rank == 0:
-        counts = {}
-        for r in res.summary["rows"]:
-            counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-        print(f"attngeom claims: {model_name}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-              + f"; {seconds:.0f} s; written to {run.out}", file=sys.stderr)
-    return 0
+        def report(out_dir, files) -> None:
+            counts = {}
+            for r in res.summary["rows"]:
+                counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+            print(f"attngeom claims: {model_name}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+                  + f"; {seconds:.0f} s; written to {out_dir}", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "claims", settings, work)

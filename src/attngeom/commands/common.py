@@ -1,8 +1,9 @@
 """Pieces shared by the commands: common options, the run (output directory), model loading.
 
 A command is thin: it checks its arguments (everything that needs no model, before any compute),
-opens its :class:`~attngeom.runs.run.Run` (which claims the output directory), loads the model, calls
-an experiment of the core and writes its outputs through :meth:`~attngeom.runs.run.Run.finish`.
+says what identifies its run and hands the rest to :func:`run_command`, which opens the
+:class:`~attngeom.runs.run.Run` (claiming the output directory), lets the command load the model and
+call an experiment of the core, writes the outputs through :meth:`~attngeom.runs.run.Run.finish` and prints the result.
 """
 
 from __future__ import annotations
@@ -210,6 +211,17 @@ def model_identity(args) -> dict:
     return out
 
 
+def layers_identity(layers) -> str | list[int]:
+    """Layers as a run's settings record them: ``"all"`` for None, else sorted, each once."""
+    return "all" if layers is None else sorted(set(layers))
+
+
+def settings_identity(settings) -> dict:
+    """An experiment's settings as its run's identity records them: ``settings.record()`` without
+    ``batch_size`` (how many windows share a forward pass says how, not what, is computed)."""
+    return {k: v for k, v in settings.record().items() if k != "batch_size"}
+
+
 def corpus_identity(args, fields: list[str] | None, data: dict | None = None) -> dict:
     """The identity of a corpus command's run before its own options: the model
     (:func:`model_identity`), the corpus (:func:`data_identity` of ``--data``, or ``data`` as given),
@@ -231,6 +243,23 @@ def open_run(args, command: str, settings: dict):
     except BaseException:
         comm.close()
         raise
+
+
+def run_command(args, command: str, identity: dict, work) -> int:
+    """The sequence every command shares, after its options are checked: open the run of ``command``
+    in ``--out`` with ``identity`` (:func:`open_run`; the run's settings in run.json), stop when it
+    is already complete (:func:`already_complete`), else ``work(run)``, which loads the model, runs
+    the experiment and returns ``(write, report)``: ``write(staging)`` writes the outputs and returns
+    their file names (:meth:`Run.finish`), ``report(out, files)`` prints the result, on rank 0 only,
+    once the run is closed. Returns the exit status, 0."""
+    with open_run(args, command, identity) as run:
+        if already_complete(run, command):
+            return 0
+        write, report = work(run)
+        files = run.finish(write)
+    if run.comm.rank == 0:
+        report(run.out, files)
+    return 0
 
 
 def already_complete(run: RunLike, command: str) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from attngeom.errors import InputError
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, already_complete, check_layer_list, model_identity, open_run, text_identity, write_json, write_parquet
+from attngeom.commands.common import add_model_args, add_out_arg, check_layer_list, model_identity, text_identity, write_json, write_parquet
 
 DEFAULT_OUT = "out/compare"
 PAGE = "compare.html"
@@ -68,10 +68,9 @@ def run(args) -> int:
     model_b = args.model_b or args.model
     settings = {**model_identity(args), "model_b": model_identity(argparse.Namespace(**{**vars(args), "model": model_b})),
                 "a": text_identity(text_a, source_a), "b": text_identity(text_b, source_b),
-                "layers": "all" if layers is None else sorted(set(layers)), "target": args.target}
-    with open_run(args, "compare", settings) as run:
-        if already_complete(run, "compare"):
-            return 0
+                "layers": common.layers_identity(layers), "target": args.target}
+
+    def work(run):
         from attngeom.explorer.data import from_trace
         from attngeom.reports import explore
         from attngeom.traces.compare import compare_texts, tables
@@ -97,7 +96,10 @@ def run(args) -> int:
             (staging / "report.md").write_text(rep.report_markdown(summary, diff), encoding="utf-8")
             return list(files)
 
-        files = run.finish(write)
-    print(f"attngeom compare: {summary['aligned']} aligned tokens, {len(summary['layers'])} layer(s) -> {run.out}/ "
-          f"({', '.join(files)})", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            print(f"attngeom compare: {summary['aligned']} aligned tokens, {len(summary['layers'])} layer(s) -> {out}/ "
+                  f"({', '.join(files)})", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "compare", settings, work)

@@ -14,19 +14,17 @@ from pathlib import Path
 
 from attngeom.errors import InputError
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, already_complete, check_at_least, check_layer_list, model_identity, open_run, text_identity, text_input
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, model_identity, text_identity, text_input
 from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of, settings_of
-
-DEFAULT_TOP_K = 8
-"""Sources kept per (layer, head, query) beyond ``--exact-max-tokens`` (``attngeom.explorer.data.DEFAULT_TOP_K``)."""
-DEFAULT_EXACT_MAX_TOKENS = 512
-"""Every source kept up to this many tokens (``attngeom.explorer.data.DEFAULT_EXACT_MAX_TOKENS``)."""
 
 DEFAULT_OUT = "out/explore"
 PAGE = "explore.html"
 
 
 def add_parser(subparsers) -> None:
+    from attngeom.explorer.settings import ExploreSettings
+
+    d = ExploreSettings()
     p = subparsers.add_parser(
         "explore",
         help="write an interactive, offline HTML explorer of attention vs contribution for one text",
@@ -38,11 +36,11 @@ def add_parser(subparsers) -> None:
     add_model_args(p)
     add_text_args(p, "explore")
     p.add_argument("--layers", default="all", help="layers to include: all (default) or a list, e.g. 0,5,29")
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
-                   help=f"sources kept per (layer, head, query) beyond --exact-max-tokens (default {DEFAULT_TOP_K})")
-    p.add_argument("--exact-max-tokens", type=int, default=DEFAULT_EXACT_MAX_TOKENS,
-                   help=f"keep every source (exact maps) up to this many tokens (default {DEFAULT_EXACT_MAX_TOKENS})")
-    p.add_argument("--sink", type=int, default=0, help="position of the sink token (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=d.top_k,
+                   help="sources kept per (layer, head, query) beyond --exact-max-tokens (default %(default)s)")
+    p.add_argument("--exact-max-tokens", type=int, default=d.exact_max_tokens,
+                   help="keep every source (exact maps) up to this many tokens (default %(default)s)")
+    p.add_argument("--sink", type=int, default=d.sink, help="position of the sink token (default %(default)s)")
     add_generation_args(p)
     common.add_progress_arg(p)
     add_out_arg(p, default=DEFAULT_OUT)
@@ -57,22 +55,20 @@ def run(args) -> int:
     text, source = text_input(args, "explore")
     decoding = decoding_of(args)
     prompt = prompt_of(args, text) if decoding else text
-    settings = {**model_identity(args), **text_identity(text, source), "layers": "all" if layers is None else sorted(set(layers)),
+    settings = {**model_identity(args), **text_identity(text, source), "layers": common.layers_identity(layers),
                 "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink,
                 **settings_of(decoding, args)}
-    with open_run(args, "explore", settings) as run:
-        if already_complete(run, "explore"):
-            return 0
-        # ---- the model, the data, the page ---------------------------------------------------------
+
+    def work(run):
         from attngeom.data.corpora import check_layers
         from attngeom.explorer.data import build
         from attngeom.reports import explore as rep
 
         handle = common.load(args)
         note_chat_template(args, handle, "explore", prompt)
-        layers = check_layers(layers, handle.num_layers)
+        checked = check_layers(layers, handle.num_layers)
         if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
-            data = build(handle, prompt, layers=layers, top_k=args.top_k,
+            data = build(handle, prompt, layers=checked, top_k=args.top_k,
                          exact_max_tokens=args.exact_max_tokens, sink=args.sink, decoding=decoding, chat=args.chat,
                          system=args.system, progress=not args.no_progress)
             ids = data.ids
@@ -83,7 +79,7 @@ def run(args) -> int:
                 raise InputError(f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}")
             if args.sink >= len(ids):
                 raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
-            data = build(handle, ids, layers=layers, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
+            data = build(handle, ids, layers=checked, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
                          sink=args.sink)
         page = rep.render(data)
 
@@ -91,12 +87,15 @@ def run(args) -> int:
             (staging / PAGE).write_text(page, encoding="utf-8", newline="\n")
             return [PAGE]
 
-        run.finish(write)
-    size = len(page.encode("utf-8"))
-    mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
-    print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
-          f"in {time.perf_counter() - t_start:.1f} s -> {run.out / PAGE}", file=sys.stderr)
-    if data.exact and size > 50e6:
-        print("attngeom explore: note: exact maps grow with layers x heads x T^2; for a smaller page use "
-              "--exact-max-tokens 0 (top-k sources) or fewer --layers", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            size = len(page.encode("utf-8"))
+            mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
+            print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
+                  f"in {time.perf_counter() - t_start:.1f} s -> {out / PAGE}", file=sys.stderr)
+            if data.exact and size > 50e6:
+                print("attngeom explore: note: exact maps grow with layers x heads x T^2; for a smaller page use "
+                      "--exact-max-tokens 0 (top-k sources) or fewer --layers", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "explore", settings, work)

@@ -9,7 +9,7 @@ from pathlib import Path
 from attngeom.errors import InputError
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.commands import common
-from attngeom.commands.common import add_data_args, add_model_args, add_out_arg, already_complete, check_at_least, check_layer_list, data_identity, fields_of, model_identity, open_run, write_json, write_parquet
+from attngeom.commands.common import add_data_args, add_model_args, add_out_arg, check_at_least, check_layer_list, data_identity, fields_of, model_identity, write_json, write_parquet
 
 
 def add_parser(subparsers) -> None:
@@ -75,14 +75,12 @@ def run(args) -> int:
                 "max_examples": args.max_examples if args.task else None,
                 "window": None if args.task else args.window, "stride": None if args.task else args.stride,
                 "max_windows": None if args.task else args.max_windows,
-                "layers": "all" if layers is None else sorted(set(layers)), "per_head": bool(args.per_head),
+                "layers": common.layers_identity(layers), "per_head": bool(args.per_head),
                 "absolute": bool(args.absolute), "metrics": metrics, "ratios": sorted(ratios), "seeds": seeds}
-    with open_run(args, "faithfulness", settings) as run:
-        if already_complete(run, "faithfulness"):
-            return 0
-        # ---- the model --------------------------------------------------------------------------
+
+    def work(run):
         handle = common.load(args)
-        layers = check_layers(layers, handle.num_layers)
+        checked = check_layers(layers, handle.num_layers)
         if examples is not None:
             units = task_units(handle, examples)
         else:
@@ -93,7 +91,7 @@ def run(args) -> int:
             units = window_units(wins)
         info = {"model_name": getattr(handle, "name", args.model), **settings}
         res = experiment(handle, run, units=units, progress=not args.no_progress, examples=examples, meta=info,
-                         settings=dataclasses.replace(options, layers=None if layers is None else tuple(layers)))
+                         settings=dataclasses.replace(options, layers=None if checked is None else tuple(checked)))
         table, summary = res.tables["table"], res.summary
 
         def write(staging: Path) -> list[str]:
@@ -108,10 +106,9 @@ def run(args) -> int:
                                      args)
             return common.write_report(staging, "faithfulness", summary, files)
 
-        files = run.finish(write)
-        if run.comm.rank == 0:
-            _print_summary(summary, run.out, files)
-    return 0
+        return write, lambda out, files: _print_summary(summary, out, files)
+
+    return common.run_command(args, "faithfulness", settings, work)
 
 
 def _print_summary(summary: dict, out: Path, files) -> None:

@@ -90,17 +90,15 @@ def run(args) -> int:
 
     retentions = check_args(args)
     fields = common.fields_of(args)
+    options = HeadsSettings(calib_windows=args.calib_windows, retentions=tuple(retentions), winner_norm=args.winner_norm,
+                            sink=args.sink, seed=args.seed, critical_k=args.critical_k, batch_size=args.batch_size)
     settings = {**common.corpus_identity(args, fields, {"data": [common.data_identity(d) for d in args.data]}),
-                "calib_windows": args.calib_windows, "retentions": retentions, "winner_norm": args.winner_norm,
-                "sink": args.sink, "seed": args.seed, "critical_k": args.critical_k}
-    with common.open_run(args, "heads", settings) as run:
-        if common.already_complete(run, "heads"):
-            return 0
+                **common.settings_identity(options)}
+
+    def work(run):
         handle = common.load(args)
         corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
-        res = experiment(handle, run, corpora, HeadsSettings(
-            calib_windows=args.calib_windows, retentions=tuple(retentions), winner_norm=args.winner_norm, sink=args.sink,
-            seed=args.seed, critical_k=args.critical_k, batch_size=args.batch_size), names=args.data)
+        res = experiment(handle, run, corpora, options, names=args.data)
         model_name = getattr(handle, "name", args.model)
         summary = {"command": "heads", "model": model_name, "data": args.data, "window": args.window,
                    **res.summary, "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}
@@ -109,10 +107,12 @@ def run(args) -> int:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
                                         None if args.no_figures else "heads", args)
 
-        run.finish(write)
-    if run.comm.rank == 0:
-        sh = summary["regime_share"][args.data[0]]
-        msg = ", ".join(f"{r} {sh[r]:.0%}" for r in REGIMES)
-        print(f"attngeom heads: {model_name}: {msg}; regime order {' > '.join(summary['taxonomy_regime_order'])}; "
-              f"{len(summary['critical_heads'])} critical head(s); written to {run.out}", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            sh = summary["regime_share"][args.data[0]]
+            msg = ", ".join(f"{r} {sh[r]:.0%}" for r in REGIMES)
+            print(f"attngeom heads: {model_name}: {msg}; regime order {' > '.join(summary['taxonomy_regime_order'])}; "
+                  f"{len(summary['critical_heads'])} critical head(s); written to {out}", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "heads", settings, work)

@@ -106,9 +106,8 @@ def run(args) -> int:
         settings.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
                          "reference_field": args.reference_field, "max_examples": args.max_examples,
                          "new_tokens": args.new_tokens})
-    with common.open_run(args, "kvcache", settings) as run:
-        if common.already_complete(run, "kvcache"):
-            return 0
+
+    def work(run):
         handle = common.load(args)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows + calib_n, fields)
         evaluated, calib = windows[: args.max_windows], windows[args.max_windows:]
@@ -161,13 +160,15 @@ def run(args) -> int:
             common.write_json(staging / "summary.json", summary)
             return common.write_report(staging, "kvcache", summary, files + ["summary.json"], model_name)
 
-        run.finish(write)
-    if run.comm.rank == 0:
-        best = summary_df[summary_df["policy"] != "full"].sort_values("ppl").head(1)
-        note = "" if best.empty else f"; lowest perplexity {best['policy'].iloc[0]} at budget {int(best['budget'].iloc[0])}"
-        print(f"attngeom kvcache: {model_name}: {len(evaluated)} windows, {len(policies)} policies x "
-              f"{len(budgets)} budgets{note}; written to {run.out}", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            best = summary_df[summary_df["policy"] != "full"].sort_values("ppl").head(1)
+            note = "" if best.empty else f"; lowest perplexity {best['policy'].iloc[0]} at budget {int(best['budget'].iloc[0])}"
+            print(f"attngeom kvcache: {model_name}: {len(evaluated)} windows, {len(policies)} policies x "
+                  f"{len(budgets)} budgets{note}; written to {out}", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "kvcache", settings, work)
 
 
 def _answer_texts(args) -> list[tuple[str, str]]:

@@ -17,6 +17,7 @@ layer, query and head: the sink-aware parameters and the measured and predicted 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from attngeom.errors import InputError
@@ -113,19 +114,19 @@ def run(args) -> int:
 
     ns, distances, queries, layers = parse_args_checked(args)
     fields = common.fields_of(args)
-    options = {"ns": ns, "distances": distances, "repeats": args.repeats, "seed": args.seed, "queries": queries,
-               "sink": args.sink, "predict": not args.no_predict, "max_lag": args.max_lag,
-               "small_n_max": args.small_n_max, "random_without_sink": not args.no_random_nosink}
-    settings = {**common.corpus_identity(args, fields), "layers": "all" if layers is None else sorted(set(layers)), **options}
-    with common.open_run(args, "selection", settings) as run:
-        if common.already_complete(run, "selection"):
-            return 0
+    options = SelectionSettings(ns=tuple(ns), distances=tuple(distances), repeats=args.repeats, seed=args.seed,
+                                queries=queries, sink=args.sink, predict=not args.no_predict, max_lag=args.max_lag,
+                                small_n_max=args.small_n_max, random_without_sink=not args.no_random_nosink,
+                                batch_size=args.batch_size)
+    settings = {**common.corpus_identity(args, fields), "layers": common.layers_identity(layers),
+                **options.stats_options()}
+
+    def work(run):
         handle = common.load(args)
-        layers = check_layers(layers, handle.num_layers)
+        checked = check_layers(layers, handle.num_layers)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
-        res = experiment(handle, run, windows, SelectionSettings(
-            **{**options, "ns": tuple(ns), "distances": tuple(distances)},
-            layers=None if layers is None else tuple(layers), batch_size=args.batch_size))
+        res = experiment(handle, run, windows,
+                         dataclasses.replace(options, layers=None if checked is None else tuple(checked)))
         model_name = getattr(handle, "name", args.model)
         summary = {
             "command": "selection",
@@ -140,7 +141,7 @@ def run(args) -> int:
             "repeats": args.repeats,
             "seed": args.seed,
             "sink_position": args.sink,
-            "layers": layers if layers is not None else "all",
+            "layers": checked if checked is not None else "all",
             **res.summary,
             "settings": settings,
             "files": [f"{t}.parquet" for t in TABLES],
@@ -150,15 +151,17 @@ def run(args) -> int:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
                                         None if args.no_figures else "selection", args)
 
-        run.finish(write)
-    if run.comm.rank == 0:
-        d0 = distances[0]
-        parts = []
-        for n in [n for n in ns if n <= 4]:
-            ft = summary[d0]["with_sink"]["f_topn"].get(n)
-            fr = summary[d0]["with_sink"]["f_random"].get(n)
-            if ft is not None and fr is not None:
-                parts.append(f"N={n}: top {ft:.3f} / random {fr:.3f}")
-        print(f"attngeom selection: {model_name}: F ({d0}, with sink) " + "; ".join(parts)
-              + f"; bound violations {summary['bound_violations']}; written to {run.out}", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            d0 = distances[0]
+            parts = []
+            for n in [n for n in ns if n <= 4]:
+                ft = summary[d0]["with_sink"]["f_topn"].get(n)
+                fr = summary[d0]["with_sink"]["f_random"].get(n)
+                if ft is not None and fr is not None:
+                    parts.append(f"N={n}: top {ft:.3f} / random {fr:.3f}")
+            print(f"attngeom selection: {model_name}: F ({d0}, with sink) " + "; ".join(parts)
+                  + f"; bound violations {summary['bound_violations']}; written to {out}", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "selection", settings, work)

@@ -62,20 +62,19 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)  # a missing, empty or malformed corpus fails before the model loads
-    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": "all" if layers is None else sorted(set(layers)),
-                "removal_layers": "all" if removal_layers is None else sorted(set(removal_layers))}
-    with common.open_run(args, "sinks", settings) as run:
-        if common.already_complete(run, "sinks"):
-            return 0
+    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": common.layers_identity(layers),
+                "removal_layers": common.layers_identity(removal_layers)}
+
+    def work(run):
         handle = common.load(args)
-        layers = check_layers(layers, handle.num_layers)
-        removal_layers = check_layers(removal_layers, handle.num_layers)
+        checked = check_layers(layers, handle.num_layers)
+        removal = check_layers(removal_layers, handle.num_layers)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
         if all(len(w) <= args.sink + 1 for w in windows):
             raise InputError(f"no window is longer than the sink position {args.sink} + 1")
         res = experiment(handle, run, windows, SinksSettings(
-            sink=args.sink, layers=None if layers is None else tuple(layers),
-            removal_layers=None if removal_layers is None else tuple(removal_layers), batch_size=args.batch_size))
+            sink=args.sink, layers=None if checked is None else tuple(checked),
+            removal_layers=None if removal is None else tuple(removal), batch_size=args.batch_size))
         model_name = getattr(handle, "name", args.model)
         summary = {
             "command": "sinks",
@@ -84,8 +83,8 @@ def run(args) -> int:
             "windows": len(windows),
             "tokens": int(sum(len(w) for w in windows)),
             "sink_position": args.sink,
-            "layers": layers if layers is not None else "all",
-            "removal_layers": removal_layers if removal_layers is not None else "all",
+            "layers": checked if checked is not None else "all",
+            "removal_layers": removal if removal is not None else "all",
             "models": {model_name: res.summary},
             "settings": settings,
             "files": [f"{t}.parquet" for t in TABLES],
@@ -95,14 +94,16 @@ def run(args) -> int:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
                                         None if args.no_figures else "sinks", args)
 
-        run.finish(write)
-    m = res.summary
-    if run.comm.rank == 0:
-        print(f"attngeom sinks: {model_name}: value-norm ratio (median) {_pct(m['value_norm_ratio'], '.3g')}, "
-              f"anti-aligned heads {_pct(m['anti_aligned_share'])}, interior rho* medians "
-              f"{_pct(m['interior_minimum_share'])}, delta PPL removal {_pct(m['removal_delta_ppl'], '+.3g')} / "
-              f"control {_pct(m['control_delta_ppl'], '+.3g')}; written to {run.out}", file=sys.stderr)
-    return 0
+        def report(out, files) -> None:
+            m = res.summary
+            print(f"attngeom sinks: {model_name}: value-norm ratio (median) {_pct(m['value_norm_ratio'], '.3g')}, "
+                  f"anti-aligned heads {_pct(m['anti_aligned_share'])}, interior rho* medians "
+                  f"{_pct(m['interior_minimum_share'])}, delta PPL removal {_pct(m['removal_delta_ppl'], '+.3g')} / "
+                  f"control {_pct(m['control_delta_ppl'], '+.3g')}; written to {out}", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "sinks", settings, work)
 
 
 def _pct(x, fmt: str = ".1%") -> str:

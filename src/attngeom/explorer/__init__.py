@@ -8,4 +8,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "flow": "data",
     "build": "data",
     "from_trace": "data",
+    "ExploreSettings": "settings",
 })

@@ -35,9 +35,10 @@ from attngeom.capture.plugin import Block
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.reducers import Reducer
+from attngeom.explorer.settings import ExploreSettings
 
-DEFAULT_TOP_K = 8
-DEFAULT_EXACT_MAX_TOKENS = 512
+DEFAULT_TOP_K = ExploreSettings.top_k
+DEFAULT_EXACT_MAX_TOKENS = ExploreSettings.exact_max_tokens
 METRICS = ("attention", "contribution", "contribution_inter")
 """Stored rows: attention (view H: mean over heads), the intra-head contribution ``c_ij^h`` (view H:
 ``C_ij``) and the inter-head contribution ``C_ij^h`` (view H: ``C_ij``), which splits a layer's
