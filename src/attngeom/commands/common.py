@@ -250,7 +250,7 @@ def run_command(args, command: str, identity: dict, work) -> int:
     in ``--out`` with ``identity`` (:func:`open_run`; the run's settings in run.json), stop when it
     is already complete (:func:`already_complete`), else ``work(run)``, which loads the model, runs
     the experiment and returns ``(write, report)``: ``write(staging)`` writes the outputs and returns
-    their file names (:meth:`Run.finish`), ``report(out, files)`` prints the result, on rank 0 only,
+    their file names (:meth:`~attngeom.runs.run.Run.finish`), ``report(out, files)`` prints the result, on rank 0 only,
     once the run is closed. Returns the exit status, 0."""
     with open_run(args, command, identity) as run:
         if already_complete(run, command):
