@@ -291,12 +291,12 @@ def test_answer_view(driver, tiny_llama, tmp_path):
     assert console_errors(driver) == []
 
 
-def test_heads_behind_a_token_and_the_split_by_head(driver, tiny, tmp_path):
+def test_heads_behind_a_token_and_the_split_by_head(driver, tmp_path):
     """The heads panel lists the (layer, head, source) triples of Trace.heads_for for the shown row;
     hovering a source splits its link by head (C_ij^h, a_ij^h / H); special and chat-template tokens
     are marked and, with the box ticked, left out of the rankings."""
     from attngeom.traces.trace import analyze
-    from tiny_models import tiny_chat_tokenizer
+    from tiny_models import tiny_chat_tokenizer, tiny_model
 
     handle = tiny_model("llama")
     handle.tokenizer = tiny_chat_tokenizer()
