@@ -7,7 +7,7 @@ float32 in both cases (capture upcasts q/k/v pieces, the attention probabilities
 differs is what the bf16 forward hands it. ``tests/models/test_precision.py`` checks the bounds written in
 ``docs/precision.md``; this module also prints the full report::
 
-    .venv/bin/python tests/precision_check.py [--data ../shared/data/wikitext-2-raw-test.txt]
+    .venv/bin/python tests/precision_check.py [--data CORPUS]  (default: the WikiText excerpt in tests/data)
         [--window 256] [--windows 4] [--faith-windows 4] [--json out/precision.json]
 
 Measures, over every layer, head and query (the first ``MIN_QUERY`` queries are skipped for the
@@ -241,7 +241,7 @@ def load_pair(spec: str = "smollm2-135m"):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw-test.txt"))
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parent / "data" / "wikitext-2-raw-test-excerpt.txt"))
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--faith-windows", type=int, default=4)

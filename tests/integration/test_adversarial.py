@@ -80,14 +80,7 @@ def test_tied_output_weights_are_not_missing(tmp_path):
 
 # ---- finishing a run never deletes what attngeom did not write -------------------------------------
 
-TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. ") * 10
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    p = tmp_path / "corpus.txt"
-    p.write_text(TEXT)
-    return p
+from test_cli_edges import TEXT, corpus  # noqa: E402,F401 (the corpus fixture the command tests share)
 
 
 def _sinks(model, corpus, out, *extra):
