@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from attngeom.cli import main
 from attngeom.errors import InputError, OutputError
@@ -250,6 +251,17 @@ def test_kill_then_rerun_equals_an_uninterrupted_run(cmd, tiny_llama_dir, tmp_pa
             assert json.dumps(a[k], sort_keys=True) == json.dumps(b[k], sort_keys=True)
 
 
+def _main_at_one_thread(argv) -> int:
+    """The CLI in this process at the one thread its killed subprocess used: the thread count is
+    part of a run's identity, and the test process has whatever the machine gives it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kvcache_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
     """kvcache's tables hold times, so only its measured columns are compared."""
     data = tmp_path / "corpus.txt"
@@ -257,7 +269,7 @@ def test_kvcache_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp
     args = ["kvcache", "--model", str(tiny_llama_dir), "--data", str(data), "--window", "32", "--max-windows", "2",
             "--policies", "full,h2o", "--budgets", "8", "--no-figures", "--no-progress", "--out"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    assert main(args + [str(tmp_path / "whole")]) == 0
+    assert _main_at_one_thread(args + [str(tmp_path / "whole")]) == 0
     part = tmp_path / "part"
     p = subprocess.Popen([sys.executable, "-c", SLOW, "3", *args, str(part)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -267,7 +279,7 @@ def test_kvcache_kill_then_rerun_equals_an_uninterrupted_run(tiny_llama_dir, tmp
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert 1 <= _records(part) < 4 and not (part / MANIFEST).exists()          # killed mid-run
-    assert main(args + [str(part)]) == 0
+    assert _main_at_one_thread(args + [str(part)]) == 0
     a, b = (pd.read_parquet(d / "reads.parquet") for d in (tmp_path / "whole", part))
     cols = ["window", "policy", "budget", "nll", "tokens", "ppl", "peak_bytes"]
     pd.testing.assert_frame_equal(a[cols], b[cols])
