@@ -117,8 +117,14 @@ S = [5, 0, 1, 9, 0, 0, 8, 0, 0, 0]
 
 
 def test_policy_registry_is_complete():
-    assert set(POLICIES) == {"full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
-                             "contribution_signed", "taxonomy"}
+    from attngeom.kvcache.policies import READING_POLICIES
+
+    assert set(READING_POLICIES) == {"full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp",
+                                     "contribution", "contribution_signed", "taxonomy"}
+    assert set(POLICIES) == set(READING_POLICIES) | {
+        "random", "knorm", "pyramidkv", "criticalkv", "dropkv", "kvzip", "adakv", "loo_head", "snap_contribution",
+        "adakv_contribution", "suppressor"}
+    assert all(not get_policy(n).prefill_only for n in READING_POLICIES)
     for name in POLICIES:
         assert get_policy(name).name == name and get_policy(name).__class__.__name__ == "Policy"
     with pytest.raises(Exception, match="unknown KV-cache policy"):

@@ -148,7 +148,8 @@ class CompressedLayer(BatchMappedLayer):
         acc = self.acc if self.acc is not None else torch.zeros(B, self.num_heads, n, device=self.pos.device)
         ctx = EvictionContext(pos=self.pos, valid=valid, score=pool_heads(acc, n_kv, self.policy.pool),
                               values=self.values, seen=self.seen, budget=self.budget.to(self.pos.device),
-                              streaming=None if self.streaming is None else self.streaming.to(self.pos.device))
+                              streaming=None if self.streaming is None else self.streaming.to(self.pos.device),
+                              keys=self.keys, num_heads=self.num_heads)
         idx, ok = kept_entries(self.policy, ctx, keep)
         d_k, d_v = self.keys.shape[-1], self.values.shape[-1]
         self.keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, d_k))      # new, smaller storages

@@ -43,7 +43,7 @@ def read_under_budget(handle: ModelHandleLike, ids: Sequence[int], policy: Polic
     """Read ``ids`` with a compressed cache, ``chunk`` tokens per forward pass: ``{"nll": Σ NLL of
     tokens 1..T−1, "tokens": T−1, "seconds", "peak_bytes": largest cache storage after a pass,
     "final_bytes"}``."""
-    policy = get_policy(policy) if isinstance(policy, str) else policy
+    policy = reading_policy(policy)
     if budget is not None and policy.name != "full" and chunk >= min(
             [budget] + [min(b) for b in (head_budgets or {}).values()]):
         raise InputError(f"--chunk {chunk} must be smaller than every budget (got budget {budget})")
@@ -63,6 +63,15 @@ def read_under_budget(handle: ModelHandleLike, ids: Sequence[int], policy: Polic
     return {"nll": nll, "tokens": T - 1, "seconds": seconds, "peak_bytes": peak, "final_bytes": cache_bytes(cache)}
 
 
+def reading_policy(policy: Policy | str) -> Policy:
+    """The policy, refused in one line when it is defined only for compression once after a prefill."""
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    if policy.prefill_only:
+        raise InputError(f"the {policy.name} policy compresses once after a prefill (attngeom kvtasks), "
+                         "not while a text is read")
+    return policy
+
+
 # --------------------------------------------------------------------------------------------
 # The experiment
 # --------------------------------------------------------------------------------------------
@@ -72,7 +81,7 @@ def configurations(policies: Sequence[str], budgets: Sequence[int]) -> list[tupl
     """(policy, budget) pairs to run: ``full`` once (budget None), every other policy per budget."""
     out: list[tuple[str, int | None]] = []
     for p in policies:
-        get_policy(p)
+        reading_policy(p)
         out += [(p, None)] if p == "full" else [(p, int(b)) for b in budgets]
     return out
 
@@ -158,7 +167,7 @@ def answer_under_budget(handle: ModelHandleLike, prompt: Sequence[int], referenc
     next step, with the scores of the prompt's queries: SnapKV's setting), then (1) the reference
     continuation's summed NLL, token by token, and (2) ``new_tokens`` greedy tokens, each from a
     fresh read of the prompt: ``{"ref_nll", "ref_tokens", "generated": "id id ...", "seconds"}``."""
-    policy = get_policy(policy) if isinstance(policy, str) else policy
+    policy = reading_policy(policy)
     t0 = time.perf_counter()
 
     nll = 0.0

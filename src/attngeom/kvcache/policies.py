@@ -62,6 +62,10 @@ class EvictionContext:
     seen: int
     budget: torch.Tensor
     streaming: torch.Tensor | None = None  # [Hkv] bool: heads given sink + window only (taxonomy)
+    keys: torch.Tensor | None = None       # [B, Hkv, n, d] cached (RoPE-rotated) keys
+    layer: int = -1                        # the cache layer
+    num_heads: int = 0                     # query heads H
+    w_o: torch.Tensor | None = None        # [D, H*d] the layer's output projection (float32), when recorded
 
     def recent(self, count: torch.Tensor | int) -> torch.Tensor:
         """``[B, Hkv, n]`` bool: the entry is among the last ``count`` positions (per head)."""
@@ -90,15 +94,28 @@ class Policy:
     signed: bool = False
     per_head_budgets: bool = False
     params: dict = field(default_factory=dict)
+    allocator: Callable[[dict, float], dict] | None = None
+    prefill_only: bool = False  # scores or budgets defined only for compression once after a prefill
+    geometry: bool = False      # derived from the papers' geometry (contribution, head space, sinks)
+
+    def allocate(self, contexts: dict[int, EvictionContext], ratio: float) -> dict:
+        """Entries each key/value head keeps at compression ratio ``ratio``, per layer:
+        ``{layer: [Hkv] long}``. Default: ``n − ⌊n·ratio⌋`` in every head (kvpress's rule);
+        ``allocator`` (PyramidKV's layers, AdaKV's heads) shares the same total otherwise."""
+        if self.allocator is not None:
+            return self.allocator(contexts, ratio)
+        return {l: uniform_keep(ctx, ratio) for l, ctx in contexts.items()}
 
     def step(self, block, n_queries: int) -> torch.Tensor | None:
         """``[B, H, S]``: this block's scores summed over the queries the policy reads
         (block query ``i`` is query ``q_start + i`` of a forward pass of ``n_queries`` queries)."""
-        if self.needs is None:
+        if self.needs is None or self.needs == "reconstruction":  # reconstruction: recorded by its own pass
             return None
         if self.needs == "contribution":
             m = block.contribution
             m = m if self.signed else m.abs()
+        elif self.needs in ("leave_one_out", "leave_one_out_head"):
+            m = leave_one_out(block, head_space=self.needs == "leave_one_out_head")
         else:
             m = block.a
         if self.last is not None:
@@ -107,6 +124,35 @@ class Policy:
                 return None
             m = m[:, :, max(0, first):]
         return m.sum(2)
+
+
+def uniform_keep(ctx: EvictionContext, ratio: float) -> "torch.Tensor":
+    """``[Hkv]``: ``n − ⌊n·ratio⌋`` entries in every key/value head (kvpress's rule)."""
+    import torch
+
+    n = int(ctx.valid.sum(-1).max())
+    return torch.full((ctx.valid.shape[1],), n - int(n * ratio), dtype=torch.long)
+
+
+def leave_one_out(block, head_space: bool) -> "torch.Tensor":
+    """``[B, H, Q, S]``: how far each query's head output moves when source ``j`` alone is dropped
+    and the rest renormalised (the closed form of CAOTE, Goel et al., *CAOTE: KV Caching through
+    Attention Output Error based Token Eviction*, 2025; the DropKV score):
+    ``o^{(−j)} − o = a_ij (o_i − v_j) / (1 − a_ij)``, so its norm is
+    ``a_ij / (1 − a_ij) · ‖u_i − v_j‖``, in value space (``head_space=False``) or through
+    ``W_O^h`` (``‖·‖_G``, SPEC §2's head space). An entry holding the whole row (``a_ij = 1``)
+    scores ``inf``."""
+    import torch
+
+    a, v = block.a, block.v
+    u = block.head_output
+    if head_space:
+        uu, uv, vv = block.head_output_sq, block.uG @ v.transpose(-1, -2), block.value_norm ** 2
+    else:
+        uu, uv, vv = (u * u).sum(-1), u @ v.transpose(-1, -2), (v * v).sum(-1)
+    dist = (uu[..., None] - 2 * uv + vv[:, :, None, :]).clamp_min(0).sqrt()
+    w = torch.where(a < 1, a / (1 - a).clamp_min(1e-30), torch.full_like(a, float("inf")))
+    return torch.where(a > 0, w * dist, torch.zeros_like(a))
 
 
 def _tiers(*levels: torch.Tensor) -> torch.Tensor:
@@ -215,7 +261,7 @@ def contribution(recent: float = RECENT, signed: bool = False) -> Policy:
     name = "contribution_signed" if signed else "contribution"
     return Policy(name, ("accumulated signed" if signed else "accumulated |") + " intra-head contribution + recent window",
                   lambda ctx: (_tiers(ctx.recent(_recent_count(ctx, recent))), ctx.score),
-                  needs="contribution", signed=signed, params={"recent": recent})
+                  needs="contribution", signed=signed, params={"recent": recent}, geometry=True)
 
 
 def taxonomy(recent: float = RECENT, sinks: int = SINKS) -> Policy:
@@ -239,6 +285,218 @@ def taxonomy(recent: float = RECENT, sinks: int = SINKS) -> Policy:
                   per_head_budgets=True, params={"recent": recent, "sinks": sinks})
 
 
+# --------------------------------------------------------------------------------------------
+# Baselines of compression once after the prefill (kvpress's presses; docs/kvcache.md)
+# --------------------------------------------------------------------------------------------
+
+RANDOM_SEED = 0
+PYRAMID_BETA = 20
+"""PyramidKV's ratio of the largest to the smallest layer budget (its paper's β)."""
+CRITICAL_FIRST_STAGE = 0.5
+"""CriticalKV's share of the budget chosen by the attention score alone (its first stage)."""
+ADAKV_FLOOR = 0.2
+"""AdaKV's safeguard: every head keeps at least this share of the uniform budget."""
+
+
+def random_policy(seed: int = RANDOM_SEED) -> Policy:
+    """Random: each entry a seeded uniform score (per layer; the floor every policy must beat)."""
+    import torch
+
+    def priority(ctx):
+        g = torch.Generator().manual_seed(seed * 100_003 + ctx.layer)
+        return torch.zeros_like(ctx.pos), torch.rand(ctx.pos.shape, generator=g).to(ctx.pos.device)
+
+    return Policy("random", "seeded random scores", priority, params={"seed": seed})
+
+
+def knorm() -> Policy:
+    """Key norm (Devoto et al., *A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression*, EMNLP 2024): keep the entries whose keys have the smallest ℓ2 norm (RoPE keeps the
+    norm, so the cached key's norm is the key's). Needs no attention."""
+    import torch
+
+    return Policy("knorm", "smallest key norm", lambda ctx: (torch.zeros_like(ctx.pos), -ctx.keys.float().norm(dim=-1)))
+
+
+def _snap_priority(ctx, window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL):
+    return _tiers(ctx.recent(window)), _max_pool(ctx.score, ctx.valid, kernel)
+
+
+def pyramid_budgets(contexts: dict, ratio: float, beta: float = PYRAMID_BETA, window: int = SNAP_WINDOW) -> dict:
+    """PyramidKV's layer budgets (Cai et al., *PyramidKV: Dynamic KV Cache Compression based on
+    Pyramidal Information Funneling*, 2024): with ``k`` the uniform budget and ``w`` the observation
+    window, the compressed layers' budgets fall linearly from ``2(k − w) − (k − w)/β + w`` (first)
+    to ``(k − w)/β + w`` (last), so their mean is ``k``; where the first would exceed the ``n``
+    entries, it is ``n`` and the slope is lowered to keep the mean (the paper's own rule)."""
+    import torch
+
+    layers = sorted(contexts)
+    ctx0 = contexts[layers[0]]
+    n = int(ctx0.valid.sum(-1).max())
+    k = n - int(n * ratio)
+    if len(layers) == 1 or k <= window or k >= n:
+        return {l: torch.full((ctx0.valid.shape[1],), k, dtype=torch.long) for l in layers}
+    lo = (k - window) / beta
+    hi = 2 * (k - window) - lo
+    if hi > n - window:
+        hi = n - window
+        lo = 2 * (k - window) - hi
+    step = (hi - lo) / (len(layers) - 1)
+    return {l: torch.full((contexts[l].valid.shape[1],), int(round(hi - m * step)) + window, dtype=torch.long)
+            for m, l in enumerate(layers)}
+
+
+def pyramidkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, beta: float = PYRAMID_BETA) -> Policy:
+    """PyramidKV (Cai et al., 2024): SnapKV's scores with layer budgets falling with depth
+    (:func:`pyramid_budgets`: the same total memory as a uniform budget)."""
+    return Policy("pyramidkv", f"SnapKV scores, layer budgets falling linearly (beta {beta})",
+                  lambda ctx: _snap_priority(ctx, window, kernel), needs="attention", accumulate=False, last=window,
+                  params={"window": window, "kernel": kernel, "beta": beta}, prefill_only=True,
+                  allocator=lambda cs, r: pyramid_budgets(cs, r, beta, window))
+
+
+def projected_value_l1(ctx: EvictionContext) -> "torch.Tensor":
+    """``[B, Hkv, n]``: ``‖W_O^h v_j‖₁`` of each entry, averaged over the query heads ``h`` of its
+    key/value head (CriticalKV's value term; ``W_O^h`` the columns of head ``h``)."""
+    import torch
+
+    D = ctx.w_o.shape[0]
+    B, n_kv, n, d = ctx.values.shape
+    H = ctx.num_heads
+    w = ctx.w_o.reshape(D, H, d).permute(1, 2, 0).reshape(n_kv, H // n_kv, d, D).to(ctx.values.device)
+    proj = torch.einsum("bgnd,grdD->bgrnD", ctx.values.float(), w)
+    return proj.abs().sum(-1).mean(2)
+
+
+def criticalkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, first: float = CRITICAL_FIRST_STAGE) -> Policy:
+    """CriticalKV (Feng et al., *Identify Critical KV Cache in LLM Inference from an Output
+    Perturbation Perspective*, 2025) on SnapKV's scores: a first stage keeps the ``first`` share of
+    the budget by the attention score alone; the rest of the budget goes by the score times the
+    projected value's ℓ1 norm ``‖W_O^h v_j‖₁`` (:func:`projected_value_l1`). The observation window
+    is kept, as SnapKV keeps it."""
+    import torch
+
+    def priority(ctx):
+        tier, score = _snap_priority(ctx, window, kernel)
+        n_first = (ctx.budget.float() * first).long().to(ctx.pos.device).reshape(1, -1, 1)
+        rank = score.masked_fill(~ctx.valid, float("-inf")).argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        stage_one = rank < n_first
+        return tier * 2 + stage_one.long(), score * projected_value_l1(ctx)
+
+    return Policy("criticalkv", "SnapKV scores, then x |W_O v|_1 (two stages)", priority, needs="attention",
+                  accumulate=False, last=window, params={"window": window, "kernel": kernel, "first": first},
+                  prefill_only=True)
+
+
+def dropkv(window: int = SNAP_WINDOW, head_space: bool = False) -> Policy:
+    """Leave-one-out (DropKV; the closed form of CAOTE, Goel et al., 2025): for each query of the
+    observation window, how far its head output moves when the entry alone is dropped and the rest
+    renormalised (:func:`leave_one_out`), summed over the window; the window is kept. ``head_space``
+    (``loo_head``, this toolkit's geometry): the change measured through ``W_O^h``, the norm the
+    head's output has in the residual stream (SPEC §2), instead of in value space."""
+    name = "loo_head" if head_space else "dropkv"
+    return Policy(name, "leave-one-out change of the head output" + (" (head space)" if head_space else ""),
+                  lambda ctx: (_tiers(ctx.recent(window)), ctx.score),
+                  needs="leave_one_out_head" if head_space else "leave_one_out", accumulate=False, last=window,
+                  params={"window": window}, geometry=head_space)
+
+
+def kvzip() -> Policy:
+    """KVzip (Kim et al., *KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction*,
+    2025): after the prefill, the model is asked to repeat its context (:data:`KVZIP_PROMPT`, then
+    the context's own tokens, read with the full cache); an entry's score is the largest attention
+    any reconstruction query pays it, the maximum also over the query heads of a key/value head.
+    Costs one more forward pass over the whole context, attending to twice its length
+    (:func:`attngeom.kvcache.prefill.prefill`)."""
+    import torch
+
+    return Policy("kvzip", "max attention while the model repeats its context", lambda ctx: (torch.zeros_like(ctx.pos), ctx.score),
+                  needs="reconstruction", accumulate=False, pool="max", prefill_only=True)
+
+
+KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+"""The request read before the context is repeated (KVzip's reconstruction prompt, in plain text)."""
+
+
+def adakv_budgets(contexts: dict, ratio: float, priority, floor: float = ADAKV_FLOOR) -> dict:
+    """AdaKV's head-wise budgets (Feng et al., *Ada-KV: Optimizing KV Cache Eviction by Adaptive
+    Budget Allocation for Efficient LLM Inference*, 2024): per layer, the ``Hkv × k`` entries with
+    the highest scores over all its heads together (``k`` the uniform budget; protected tiers first),
+    each head keeping at least ``floor·k`` (the safeguard). Scores must be comparable across heads
+    (attention probabilities, contributions)."""
+    import torch
+
+    out = {}
+    for l, ctx in contexts.items():
+        B, n_kv, n = ctx.pos.shape
+        k = n - int(n * ratio)
+        ctx.budget = torch.full((n_kv,), k, dtype=torch.long)
+        tier, score = priority(ctx)
+        base = int(floor * k)
+        if B != 1:
+            raise ValueError("AdaKV's budgets are allocated for one sequence (a prefill of batch 1)")
+        # each head's first `base` entries (tier, then score) are safe; the rest compete across heads
+        order = torch.sort(score.masked_fill(~ctx.valid, float("-inf")), dim=-1, descending=True, stable=True).indices
+        order = order.gather(-1, torch.sort(tier.gather(-1, order), dim=-1, descending=True, stable=True).indices)
+        flat_t = tier.gather(-1, order)[0, :, base:].reshape(-1)
+        flat_s = score.gather(-1, order)[0, :, base:].reshape(-1).float()
+        by_score = torch.sort(flat_s, descending=True, stable=True).indices
+        ranked = by_score[torch.sort(flat_t[by_score], descending=True, stable=True).indices]
+        won = torch.zeros(flat_t.numel(), dtype=torch.long)
+        won[ranked[: n_kv * (k - base)].cpu()] = 1
+        extra = won.reshape(n_kv, n - base).sum(-1)
+        out[l] = (base + extra).clamp_max(n).long()
+    return out
+
+
+def adakv(inner: str = "snapkv", name: str = "adakv") -> Policy:
+    """AdaKV on top of any score: the ``inner`` policy's scores and protections, with head-wise
+    budgets from :func:`adakv_budgets` (the layer keeps the same total)."""
+    base = get_policy(inner)
+    return Policy(name, f"{inner} scores, head-wise budgets (AdaKV)",
+                  base.priority, needs=base.needs, accumulate=base.accumulate, pool=base.pool, last=base.last,
+                  signed=base.signed, params={"inner": inner, "floor": ADAKV_FLOOR}, prefill_only=True,
+                  geometry=base.geometry,
+                  allocator=lambda cs, r: adakv_budgets(cs, r, base.priority))
+
+
+# --------------------------------------------------------------------------------------------
+# Policies from the papers' geometry for compression once after the prefill (docs/kvcache.md)
+# --------------------------------------------------------------------------------------------
+
+SUPPRESSORS = 4
+"""Entries per head kept as suppressors by the ``suppressor`` policy (the most negative contributions)."""
+
+
+def snap_contribution(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL) -> Policy:
+    """SnapKV's setting with contribution instead of attention: what the last ``window`` queries
+    take from each entry by ``|c_ij^h|`` (SPEC §2), summed, max-pooled over neighbouring entries
+    (kernel ``kernel``), the window kept."""
+    return Policy("snap_contribution", f"last {window} queries' |contribution|, max-pool {kernel}",
+                  lambda ctx: _snap_priority(ctx, window, kernel), needs="contribution", accumulate=False,
+                  last=window, params={"window": window, "kernel": kernel}, prefill_only=True, geometry=True)
+
+
+def suppressor(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, count: int = SUPPRESSORS) -> Policy:
+    """Sinks as suppressors (SPEC §4): the last ``window`` queries' *signed* contributions summed;
+    the ``count`` entries of each head with the most negative sums (suppressors, such as an
+    attention sink anti-aligned with the output) are kept first, then the window, then the entries
+    by ``|Σ_i c_ij^h|`` (max-pooled): dropping a suppressor moves the output as far as dropping an
+    adder of the same size."""
+    import torch
+
+    def priority(ctx):
+        neg = ctx.score.masked_fill(~ctx.valid, float("inf"))
+        rank = neg.argsort(dim=-1, stable=True).argsort(dim=-1)
+        suppress = (rank < count) & (ctx.score < 0)
+        tier = 2 * suppress.long() + ctx.recent(window).long()
+        return tier, _max_pool(ctx.score.abs(), ctx.valid, kernel)
+
+    return Policy("suppressor", f"{count} most negative contributions kept, then |signed contribution|", priority,
+                  needs="contribution", signed=True, accumulate=False, last=window,
+                  params={"window": window, "kernel": kernel, "count": count}, prefill_only=True, geometry=True)
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "full": full,
     "window": window,
@@ -251,6 +509,26 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "contribution_signed": lambda: contribution(signed=True),
     "taxonomy": taxonomy,
 }
+"""Every policy. The first ten also read with eviction (:data:`READING_POLICIES`); the rest are
+baselines of compression once after the prefill."""
+
+POLICIES.update({
+    "random": random_policy,
+    "knorm": knorm,
+    "pyramidkv": pyramidkv,
+    "criticalkv": criticalkv,
+    "dropkv": dropkv,
+    "adakv": adakv,
+    "loo_head": lambda: dropkv(head_space=True),
+    "kvzip": kvzip,
+    "snap_contribution": snap_contribution,
+    "adakv_contribution": lambda: adakv("snap_contribution", "adakv_contribution"),
+    "suppressor": suppressor,
+})
+
+READING_POLICIES = ("full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
+                    "contribution_signed", "taxonomy")
+"""The policies of ``attngeom kvcache``'s reading with eviction (its default)."""
 
 
 def get_policy(name: str) -> Policy:

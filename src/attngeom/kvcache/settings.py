@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from attngeom.kvcache.policies import POLICIES
+from attngeom.kvcache.policies import READING_POLICIES
 
 
 @dataclass(frozen=True)
@@ -12,10 +12,10 @@ class KVCacheSettings:
     """The KV-cache experiment (docs/kvcache.md): the eviction ``policies``
     (:mod:`attngeom.kvcache.policies`), the ``budgets`` (entries kept per key/value head), ``chunk``
     tokens per forward pass (eviction between passes) and the ``n_resamples`` of the bootstrap
-    intervals over windows. The default ``policies`` are every policy of
-    :data:`~attngeom.kvcache.policies.POLICIES`, in its order."""
+    intervals over windows. The default ``policies`` are
+    :data:`~attngeom.kvcache.policies.READING_POLICIES`."""
 
-    policies: tuple[str, ...] = tuple(POLICIES)
+    policies: tuple[str, ...] = READING_POLICIES
     budgets: tuple[int, ...] = (64, 128, 256)
     chunk: int = 1
     n_resamples: int = 1000

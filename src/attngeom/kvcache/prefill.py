@@ -1,0 +1,307 @@
+"""Compression once after the prefill, to a compression ratio: the protocol the field scores
+KV-cache compression by (kvpress's pipeline, its RULER leaderboard; docs/kvcache.md).
+
+**The protocol.** A long *context* is read in one forward pass (the prefill) with the full cache;
+the cache is then compressed once, per layer and key/value head, to ``n − ⌊n·ratio⌋`` of its ``n``
+entries (``ratio``: the share removed, kvpress's ``compression_ratio``); the *question*, which is not
+compressed, and the greedy answer are then decoded with the compressed cache. In the *query-aware*
+mode (:data:`QUERY_AWARE`) the question is part of the prefill and is compressed with the context;
+the answer's first token then comes from the prefill itself. That mode favours scores read from the
+last queries (SnapKV's observation window sees the question) and is reported separately.
+
+**One captured prefill serves every policy.** Policies differ in their scores, not in the forward
+pass: the prefill runs once inside a :class:`~attngeom.capture.plugin.Session` whose observer
+:class:`PrefillScores` sums every policy's scores (:meth:`~attngeom.kvcache.policies.Policy.step`)
+from the same blocks; each (policy, ratio) then costs only its selection
+(:func:`~attngeom.kvcache.cache.kept_entries`), the question and the answer. The variants of one
+ratio are decoded together, one batch row each (:func:`variant_cache`), so the grid's decoding is a
+few batched passes instead of one ``generate`` per variant.
+
+**Memory is freed**, not masked: each variant's kept keys and values are gathered into new storages
+of its kept size (:class:`~attngeom.kvcache.cache.CompressedLayer`); heads (or layers) that keep
+different numbers of entries (AdaKV, PyramidKV) are padded to the largest in their batch, and
+:func:`variant_cache` reports both the entries kept and the bytes held.
+
+What belongs here: the prefill, the selection at a ratio, the variants' cache and their greedy
+answers. Not here: the scores (:mod:`attngeom.kvcache.policies`), the tasks (:mod:`attngeom.kvcache.ruler`),
+the experiment over examples (:mod:`attngeom.kvcache.tasks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from attngeom.capture.plugin import Session
+from attngeom.kvcache.cache import CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads
+from attngeom.kvcache.policies import EvictionContext, Policy, full, get_policy
+from attngeom.model.arguments import takes_handle
+from attngeom.runs.contract import ModelHandleLike
+
+QUESTION_AGNOSTIC = "question-agnostic"
+"""The context alone is compressed; the question is read after it with the compressed cache."""
+
+QUERY_AWARE = "query-aware"
+"""The question is read in the prefill and compressed with the context."""
+
+MODES = (QUESTION_AGNOSTIC, QUERY_AWARE)
+
+NO_EVICTION = 1 << 62
+"""The budget of a compressed layer after the compression: nothing more is evicted while the
+question and the answer are read."""
+
+
+def kept_count(n: int, ratio: float) -> int:
+    """Entries a head keeps of ``n`` at compression ratio ``ratio`` (kvpress's rule): ``n − ⌊n·ratio⌋``."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"a compression ratio is in [0, 1), got {ratio}")
+    return n - int(n * ratio)
+
+
+# --------------------------------------------------------------------------------------------
+# The prefill
+# --------------------------------------------------------------------------------------------
+
+
+class PrefillScores:
+    """Observer summing every policy's scores of one forward pass: ``scores[name][layer]``
+    ``[B, H, n]`` (policies whose ``needs`` is None record nothing)."""
+
+    def __init__(self, policies: Sequence[Policy], n_queries: int):
+        self.policies = [p for p in policies if p.needs is not None]
+        self.n_queries = int(n_queries)
+        self.scores: dict[str, dict[int, torch.Tensor]] = {p.name: {} for p in self.policies}
+        self.w_o: dict[int, torch.Tensor] = {}
+
+    def observe(self, block) -> None:
+        self.w_o.setdefault(block.layer, block.state.w_o)
+        for p in self.policies:
+            s = p.step(block, self.n_queries)
+            if s is None:
+                continue
+            per_layer = self.scores[p.name]
+            if block.layer not in per_layer:
+                B, H = s.shape[:2]
+                per_layer[block.layer] = torch.zeros(B, H, block.state.num_sources, device=s.device)
+            per_layer[block.layer][..., block.k_start : block.k_start + s.shape[-1]] += s.float()
+
+
+class ReconstructionScores:
+    """Observer of KVzip's reconstruction pass: ``scores[layer] [B, H, n]``, the largest attention
+    any query of the pass pays each of the first ``n`` entries (the context's)."""
+
+    def __init__(self, n: int):
+        self.n = int(n)
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def observe(self, block) -> None:
+        S = min(block.a.shape[-1], self.n - block.k_start)
+        if S <= 0:
+            return
+        m = block.a[..., :S].float().amax(2)
+        if block.layer not in self.scores:
+            self.scores[block.layer] = torch.zeros(m.shape[0], m.shape[1], self.n, device=m.device)
+        seg = self.scores[block.layer][..., block.k_start : block.k_start + S]
+        torch.maximum(seg, m, out=seg)
+
+
+@takes_handle
+def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Sequence[int]) -> dict[int, torch.Tensor]:
+    """KVzip's scores (:func:`~attngeom.kvcache.policies.kvzip`): :data:`~attngeom.kvcache.policies.KVZIP_PROMPT`
+    and ``ids`` again, read with (a copy of) the prefill's full ``cache``."""
+    import copy
+
+    from attngeom.kvcache.policies import KVZIP_PROMPT
+
+    scorer = ReconstructionScores(len(ids))
+    again = DynamicCache(config=handle.model.config)
+    again.layers = [copy.copy(lay) for lay in cache.layers]
+    request = handle.encode(KVZIP_PROMPT, add_bos=False) + list(ids)
+    with compressing(handle.model, again, session=Session(observers=[scorer])):
+        cached_forward(handle, again, torch.as_tensor([request]))
+    return scorer.scores
+
+
+@dataclass
+class Prefill:
+    """One example's prefill: the full ``cache`` (batch 1), the last row's float32 ``logits [V]``,
+    every policy's ``scores[name][layer] [1, H, n]``, each layer's output projection ``w_o[layer]``
+    (when scores were recorded), ``n`` tokens read, and ``seconds``."""
+
+    cache: DynamicCache
+    logits: torch.Tensor
+    scores: dict[str, dict[int, torch.Tensor]]
+    w_o: dict[int, torch.Tensor]
+    n: int
+    seconds: float
+
+
+@takes_handle
+@torch.no_grad()
+def prefill(handle: ModelHandleLike, ids: Sequence[int], policies: Sequence[Policy]) -> Prefill:
+    """Read ``ids`` in one forward pass with a full ``DynamicCache``; when any of ``policies`` reads
+    scores, inside a session whose :class:`PrefillScores` records all of them at once."""
+    import time
+
+    scorer = PrefillScores(policies, len(ids))
+    session = Session(observers=[scorer]) if any(p.needs or p.prefill_only for p in policies) else None
+    cache = DynamicCache(config=handle.model.config)
+    t0 = time.perf_counter()
+    with compressing(handle.model, cache, session=session):
+        logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]))[0, -1]
+    for p in policies:
+        if p.needs == "reconstruction":
+            scorer.scores[p.name] = reconstruction_scores(handle, cache, ids)
+    return Prefill(cache, logits, scorer.scores, scorer.w_o, len(ids), time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------
+# Selection at a ratio
+# --------------------------------------------------------------------------------------------
+
+
+def eviction_context(pre: Prefill, policy: Policy, layer: int, num_heads: int) -> EvictionContext:
+    """What ``policy`` sees when it compresses layer ``layer`` of the prefill's cache (every entry valid)."""
+    lay = pre.cache.layers[layer]
+    B, n_kv, n, _ = lay.keys.shape
+    pos = torch.arange(n, device=lay.keys.device).expand(B, n_kv, n)
+    rec = pre.scores.get(policy.name, {}).get(layer)
+    score = pool_heads(rec, n_kv, policy.pool) if rec is not None else torch.zeros(B, n_kv, n, device=pos.device)
+    return EvictionContext(pos=pos, valid=torch.ones_like(pos, dtype=torch.bool), score=score, values=lay.values,
+                           seen=n, budget=torch.full((n_kv,), n, dtype=torch.long), keys=lay.keys, layer=layer,
+                           num_heads=num_heads, w_o=pre.w_o.get(layer))
+
+
+def compressible_layers(cache: DynamicCache) -> list[int]:
+    """The layers a compression ratio applies to: full-attention layers (a sliding-window layer of a
+    hybrid model already holds a bounded window)."""
+    return [l for l, lay in enumerate(cache.layers) if not getattr(lay, "is_sliding", False)]
+
+
+@dataclass
+class Selection:
+    """One variant's kept entries per compressible layer: ``idx[layer]``, ``ok[layer]`` ``[1, Hkv, K]``
+    (indices into the prefill's entries in position order; ``ok`` False for padding)."""
+
+    idx: dict[int, torch.Tensor]
+    ok: dict[int, torch.Tensor]
+
+    def kept(self) -> int:
+        """Entries kept over all compressed layers and heads."""
+        return int(sum(int(o.sum()) for o in self.ok.values()))
+
+
+def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> Selection:
+    """The entries ``policy`` keeps at ``ratio``: per layer and key/value head, the budget of
+    :meth:`~attngeom.kvcache.policies.Policy.allocate` (``n − ⌊n·ratio⌋`` each unless the policy
+    allocates otherwise), ranked by the policy's tier and score (:func:`~attngeom.kvcache.cache.kept_entries`)."""
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    layers = compressible_layers(pre.cache)
+    contexts = {l: eviction_context(pre, policy, l, num_heads) for l in layers}
+    budgets = policy.allocate(contexts, ratio)
+    idx, ok = {}, {}
+    for l in layers:
+        ctx = contexts[l]
+        ctx.budget = budgets[l]
+        idx[l], ok[l] = kept_entries(policy, ctx, budgets[l])
+    return Selection(idx, ok)
+
+
+# --------------------------------------------------------------------------------------------
+# The variants' cache
+# --------------------------------------------------------------------------------------------
+
+
+def _gathered(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+
+def _padded(ts: Sequence[torch.Tensor], K: int, fill) -> torch.Tensor:
+    return torch.cat([torch.nn.functional.pad(t, (0, K - t.shape[-1]), value=fill) for t in ts], dim=0)
+
+
+@takes_handle
+def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Selection]) -> DynamicCache:
+    """A cache of ``len(selections)`` batch rows, row ``r`` holding the prefill's entries that
+    ``selections[r]`` keeps in each compressible layer (new storages; heads padded to the batch's
+    largest, padding masked), and a copy of the prefill's other layers per row. Nothing more is
+    evicted while it is used (:data:`NO_EVICTION`)."""
+    R = len(selections)
+    cache = DynamicCache(config=handle.model.config)
+    layers = []
+    for l, lay in enumerate(pre.cache.layers):
+        if l not in selections[0].idx:
+            copy = type(lay).__new__(type(lay))
+            copy.__dict__.update(lay.__dict__)
+            copy.keys, copy.values = lay.keys.repeat(R, 1, 1, 1), lay.values.repeat(R, 1, 1, 1)
+            layers.append(copy)
+            continue
+        n_kv = lay.keys.shape[1]
+        K = max(s.idx[l].shape[-1] for s in selections)
+        idx = _padded([s.idx[l] for s in selections], K, 0)
+        ok = _padded([s.ok[l] for s in selections], K, False)
+        c = CompressedLayer(full(), [NO_EVICTION] * n_kv, handle.num_heads)
+        c.lazy_initialization(lay.keys, lay.values)
+        c.keys, c.values = _gathered(lay.keys.expand(R, -1, -1, -1), idx), _gathered(lay.values.expand(R, -1, -1, -1), idx)
+        c.pos = idx.clone()
+        c.valid = None if bool(ok.all()) else ok
+        c.seen = pre.n
+        layers.append(c)
+    cache.layers = layers
+    return cache
+
+
+@takes_handle
+def row_bytes(handle: ModelHandleLike, cache: DynamicCache) -> float:
+    """Bytes of the cache's storages per batch row (padding included)."""
+    rows = next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
+    return cache_bytes(cache) / rows
+
+
+# --------------------------------------------------------------------------------------------
+# Answers
+# --------------------------------------------------------------------------------------------
+
+
+def stop_ids(handle: ModelHandleLike) -> set[int]:
+    """Token ids that end an answer: the generation config's and the tokenizer's end of text."""
+    ids: set[int] = set()
+    for src in (getattr(handle.model, "generation_config", None), handle.model.config, handle.tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        ids |= set(e) if isinstance(e, (list, tuple)) else ({int(e)} if e is not None else set())
+    return ids
+
+
+@takes_handle
+@torch.no_grad()
+def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Sequence[int] | None, first: torch.Tensor | None,
+                   max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers of every batch row of ``cache``: the ``question`` ids (the same for every row)
+    are read first and the answer follows; or, with ``question=None`` (query-aware), the answer
+    starts from ``first`` ``[V]`` logits (the prefill's last row). Each row stops at its first
+    end-of-text token (not included) or after ``max_new_tokens``."""
+    R = next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
+    stops = stop_ids(handle)
+    out: list[list[int]] = [[] for _ in range(R)]
+    done = [False] * R
+    with compressing(handle.model, cache):
+        if question is not None:
+            logits = cached_forward(handle, cache, torch.as_tensor([list(question)]).expand(R, -1))[:, -1]
+        else:
+            logits = first.reshape(1, -1).expand(R, -1)
+        for t in range(max_new_tokens):
+            nxt = logits.argmax(-1)
+            for r in range(R):
+                tok = int(nxt[r])
+                if not done[r]:
+                    if tok in stops:
+                        done[r] = True
+                    else:
+                        out[r].append(tok)
+            if all(done) or t + 1 == max_new_tokens:
+                break
+            logits = cached_forward(handle, cache, nxt[:, None])[:, -1]
+    return out
