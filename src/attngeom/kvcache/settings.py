@@ -36,3 +36,42 @@ class KVCacheInputs:
     calibration_windows: int = 2
     max_examples: int = 16
     new_tokens: int = 16
+
+
+TASK_POLICIES = ("random", "window", "streamingllm", "knorm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "vatp",
+                 "criticalkv", "dropkv", "kvzip", "contribution", "snap_contribution", "adakv_contribution",
+                 "loo_head", "suppressor")
+"""The policies of ``attngeom kvtasks`` by default: every baseline and every geometry policy that
+compresses to a ratio (not ``full``, the ratio-0 reference always run, nor ``taxonomy``)."""
+
+
+@dataclass(frozen=True)
+class KVTaskSettings:
+    """Long-context tasks under compression once after the prefill (docs/kvcache.md): the
+    ``policies``, the compression ``ratios`` (shares of the cache removed), the ``mode``
+    (``question-agnostic``: only the context is compressed; ``query-aware``: the question too),
+    ``chat`` (the chat template: None = when the model has one) and the ``n_resamples`` of the
+    bootstrap intervals over examples."""
+
+    policies: tuple[str, ...] = TASK_POLICIES
+    ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
+    mode: str = "question-agnostic"
+    chat: bool | None = None
+    n_resamples: int = 1000
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KVTaskInputs:
+    """How ``attngeom kvtasks`` makes its examples (:mod:`attngeom.kvcache.ruler`): ``tasks``,
+    ``length`` tokens per example, ``examples`` per task, ``seed``, and the ``haystack`` of the
+    needle tasks (``noise``: RULER's repeated sentences, or a corpus file of real prose)."""
+
+    tasks: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
+                              "variable_tracking", "common_words", "frequent_words")
+    length: int = 4096
+    examples: int = 50
+    seed: int = 0
+    haystack: str = "noise"

@@ -1,0 +1,280 @@
+"""Long-context tasks under KV-cache compression (docs/kvcache.md): every policy at every
+compression ratio, scored the way the field scores it (RULER's string match, kvpress's protocol).
+
+Each example (:mod:`attngeom.kvcache.ruler`) is one resumable unit of a
+:class:`~attngeom.runs.run.Run`: its context is read once in a captured prefill that records every
+policy's scores (:func:`attngeom.kvcache.prefill.prefill`); the full cache (ratio 0) answers first,
+then, per ratio, every policy's kept entries are gathered into one batch row each and the question
+and the greedy answers are decoded together (:func:`attngeom.kvcache.prefill.greedy_answers`).
+:func:`summarize` gives the accuracy per (task, policy, ratio) and over all tasks with 95 % bootstrap
+intervals over examples; :func:`paired` the paired differences against the best baseline at each
+ratio (none below :data:`~attngeom.stats.resampling.MIN_UNITS` examples).
+
+What belongs here: the experiment over examples and its summaries. Not here: the protocol
+(:mod:`attngeom.kvcache.prefill`), the scores (:mod:`attngeom.kvcache.policies`), the task
+generator (:mod:`attngeom.kvcache.ruler`), argument parsing (:mod:`attngeom.commands.kvtasks`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from attngeom.errors import InputError
+from attngeom.kvcache import prefill as P
+from attngeom.kvcache.policies import get_policy
+from attngeom.kvcache.settings import KVTaskSettings
+from attngeom.model.arguments import takes_handle
+from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
+
+ALL_TASKS = "all"
+"""The ``task`` of the summary rows over every task (each example weighs the same)."""
+
+
+def check_policies(names: Sequence[str]) -> list[str]:
+    """The policies of a task run: known, not ``full`` (the ratio-0 reference is always run) and
+    not ``taxonomy`` (its per-head budgets need a calibration taxonomy)."""
+    out = []
+    for n in names:
+        p = get_policy(n)
+        if p.name in ("full", "taxonomy"):
+            raise InputError(f"the {p.name} policy has no compression ratio "
+                             + ("(the full cache is always run as the ratio-0 reference)" if p.name == "full"
+                                else "(its budgets come from a head taxonomy; use attngeom kvcache)"))
+        out.append(p.name)
+    if not out:
+        raise InputError("--policies names no policy")
+    return out
+
+
+def check_ratios(ratios: Sequence[float]) -> list[float]:
+    out = [float(r) for r in ratios]
+    if not out or any(not 0.0 < r < 1.0 for r in out):
+        raise InputError(f"--ratios are shares of the cache removed, each in (0, 1); got {list(ratios)}")
+    return out
+
+
+@takes_handle
+def cache_bytes_estimate(handle: ModelHandleLike, n: int, rows: int) -> int:
+    """Bytes of ``rows`` full caches of ``n`` entries (float keys and values of every layer): the
+    largest batch of variants a ratio can need."""
+    cfg = handle.model.config.get_text_config(decoder=True)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = torch.finfo(handle.dtype).bits // 8
+    return 2 * cfg.num_hidden_layers * handle.num_kv_heads * n * d * size * rows
+
+
+def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None = None) -> None:
+    """Refuse, in one line, a grid whose largest batch of variants (``rows`` caches of ``n``
+    entries) would not fit in the memory available (``limit`` bytes; default: half the memory
+    the system reports available)."""
+    need = cache_bytes_estimate(handle, n, rows)
+    if limit is None:
+        import os
+
+        try:
+            limit = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        except (ValueError, OSError):  # pragma: no cover - systems without sysconf
+            return
+    if need > limit:
+        raise InputError(f"the grid needs {need / 2**30:.1f} GiB for the caches of {rows} variants of a "
+                         f"{n}-token context, more than the {limit / 2**30:.1f} GiB it may use; use fewer "
+                         "--policies or a shorter --length")
+
+
+# --------------------------------------------------------------------------------------------
+# One example
+# --------------------------------------------------------------------------------------------
+
+
+@takes_handle
+def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings) -> pd.DataFrame:
+    """One example under every (policy, ratio) of ``settings`` and the full cache (``policy``
+    ``"full"``, ``ratio`` 0): one row each with the ``answer`` text, its ``score`` (RULER's string
+    match), ``kept`` (entries kept over the compressed layers and heads), ``kept_share`` (of the full
+    cache's), ``bytes`` (cache storage per variant, padding included) and ``seconds`` (the
+    prefill's share and the batch's decoding per variant)."""
+    from attngeom.kvcache import ruler
+
+    ctx_ids, q_ids, chat = ruler.encode(example, handle.tokenizer, settings.chat)
+    query_aware = settings.mode == P.QUERY_AWARE
+    policies = [get_policy(n) for n in settings.policies]
+    pre = P.prefill(handle, ctx_ids + q_ids if query_aware else ctx_ids, policies)
+    question = None if query_aware else q_ids
+    base = {"example": example.index, "task": example.task, "mode": settings.mode, "chat": chat,
+            "context_tokens": len(ctx_ids), "question_tokens": len(q_ids)}
+
+    def run_batch(names, ratio):
+        t0 = time.perf_counter()
+        sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
+        cache = P.variant_cache(handle, pre, sels)
+        per_row = P.row_bytes(handle, cache)
+        answers = P.greedy_answers(handle, cache, question, pre.logits, example.max_new_tokens)
+        del cache
+        seconds = (time.perf_counter() - t0) / len(names)
+        rows = []
+        for name, sel, ids in zip(names, sels, answers):
+            text = handle.tokenizer.decode(ids, skip_special_tokens=True)
+            rows.append({**base, "policy": name, "ratio": ratio, "answer": text,
+                         "score": ruler.score(text, example.answers), "answer_tokens": len(ids),
+                         "kept": sel.kept(), "bytes": per_row, "seconds": seconds})
+        return rows
+
+    rows = run_batch(["full"], 0.0)
+    for ratio in settings.ratios:
+        rows += run_batch(list(settings.policies), ratio)
+    df = pd.DataFrame(rows)
+    df["kept_share"] = df["kept"] / float(df.loc[df["policy"] == "full", "kept"].iloc[0])
+    df["prefill_seconds"] = pre.seconds
+    return df
+
+
+# --------------------------------------------------------------------------------------------
+# The experiment
+# --------------------------------------------------------------------------------------------
+
+
+@takes_handle
+def experiment(handle: ModelHandleLike, run: RunLike | None, examples: Sequence, settings: KVTaskSettings = KVTaskSettings()
+               ) -> ExperimentResult:
+    """Every example of ``examples`` (:class:`~attngeom.kvcache.ruler.Example`) under every policy and
+    ratio of ``settings``, each example a unit of stage ``"tasks"`` of ``run`` (resumable; shared
+    among processes under torchrun). Tables: ``answers`` (:func:`answer_example`'s rows),
+    ``summary`` (:func:`summarize`), ``pairs`` (:func:`paired`)."""
+    from attngeom.runs.run import fingerprint, run_or_in_memory
+
+    check_policies(settings.policies)
+    check_ratios(settings.ratios)
+    if not examples:
+        raise InputError("no examples to evaluate")
+    check_memory(handle, max(e.length for e in examples), len(settings.policies))
+    fps = [fingerprint([e.task, e.index, e.seed, e.context, e.question, e.answer_prefix, *e.answers]) for e in examples]
+
+    def work(units: list[int]) -> dict:
+        return {"rows": pd.concat([answer_example(handle, examples[u], settings) for u in units], ignore_index=True)}
+
+    recs = run_or_in_memory(run).stage("tasks", len(examples), work, fingerprints=fps, desc="kvtasks", unit="example")
+    df = pd.concat([d["rows"] for d in recs.values()], ignore_index=True)
+    df = df.sort_values(["task", "example", "ratio", "policy"], kind="stable").reset_index(drop=True)
+    summary = summarize(df, settings.n_resamples)
+    pairs = paired(df, settings.n_resamples)
+    return ExperimentResult("kvtasks", {"answers": df, "summary": summary, "pairs": pairs},
+                            {"results": summary.to_dict(orient="records"), "verdicts": verdicts(pairs)}, {},
+                            settings.record())
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------------------------
+
+
+def _units(df: pd.DataFrame) -> pd.Series:
+    return df["task"].astype(str) + "/" + df["example"].astype(str)
+
+
+def _with_all(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    tasks = sorted(df["task"].unique())
+    return [(t, df[df["task"] == t]) for t in tasks] + ([(ALL_TASKS, df)] if len(tasks) > 1 else [])
+
+
+def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per (task, policy, ratio), and over all tasks: ``accuracy`` (mean score, 0–1) with its 95 %
+    bootstrap interval over examples (NaN below :data:`~attngeom.stats.resampling.MIN_UNITS`),
+    ``examples``, the mean ``kept_share`` and ``bytes``, and ``seconds`` per variant."""
+    from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
+
+    rows = []
+    for task, g in _with_all(df):
+        units = sorted(_units(g).unique())
+        counts = resample_counts(len(units), n_resamples, seed)
+        for (policy, ratio), h in g.groupby(["policy", "ratio"], sort=True):
+            x = h.assign(u=_units(h)).set_index("u").loc[units, "score"].to_numpy(float)
+            lo, hi = percentile_interval(ratio_of_sums(counts, x, np.ones_like(x)), units=len(units))
+            rows.append({"task": task, "policy": policy, "ratio": float(ratio), "examples": len(units),
+                         "accuracy": float(x.mean()), "low": float(lo), "high": float(hi),
+                         "kept_share": float(h["kept_share"].mean()), "bytes": float(h["bytes"].mean()),
+                         "seconds": float(h["seconds"].mean())})
+    return pd.DataFrame(rows)
+
+
+def best_baselines(summary: pd.DataFrame) -> dict[float, str]:
+    """Per ratio, the baseline (a policy not derived from the papers' geometry) with the highest
+    accuracy over all tasks (ties: the first by name)."""
+    overall = summary[summary["task"] == (ALL_TASKS if (summary["task"] == ALL_TASKS).any() else summary["task"].iloc[0])]
+    out = {}
+    for ratio, g in overall[overall["ratio"] > 0].groupby("ratio"):
+        base = g[[not get_policy(p).geometry for p in g["policy"]]]
+        if len(base):
+            out[float(ratio)] = str(base.sort_values(["accuracy", "policy"], ascending=[False, True])["policy"].iloc[0])
+    return out
+
+
+def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Every policy against the best baseline at each ratio (:func:`best_baselines`), per task and
+    over all tasks, on the same resamples of the examples: the accuracy difference ``delta`` with its
+    95 % interval and ``better_share``, the share of resamples where the policy is ahead."""
+    from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
+
+    best = best_baselines(summarize(df, n_resamples=1, seed=seed))
+    rows = []
+    for task, g in _with_all(df):
+        units = sorted(_units(g).unique())
+        counts = resample_counts(len(units), n_resamples, seed)
+        for ratio, ref in best.items():
+            h = g[g["ratio"] == ratio].assign(u=lambda x: _units(x))
+            wide = h.pivot(index="u", columns="policy", values="score").loc[units]
+            for policy in wide.columns:
+                d = (wide[policy] - wide[ref]).to_numpy(float)
+                boot = ratio_of_sums(counts, d, np.ones_like(d))
+                lo, hi = percentile_interval(boot, units=len(units))
+                rows.append({"task": task, "ratio": ratio, "policy": policy, "baseline": ref,
+                             "geometry": get_policy(policy).geometry, "examples": len(units),
+                             "delta": float(d.mean()), "low": float(lo), "high": float(hi),
+                             "better_share": float(np.mean(boot > 0))})
+    return pd.DataFrame(rows)
+
+
+def verdicts(pairs: pd.DataFrame) -> list[dict]:
+    """The question the field asks, per ratio (over all tasks): does a geometry-derived policy beat
+    the best value-aware or attention baseline at equal memory? ``beats`` when its interval lies
+    above 0, ``loses`` below, ``tie`` across it, ``too few examples`` without an interval."""
+    from attngeom.stats.resampling import TOO_FEW
+
+    task = ALL_TASKS if (pairs["task"] == ALL_TASKS).any() else (pairs["task"].iloc[0] if len(pairs) else None)
+    out = []
+    for _, r in pairs[(pairs["task"] == task) & pairs["geometry"]].iterrows():
+        if np.isnan(r["low"]):
+            v = TOO_FEW.replace("windows", "examples")
+        else:
+            v = "beats" if r["low"] > 0 else "loses" if r["high"] < 0 else "tie"
+        out.append({"ratio": float(r["ratio"]), "policy": r["policy"], "baseline": r["baseline"],
+                    "delta": float(r["delta"]), "low": float(r["low"]), "high": float(r["high"]), "verdict": v})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# A compressed generate
+# --------------------------------------------------------------------------------------------
+
+
+@takes_handle
+@torch.no_grad()
+def compressed_generate(handle: ModelHandleLike, context: Sequence[int], question: Sequence[int], policy: str,
+                        ratio: float, **generate_kwargs) -> torch.Tensor:
+    """``model.generate`` after the field's protocol: ``context`` (token ids) read and its cache
+    compressed once by ``policy`` at ``ratio``, then ``question`` (not compressed) and the answer
+    decoded by ``generate`` with ``generate_kwargs``. Returns ``generate``'s ids ``[1, T]``
+    (context, question and answer). With ``ratio=0`` the answer is the full cache's."""
+    pol = get_policy(policy)
+    if pol.name == "taxonomy":
+        raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
+    pre = P.prefill(handle, context, [pol])
+    cache = P.variant_cache(handle, pre, [P.select(pre, pol, float(ratio), handle.num_heads)])
+    ids = torch.as_tensor([list(context) + list(question)], device=handle.device)
+    with P.compressing(handle.model, cache):
+        return handle.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                     **generate_kwargs)
