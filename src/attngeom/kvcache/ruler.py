@@ -138,13 +138,16 @@ class TaskSpec:
     """A task family: ``generate(rng, size, haystack, length, **options) -> Prompt`` builds a prompt
     whose haystack has ``size`` units (noise sentences, prose words, listed words or coded words;
     at least ``min_size``), for a target ``length`` (some defaults depend on it, as in RULER);
-    ``max_new_tokens`` is RULER's ``tokens_to_generate``; ``metric`` names the scoring rule."""
+    ``max_new_tokens`` is RULER's ``tokens_to_generate``; ``metric`` names the scoring rule.
+    ``refine`` names an integer option of finer steps, searched once the size is found (the
+    frequent-words padding, whose size steps can add several words at once)."""
 
     name: str
     generate: Callable[..., Prompt]
     max_new_tokens: int
     metric: str = "string_match_all"
     min_size: int = 0
+    refine: str | None = None
 
     def score(self, prediction: str, answers: Sequence[str]) -> float:
         """The task's score of one prediction, in [0, 1]."""
@@ -380,18 +383,23 @@ def _zeta(alpha: float) -> float:
     return sum(k ** -alpha for k in range(1, n)) + n ** (1 - alpha) / (alpha - 1) + n ** -alpha / 2 + alpha * n ** (-alpha - 1) / 12
 
 
-def frequent_words(rng, size, haystack, length, *, alpha=2.0, coded_wordlen=6, vocab_size=None) -> Prompt:
+def frequent_words(rng, size, haystack, length, *, alpha=2.0, coded_wordlen=6, vocab_size=None, pad=0) -> Prompt:
     """RULER's ``fwe``: ``vocab_size`` coded words (random strings of ``coded_wordlen`` lowercase
     letters; RULER's default ``length // 50``, at least 4 here) ranked in a random order; the word of
     rank ``k`` appears ``int(size * k**-alpha / zeta(alpha))`` times (Zipf, ``alpha`` 2), shuffled.
     Rank 1 is ``"..."`` (noise, which the question says to ignore); the answers are ranks 2-4. The
     haystack argument is not used.
+
+    One more unit of ``size`` can add several coded words at once (tens of tokens), so
+    :func:`make_examples` then tops the text up with ``pad`` extra ``"..."`` words (one token or
+    so each) to meet the length; only the noise word's count grows. (RULER steps by
+    ``max_seq_length // 32`` words and accepts the shortfall.)
     """
     vocab_size = vocab_size if vocab_size is not None else max(4, length // 50)
     vocab = _distinct_coded(rng, vocab_size, coded_wordlen)
     vocab[0] = "..."
     z = _zeta(alpha)
-    text = [w for k, w in enumerate(vocab, 1) for _ in range(int(size * k ** -alpha / z))]
+    text = [w for k, w in enumerate(vocab, 1) for _ in range(int(size * k ** -alpha / z))] + ["..."] * pad
     rng.shuffle(text)
     context = ("Read the following coded text and track the frequency of each coded word. "
                "Find the three most frequently appeared coded words. " + " ".join(text))
@@ -420,7 +428,7 @@ TASKS: dict[str, TaskSpec] = {
     "niah_multiquery": TaskSpec("niah_multiquery", niah_multiquery, 128),
     "variable_tracking": TaskSpec("variable_tracking", variable_tracking, 30),
     "common_words": TaskSpec("common_words", common_words, 120, min_size=10),
-    "frequent_words": TaskSpec("frequent_words", frequent_words, 50, min_size=100),
+    "frequent_words": TaskSpec("frequent_words", frequent_words, 50, min_size=100, refine="pad"),
 }
 """The task families by name. ``max_new_tokens`` is RULER's ``tokens_to_generate`` (niah 128,
 vt 30, cwe 120, fwe 50); all score by ``string_match_all`` (:func:`score`)."""
@@ -441,18 +449,10 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, options: dict) -> tuple[Prompt, int]:
-    """The prompt of the largest haystack size whose tokens are at most ``length`` (doubling, then
-    binary search, as RULER), and its token count. Raises ValueError when even ``spec.min_size``
-    is too long."""
-    def build(size):
-        prompt = spec.generate(random.Random(rng_seed), size, haystack, length, **options)
-        return prompt, count_tokens(tokenizer, "".join(prompt[:3]))
-
-    lo = spec.min_size
+def _largest(build: Callable[[int], tuple[Prompt, int]], lo: int, length: int) -> tuple[int, tuple[Prompt, int]]:
+    """The largest ``x >= lo`` with ``build(x)`` at most ``length`` tokens (doubling, then binary
+    search), given that ``build(lo)`` is; and that build's result."""
     best = build(lo)
-    if best[1] > length:
-        raise ValueError(f"{spec.name}: {length} tokens is too short; its smallest prompt has {best[1]}")
     hi = max(2 * lo, lo + 8)
     while (trial := build(hi))[1] <= length:
         lo, best, hi = hi, trial, 2 * hi
@@ -463,6 +463,23 @@ def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, option
             lo, best = mid, trial
         else:
             hi = mid
+    return lo, best
+
+
+def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, options: dict) -> tuple[Prompt, int]:
+    """The prompt of the largest haystack size whose tokens are at most ``length`` (as RULER's
+    binary search), then of the largest ``spec.refine`` option if the task has one; and its token
+    count. Raises ValueError when even ``spec.min_size`` is too long."""
+    def build(size, **extra):
+        prompt = spec.generate(random.Random(rng_seed), size, haystack, length, **options, **extra)
+        return prompt, count_tokens(tokenizer, "".join(prompt[:3]))
+
+    smallest = build(spec.min_size)
+    if smallest[1] > length:
+        raise ValueError(f"{spec.name}: {length} tokens is too short; its smallest prompt has {smallest[1]}")
+    size, best = _largest(build, spec.min_size, length)
+    if spec.refine and spec.refine not in options:
+        best = _largest(lambda x: build(size, **{spec.refine: x}), 0, length)[1]
     return best
 
 
