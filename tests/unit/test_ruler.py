@@ -183,7 +183,7 @@ def test_variable_tracking_answers_derivable(tokenizer, options):
 def test_common_words_are_most_frequent(tokenizer, length):
     for ex in make_examples(tokenizer, "common_words", length, 2):
         main = _main_part(ex.context, "Memorize the ones that appear most often.\n")
-        entries = re.findall(r"(\d+)\. ([a-z]+)", main)
+        entries = re.findall(r"(\d+)\. ([a-z-]+)", main)
         assert [int(i) for i, _ in entries] == list(range(1, len(entries) + 1))
         counts = Counter(w for _, w in entries)
         top = {w for w, _ in counts.most_common(10)}
