@@ -188,7 +188,7 @@ def haystack_text(haystack, size: int, needles: Sequence[str], rng: random.Rando
         depths = rng.sample(DEPTHS, len(needles)) if len(needles) <= len(DEPTHS) else [rng.choice(DEPTHS) for _ in needles]
         positions = [int(len(pieces) * d / 100) for d in depths]
         joiner = " "
-    for pos, needle in sorted(zip(sorted(positions), needles), key=lambda t: t[0], reverse=True):
+    for pos, needle in reversed(list(zip(sorted(positions), needles))):   # the last first: ties keep their order
         pieces.insert(pos, needle)
     return joiner.join(pieces)
 
