@@ -164,8 +164,9 @@ def _vt_assigned(text: str, value: str) -> set[str]:
     return {v for v in {*direct, *alias} if resolve(v) == value}
 
 
-@pytest.mark.parametrize("options", [{}, {"num_chains": 2, "num_hops": 3}])
-def test_variable_tracking_answers_derivable(tokenizer, options):
+@pytest.mark.parametrize("options", [{}, {"num_chains": 2, "num_hops": 3}, {"haystack": "prose"}])
+def test_variable_tracking_answers_derivable(tokenizer, prose, options):
+    options = {**options, "haystack": prose} if "haystack" in options else options
     for ex in make_examples(tokenizer, "variable_tracking", 1024, 3, **options):
         value = re.search(r"assigned the value (\d{5}) in the text above", ex.question).group(1)
         main = _main_part(ex.context, "hidden in the following text.\n\n")
@@ -183,7 +184,7 @@ def test_variable_tracking_answers_derivable(tokenizer, options):
 def test_common_words_are_most_frequent(tokenizer, length):
     for ex in make_examples(tokenizer, "common_words", length, 2):
         main = _main_part(ex.context, "Memorize the ones that appear most often.\n")
-        entries = re.findall(r"(\d+)\. ([a-z]+)", main)
+        entries = re.findall(r"(\d+)\. ([a-z-]+)", main)
         assert [int(i) for i, _ in entries] == list(range(1, len(entries) + 1))
         counts = Counter(w for _, w in entries)
         top = {w for w, _ in counts.most_common(10)}
@@ -255,6 +256,25 @@ def test_encode_with_chat_template(tokenizer, chat_tokenizer, task):
     assert tokenizer.decode(question_ids) == ex.question + "<|im_end|>\n<|im_start|>assistant\n" + ex.answer_prefix
     assert encode(ex, chat_tokenizer, chat=False)[2] is False
     assert encode(ex, chat_tokenizer, chat=False)[:2] == encode(ex, tokenizer)[:2]
+
+
+def test_encode_refuses_a_token_across_the_split(tokenizer):
+    ex = make_examples(tokenizer, "niah_single", 512, 1)[0]
+    glued = ruler.Example(**{**ex.__dict__, "context": ex.context + "\nThe gr", "question": "ass is green." + ex.question})
+    assert any(len(t) > 3 for t in tokenizer.tokenize(" grass"))          # "grass" is one BPE piece
+    with pytest.raises(ValueError, match="straddles"):
+        encode(glued, tokenizer)
+
+
+def test_larger_haystack_only_adds_text():
+    """The draws do not depend on the haystack size, so the needles keep their order and the
+    bisection sees token counts that grow with the size."""
+    import random
+
+    small = ruler.niah_multikey(random.Random("x"), 40, "noise", 1024)
+    large = ruler.niah_multikey(random.Random("x"), 400, "noise", 1024)
+    assert small[1:] == large[1:]
+    assert NEEDLE.findall(small[0]) == NEEDLE.findall(large[0]) and len(large[0]) > len(small[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`) and the evaluation under a budget (:mod:`.evaluation`)."""
+"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`), the evaluation under a budget (:mod:`.evaluation`) and RULER's synthetic long-context tasks (:mod:`.ruler`)."""
 
 from attngeom._exports import lazy
 
@@ -20,4 +20,11 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "get_policy": "policies",
     "KVCacheSettings": "settings",
     "KVCacheInputs": "settings",
+    "TASKS": "ruler",
+    "Example": "ruler",
+    "make_examples": "ruler",
+    "encode": "ruler",
+    "score": "ruler",
+    "write_jsonl": "ruler",
+    "read_jsonl": "ruler",
 })

@@ -188,7 +188,7 @@ def haystack_text(haystack, size: int, needles: Sequence[str], rng: random.Rando
         depths = rng.sample(DEPTHS, len(needles)) if len(needles) <= len(DEPTHS) else [rng.choice(DEPTHS) for _ in needles]
         positions = [int(len(pieces) * d / 100) for d in depths]
         joiner = " "
-    for pos, needle in sorted(zip(sorted(positions), needles), key=lambda t: t[0], reverse=True):
+    for pos, needle in reversed(list(zip(sorted(positions), needles))):   # the last first: ties keep their order
         pieces.insert(pos, needle)
     return joiner.join(pieces)
 
@@ -341,13 +341,21 @@ _CWE_PREAMBLE = ("Below is a numbered list of words. In these words, some appear
                  "Memorize the ones that appear most often.\n")
 
 
-def _cwe_list(rng, vocab, num_words, freq_cw, freq_ucw, num_cw) -> tuple[str, tuple[str, ...]]:
+def _cwe_list(rng, vocab, num_words, freq_cw, freq_ucw, num_cw, extend=True) -> tuple[str, tuple[str, ...]]:
     """A numbered list ("1. w 2. w ...") of ``num_words`` distinct words, the first ``num_cw`` of
-    them ``freq_cw`` times each, the others ``freq_ucw`` times, shuffled; and the common words."""
-    if num_words > len(vocab):
-        raise ValueError(f"common_words needs {num_words} distinct words but the vocabulary has {len(vocab)}; pass words=[...]")
+    them ``freq_cw`` times each, the others ``freq_ucw`` times, shuffled; and the common words.
+    The words are a shuffle of ``vocab``, continued (``extend``) by random :data:`KEY_WORDS`
+    pairs when more are needed, so one more word only adds entries."""
+    if num_words > len(vocab) and not extend:
+        raise ValueError(f"common_words needs {num_words} distinct words but the vocabulary has {len(vocab)}")
     chosen = list(vocab)
-    rng.shuffle(chosen)                       # a prefix of one shuffle: more words only add entries
+    rng.shuffle(chosen)
+    taken = set(chosen)
+    while len(chosen) < num_words:
+        w = rng.choice(KEY_WORDS)
+        if w not in taken:
+            taken.add(w)
+            chosen.append(w)
     chosen = chosen[:num_words]
     common = tuple(chosen[:num_cw])
     entries = list(common) * freq_cw + chosen[num_cw:] * freq_ucw
@@ -360,20 +368,24 @@ def common_words(rng, size, haystack, length, *, num_cw=10, freq_cw=None, freq_u
     the answers are the common words. RULER's repeats depend on the length: below 4096 tokens
     common words appear 6 times and the others once, with a solved example of 20 words (3 and 1
     times); from 4096, 30 and 3 times, the example 40 words (10 and 3). The haystack argument is
-    not used (the list is the haystack). ``words`` replaces the built-in :data:`WORDS`.
+    not used (the list is the haystack). The words are the built-in :data:`WORDS`; past their
+    number (about 750, reached near 16k tokens) the list goes on with adjective-noun pairs of
+    :data:`KEY_WORDS` (RULER switches to a larger English word list there). ``words`` replaces
+    them (and is not extended).
     """
     short = length < 4096
     freq_cw = freq_cw if freq_cw is not None else (6 if short else 30)
     freq_ucw = freq_ucw if freq_ucw is not None else (1 if short else 3)
     shot_words, shot_cw, shot_ucw = (20, 3, 1) if short else (40, 10, 3)
     vocab = tuple(words) if words is not None else WORDS
+    extend = words is None
     question = f"\nQuestion: What are the {num_cw} most common words in the above list?"
     prefix = f" Answer: The top {num_cw} words that appear most often in the list are:"
     shots = []
     for _ in range(num_fewshot):
-        text, common = _cwe_list(rng, vocab, shot_words, shot_cw, shot_ucw, num_cw)
+        text, common = _cwe_list(rng, vocab, shot_words, shot_cw, shot_ucw, num_cw, extend)
         shots.append(_CWE_PREAMBLE + text + question + prefix + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(common)))
-    text, common = _cwe_list(rng, vocab, size, freq_cw, freq_ucw, num_cw)
+    text, common = _cwe_list(rng, vocab, size, freq_cw, freq_ucw, num_cw, extend)
     return "\n".join(shots) + "\n" + _CWE_PREAMBLE + text, question, prefix, common
 
 
