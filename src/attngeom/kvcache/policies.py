@@ -111,18 +111,16 @@ class Policy:
         (block query ``i`` is query ``q_start + i`` of a forward pass of ``n_queries`` queries)."""
         if self.needs is None or self.needs == "reconstruction":  # reconstruction: recorded by its own pass
             return None
+        first = 0 if self.last is None else max(0, max(0, n_queries - self.last) - block.q_start)
+        if first >= block.a.shape[2]:
+            return None
         if self.needs == "contribution":
-            m = block.contribution
+            m = block.contribution[:, :, first:]
             m = m if self.signed else m.abs()
         elif self.needs in ("leave_one_out", "leave_one_out_head"):
-            m = leave_one_out(block, head_space=self.needs == "leave_one_out_head")
+            m = leave_one_out(block, head_space=self.needs == "leave_one_out_head", first=first)
         else:
-            m = block.a
-        if self.last is not None:
-            first = max(0, n_queries - self.last) - block.q_start
-            if first >= m.shape[2]:
-                return None
-            m = m[:, :, max(0, first):]
+            m = block.a[:, :, first:]
         return m.sum(2)
 
 
@@ -134,25 +132,40 @@ def uniform_keep(ctx: EvictionContext, ratio: float) -> "torch.Tensor":
     return torch.full((ctx.valid.shape[1],), n - int(n * ratio), dtype=torch.long)
 
 
-def leave_one_out(block, head_space: bool) -> "torch.Tensor":
+def leave_one_out(block, head_space: bool, first: int = 0) -> "torch.Tensor":
     """``[B, H, Q, S]``: how far each query's head output moves when source ``j`` alone is dropped
     and the rest renormalised (the closed form of CAOTE, Goel et al., *CAOTE: KV Caching through
     Attention Output Error based Token Eviction*, 2025; the DropKV score):
     ``o^{(−j)} − o = a_ij (o_i − v_j) / (1 − a_ij)``, so its norm is
     ``a_ij / (1 − a_ij) · ‖u_i − v_j‖``, in value space (``head_space=False``) or through
-    ``W_O^h`` (``‖·‖_G``, SPEC §2's head space). An entry holding the whole row (``a_ij = 1``)
-    scores ``inf``."""
+    ``W_O^h`` (``‖·‖_G``, SPEC §2's head space). For the row's largest weight, where that form
+    cancels (``a_ij`` near 1), the same change is computed from the other sources directly:
+    ``a_ij (Σ_{k≠j} a_ik v_k / Σ_{k≠j} a_ik − v_j)``; a query's only source takes the whole
+    output with it (``‖u_i‖``). ``first``: the block's queries from this one on (``[B, H, Q − first, S]``)."""
     import torch
 
-    a, v = block.a, block.v
-    u = block.head_output
+    a, v = block.a[:, :, first:], block.v
+    u = block.head_output[:, :, first:]
+    G = block.state.G if head_space else None
+
+    def sq(x):                                                    # ‖x‖² [B, H, Q] of x [B, H, Q, d]
+        return torch.einsum("bhqd,hde,bhqe->bhq", x, G, x) if head_space else (x * x).sum(-1)
+
     if head_space:
-        uu, uv, vv = block.head_output_sq, block.uG @ v.transpose(-1, -2), block.value_norm ** 2
+        uu, uv, vv = block.head_output_sq[:, :, first:], block.uG[:, :, first:] @ v.transpose(-1, -2), block.value_norm ** 2
     else:
         uu, uv, vv = (u * u).sum(-1), u @ v.transpose(-1, -2), (v * v).sum(-1)
     dist = (uu[..., None] - 2 * uv + vv[:, :, None, :]).clamp_min(0).sqrt()
-    w = torch.where(a < 1, a / (1 - a).clamp_min(1e-30), torch.full_like(a, float("inf")))
-    return torch.where(a > 0, w * dist, torch.zeros_like(a))
+    change = a / (1 - a).clamp_min(1e-30) * dist
+    # the largest weight of each row, from the other sources
+    top, j = a.max(-1)                                           # [B, H, Q]
+    others = a.scatter(-1, j[..., None], 0.0)
+    rest = others.sum(-1, keepdim=True)                          # [B, H, Q, 1]
+    v_top = v.gather(2, j[..., None].expand(-1, -1, -1, v.shape[-1]))
+    moved = top[..., None] * ((others @ v) / rest.clamp_min(1e-38) - v_top)
+    at_top = torch.where(rest[..., 0] > 0, sq(moved).clamp_min(0).sqrt(), uu.clamp_min(0).sqrt())
+    out = torch.where(a > 0, change, torch.zeros_like(a))
+    return out.scatter(-1, j[..., None], at_top[..., None])
 
 
 def _tiers(*levels: torch.Tensor) -> torch.Tensor:

@@ -223,12 +223,56 @@ def _padded(ts: Sequence[torch.Tensor], K: int, fill) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, K - t.shape[-1]), value=fill) for t in ts], dim=0)
 
 
+class PrefilledLayer(CompressedLayer):
+    """A full-attention layer after the compression: the kept entries ``keys, values [B, Hkv, K, d]``
+    at positions ``pos [B, Hkv, K]`` (``valid`` False on padding), then every later token appended in
+    place (room for ``room`` more, doubling past it: :class:`~attngeom.capture.plugin.GrowingTensor`),
+    nothing evicted. ``seen``: tokens read before (the next token's position)."""
+
+    def __init__(self, keys, values, pos, valid, seen: int, num_heads: int, room: int = 0):
+        from attngeom.capture.plugin import GrowingTensor
+
+        super().__init__(full(), [NO_EVICTION] * keys.shape[1], num_heads)
+        self.lazy_initialization(keys, values)
+        cap = keys.shape[2] + int(room)
+        self._grow = {name: GrowingTensor(2, cap) for name in ("keys", "values", "pos", "valid")}
+        self._has_padding = valid is not None
+        for name, t in (("keys", keys), ("values", values), ("pos", pos), ("valid", valid)):
+            if t is not None:
+                self._grow[name].append(t)
+        self._views()
+        self.seen = int(seen)
+
+    def _views(self) -> None:
+        self.keys, self.values, self.pos = (self._grow[n].tensor for n in ("keys", "values", "pos"))
+        self.valid = self._grow["valid"].tensor if self._has_padding else None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        B, n_kv, C, _ = key_states.shape
+        new_pos = torch.arange(self.seen, self.seen + C, device=key_states.device).expand(B, n_kv, C)
+        self._grow["keys"].append(key_states)
+        self._grow["values"].append(value_states)
+        self._grow["pos"].append(new_pos)
+        if self._has_padding:
+            self._grow["valid"].append(torch.ones_like(new_pos, dtype=torch.bool))
+        self._views()
+        self.seen += C
+        self.n_new = C
+        return self.keys, self.values
+
+    def _map_batch(self, fn) -> None:
+        for g in self._grow.values():
+            g.map_storage(fn)
+        self._views()
+
+
 @takes_handle
-def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Selection]) -> DynamicCache:
+def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Selection], room: int = 0) -> DynamicCache:
     """A cache of ``len(selections)`` batch rows, row ``r`` holding the prefill's entries that
-    ``selections[r]`` keeps in each compressible layer (new storages; heads padded to the batch's
-    largest, padding masked), and a copy of the prefill's other layers per row. Nothing more is
-    evicted while it is used (:data:`NO_EVICTION`)."""
+    ``selections[r]`` keeps in each compressible layer (new storages, :class:`PrefilledLayer`; heads
+    padded to the batch's largest, padding masked), and a copy of the prefill's other layers per
+    row. Nothing more is evicted while it is used; ``room``: tokens it expects to read after (the
+    question and the answer), preallocated."""
     R = len(selections)
     cache = DynamicCache(config=handle.model.config)
     layers = []
@@ -239,17 +283,12 @@ def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Se
             copy.keys, copy.values = lay.keys.repeat(R, 1, 1, 1), lay.values.repeat(R, 1, 1, 1)
             layers.append(copy)
             continue
-        n_kv = lay.keys.shape[1]
         K = max(s.idx[l].shape[-1] for s in selections)
         idx = _padded([s.idx[l] for s in selections], K, 0)
         ok = _padded([s.ok[l] for s in selections], K, False)
-        c = CompressedLayer(full(), [NO_EVICTION] * n_kv, handle.num_heads)
-        c.lazy_initialization(lay.keys, lay.values)
-        c.keys, c.values = _gathered(lay.keys.expand(R, -1, -1, -1), idx), _gathered(lay.values.expand(R, -1, -1, -1), idx)
-        c.pos = idx.clone()
-        c.valid = None if bool(ok.all()) else ok
-        c.seen = pre.n
-        layers.append(c)
+        layers.append(PrefilledLayer(_gathered(lay.keys.expand(R, -1, -1, -1), idx),
+                                     _gathered(lay.values.expand(R, -1, -1, -1), idx), idx,
+                                     None if bool(ok.all()) else ok, pre.n, handle.num_heads, room))
     cache.layers = layers
     return cache
 
@@ -286,22 +325,22 @@ def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Seque
     R = next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
     stops = stop_ids(handle)
     out: list[list[int]] = [[] for _ in range(R)]
-    done = [False] * R
+    rows = list(range(R))                                   # the cache's rows still answering
     with compressing(handle.model, cache):
         if question is not None:
             logits = cached_forward(handle, cache, torch.as_tensor([list(question)]).expand(R, -1))[:, -1]
         else:
             logits = first.reshape(1, -1).expand(R, -1)
         for t in range(max_new_tokens):
-            nxt = logits.argmax(-1)
-            for r in range(R):
-                tok = int(nxt[r])
-                if not done[r]:
-                    if tok in stops:
-                        done[r] = True
-                    else:
-                        out[r].append(tok)
-            if all(done) or t + 1 == max_new_tokens:
+            nxt = logits.argmax(-1).tolist()
+            going = [k for k, tok in enumerate(nxt) if tok not in stops]
+            for k in going:
+                out[rows[k]].append(nxt[k])
+            if not going or t + 1 == max_new_tokens:
                 break
-            logits = cached_forward(handle, cache, nxt[:, None])[:, -1]
+            if len(going) < len(rows):                      # finished rows leave the batch
+                cache.batch_select_indices(torch.as_tensor(going, device=logits.device))
+                rows = [rows[k] for k in going]
+            ids = torch.as_tensor([[nxt[k]] for k in going], device=logits.device)
+            logits = cached_forward(handle, cache, ids)[:, -1]
     return out

@@ -92,15 +92,16 @@ def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None =
 
 
 @takes_handle
-def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings) -> pd.DataFrame:
+def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, encoded=None) -> pd.DataFrame:
     """One example under every (policy, ratio) of ``settings`` and the full cache (``policy``
     ``"full"``, ``ratio`` 0): one row each with the ``answer`` text, its ``score`` (RULER's string
     match), ``kept`` (entries kept over the compressed layers and heads), ``kept_share`` (of the full
     cache's), ``bytes`` (cache storage per variant, padding included) and ``seconds`` (the
-    prefill's share and the batch's decoding per variant)."""
+    prefill's share and the batch's decoding per variant). ``encoded``: :func:`~attngeom.kvcache.ruler.encode`'s
+    result, when already made."""
     from attngeom.kvcache import ruler
 
-    ctx_ids, q_ids, chat = ruler.encode(example, handle.tokenizer, settings.chat)
+    ctx_ids, q_ids, chat = encoded or ruler.encode(example, handle.tokenizer, settings.chat)
     query_aware = settings.mode == P.QUERY_AWARE
     policies = [get_policy(n) for n in settings.policies]
     pre = P.prefill(handle, ctx_ids + q_ids if query_aware else ctx_ids, policies)
@@ -111,7 +112,7 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings) -
     def run_batch(names, ratio):
         t0 = time.perf_counter()
         sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
-        cache = P.variant_cache(handle, pre, sels)
+        cache = P.variant_cache(handle, pre, sels, room=len(q_ids) + example.max_new_tokens)
         per_row = P.row_bytes(handle, cache)
         answers = P.greedy_answers(handle, cache, question, pre.logits, example.max_new_tokens)
         del cache
@@ -152,10 +153,14 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, examples: Sequence,
     if not examples:
         raise InputError("no examples to evaluate")
     check_memory(handle, max(e.length for e in examples), len(settings.policies))
-    fps = [fingerprint([e.task, e.index, e.seed, e.context, e.question, e.answer_prefix, *e.answers]) for e in examples]
+    from attngeom.kvcache import ruler
+
+    encoded = [ruler.encode(e, handle.tokenizer, settings.chat) for e in examples]
+    fps = [fingerprint([len(c)] + c + q) for c, q, _ in encoded]        # what the model reads, and the split
 
     def work(units: list[int]) -> dict:
-        return {"rows": pd.concat([answer_example(handle, examples[u], settings) for u in units], ignore_index=True)}
+        return {"rows": pd.concat([answer_example(handle, examples[u], settings, encoded[u]) for u in units],
+                                  ignore_index=True)}
 
     recs = run_or_in_memory(run).stage("tasks", len(examples), work, fingerprints=fps, desc="kvtasks", unit="example")
     df = pd.concat([d["rows"] for d in recs.values()], ignore_index=True)
@@ -273,8 +278,9 @@ def compressed_generate(handle: ModelHandleLike, context: Sequence[int], questio
     if pol.name == "taxonomy":
         raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
     pre = P.prefill(handle, context, [pol])
-    cache = P.variant_cache(handle, pre, [P.select(pre, pol, float(ratio), handle.num_heads)])
+    cache = P.variant_cache(handle, pre, [P.select(pre, pol, float(ratio), handle.num_heads)],
+                            room=len(question) + int(generate_kwargs.get("max_new_tokens", 0)))
     ids = torch.as_tensor([list(context) + list(question)], device=handle.device)
     with P.compressing(handle.model, cache):
-        return handle.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        return handle.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
                                      **generate_kwargs)

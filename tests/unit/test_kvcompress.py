@@ -1,0 +1,328 @@
+"""Compression once after the prefill (attngeom.kvcache.prefill), its baselines and geometry
+policies (attngeom.kvcache.policies) on hand-computed cases and against direct computations, and
+the long-context task experiment (attngeom.kvcache.tasks)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from attngeom.kvcache import prefill as P
+from attngeom.kvcache import tasks
+from attngeom.kvcache.cache import kept_entries
+from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets, get_policy, leave_one_out,
+                                       pyramid_budgets)
+from attngeom.kvcache.ruler import Example
+from attngeom.kvcache.settings import TASK_POLICIES, KVTaskSettings
+from tiny_models import tiny_model
+
+COMPRESSING = [n for n in POLICIES if n not in ("full", "taxonomy")]
+
+
+def _ids(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 128, (n,), generator=g).tolist()
+
+
+def _ctx(score, budget, keys=None, n_kv=1):
+    score = torch.as_tensor(score, dtype=torch.float32).reshape(1, n_kv, -1)
+    n = score.shape[-1]
+    pos = torch.arange(n).expand(1, n_kv, n)
+    return EvictionContext(pos=pos, valid=torch.ones_like(pos, dtype=torch.bool), score=score,
+                           values=torch.ones(1, n_kv, n, 2), seen=n, budget=torch.full((n_kv,), budget),
+                           keys=keys, layer=0, num_heads=n_kv)
+
+
+def _kept(policy, ctx, keep):
+    idx, ok = kept_entries(get_policy(policy) if isinstance(policy, str) else policy, ctx,
+                           torch.as_tensor(keep).reshape(-1).expand(ctx.pos.shape[1]))
+    return [sorted(int(p) for p, o in zip(idx[0, h], ok[0, h]) if o) for h in range(idx.shape[1])]
+
+
+# ---------------------------------------------------------------------------------------------
+# the protocol: ratio 0 is the full cache; memory is freed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_kept_count_is_kvpress_rule():
+    assert [P.kept_count(100, r) for r in (0, 0.25, 0.5, 0.75, 0.875)] == [100, 75, 50, 25, 13]
+    with pytest.raises(ValueError):
+        P.kept_count(10, 1.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])          # GQA; hybrid (sliding layers kept as they are)
+@pytest.mark.parametrize("mode", P.MODES)
+def test_ratio_zero_answers_equal_generate_with_the_full_cache(arch, mode):
+    h = tiny_model(arch)
+    ctx, q = _ids(40), _ids(6, seed=1)
+    want = h.model.generate(torch.tensor([ctx + q]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    want = want[0, len(ctx) + len(q):].tolist()
+    names = ["random", "snapkv", "contribution", "kvzip", "adakv", "pyramidkv", "criticalkv", "loo_head"]
+    pre = P.prefill(h, ctx + q if mode == P.QUERY_AWARE else ctx, [get_policy(n) for n in names])
+    sels = [P.select(pre, n, 0.0, h.num_heads) for n in names]
+    cache = P.variant_cache(h, pre, sels, room=20)
+    h.generation_config = None
+    got = P.greedy_answers(h, cache, None if mode == P.QUERY_AWARE else q, pre.logits, 10)
+    stops = P.stop_ids(h)
+    want = want[: next((i for i, t in enumerate(want) if t in stops), len(want))]
+    assert all(g == want for g in got), (got, want)
+
+
+def test_compressed_generate_at_ratio_zero_is_generate():
+    h = tiny_model("llama")
+    ctx, q = _ids(30), _ids(5, seed=2)
+    want = h.model.generate(torch.tensor([ctx + q]), max_new_tokens=8, do_sample=False)
+    got = tasks.compressed_generate(h, ctx, q, "snap_contribution", 0.0, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    half = tasks.compressed_generate(h, ctx, q, "snap_contribution", 0.5, max_new_tokens=8, do_sample=False)
+    assert half.shape[1] <= want.shape[1] and torch.equal(half[0, :35], want[0, :35])
+
+
+def test_every_policy_keeps_the_budget_and_the_memory_is_freed():
+    h = tiny_model("llama")
+    ctx = _ids(64)
+    pols = [get_policy(n) for n in COMPRESSING]
+    pre = P.prefill(h, ctx, pols)
+    full = P.row_bytes(h, P.variant_cache(h, pre, [P.select(pre, "window", 0.0, h.num_heads)]))
+    for ratio in (0.5, 0.875):
+        k = P.kept_count(64, ratio)
+        total = k * h.num_kv_heads * h.num_layers
+        sels = [P.select(pre, p, ratio, h.num_heads) for p in pols]
+        for p, s in zip(pols, sels):
+            assert s.kept() == total, p.name                   # AdaKV and PyramidKV move budgets, not the total
+            for l, idx in s.idx.items():
+                for g in range(idx.shape[1]):
+                    kept = idx[0, g][s.ok[l][0, g]]
+                    assert kept.unique().numel() == kept.numel()   # no entry twice in a head
+        uniform = [s for p, s in zip(pols, sels) if p.allocator is None]
+        cache = P.variant_cache(h, pre, uniform)
+        assert P.row_bytes(h, cache) == pytest.approx(full * k / 64)   # storages of the kept size, not masks
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_others():
+    h = tiny_model("llama")
+    ctx, q = _ids(40), _ids(4, seed=3)
+    names = ["h2o", "window", "random", "knorm"]
+    pre = P.prefill(h, ctx, [get_policy(n) for n in names])
+    sels = [P.select(pre, n, 0.5, h.num_heads) for n in names]
+    alone = [P.greedy_answers(h, P.variant_cache(h, pre, [s]), q, None, 12) for s in sels]
+    together = P.greedy_answers(h, P.variant_cache(h, pre, sels, room=16), q, None, 12)
+    # make rows stop at different steps: the first token each row produces becomes a stop token
+    h2 = tiny_model("llama")
+    h2.model.generation_config.eos_token_id = [alone[0][0][2]]          # the first row stops at its third token
+    alone2 = [P.greedy_answers(h2, P.variant_cache(h2, pre, [s]), q, None, 12) for s in sels]
+    together2 = P.greedy_answers(h2, P.variant_cache(h2, pre, sels, room=16), q, None, 12)
+    assert together == [a[0] for a in alone]
+    assert together2 == [a[0] for a in alone2] and len({len(a) for a in together2}) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# baselines on hand-computed cases
+# ---------------------------------------------------------------------------------------------
+
+
+def test_knorm_keeps_the_smallest_keys():
+    keys = torch.tensor([3.0, 1.0, 0.5, 2.0, 0.1, 4.0]).reshape(1, 1, 6, 1) * torch.tensor([0.6, 0.8])
+    assert _kept("knorm", _ctx([0] * 6, 3, keys=keys), 3) == [[1, 2, 4]]
+
+
+def test_random_is_seeded_per_layer():
+    ctx = _ctx([0] * 50, 10)
+    a, b = _kept("random", ctx, 10), _kept("random", ctx, 10)
+    ctx.layer = 1
+    assert a == b and _kept("random", ctx, 10) != a
+
+
+def test_pyramid_budgets_fall_linearly_with_the_uniform_mean():
+    cs = {l: _ctx([0] * 1000, 0) for l in range(5)}
+    b = pyramid_budgets(cs, 0.5, beta=20, window=32)
+    got = [int(b[l][0]) for l in range(5)]
+    lo, hi = (500 - 32) / 20, 2 * (500 - 32) - (500 - 32) / 20
+    assert got == [round(hi - m * (hi - lo) / 4) + 32 for m in range(5)]
+    assert got == sorted(got, reverse=True) and sum(got) == pytest.approx(5 * 500, abs=3)
+    # a budget the first layer cannot hold: the slope is lowered, the mean kept
+    b = pyramid_budgets(cs, 0.25, beta=20, window=32)
+    got = [int(b[l][0]) for l in range(5)]
+    assert max(got) <= 1000 and sum(got) == pytest.approx(5 * 750, abs=3)
+
+
+def test_adakv_shares_the_layer_budget_across_heads_with_a_floor():
+    # head 0's scores dwarf head 1's: head 0 takes every free place, head 1 keeps its floor
+    score = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 0.5], [0.01] * 10]
+    cs = {0: _ctx(score, 0, n_kv=2)}
+    b = adakv_budgets(cs, 0.5, lambda ctx: (torch.zeros_like(ctx.pos), ctx.score), floor=0.2)
+    assert b[0].tolist() == [9, 1]                         # 2 heads × 5 = 10; floor int(0.2·5) = 1
+    b = adakv_budgets(cs, 0.5, lambda ctx: (torch.zeros_like(ctx.pos), ctx.score), floor=1.0)
+    assert b[0].tolist() == [5, 5]
+
+
+def test_criticalkv_first_stage_by_attention_then_by_projected_values():
+    # 8 entries, window 0, budget 4: stage one keeps the 2 highest scores (entries 0, 1); the rest
+    # goes by score x |W_O v|_1, which favours entries 6 and 7 (large values) over 2 and 3
+    score = torch.tensor([8.0, 7, 6, 5, 1, 1, 1.5, 1.2])
+    values = torch.ones(1, 1, 8, 2)
+    values[0, 0, 6:] = 10.0
+    ctx = _ctx(score, 4)
+    ctx.values, ctx.w_o = values, torch.eye(2)
+    pol = POLICIES["criticalkv"]().__class__(**{**POLICIES["criticalkv"]().__dict__,
+                                                "priority": get_policy("criticalkv").priority})
+    from attngeom.kvcache.policies import criticalkv
+
+    assert _kept(criticalkv(window=0, kernel=1), ctx, 4) == [[0, 1, 6, 7]]
+    assert pol.name == "criticalkv"
+
+
+def test_suppressor_keeps_the_most_negative_contributions_first():
+    from attngeom.kvcache.policies import suppressor
+
+    score = [-5.0, 1, 2, 3, -0.1, 4, 0.5, 6]
+    assert _kept(suppressor(window=0, kernel=1, count=2), _ctx(score, 4), 4) == [[0, 4, 5, 7]]
+
+
+# ---------------------------------------------------------------------------------------------
+# scores against direct computations on a tiny model
+# ---------------------------------------------------------------------------------------------
+
+
+def _eager_layer_pieces(h, ids):
+    """Per layer: attention [H, T, T] and per-head values [H, T, d] from an eager forward."""
+    eager = h.model.config._attn_implementation
+    h.model.set_attn_implementation("eager")
+    values = {}
+    hooks = []
+    for l, layer in enumerate(h.model.model.layers):
+        def grab(mod, args, kwargs, out, l=l):
+            pass
+        hooks.append(layer.self_attn.v_proj.register_forward_hook(lambda m, a, o, l=l: values.__setitem__(l, o)))
+    try:
+        att = h.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    finally:
+        h.model.set_attn_implementation(eager)
+        for k in hooks:
+            k.remove()
+    cfg = h.model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    out = []
+    for l in range(len(att)):
+        v = values[l][0].reshape(len(ids), h.num_kv_heads, d).transpose(0, 1)        # [Hkv, T, d]
+        v = v.repeat_interleave(h.num_heads // h.num_kv_heads, dim=0)                 # [H, T, d]
+        w_o = h.model.model.layers[l].self_attn.o_proj.weight.detach()                 # [D, H*d]
+        out.append((att[l][0].float(), v.float(), w_o))
+    return out
+
+
+@pytest.mark.parametrize("head_space", [False, True])
+def test_leave_one_out_equals_dropping_the_source_and_renormalising(head_space):
+    h = tiny_model("llama")
+    ids = _ids(20)
+    name = "loo_head" if head_space else "dropkv"
+    pre = P.prefill(h, ids, [get_policy(name)])
+    window = get_policy(name).last
+    d = h.model.config.hidden_size // h.num_heads
+    for l, (a, v, w_o) in enumerate(_eager_layer_pieces(h, ids)):
+        want = torch.zeros(h.num_heads, len(ids))
+        for hd in range(h.num_heads):
+            W = w_o[:, hd * d:(hd + 1) * d]
+            for i in range(max(0, len(ids) - window), len(ids)):
+                o = a[hd, i] @ v[hd]
+                for j in range(i + 1):
+                    keep = a[hd, i].clone()
+                    keep[j] = 0
+                    # drop j, renormalise (nothing left: the output is gone)
+                    o_drop = (keep / keep.sum()) @ v[hd] if keep.sum() > 0 else torch.zeros_like(o)
+                    diff = o_drop - o
+                    want[hd, j] += (W @ diff).norm() if head_space else diff.norm()
+        got = pre.scores[name][l][0]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (l, (got - want).abs().max(), ((got - want).abs() / want.abs().clamp_min(1e-9)).max(), (got - want).abs().argmax())
+
+
+def test_kvzip_scores_are_the_max_attention_while_the_context_is_repeated():
+    from attngeom.kvcache.policies import KVZIP_PROMPT
+
+    h = tiny_model("llama")
+    ids = _ids(16)
+    pre = P.prefill(h, ids, [get_policy("kvzip")])
+    whole = ids + h.encode(KVZIP_PROMPT, add_bos=False) + ids
+    eager = h.model.config._attn_implementation
+    h.model.set_attn_implementation("eager")
+    try:
+        att = h.model(input_ids=torch.tensor([whole]), output_attentions=True).attentions
+    finally:
+        h.model.set_attn_implementation(eager)
+    for l in range(h.num_layers):
+        want = att[l][0, :, len(ids):, :len(ids)].float().amax(1)                     # [H, n]
+        assert torch.allclose(pre.scores["kvzip"][l][0], want, atol=1e-5), l
+
+
+def test_criticalkv_value_term_is_the_projected_value_l1_norm():
+    from attngeom.kvcache.policies import projected_value_l1
+
+    h = tiny_model("llama")
+    ids = _ids(12)
+    pre = P.prefill(h, ids, [get_policy("criticalkv")])
+    d = h.model.config.hidden_size // h.num_heads
+    for l, (_, v, w_o) in enumerate(_eager_layer_pieces(h, ids)):
+        ctx = P.eviction_context(pre, get_policy("criticalkv"), l, h.num_heads)
+        r = h.num_heads // h.num_kv_heads
+        want = torch.stack([torch.stack([(w_o[:, hd * d:(hd + 1) * d] @ v[hd].T).abs().sum(0)
+                                         for hd in range(g * r, (g + 1) * r)]).mean(0) for g in range(h.num_kv_heads)])
+        assert torch.allclose(projected_value_l1(ctx)[0], want, rtol=1e-4, atol=1e-5), l
+
+
+# ---------------------------------------------------------------------------------------------
+# the experiment
+# ---------------------------------------------------------------------------------------------
+
+
+def _examples(h, n=2):
+    return [Example(task="toy", index=i, seed=0, context="the key is abc. " * 3, question="\nWhat is the key?",
+                    answer_prefix=" The key is", answers=("abc",), max_new_tokens=4, length=0) for i in range(n)]
+
+
+def test_experiment_tables_and_too_few_examples():
+    h = tiny_model("llama")
+    s = KVTaskSettings(policies=("h2o", "snap_contribution"), ratios=(0.5,), n_resamples=50)
+    res = tasks.experiment(h, None, _examples(h), s)
+    a = res.tables["answers"]
+    assert len(a) == 2 * 3 and set(a["policy"]) == {"full", "h2o", "snap_contribution"}
+    assert (a.loc[a["policy"] == "full", "kept_share"] == 1).all()
+    assert a.loc[a["policy"] != "full", "kept_share"].between(0.45, 0.55).all()
+    assert a["score"].between(0, 1).all()
+    summ = res.tables["summary"]
+    assert summ["low"].isna().all() and summ["examples"].eq(2).all()          # 2 examples: no interval
+    assert all(v["verdict"] == "too few examples" for v in res.summary["verdicts"])
+    pairs = res.tables["pairs"]
+    assert set(pairs["baseline"]) == {"h2o"} and pairs.loc[pairs["policy"] == "h2o", "delta"].eq(0).all()
+
+
+def test_summaries_on_hand_scores():
+    rows = []
+    for ex in range(12):
+        rows += [{"task": "t", "example": ex, "policy": "full", "ratio": 0.0, "score": 1.0},
+                 {"task": "t", "example": ex, "policy": "h2o", "ratio": 0.5, "score": float(ex % 2)},
+                 {"task": "t", "example": ex, "policy": "knorm", "ratio": 0.5, "score": 0.0},
+                 {"task": "t", "example": ex, "policy": "contribution", "ratio": 0.5, "score": 1.0}]
+    df = pd.DataFrame(rows).assign(kept_share=1.0, bytes=1.0, seconds=1.0)
+    summ = tasks.summarize(df, n_resamples=200).set_index(["policy", "ratio"])
+    assert summ.loc[("h2o", 0.5), "accuracy"] == 0.5 and summ.loc[("contribution", 0.5), "accuracy"] == 1.0
+    assert summ.loc[("h2o", 0.5), "low"] < 0.5 < summ.loc[("h2o", 0.5), "high"]
+    assert tasks.best_baselines(tasks.summarize(df, 1)) == {0.5: "h2o"}
+    pairs = tasks.paired(df, n_resamples=200).set_index("policy")
+    assert pairs.loc["contribution", "delta"] == 0.5 and pairs.loc["contribution", "low"] > 0
+    v = tasks.verdicts(tasks.paired(df, n_resamples=200))
+    assert [x["verdict"] for x in v] == ["beats"] and v[0]["policy"] == "contribution"
+
+
+def test_bad_grids_are_refused_in_one_line():
+    from attngeom.errors import InputError
+
+    with pytest.raises(InputError, match="ratio-0 reference"):
+        tasks.check_policies(["full"])
+    with pytest.raises(InputError, match="taxonomy"):
+        tasks.check_policies(["taxonomy"])
+    with pytest.raises(InputError, match=r"\(0, 1\)"):
+        tasks.check_ratios([0.5, 1.0])
+    h = tiny_model("llama")
+    with pytest.raises(InputError, match="GiB"):
+        tasks.check_memory(h, 10_000, 18, limit=1000)
+    assert set(TASK_POLICIES) <= set(POLICIES)
