@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from attngeom.capture.plugin import Session  # noqa: E402
 from attngeom.model import load_model  # noqa: E402
-from attngeom.streaming.reducers import Batch  # noqa: E402
+from attngeom.streaming.reducers import InputBatch  # noqa: E402
 from attngeom.selection import SelectionStats  # noqa: E402
 from attngeom.traces.trace import forward, stream  # noqa: E402
 
@@ -69,7 +69,7 @@ def time_eager(handle, ids, impl: str = "eager") -> float:
 
 
 def time_capture(handle, ids) -> float:
-    batch = Batch(ids=torch.tensor([ids]), lengths=torch.tensor([len(ids)]), index=[0])
+    batch = InputBatch(ids=torch.tensor([ids]), lengths=torch.tensor([len(ids)]), index=[0])
     t = time.perf_counter()
     forward(handle, batch, Session(observers=[]))
     return time.perf_counter() - t
