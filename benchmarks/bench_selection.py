@@ -7,8 +7,8 @@ One window of each of ``--sizes`` tokens (default 512, 2048, 8192) of the shared
 - ``eager`` / ``SDPA``: one forward pass of the model with ``attn_implementation="eager"`` / ``"sdpa"``
   (transformers' default, the forward users run anyway), with the logits of the last position only
   (``logits_to_keep=1``), as the selection's own forward computes them: no method pays for the
-  ``[T, V]`` logits (until 2026-12-01 the clean forwards computed every position's logits, which
-  flattered the selection's ratios by the LM head's share of that forward);
+  ``[T, V]`` logits (were the forwards to compute every position's logits, the LM head's share
+  would flatter the selection's ratios);
 - ``selection``: :func:`attngeom.traces.trace.stream` with :class:`attngeom.selection.reducer.SelectionStats` on
   every layer: the captured forward plus, at the last query, every N (1, 2, 4, …, 256 below the
   window), both distances, top-N with and without the sink, 8 random repeats, the sink-aware regime
