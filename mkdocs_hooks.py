@@ -8,9 +8,10 @@ and each of those names, documented where it is defined. **Internals** — one p
 mkdocstrings renders every page from the docstrings, read statically by griffe. A module or a
 public name added or removed in ``src/attngeom`` therefore appears or disappears without editing
 ``mkdocs.yml``. Pages in ``docs/`` that ``mkdocs.yml``'s ``nav`` does not name are listed under
-"More", so a new page never breaks the strict build. The command line (``cli``, ``commands``) and
-the report writers (``reports``) are left out: ``attngeom COMMAND --help`` documents the former, and
-the latter are internal to the commands.
+"More", so a new page never breaks the strict build. The command line (``cli``, ``commands``) is
+left out: ``attngeom COMMAND --help`` documents it. The report writers (``reports``) are internal to
+the commands and listed under Internals, except the plotting API (``attngeom.reports.plot``), a
+public module (:data:`PUBLIC_MODULES`) with its own page in the API reference.
 
 :class:`SphinxRoles` is a griffe extension (named in ``mkdocs.yml``): the docstrings use Sphinx roles
 (``:func:`name```, ``:class:`~attngeom.x.Y```), which Markdown would show literally; it turns each
@@ -34,7 +35,12 @@ from griffe import Extension
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).parent / "src" / "attngeom"
-EXCLUDED = {"cli", "commands", "reports"}
+EXCLUDED = {"cli", "commands"}
+INTERNAL_PACKAGES = {"attngeom.reports"}
+"""Packages whose page belongs under Internals: they export no public name."""
+PUBLIC_MODULES = {"attngeom.reports.plot"}
+"""Modules, not packages, that are public API: each gets its page (the whole module) in the API
+reference, not under Internals."""
 SECTION = "API reference"
 INTERNALS = "Internals"
 
@@ -124,9 +130,14 @@ def _listed(nav) -> set[str]:
     return out
 
 
+def is_public(name: str) -> bool:
+    """Whether the page of module ``name`` belongs in the API reference (else under Internals)."""
+    return name in PUBLIC_MODULES or (_is_package(name) and name not in INTERNAL_PACKAGES)
+
+
 def on_config(config):
-    public = [{name: page(name)} for name in modules() if _is_package(name)]
-    internal = [{name: page(name)} for name in modules() if not _is_package(name)]
+    public = [{name: page(name)} for name in modules() if is_public(name)]
+    internal = [{name: page(name)} for name in modules() if not is_public(name)]
     nav = config.get("nav") or []
     docs = Path(config["docs_dir"])
     unlisted = sorted(p.relative_to(docs).as_posix() for p in docs.rglob("*.md")
@@ -146,7 +157,7 @@ def on_config(config):
 
 def on_files(files, config):
     for name in modules():
-        content = public_page(name) if _is_package(name) else f"# `{name}`\n\n::: {name}\n"
+        content = public_page(name) if _is_package(name) and is_public(name) else f"# `{name}`\n\n::: {name}\n"
         files.append(File.generated(config, page(name), content=content))
     return files
 

@@ -172,7 +172,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
         torch.set_num_threads(threads)
 
     from attngeom.model import load_model
-    from attngeom.streaming.reducers import Batch, HeadStats, TokenStats
+    from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
     from attngeom.traces import trace as tr
     from attngeom.capture.plugin import Session
 
@@ -201,7 +201,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
             return []
 
         def run():
-            batch = Batch(ids=x, lengths=torch.tensor([T]), index=[0])
+            batch = InputBatch(ids=x, lengths=torch.tensor([T]), index=[0])
             reducers = make()
             session = Session(observers=reducers)
             for r in reducers:
@@ -211,7 +211,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
                 r.end(batch)
             return [r.result() for r in reducers]
         # warm-up through the same path, on a short input
-        wb = Batch(ids=warm, lengths=torch.tensor([warm.shape[1]]), index=[0])
+        wb = InputBatch(ids=warm, lengths=torch.tensor([warm.shape[1]]), index=[0])
         wr = make()
         for r in wr:
             r.begin(wb)

@@ -7,8 +7,8 @@ One window of each of ``--sizes`` tokens (default 512, 2048, 8192) of the shared
 - ``eager`` / ``SDPA``: one forward pass of the model with ``attn_implementation="eager"`` / ``"sdpa"``
   (transformers' default, the forward users run anyway), with the logits of the last position only
   (``logits_to_keep=1``), as the selection's own forward computes them: no method pays for the
-  ``[T, V]`` logits (until 2026-12-01 the clean forwards computed every position's logits, which
-  flattered the selection's ratios by the LM head's share of that forward);
+  ``[T, V]`` logits (were the forwards to compute every position's logits, the LM head's share
+  would flatter the selection's ratios);
 - ``selection``: :func:`attngeom.traces.trace.stream` with :class:`attngeom.selection.reducer.SelectionStats` on
   every layer: the captured forward plus, at the last query, every N (1, 2, 4, …, 256 below the
   window), both distances, top-N with and without the sink, 8 random repeats, the sink-aware regime
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from attngeom.capture.plugin import Session  # noqa: E402
 from attngeom.model import load_model  # noqa: E402
-from attngeom.streaming.reducers import Batch  # noqa: E402
+from attngeom.streaming.reducers import InputBatch  # noqa: E402
 from attngeom.selection import SelectionStats  # noqa: E402
 from attngeom.traces.trace import forward, stream  # noqa: E402
 
@@ -69,7 +69,7 @@ def time_eager(handle, ids, impl: str = "eager") -> float:
 
 
 def time_capture(handle, ids) -> float:
-    batch = Batch(ids=torch.tensor([ids]), lengths=torch.tensor([len(ids)]), index=[0])
+    batch = InputBatch(ids=torch.tensor([ids]), lengths=torch.tensor([len(ids)]), index=[0])
     t = time.perf_counter()
     forward(handle, batch, Session(observers=[]))
     return time.perf_counter() - t

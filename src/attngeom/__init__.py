@@ -22,7 +22,7 @@ _LAZY = {
     "RankIntervention": ".capture", "HeadRemoval": ".capture", "SourceMask": ".capture",
     "DEFAULT_MODEL": ".model", "SUPPORTED_ARCHITECTURES": ".model", "ModelHandle": ".model", "load_model": ".model",
     "wrap": ".model",
-    "Batch": ".streaming", "InputBatch": ".streaming", "FullCapture": ".streaming", "HeadStats": ".streaming", "Reducer": ".streaming",
+    "InputBatch": ".streaming", "FullCapture": ".streaming", "HeadStats": ".streaming", "Reducer": ".streaming",
     "TokenStats": ".streaming",
     "LayerTrace": ".traces", "Trace": ".traces", "analyze": ".traces", "analyze_batch": ".traces", "stream": ".streaming",
     "load_windows": ".data", "read_texts": ".data",
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from attngeom.data import load_windows, read_texts
     from attngeom.kvcache import CompressedCache
     from attngeom.model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap
-    from attngeom.streaming import Batch, FullCapture, InputBatch, HeadStats, Reducer, TokenStats, stream
+    from attngeom.streaming import FullCapture, InputBatch, HeadStats, Reducer, TokenStats, stream
     from attngeom.traces import LayerTrace, Trace, analyze, analyze_batch
 
 

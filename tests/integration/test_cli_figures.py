@@ -16,7 +16,6 @@ from attngeom.reports import analyze as rep
 from attngeom.reports import plot
 from attngeom.reports.common import MIN_FONT_PT
 from attngeom.traces.trace import analyze
-from tiny_models import tiny_model
 
 FORMATS = ("pdf", "svg", "png")
 MAGIC = {"pdf": b"%PDF", "png": b"\x89PNG", "svg": b"<?xml"}
@@ -50,17 +49,12 @@ def check(saved, paths, fmt):
 
 
 @pytest.fixture(scope="module")
-def handle():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def trace(handle):
-    return analyze(handle, "The cat sat on the mat.\nThe dog slept.", layers=[0, 1])
+def trace(tiny_llama):
+    return analyze(tiny_llama, "The cat sat on the mat.\nThe dog slept.", layers=[0, 1])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_analyze_figures_in_every_format(handle, trace, tmp_path, saved, fmt):
+def test_analyze_figures_in_every_format(tiny_llama, trace, tmp_path, saved, fmt):
     import pandas as pd
 
     lt = trace.layers[0]

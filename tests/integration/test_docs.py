@@ -114,6 +114,20 @@ def test_every_name_the_readme_and_the_pages_cite_imports():
 
 
 @needs_mkdocs
+def test_plotting_api_is_public_and_the_other_report_writers_internal():
+    """The API reference has a page for the plotting API the README uses (attngeom.reports.plot);
+    the other report writers are listed under Internals, the command line not at all."""
+    hooks = _hooks()
+    documented = hooks.modules()
+    assert "attngeom.reports.plot" in documented and hooks.is_public("attngeom.reports.plot")
+    reports = [m for m in documented if m.startswith("attngeom.reports")]
+    assert "attngeom.reports" in reports and "attngeom.reports.claims" in reports
+    assert [m for m in reports if hooks.is_public(m)] == ["attngeom.reports.plot"]
+    assert hooks.is_public("attngeom.sinks") and not hooks.is_public("attngeom.sinks.corpus")
+    assert not any(m.startswith(("attngeom.cli", "attngeom.commands")) for m in documented)
+
+
+@needs_mkdocs
 def test_every_cross_reference_in_a_docstring_resolves():
     hooks = _hooks()
     plugin = ["attngeom.capture.plugin"]

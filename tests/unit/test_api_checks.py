@@ -12,11 +12,6 @@ NO_LAYER = {99: "layer 99 does not exist: the model has layers 0..2", -1: "layer
 """What the command line says (after loading the model) for --layers 99, and before it for -1."""
 
 
-@pytest.fixture(scope="module")
-def handle():
-    return tiny_model("llama")          # 3 layers
-
-
 def _ids(handle, n=4):
     rng = np.random.default_rng(0)
     return [[int(x) for x in rng.integers(4, handle.model.config.vocab_size, 12)] for _ in range(n)]
@@ -49,9 +44,9 @@ def _runs(handle):
 @pytest.mark.parametrize("layer", [99, -1])
 @pytest.mark.parametrize("entry", ["analyze", "analyze_batch", "analyze generate", "stream", "sinks", "sinks removal",
                                    "selection", "faithfulness"])
-def test_layers_the_model_lacks_are_refused_as_on_the_command_line(handle, entry, layer):
+def test_layers_the_model_lacks_are_refused_as_on_the_command_line(tiny_llama, entry, layer):
     with pytest.raises(InputError) as e:
-        _runs(handle)[entry]((layer,))
+        _runs(tiny_llama)[entry]((layer,))
     assert str(e.value) == NO_LAYER[layer]
 
 
@@ -66,11 +61,11 @@ def test_the_command_lines_messages_are_these(tiny_llama_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("layers", [("a",), (1.5,), 2, "0,1"])
-def test_layers_that_are_not_layer_numbers(handle, layers):
+def test_layers_that_are_not_layer_numbers(tiny_llama, layers):
     import attngeom
 
     with pytest.raises(InputError, match="layer"):
-        attngeom.analyze(handle, TEXT, layers=layers)
+        attngeom.analyze(tiny_llama, TEXT, layers=layers)
 
 
 def test_token_ids_beyond_the_embedding_are_an_input_error():

@@ -318,6 +318,26 @@ def test_docs_claims_table_is_the_catalogue():
     assert len(table) == len(CL.CLAIMS)
 
 
+def test_semantic_cone_term_is_specs_cone_measure():
+    """claims.md's "semantic cone" term gives SPEC §4's cone measure κ (formula and wording), not the
+    cosine with the semantic mean direction, which SPEC reports beside it but rejects as the measure."""
+    import re
+    from pathlib import Path
+
+    from attngeom.reports.claims import TERMS
+
+    spec = (Path(__file__).resolve().parents[2] / "docs" / "SPEC.md").read_text(encoding="utf-8")
+    section = next(s for s in re.split(r"\n## ", spec) if s.startswith("4."))
+    formula = re.search(r"^  `(κ_i = [^`]+)`$", section, re.M).group(1)
+    words = "attention-weighted mean cosine of the output with each semantic value"
+    assert words in " ".join(section.split())
+    term = dict(TERMS)["semantic cone"]
+    assert formula in term and words in term and "SPEC §4" in term
+    assert "mean direction" not in term
+    claim = next(c for c in CL.CLAIMS if c["id"] == "sink_removal_cone_collapse")
+    assert "attention-weighted mean cosine" in claim["measure"]
+
+
 def test_rows_on_too_few_windows_get_no_interval_and_say_so():
     """Two windows: no interval anywhere in the rows or their detail, and the verdict says why."""
     row = CL.claim_row("sink_value_small", value="4×", low=3.9, high=4.1, verdict=CL.HOLDS,

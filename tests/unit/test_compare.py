@@ -17,13 +17,8 @@ A, B = "the cat sat on the mat", "the cow sat on the mat"     # one token per ch
 
 
 @pytest.fixture(scope="module")
-def handle():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def pair(handle):
-    return analyze(handle, A), analyze(handle, B)
+def pair(tiny_llama):
+    return analyze(tiny_llama, A), analyze(tiny_llama, B)
 
 
 def test_alignment_rule():
@@ -77,9 +72,9 @@ def test_a_trace_against_itself_differs_nowhere(pair):
     assert "0 changed in a" in repr(d) and "\n" not in repr(d)
 
 
-def test_two_models_on_one_text(handle):
-    other = tiny_model("llama", seed=1)
-    a, b = analyze(handle, A), analyze(other, A)
+def test_two_models_on_one_text(tiny_llama):
+    other = tiny_model("llama", seed=1)          # a second model: other weights than the shared one
+    a, b = analyze(tiny_llama, A), analyze(other, A)
     d = diff(a, b)
     assert len(d.pairs) == len(a) and (d.layers["distance"] > 0).all()
     assert d.summary()["changed_a"] == d.summary()["changed_b"] == 0

@@ -220,3 +220,14 @@ def test_packages_export_only_public_names_that_exist():
     for name in attngeom.__all__:
         assert not name.startswith("_") or name == "__version__"
         assert hasattr(attngeom, name), name
+
+
+
+def test_input_batch_is_exported_under_one_name():
+    """The batch of inputs a reducer sees is public as ``InputBatch`` only (its module's alias
+    ``Batch`` is not exported)."""
+    from attngeom import streaming
+
+    for package in (attngeom, streaming):
+        assert "InputBatch" in package.__all__ and "Batch" not in package.__all__
+        assert package.InputBatch is streaming.reducers.InputBatch

@@ -31,9 +31,10 @@ class ClaimsSettings:
     seed: int = 0
     critical_k: float = 3.0
 
-    def record(self, level: float) -> dict:
-        """What a result records of them (``bootstrap``: the resamples; ``level``: the interval's)."""
+    def record(self, level: float | None = None) -> dict:
+        """What a result records of them (``bootstrap``: the resamples; ``level``, when given: the
+        interval's). ``window`` and ``max_windows`` are the command's (its corpus identity)."""
         return {"calib_windows": self.calib_windows, "ratios": list(self.ratios), "seeds": list(self.seeds),
                 "ns": list(self.ns), "repeats": self.repeats, "retentions": list(self.retentions),
                 "fixed_order": list(self.fixed_order), "bootstrap": self.n_resamples, "seed": self.seed,
-                "level": level, "critical_k": self.critical_k}
+                **({} if level is None else {"level": level}), "critical_k": self.critical_k}

@@ -106,8 +106,14 @@ def run(args) -> int:
 
     opts = check_args(args)
     fields = common.fields_of(args)
-    settings = {**common.corpus_identity(args, fields), "calib_windows": args.calib_windows, **opts, "repeats": args.repeats,
-                "bootstrap": args.bootstrap, "seed": args.seed}
+    options = Settings(window=args.window, max_windows=args.max_windows, calib_windows=args.calib_windows,
+                       ratios=tuple(opts["ratios"]), seeds=tuple(opts["seeds"]), ns=tuple(opts["ns"]),
+                       repeats=args.repeats, retentions=tuple(opts["retentions"]),
+                       fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap, seed=args.seed)
+    analyses = [a for a in ANALYSES if a not in opts["skip"]]
+    # critical_k is no option of the command: the identity holds what its options change
+    settings = {**common.corpus_identity(args, fields), "skip": opts["skip"],
+                **common.settings_identity(options, omit=("critical_k",))}
     t0 = time.time()
 
     def work(run):
@@ -116,11 +122,7 @@ def run(args) -> int:
         if len(windows) <= args.calib_windows + 1:
             raise InputError(f"{args.data} gives {len(windows)} window(s) of {args.window} tokens: not enough for "
                              f"{args.calib_windows} calibration and 2 held-out windows")
-        res = experiment(handle, run, windows, Settings(
-            window=args.window, max_windows=args.max_windows, calib_windows=args.calib_windows,
-            ratios=tuple(opts["ratios"]), seeds=tuple(opts["seeds"]), ns=tuple(opts["ns"]), repeats=args.repeats,
-            retentions=tuple(opts["retentions"]), fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap,
-            seed=args.seed), analyses=[a for a in ANALYSES if a not in opts["skip"]])
+        res = experiment(handle, run, windows, options, analyses=analyses)
         model_name = getattr(handle, "name", args.model)
         seconds = time.time() - t0
         out = {"command": "claims", "model": model_name, "data": args.data, "window": args.window,

@@ -216,10 +216,17 @@ def layers_identity(layers) -> str | list[int]:
     return "all" if layers is None else sorted(set(layers))
 
 
-def settings_identity(settings) -> dict:
+BATCHING = ("batch_size", "rows")
+"""Settings fields that say how the work is batched (windows per forward pass, variants per batched
+forward), not what is computed: no part of a run's identity."""
+
+
+def settings_identity(settings, omit: tuple[str, ...] = ()) -> dict:
     """An experiment's settings as its run's identity records them: ``settings.record()`` without
-    ``batch_size`` (how many windows share a forward pass says how, not what, is computed)."""
-    return {k: v for k, v in settings.record().items() if k != "batch_size"}
+    the fields of :data:`BATCHING` and ``omit``, layer lists (``layers``, ``*_layers``) as
+    :func:`layers_identity` writes them."""
+    return {k: layers_identity(v) if k == "layers" or k.endswith("_layers") else v
+            for k, v in settings.record().items() if k not in BATCHING and k not in omit}
 
 
 def corpus_identity(args, fields: list[str] | None, data: dict | None = None) -> dict:

@@ -48,6 +48,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from attngeom.explorer.settings import ExploreSettings
+
     t_start = time.perf_counter()
     # ---- everything that needs no model ----------------------------------------------------------
     layers = check_layer_list(args.layers)
@@ -55,9 +57,9 @@ def run(args) -> int:
     text, source = text_input(args, "explore")
     decoding = decoding_of(args)
     prompt = prompt_of(args, text) if decoding else text
+    options = ExploreSettings(top_k=args.top_k, exact_max_tokens=args.exact_max_tokens, sink=args.sink)
     settings = {**model_identity(args), **text_identity(text, source), "layers": common.layers_identity(layers),
-                "top_k": args.top_k, "exact_max_tokens": args.exact_max_tokens, "sink": args.sink,
-                **settings_of(decoding, args)}
+                **common.settings_identity(options), **settings_of(decoding, args)}
 
     def work(run):
         from attngeom.data.corpora import check_layers

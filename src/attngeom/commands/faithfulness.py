@@ -56,8 +56,9 @@ def run(args) -> int:
     ratios = parse_float_list(args.ratios, "--ratios")
     seeds = parse_int_list(args.seeds, "--seeds") or list(FaithfulnessSettings.seeds)
     layers = check_layer_list(args.layers)
-    options = FaithfulnessSettings(metrics=tuple(metrics), ratios=tuple(ratios), seeds=tuple(seeds),
-                                   per_head=args.per_head, absolute=args.absolute, rows=args.batch_rows)
+    options = FaithfulnessSettings(metrics=tuple(metrics), ratios=tuple(sorted(ratios)), seeds=tuple(seeds),
+                                   per_head=bool(args.per_head), absolute=bool(args.absolute),
+                                   layers=None if layers is None else tuple(layers), rows=args.batch_rows)
     variants_of(options)  # bad metrics, ratios or seeds fail here, before the model loads
     check_at_least(args, window=2, max_windows=1, stride=1, batch_rows=1)
     fmt = common.figure_format(args)
@@ -74,9 +75,7 @@ def run(args) -> int:
     settings = {**model_identity(args), **data_identity(args.data), "fields": fields, "task": args.task,
                 "max_examples": args.max_examples if args.task else None,
                 "window": None if args.task else args.window, "stride": None if args.task else args.stride,
-                "max_windows": None if args.task else args.max_windows,
-                "layers": common.layers_identity(layers), "per_head": bool(args.per_head),
-                "absolute": bool(args.absolute), "metrics": metrics, "ratios": sorted(ratios), "seeds": seeds}
+                "max_windows": None if args.task else args.max_windows, **common.settings_identity(options)}
 
     def work(run):
         handle = common.load(args)

@@ -17,6 +17,7 @@ resumable from ``--out/checkpoint``. Writes to ``--out``:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from attngeom.errors import InputError
@@ -62,8 +63,10 @@ def run(args) -> int:
     fields = common.fields_of(args)
     if not args.data.startswith("hf:"):
         read_texts(args.data, fields)  # a missing, empty or malformed corpus fails before the model loads
-    settings = {**common.corpus_identity(args, fields), "sink": args.sink, "layers": common.layers_identity(layers),
-                "removal_layers": common.layers_identity(removal_layers)}
+    options = SinksSettings(sink=args.sink, layers=None if layers is None else tuple(layers),
+                            removal_layers=None if removal_layers is None else tuple(removal_layers),
+                            batch_size=args.batch_size)
+    settings = {**common.corpus_identity(args, fields), **common.settings_identity(options)}
 
     def work(run):
         handle = common.load(args)
@@ -72,9 +75,9 @@ def run(args) -> int:
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows, fields)
         if all(len(w) <= args.sink + 1 for w in windows):
             raise InputError(f"no window is longer than the sink position {args.sink} + 1")
-        res = experiment(handle, run, windows, SinksSettings(
-            sink=args.sink, layers=None if checked is None else tuple(checked),
-            removal_layers=None if removal is None else tuple(removal), batch_size=args.batch_size))
+        res = experiment(handle, run, windows, dataclasses.replace(
+            options, layers=None if checked is None else tuple(checked),
+            removal_layers=None if removal is None else tuple(removal)))
         model_name = getattr(handle, "name", args.model)
         summary = {
             "command": "sinks",

@@ -3,7 +3,7 @@ explore`` reads it to build ``--help``, and its options default to these fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -15,3 +15,6 @@ class ExploreSettings:
     top_k: int = 8
     exact_max_tokens: int = 512
     sink: int = 0
+
+    def record(self) -> dict:
+        return asdict(self)

@@ -238,19 +238,47 @@ def _variant_rows(variants: Sequence[Variant], measure, column: str, units: int)
     return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", column, "clean", "change", "tokens", "units"])
 
 
+def statistics(change: np.ndarray, keys: Sequence[tuple], ratio: np.ndarray | None = None) -> dict:
+    """The curve statistics, written once for :func:`summarize` (one sample, ``R = 1``) and
+    :func:`summary` (``R`` resamples): ``change [R, K]`` the change of the measure (ΔPPL, or the
+    change of accuracy) under each of the ``K`` intervened variants, ``keys[k] = (metric, mode,
+    ratio)`` that of column ``k``, and for perplexity ``ratio [R, K]`` = ``PPL'/PPL``. Returns arrays
+    ``[R]``: ``aoc[(metric, mode)]`` (the mean change over the ratios, and the seeds for random),
+    ``log_aoc[(metric, mode)]`` (given ``ratio``: the mean ``ln(PPL'/PPL)``) and
+    ``delta[(metric, mode, ratio)]`` (the mean change at one ratio)."""
+    groups: dict = {}
+    for k, (metric, mode, _) in enumerate(keys):
+        groups.setdefault((metric, mode), []).append(k)
+    out: dict = {"aoc": {}, "log_aoc": {}, "delta": {}}
+    for key, cols in groups.items():
+        out["aoc"][key] = change[:, cols].mean(1)
+        if ratio is not None:
+            out["log_aoc"][key] = np.log(ratio[:, cols]).mean(1)
+        by_ratio: dict = {}
+        for c in cols:
+            by_ratio.setdefault(keys[c][2], []).append(c)
+        for r, cs in by_ratio.items():
+            out["delta"][key + (r,)] = change[:, cs].mean(1)
+    return out
+
+
 def summarize(table: pd.DataFrame, measure: str = "ppl") -> dict:
-    """AOC (mean change over ratios, and seeds for random) per metric and mode, and the orderings."""
+    """AOC (mean change over ratios, and seeds for random; :func:`statistics` of the table's rows)
+    per metric and mode, the spread over seeds of random, and the orderings."""
     out: dict = {"measure": measure, "metrics": {}}
     if table.empty:
         return out
     out["clean"] = float(table["clean"].iloc[0])
+    ratio = (table["ppl"] / table["clean"]).to_numpy(dtype=np.float64)[None] if measure == "ppl" else None
+    stats = statistics(table["change"].to_numpy(dtype=np.float64)[None],
+                       list(zip(table["metric"], table["mode"], table["ratio"])), ratio)
     for m, g in table.groupby("metric", sort=False):
         d = {}
         for mode in MODES:
-            gm = g[g["mode"] == mode]
-            d[f"{mode}_aoc"] = float(gm["change"].mean())
+            d[f"{mode}_aoc"] = float(stats["aoc"].get((m, mode), [np.nan])[0])
             if measure == "ppl":  # a scale-free companion: mean log(PPL'/PPL) over the ratios
-                d[f"{mode}_log_aoc"] = float(np.log(gm["ppl"] / gm["clean"]).mean())
+                d[f"{mode}_log_aoc"] = float(stats["log_aoc"].get((m, mode), [np.nan])[0])
+            gm = g[g["mode"] == mode]
             if m == "random" and gm["seed"].notna().any():
                 per_seed = gm.groupby("seed")["change"].mean()
                 d[f"{mode}_aoc_per_seed"] = {str(int(s)): float(x) for s, x in per_seed.items()}
@@ -302,29 +330,15 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
     """The perplexity experiment's curves under resampling ``weights`` (bootstrap counts per window
     ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
     from its ``per_window`` (``nll [W, V]`` summed NLL per window and variant, column 0 the clean
-    forward, ``tokens [W]``, ``variants``). Returns arrays ``[R]``: ``clean`` (its perplexity),
-    ``aoc[(metric, mode)]`` (mean ΔPPL over the ratios), ``log_aoc[(metric, mode)]`` (mean log PPL
-    ratio) and ``delta[(metric, mode, ratio)]`` (random: mean over seeds), the definitions of
-    :func:`summarize` (tests/unit/test_claims.py checks that both agree)."""
+    forward, ``tokens [W]``, ``variants``). Returns arrays ``[R]``: ``clean`` (its perplexity) and
+    the :func:`statistics` of the resampled perplexities (``aoc``, ``log_aoc``, ``delta``)."""
     nll, tokens, variants = per_window["nll"], per_window["tokens"], per_window["variants"]
     counts = resampling.counts_or_once(weights, len(tokens))
     ppl = resampling.resampled_perplexity(counts, nll, tokens)                      # [R, V]
-    clean = ppl[:, 0]
-    groups: dict = {}
-    for k, v in enumerate(variants):
-        if v.metric is None:
-            continue
-        groups.setdefault((v.metric, v.mode), []).append(k)
-    out = {"clean": clean, "aoc": {}, "log_aoc": {}, "delta": {}}
-    for key, cols in groups.items():
-        out["aoc"][key] = (ppl[:, cols] - clean[:, None]).mean(1)
-        out["log_aoc"][key] = np.log(ppl[:, cols] / clean[:, None]).mean(1)
-        by_ratio: dict = {}
-        for c in cols:
-            by_ratio.setdefault(variants[c].ratio, []).append(c)
-        for r, cs in by_ratio.items():
-            out["delta"][key + (r,)] = (ppl[:, cs] - clean[:, None]).mean(1)
-    return out
+    cols = [k for k, v in enumerate(variants) if v.metric is not None]
+    keys = [(variants[k].metric, variants[k].mode, variants[k].ratio) for k in cols]
+    clean = ppl[:, :1]
+    return {"clean": ppl[:, 0], **statistics(ppl[:, cols] - clean, keys, ppl[:, cols] / clean)}
 
 
 @takes_handle

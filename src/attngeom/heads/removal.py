@@ -48,7 +48,7 @@ from attngeom.runs.contract import perplexity
 from attngeom.capture.interventions import HeadRemoval
 from attngeom.model.adapter import adapter_for
 from attngeom.heads.settings import HeadsSettings
-from attngeom.heads.taxonomy import REGIMES
+from attngeom.heads.taxonomy import REGIMES, share_of_each_regime
 from attngeom.stats import resampling
 from attngeom.streaming.passes import batch_nll, make_batches, scored_tokens, to_ids
 
@@ -567,7 +567,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np
     counts = resampling.counts_or_once(weights, len(X))
     s = resampling.resample_sums(counts, X)                                  # [R, L, H, 3]
     reg = s.argmax(-1).reshape(counts.shape[0], -1)                  # [R, L*H]
-    return {"regime_shares": np.stack([(reg == k).mean(1) for k in range(3)], 1)}
+    return {"regime_shares": share_of_each_regime(reg)}
 
 
 def removal_summary(per_window: dict, weights: np.ndarray | None = None,

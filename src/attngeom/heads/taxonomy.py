@@ -89,10 +89,21 @@ def regimes_of(df: pd.DataFrame) -> np.ndarray:
     return np.asarray(REGIMES, dtype=object)[shares.argmax(1)]
 
 
+def share_of_each_regime(regime: np.ndarray) -> np.ndarray:
+    """Fraction of heads in each regime, written once for :func:`regime_shares` (one sample) and
+    :func:`attngeom.heads.removal.summary` (resamples): ``regime [R, K]``, the index in
+    :data:`REGIMES` of each of ``K`` heads -> ``[R, 3]`` (0 without heads)."""
+    regime = np.asarray(regime)
+    if regime.shape[1] == 0:
+        return np.zeros((regime.shape[0], len(REGIMES)))
+    return np.stack([(regime == k).mean(1) for k in range(len(REGIMES))], 1)
+
+
 def regime_shares(df: pd.DataFrame) -> dict[str, float]:
-    """Fraction of heads in each regime."""
-    n = len(df)
-    return {r: float((df["regime"] == r).sum() / n) if n else 0.0 for r in REGIMES}
+    """Fraction of heads in each regime (:func:`share_of_each_regime`)."""
+    index = {r: k for k, r in enumerate(REGIMES)}
+    shares = share_of_each_regime(np.array([[index.get(r, -1) for r in df["regime"]]]))[0]
+    return {r: float(x) for r, x in zip(REGIMES, shares)}
 
 
 def shares_by_layer(df: pd.DataFrame) -> pd.DataFrame:

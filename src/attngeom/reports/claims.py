@@ -21,8 +21,11 @@ TERMS = (
             "only it (a more faithful metric raises ΔPPL less)"),
     ("sink", "the first token (position 0), which takes much of the attention; ṽ_0 its value vector projected by "
              "the head's output map"),
-    ("semantic cone", "the directions of a head's non-sink (semantic) value vectors; an output's place in it is "
-                      "its cosine with their mean direction (SPEC §4)"),
+    ("semantic cone", "the cone of a head's non-sink (semantic) value vectors ṽ_j; how far a head output o_i has "
+                      "collapsed into it is the cone measure κ_i = Σ_{j≠s} (a_ij / (1−ρ_i)) cos(o_i, ṽ_j), the "
+                      "attention-weighted mean cosine of the output with each semantic value; a_ij is the attention "
+                      "of query i on source j, ρ_i its share on the sink (s = 0), and κ_i = 1 when o_i points along "
+                      "every semantic value the query attends to (SPEC §4)"),
     ("F_N", "how separable the N tokens a head selects (its top N by attention) are from the rest: the harmonic "
             "mean of precision P_N and recall R_N of the ball around their sum (SPEC §5)"),
     ("Retriever / Mixer / Reset", "the head types (SPEC §6), from the source that wins most queries "

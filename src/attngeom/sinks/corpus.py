@@ -93,8 +93,67 @@ def _f(x) -> float | None:
     return None if not np.isfinite(x) else x
 
 
+def statistics(heads: dict[str, np.ndarray], ppl: dict[str, np.ndarray], cos_v0_m_counts: np.ndarray) -> dict[str, np.ndarray]:
+    """The model-level numbers of the sinks experiment, written once for :func:`summarize` (one
+    sample, ``R = 1``) and :func:`summary` (``R`` resamples): from per-head values ``heads[name]
+    [R, K]`` (``K`` = layers × heads: ``value_norm_ratio_raw``, ``value_norm_ratio_projected``,
+    ``cos_v0_m_median``, ``rho_star_median``, ``fit_convex``, ``fit_vertex_interior`` and, per pass
+    suffix ``base``/``removed``/``control``, ``output_norm_*``, ``cone_*``, ``cone_sink_heavy_*``),
+    the perplexity of each pass ``ppl[pass] [R]`` (:data:`PASSES`) and the histogram counts of
+    ``cos(ṽ_0, m_i)`` pooled over heads ``[R, bins + 2]``. Each value is an array ``[R]``: medians
+    and means over heads ignore NaN, shares count the heads (SPEC §4)."""
+    h = heads
+    lo, hi, _ = HISTOGRAMS["cos_v0_m"]
+    rho = h["rho_star_median"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = {
+            "value_norm_ratio_raw": resampling.nanmedian_rows(h["value_norm_ratio_raw"]),
+            "value_norm_ratio_projected": resampling.nanmedian_rows(h["value_norm_ratio_projected"]),
+            "anti_aligned_share": (h["cos_v0_m_median"] < 0).mean(1),
+            "cos_v0_m_pooled_median": histogram_quantile(cos_v0_m_counts, lo, hi, 0.5),
+            "fit_convex_share": h["fit_convex"].mean(1),
+            "fit_vertex_interior_share": h["fit_vertex_interior"].mean(1),
+            "rho_star_median_interior_share": ((rho > 0) & (rho < 1)).mean(1),
+            "removal_output_norm_ratio": resampling.nanmedian_rows(h["output_norm_removed"] / h["output_norm_base"]),
+            "control_output_norm_ratio": resampling.nanmedian_rows(h["output_norm_control"] / h["output_norm_base"]),
+        }
+        for suffix in PASS_SUFFIX.values():
+            out[f"cone_{suffix}"] = resampling.nanmean_rows(h[f"cone_{suffix}"])
+        for suffix in PASS_SUFFIX.values():
+            out[f"cone_sink_heavy_{suffix}"] = resampling.nanmean_rows(h[f"cone_sink_heavy_{suffix}"])
+        out["cone_sink_heavy_change"] = out["cone_sink_heavy_removed"] - out["cone_sink_heavy_base"]
+        out["cone_change"] = out["cone_removed"] - out["cone_base"]
+        out["ppl"] = ppl["none"]
+        out["removal_delta_ppl"] = ppl["sink"] - ppl["none"]
+        out["control_delta_ppl"] = ppl["control"] - ppl["none"]
+    return out
+
+
+def _pooled_counts(hist: pd.DataFrame, quantity: str) -> np.ndarray:
+    """The ``hist`` table's counts of ``quantity`` pooled over heads: ``[bins + 2]`` (under- and
+    overflow bins first and last), as :func:`~attngeom.sinks.geometry.histogram_quantile` reads them."""
+    lo, hi, bins = HISTOGRAMS[quantity]
+    sub = hist[hist.quantity == quantity]
+    width = (hi - lo) / bins
+    counts = np.zeros(bins + 2)
+    for blo, c in zip(sub.bin_lo, sub["count"]):
+        k = 0 if not np.isfinite(blo) else int(round((blo - lo) / width)) + 1
+        counts[min(k, bins + 1)] += c
+    return counts
+
+
+# summary.json's name of each number of :func:`statistics`
+_SUMMARY_NAMES = {
+    "value_norm_ratio_projected": "value_norm_ratio", "value_norm_ratio_raw": "raw_value_norm_ratio",
+    "anti_aligned_share": "anti_aligned_share", "cos_v0_m_pooled_median": "cos_v0_m_median",
+    "rho_star_median_interior_share": "interior_minimum_share",
+}
+
+
 def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift: pd.DataFrame | None = None) -> dict:
-    """Per-model summary numbers (medians/means over heads; shares are over heads).
+    """Per-model summary numbers (medians/means over heads; shares are over heads): those of
+    :func:`statistics` on the tables (one sample) and the descriptive ones only the tables hold
+    (decomposition, entropy bins, the other pooled medians).
 
     Recomputable from an output directory: ``summarize(*(pd.read_parquet(out / f"{t}.parquet") for t
     in ("heads", "hist", "ppl", "drift")))``."""
@@ -102,30 +161,29 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     pp = ppl.set_index("pass")
 
     def pooled_median(q):
-        lo, hi, bins = HISTOGRAMS[q]
-        sub = hist[hist.quantity == q]
-        width = (hi - lo) / bins
-        counts = np.zeros(bins + 2)
-        for blo, c in zip(sub.bin_lo, sub["count"]):
-            k = 0 if not np.isfinite(blo) else int(round((blo - lo) / width)) + 1
-            counts[min(k, bins + 1)] += c
-        return histogram_quantile(counts, lo, hi, 0.5)
+        lo, hi, _ = HISTOGRAMS[q]
+        return histogram_quantile(_pooled_counts(hist, q), lo, hi, 0.5)
 
-    base = h["output_norm_base"]
+    columns = {"value_norm_ratio_raw": "raw_value_norm_ratio", "value_norm_ratio_projected": "value_norm_ratio",
+               "cos_v0_m_median": "cos_v0_m_median", "rho_star_median": "rho_star_median",
+               "fit_convex": "fit_convex", "fit_vertex_interior": "fit_vertex_interior"}
+    columns |= {f"{k}_{suffix}": f"{k}_{suffix}" for k in ("output_norm", "cone", "cone_sink_heavy")
+                for suffix in PASS_SUFFIX.values()}
+    per_head = {name: h[col].to_numpy()[None] for name, col in columns.items()}
+    stats = statistics(per_head, {m: np.array([pp.loc[m, "ppl"]]) for m in PASSES},
+                       _pooled_counts(hist, "cos_v0_m")[None])
+    stat = {_SUMMARY_NAMES.get(k, k): _f(v[0]) for k, v in stats.items()}
     out = {
         "heads": int(len(h)),
-        "value_norm_ratio": _f(h["value_norm_ratio"].median()),
-        "raw_value_norm_ratio": _f(h["raw_value_norm_ratio"].median()),
-        "anti_aligned_share": _f(h["anti_aligned"].mean()),
-        "cos_v0_m_median": _f(pooled_median("cos_v0_m")),
+        **{k: stat[k] for k in ("value_norm_ratio", "raw_value_norm_ratio", "anti_aligned_share", "cos_v0_m_median")},
         "cos_v0_vj_median": _f(pooled_median("cos_v0_vj")),
         "cos_v0_vj_anti_aligned_share": _f((h["cos_v0_vj_median"] < 0).mean()),
-        "interior_minimum_share": _f(h["rho_star_median_interior"].mean()),
+        "interior_minimum_share": stat["interior_minimum_share"],
         "rho_star_median": _f(pooled_median("rho_star")),
         "rho_star_interior_query_share": _f(np.average(h["rho_star_interior_share"].fillna(0), weights=h["queries"])
                                             if h["queries"].sum() else np.nan),
-        "fit_convex_share": _f(h["fit_convex"].mean()),
-        "fit_vertex_interior_share": _f(h["fit_vertex_interior"].mean()),
+        "fit_convex_share": stat["fit_convex_share"],
+        "fit_vertex_interior_share": stat["fit_vertex_interior_share"],
         "sink_rate_mean": _f(h["sink_rate"].mean()),
         "sink_contribution_mean": _f(h["sink_contribution"].mean()),
         "sink_negative_contribution_share": _f(h["sink_negative_share"].mean()),
@@ -139,18 +197,11 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
         "corr_sink_rate_entropy_mean": _f(h["corr_rho_entropy"].mean()),
         "cancel_median": _f(h["cancel"].median()),
         "norm_reduction_median": _f(h["norm_reduction"].median()),
-        "ppl": _f(pp.loc["none", "ppl"]),
-        "removal_delta_ppl": _f(pp.loc["sink", "delta_ppl"]),
-        "control_delta_ppl": _f(pp.loc["control", "delta_ppl"]),
-        "removal_output_norm_ratio": _f((h["output_norm_removed"] / base).median()),
-        "control_output_norm_ratio": _f((h["output_norm_control"] / base).median()),
-        "removal_output_norm_increase_share": _f((h["output_norm_removed"] > base).mean()),
-        "cone_base": _f(h["cone_base"].mean()),
-        "cone_removed": _f(h["cone_removed"].mean()),
-        "cone_control": _f(h["cone_control"].mean()),
-        "cone_sink_heavy_base": _f(h["cone_sink_heavy_base"].mean()),
-        "cone_sink_heavy_removed": _f(h["cone_sink_heavy_removed"].mean()),
-        "cone_sink_heavy_control": _f(h["cone_sink_heavy_control"].mean()),
+        **{k: stat[k] for k in ("ppl", "removal_delta_ppl", "control_delta_ppl", "removal_output_norm_ratio",
+                                "control_output_norm_ratio")},
+        "removal_output_norm_increase_share": _f((h["output_norm_removed"] > h["output_norm_base"]).mean()),
+        **{k: stat[k] for k in ("cone_base", "cone_removed", "cone_control", "cone_sink_heavy_base",
+                                "cone_sink_heavy_removed", "cone_sink_heavy_control")},
         "removal_output_norm_ratio_sink_heavy": _f((h["output_norm_sink_heavy_removed"] / h["output_norm_sink_heavy_base"]).median()),
         "control_output_norm_ratio_sink_heavy": _f((h["output_norm_sink_heavy_control"] / h["output_norm_sink_heavy_base"]).median()),
         "cos_output_semantic_base": _f(h["cos_output_semantic_base"].mean()),
@@ -239,10 +290,8 @@ def summary_sums(records: Sequence[dict]) -> dict[str, np.ndarray]:
 def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The sinks experiment's model-level numbers under resampling ``weights`` (bootstrap counts per
     window ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once,
-    ``R = 1``), from its ``per_window`` records (``batch_size=1``): each a float64 array ``[R]``.
-    The definitions are those of :func:`summarize` (medians and means over heads of ratios of sums,
-    pooled histogram medians, the fits' shape, perplexities); tests/unit/test_claims.py checks that
-    both agree."""
+    ``R = 1``), from its ``per_window`` records (``batch_size=1``): :func:`statistics` of the
+    per-head values of the resampled sums, each a float64 array ``[R]``."""
     X = summary_sums(one_window_each(per_window, "records", "sinks"))
     counts = resampling.counts_or_once(weights, len(X["tokens"]))
     summed = lambda k: resampling.resample_sums(counts, X[k])                    # noqa: E731
@@ -258,41 +307,17 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np
         proj = np.where(ok, (summed("vj_norm_sum") / ns) / (summed("v0_norm_sum") / nt), np.nan)
         hc = summed("hist_cos_v0_m")
         lo, hi, _ = HISTOGRAMS["cos_v0_m"]
-        med_cos = histogram_quantile(hc, lo, hi, 0.5)                        # [R, L, H]
-        pooled_cos = histogram_quantile(flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1), lo, hi, 0.5)
         lo_r, hi_r, _ = HISTOGRAMS["rho_star"]
-        med_rho = histogram_quantile(summed("hist_rho_star"), lo_r, hi_r, 0.5)
         convex, interior = quadratic_fit_shape(summed("fit"))
-        mean = {}
-        for mode in ("none", "sink", "control"):
-            n = summed(f"{mode}_n")
-            hn = summed(f"{mode}_heavy_n")
-            mean[mode] = {
-                "output_norm": np.where(n > 0, summed(f"{mode}_output_norm") / n, np.nan),
-                "cone": np.where(n > 0, summed(f"{mode}_cone") / n, np.nan),
-                "heavy_cone": np.where(hn > 0, summed(f"{mode}_heavy_cone") / hn, np.nan),
-            }
+        heads = {"value_norm_ratio_raw": flat(raw), "value_norm_ratio_projected": flat(proj),
+                 "cos_v0_m_median": flat(histogram_quantile(hc, lo, hi, 0.5)),
+                 "rho_star_median": flat(histogram_quantile(summed("hist_rho_star"), lo_r, hi_r, 0.5)),
+                 "fit_convex": flat(convex), "fit_vertex_interior": flat(interior)}
+        for mode, suffix in PASS_SUFFIX.items():
+            n, hn = summed(f"{mode}_n"), summed(f"{mode}_heavy_n")
+            heads[f"output_norm_{suffix}"] = flat(np.where(n > 0, summed(f"{mode}_output_norm") / n, np.nan))
+            heads[f"cone_{suffix}"] = flat(np.where(n > 0, summed(f"{mode}_cone") / n, np.nan))
+            heads[f"cone_sink_heavy_{suffix}"] = flat(np.where(hn > 0, summed(f"{mode}_heavy_cone") / hn, np.nan))
         tok = summed("tokens")
-        ppl = {m: perplexity(summed(f"nll_{m}"), tok) for m in ("none", "sink", "control")}
-    return {
-        "value_norm_ratio_raw": resampling.nanmedian_rows(flat(raw)),
-        "value_norm_ratio_projected": resampling.nanmedian_rows(flat(proj)),
-        "anti_aligned_share": (flat(med_cos) < 0).mean(1),
-        "cos_v0_m_pooled_median": pooled_cos,
-        "fit_convex_share": flat(convex).mean(1),
-        "fit_vertex_interior_share": flat(interior).mean(1),
-        "rho_star_median_interior_share": flat((med_rho > 0) & (med_rho < 1)).mean(1),
-        "removal_output_norm_ratio": resampling.nanmedian_rows(flat(mean["sink"]["output_norm"] / mean["none"]["output_norm"])),
-        "control_output_norm_ratio": resampling.nanmedian_rows(flat(mean["control"]["output_norm"] / mean["none"]["output_norm"])),
-        "cone_base": resampling.nanmean_rows(flat(mean["none"]["cone"])),
-        "cone_removed": resampling.nanmean_rows(flat(mean["sink"]["cone"])),
-        "cone_control": resampling.nanmean_rows(flat(mean["control"]["cone"])),
-        "cone_sink_heavy_base": resampling.nanmean_rows(flat(mean["none"]["heavy_cone"])),
-        "cone_sink_heavy_removed": resampling.nanmean_rows(flat(mean["sink"]["heavy_cone"])),
-        "cone_sink_heavy_control": resampling.nanmean_rows(flat(mean["control"]["heavy_cone"])),
-        "cone_sink_heavy_change": resampling.nanmean_rows(flat(mean["sink"]["heavy_cone"])) - resampling.nanmean_rows(flat(mean["none"]["heavy_cone"])),
-        "cone_change": resampling.nanmean_rows(flat(mean["sink"]["cone"])) - resampling.nanmean_rows(flat(mean["none"]["cone"])),
-        "ppl": ppl["none"],
-        "removal_delta_ppl": ppl["sink"] - ppl["none"],
-        "control_delta_ppl": ppl["control"] - ppl["none"],
-    }
+        ppl = {m: perplexity(summed(f"nll_{m}"), tok) for m in PASSES}
+    return statistics(heads, ppl, flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1))

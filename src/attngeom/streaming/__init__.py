@@ -7,7 +7,6 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "forward": "passes",
     "stream": "passes",
     "InputBatch": "reducers",
-    "Batch": "reducers",
     "Reducer": "reducers",
     "HeadStats": "reducers",
     "TokenStats": "reducers",

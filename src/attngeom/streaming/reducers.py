@@ -40,7 +40,8 @@ class InputBatch:
 
 
 Batch = InputBatch
-"""The former name of :class:`InputBatch` (``attngeom.Batch``), kept as an alias."""
+"""An alias of :class:`InputBatch` for code that imports it from this module; not exported (the
+public name is ``attngeom.InputBatch``)."""
 
 
 class Reducer:
