@@ -332,6 +332,35 @@ def test_rows_on_too_few_windows_get_no_interval_and_say_so():
     assert (kept["verdict"], kept["low"]) == (CL.HOLDS, 3.9)
 
 
+def test_the_calibration_claim_states_its_evidence_and_what_gives_a_verdict():
+    from attngeom.claims.catalogue import calibration_evidence
+    from attngeom.claims.settings import ClaimsSettings
+    from attngeom.stats.resampling import MIN_UNITS
+
+    default = ClaimsSettings().calib_windows
+    assert default < MIN_UNITS          # a documented choice (docs/claims.md#sample-size): the row says so
+    row = CL.claim_row("early_critical_head", value="z = 4", low=3.5, high=5.0, verdict=CL.HOLDS, note="early = layers 0–1")
+    (out,) = calibration_evidence(CL.sized([row], {}, default), default)
+    assert out["verdict"] == CL.TOO_FEW and out["windows"] == default
+    assert out["note"].startswith(f"evidence: single-head removal on the {default} calibration window(s) only; "
+                                  f"a verdict needs --calib-windows {MIN_UNITS} (and --max-windows {2 * MIN_UNITS}")
+    assert "early = layers 0–1" in out["note"] and f"{default} window(s); intervals need at least" in out["note"]
+    row = CL.claim_row("early_critical_head", value="z = 4", low=3.5, high=5.0, verdict=CL.HOLDS, note="")
+    (enough,) = calibration_evidence(CL.sized([row], {}, MIN_UNITS), MIN_UNITS)
+    assert enough["verdict"] == CL.HOLDS and "a verdict needs" not in enough["note"]
+    assert enough["note"] == f"evidence: single-head removal on the {MIN_UNITS} calibration window(s) only"
+
+
+def test_claims_help_says_what_gives_the_calibration_claim_a_verdict(capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["claims", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"below 10 of them \(the default 2\) its verdict is 'too few windows'", text)
+    assert "--calib-windows 10 --max-windows 20 gives every claim a verdict" in text
+
+
 def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("The sink collects attention but adds little to the output. " * 30)

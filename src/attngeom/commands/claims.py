@@ -36,7 +36,9 @@ def add_parser(subparsers) -> None:
                    help="first windows used as the head-removal calibration split (default %(default)s); the "
                         "single-head removal reads each of them once per head (layers x heads passes per "
                         "window: 270 for SmolLM2-135M, most of a default run's time), and claim 16 rests on "
-                        "these windows alone")
+                        "these windows alone: below 10 of them (the default 2) its verdict is 'too few windows'; "
+                        "--calib-windows 10 --max-windows 20 gives every claim a verdict (about 3x the default "
+                        "run's time)")
     p.add_argument("--skip", default="",
                    help="analyses left out, comma-separated, from " + ", ".join(ANALYSES) + "; by default none is. "
                         "Cost per window: faithfulness 1 + 2 x 5 rankings x ratios forward passes (claims 1-4; "
