@@ -133,6 +133,20 @@ def test_run_figures_in_every_format(runs, command, fmt, saved):
             assert not any("×10" in t or "^{" in t for t in texts), f"{name}: exponent ticks"
 
 
+def test_faithfulness_figure_is_one_column_wide(runs, saved):
+    from attngeom.reports.common import COLUMN_WIDTH_IN
+
+    (path,) = plot.run_figures(runs / "faithfulness", "pdf")
+    (name, smallest, texts, _), = saved
+    assert path.name == "faithfulness.pdf" and smallest >= MIN_FONT_PT
+    assert any("Faithfulness of token rankings" in t for t in texts)
+    assert {"attention", "contribution"} <= set(texts)                     # the legend names the metrics
+    import re
+
+    width_pt = float(re.search(rb"/MediaBox \[ *0 0 ([0-9.]+)", path.read_bytes()).group(1))
+    assert width_pt == pytest.approx(COLUMN_WIDTH_IN * 72, abs=1)
+
+
 def test_kvcache_figures_read_plainly(runs, saved):
     plot.run_figures(runs / "kvcache", "png")
     ppl = next(s for s in saved if "kvcache-ppl" in s[0])
@@ -215,8 +229,11 @@ def _listed_files(listed: dict, optional: bool = False, figures: bool = True) ->
 
 
 def _written(d) -> set[str]:
-    """What a run wrote into its folder, besides the manifest and the checkpoint."""
-    return {p.name for p in d.iterdir()} - {"run.json", "checkpoint"}
+    """What a run wrote into its folder, besides the manifest and the checkpoint: the files its
+    manifest lists (figures drawn again later by other tests are not the run's), each of them there."""
+    files = set(json.loads((d / "run.json").read_text())["files"])
+    assert all((d / f).is_file() for f in files)
+    return files
 
 
 def _same(written: set[str], listed: set[str], where: str) -> None:
