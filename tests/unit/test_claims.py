@@ -332,6 +332,29 @@ def test_rows_on_too_few_windows_get_no_interval_and_say_so():
     assert (kept["verdict"], kept["low"]) == (CL.HOLDS, 3.9)
 
 
+def test_stored_claims_render_again_in_one_number_format_with_terms():
+    """claims.md of the runs kept in docs/claims-runs is their claims.json rendered again: one number
+    format in every cell, the terms defined, the stored verdicts unchanged (nothing recomputed)."""
+    import re
+    from pathlib import Path
+
+    from attngeom.reports.claims import one_number_format, rerender
+
+    assert one_number_format("1.772e+04 [1.161e+04, 114286]; +2606 at layer 23, 0.5 %") == \
+        "17,720 [11,610, 114,286]; +2,606 at layer 23, 0.5 %"
+    assert one_number_format("142,437 [1.2e-05, 3.5]") == "142,437 [1.20e-05, 3.5]"
+    runs = sorted((Path(__file__).resolve().parents[2] / "docs" / "claims-runs").glob("*/claims.json"))
+    assert runs
+    for p in runs:
+        stored = json.loads(p.read_text())
+        md = rerender(stored)
+        assert (p.parent / "claims.md").read_text() == md, f"{p.parent.name}: claims.md is not claims.json rendered"
+        assert "## Terms" in md and not re.search(r"\d\.?\d*e\+\d", md)
+        assert not re.search(r"(?<![\d.,\w/])-?\d{4,}(?![\d,.\w])", md.split("Run time")[1].split("\n", 1)[1])
+        verdicts = re.findall(r"\| ((?:\*\*)?[a-z ]+(?:\*\*)?) \|$", md, re.M)[1:len(stored["rows"]) + 1]
+        assert [v.strip("*") for v in verdicts] == [r["verdict"] for r in stored["rows"]]
+
+
 def test_the_calibration_claim_states_its_evidence_and_what_gives_a_verdict():
     from attngeom.claims.catalogue import calibration_evidence
     from attngeom.claims.settings import ClaimsSettings
@@ -372,5 +395,7 @@ def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_pat
     assert {r["id"] for r in res["rows"]} == {c["id"] for c in CL.CLAIMS[4:12]}          # sinks and selection
     assert all(r["verdict"] == CL.TOO_FEW for r in res["rows"])                          # on 4 windows
     assert (out / "report.md").is_file() and "too few windows" in (out / "report.md").read_text()
+    from attngeom.reports.claims import rerender
+    assert (out / "claims.md").read_text() == rerender(res)            # claims.md is claims.json rendered
     assert main(args[:-3] + ["--skip", "faithfulness,nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()

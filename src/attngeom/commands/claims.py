@@ -104,7 +104,7 @@ def run(args) -> int:
     from attngeom.claims.settings import ClaimsSettings as Settings
     from attngeom.data.corpora import load_windows
     from attngeom.runs.storage import clean_json
-    from attngeom.reports.claims import render
+    from attngeom.reports.claims import rerender
 
     opts = check_args(args)
     fields = common.fields_of(args)
@@ -129,8 +129,9 @@ def run(args) -> int:
                "seconds_this_invocation": round(seconds, 1), **res.summary, "settings_run": settings}
 
         def write(staging) -> list[str]:
-            (staging / "claims.md").write_text(render(res.summary, model_name, args.data, seconds), encoding="utf-8")
-            common.write_json(staging / "claims.json", clean_json(out))
+            stored = clean_json(out)
+            common.write_json(staging / "claims.json", stored)
+            (staging / "claims.md").write_text(rerender(stored), encoding="utf-8")      # claims.md from claims.json alone
             return common.write_report(staging, "claims", {**res.summary, "data": args.data, "window": args.window},
                                        ["claims.md", "claims.json"], model_name)
 
