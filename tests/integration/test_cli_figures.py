@@ -127,6 +127,20 @@ def test_run_figures_in_every_format(runs, command, fmt, saved):
             assert not any("×10" in t or "^{" in t for t in texts), f"{name}: exponent ticks"
 
 
+def test_faithfulness_figure_is_one_column_wide(runs, saved):
+    from attngeom.reports.common import COLUMN_WIDTH_IN
+
+    (path,) = plot.run_figures(runs / "faithfulness", "pdf")
+    (name, smallest, texts, _), = saved
+    assert path.name == "faithfulness.pdf" and smallest >= MIN_FONT_PT
+    assert any("Faithfulness of token rankings" in t for t in texts)
+    assert {"attention", "contribution"} <= set(texts)                     # the legend names the metrics
+    import re
+
+    width_pt = float(re.search(rb"/MediaBox \[ *0 0 ([0-9.]+)", path.read_bytes()).group(1))
+    assert width_pt == pytest.approx(COLUMN_WIDTH_IN * 72, abs=1)
+
+
 def test_kvcache_figures_read_plainly(runs, saved):
     plot.run_figures(runs / "kvcache", "png")
     ppl = next(s for s in saved if "kvcache-ppl" in s[0])
@@ -177,7 +191,8 @@ def test_texts_too_short_to_score_are_refused(tiny_llama_dir, tmp_path, capsys):
 
 
 def _readme_outputs() -> dict[str, dict[str, set[str]]]:
-    """The README's table of what each command writes: {command: {column: names}}."""
+    """The README's table of what each command writes: {first cell: {column: names}}; each column's
+    names written always, and under ``+column`` those written only with an option (``(+ ...)``)."""
     import re
     from pathlib import Path
 
@@ -186,18 +201,79 @@ def _readme_outputs() -> dict[str, dict[str, set[str]]]:
     out = {}
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        names = [set(re.findall(r"`([^`]+)`", c.split("(+")[0])) for c in cells]
-        out[next(iter(names[0]))] = {"tables": names[1], "figures": names[2], "report": names[3]}
+        always = [set(re.findall(r"`([^`]+)`", c.split("(+")[0])) for c in cells]
+        extra = [set(re.findall(r"`([^`]+)`", c.split("(+", 1)[1])) if "(+" in c else set() for c in cells]
+        cols = ("tables", "figures", "report", "other")
+        out[next(iter(always[0]))] = {**dict(zip(cols, always[1:])),
+                                      **{f"+{c}": {n for n in e if not n.startswith("--")}
+                                         for c, e in zip(cols, extra[1:])}}
     return out
+
+
+def _listed_files(listed: dict, optional: bool = False, figures: bool = True) -> set[str]:
+    """The file names a README row promises (figures as PNG; ``{L}`` stays a pattern), with the
+    optional ones when ``optional``."""
+    names = set()
+    for col, suffix in (("tables", ".parquet"), ("figures", ".png"), ("report", ""), ("other", "")):
+        if col == "figures" and not figures:
+            continue
+        for n in listed[col] | (listed[f"+{col}"] if optional else set()):
+            names.add(n + suffix if n != "none" else None)
+    return names - {None}
+
+
+def _written(d) -> set[str]:
+    """What a run wrote into its folder, besides the manifest and the checkpoint: the files its
+    manifest lists (figures drawn again later by other tests are not the run's), each of them there."""
+    files = set(json.loads((d / "run.json").read_text())["files"])
+    assert all((d / f).is_file() for f in files)
+    return files
+
+
+def _same(written: set[str], listed: set[str], where: str) -> None:
+    import re
+
+    patterns = [re.compile(re.escape(n).replace(r"\{L\}", r"\d+") + "$") for n in listed]
+    unlisted = {f for f in written if not any(p.match(f) for p in patterns)}
+    missing = {n for n, p in zip(listed, patterns) if not any(p.match(f) for f in written)}
+    assert not unlisted and not missing, f"{where}: written but not in README {unlisted}; in README, not written {missing}"
 
 
 @pytest.mark.parametrize("command", ["sinks", "selection", "heads", "kvcache", "faithfulness"])
 def test_the_readme_lists_what_each_command_writes(runs, command):
     listed = _readme_outputs()[command]
     d = runs / command
-    assert {p.stem for p in d.glob("*.parquet")} == listed["tables"]
-    assert listed["report"] == {"report.md"} and (d / "report.md").is_file() and (d / "summary.json").is_file()
+    _same(_written(d), _listed_files(listed, figures=False), command)      # the runs are --no-figures
+    assert listed["report"] == {"report.md"} and listed["other"] == {"summary.json"}
     report = (d / "report.md").read_text()
     assert f"# attngeom {command}" in report and "## Results" in report and "| measure | value |" in report
     if command in plot.RUN_FIGURES:
         assert {p.stem for p in plot.run_figures(d, "png")} == listed["figures"]
+
+
+ONE_TEXT = "The cat sat on the mat."
+
+
+@pytest.mark.parametrize("row, argv, optional", [
+    ("analyze", ["analyze", "--text", ONE_TEXT, "--layers", "0", "--no-progress"], False),
+    ("analyze", ["analyze", "--text", ONE_TEXT, "--layers", "0,1", "--generate", "2", "--no-progress"], True),
+    ("analyze --data F --generate N", ["analyze", "--data", "{prompts}", "--fields", "prompt", "--generate", "2",
+                                       "--no-progress"], False),
+    ("explore", ["explore", "--text", ONE_TEXT, "--no-progress"], False),
+    ("compare", ["compare", "--text", ONE_TEXT, "--text-b", "The dog sat on the mat."], False),
+    ("claims", ["claims", "--data", "{corpus}", "--window", "16", "--max-windows", "4", "--ns", "2", "--repeats", "1",
+                "--bootstrap", "100", "--skip", "faithfulness,heads", "--no-progress"], False),
+])
+def test_the_readme_lists_what_the_other_commands_write(tiny_llama_dir, tmp_path, row, argv, optional):
+    """The rows of README's outputs table that the corpus runs above do not cover: each run writes
+    exactly the files its row lists (figures drawn, as PNG), and a readable report.md."""
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat sat"}\n{"prompt": "a dog ran"}\n')
+    (tmp_path / "corpus.txt").write_text(TEXT * 4)
+    argv = [a.format(prompts=tmp_path / "prompts.jsonl", corpus=tmp_path / "corpus.txt") for a in argv]
+    out = tmp_path / "out"
+    assert main([*argv, "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
+    listed = _readme_outputs()[row]
+    _same(_written(out), _listed_files(listed, optional), " ".join(argv[:2]))
+    assert "report.md" in listed["report"]
+    report = (out / "report.md").read_text()
+    assert report.startswith(f"# attngeom {argv[0]}") and report.count("\n") < 80

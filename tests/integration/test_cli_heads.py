@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from attngeom.cli import main
+from attngeom.runs.contract import MIN_SCORED_TOKENS
 from attngeom.heads import removal as HD
 
 TEXTS = ["The cat sat on the mat; the dog lay by the door.", "A shorter one, with commas."]
@@ -48,6 +49,20 @@ def test_cli_too_few_windows(tiny_llama_dir, tmp_path, capsys):
                "--out", str(tmp_path / "o"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "held-out" in err
+
+
+def test_texts_too_short_to_score_are_refused(tiny_llama_dir, tmp_path, capsys):
+    """Head removal is a perplexity change: on texts with fewer than MIN_SCORED_TOKENS predicted tokens
+    in a split it is refused in one line, before any removal is computed."""
+    data = tmp_path / "short.csv"
+    data.write_text("text\nthe cat\na dog\nthe mat\n")
+    out = tmp_path / "h"
+    rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(data), "--calib-windows", "1",
+               "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "the calibration split of" in err[0] and f"a perplexity change needs at least {MIN_SCORED_TOKENS}" in err[0]
+    assert not list(out.rglob("summary.json"))
 
 
 def test_three_corpora_refused_before_load(no_model, capsys, tmp_path):

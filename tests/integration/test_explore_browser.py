@@ -291,6 +291,47 @@ def test_answer_view(driver, tiny_llama, tmp_path):
     assert console_errors(driver) == []
 
 
+def test_sink_chart_draws_no_line_across_layers_not_analysed(driver, tmp_path):
+    """Layers 0, 1 and 3 of four: each series of the sink chart is one line from layer 0 to layer 1
+    and a lone point at layer 3, never a segment across the missing layer 2; with layers 0 and 2
+    only, no line at all (two lone points per series)."""
+    from tiny_models import tiny_model
+
+    handle = tiny_model("llama", num_hidden_layers=4)
+    for layers, lines in (([0, 1, 3], [["0", "1"]] * 3), ([0, 2], [])):
+        data = E.build(handle, TEXT, layers=layers)
+        path = R.write(data, tmp_path / f"sinks-{'-'.join(map(str, layers))}.html")
+        open_page(driver, path)
+        points = driver.execute_script("""
+            var svg = document.getElementById("sinksvg"), x = {};
+            svg.querySelectorAll("circle").forEach(function (c) {
+              x[(+c.getAttribute("cx")).toFixed(1)] = c.querySelector("title").textContent.match(/layer (\\d+)/)[1]; });
+            return Array.prototype.map.call(svg.querySelectorAll("polyline"), function (p) {
+              return p.getAttribute("points").trim().split(/\\s+/).map(function (xy) { return x[xy.split(",")[0]]; }); });""")
+        assert points == lines, (layers, points)
+        assert len(driver.find_elements("css selector", "#sinksvg circle")) == 3 * len(layers)
+        assert "not analysed" in driver.find_element("tag name", "body").text
+        assert console_errors(driver) == []
+
+
+def test_the_answer_target_outline_is_in_the_legend(driver, tiny_llama, tmp_path):
+    """A generation: the dashed outline marking the answer token predicted has its legend entry,
+    drawn with the same outline; a page without an answer hides it."""
+    from attngeom.generation.decoding import Decoding
+
+    data = E.build(tiny_llama, "The cat sat", decoding=Decoding(3, stop=()))
+    open_page(driver, R.write(data, tmp_path / "target.html"))
+    entry = driver.find_element("id", "targetlegend")
+    assert entry.is_displayed() and "target: the answer token predicted" in entry.text
+    swatch = entry.find_element("css selector", ".sw").value_of_css_property("outline-style")
+    target = driver.find_element("css selector", "#tokens .tok.target").value_of_css_property("outline-style")
+    assert swatch == target == "dashed"
+    assert driver.find_element("id", "answerlegend").is_displayed()
+    open_page(driver, R.write(E.build(tiny_llama, "The cat sat"), tmp_path / "plain.html"))
+    assert not driver.find_element("id", "targetlegend").is_displayed()
+    assert console_errors(driver) == []
+
+
 def test_heads_behind_a_token_and_the_split_by_head(driver, tmp_path):
     """The heads panel lists the (layer, head, source) triples of Trace.heads_for for the shown row;
     hovering a source splits its link by head (C_ij^h, a_ij^h / H); special and chat-template tokens

@@ -352,6 +352,58 @@ def test_rows_on_too_few_windows_get_no_interval_and_say_so():
     assert (kept["verdict"], kept["low"]) == (CL.HOLDS, 3.9)
 
 
+def test_stored_claims_render_again_in_one_number_format_with_terms():
+    """claims.md of the runs kept in docs/claims-runs is their claims.json rendered again: one number
+    format in every cell, the terms defined, the stored verdicts unchanged (nothing recomputed)."""
+    import re
+    from pathlib import Path
+
+    from attngeom.reports.claims import one_number_format, rerender
+
+    assert one_number_format("1.772e+04 [1.161e+04, 114286]; +2606 at layer 23, 0.5 %") == \
+        "17,720 [11,610, 114,286]; +2,606 at layer 23, 0.5 %"
+    assert one_number_format("142,437 [1.2e-05, 3.5]") == "142,437 [1.20e-05, 3.5]"
+    runs = sorted((Path(__file__).resolve().parents[2] / "docs" / "claims-runs").glob("*/claims.json"))
+    assert runs
+    for p in runs:
+        stored = json.loads(p.read_text())
+        md = rerender(stored)
+        assert (p.parent / "claims.md").read_text() == md, f"{p.parent.name}: claims.md is not claims.json rendered"
+        assert "## Terms" in md and not re.search(r"\d\.?\d*e\+\d", md)
+        assert not re.search(r"(?<![\d.,\w/])-?\d{4,}(?![\d,.\w])", md.split("Run time")[1].split("\n", 1)[1])
+        verdicts = re.findall(r"\| ((?:\*\*)?[a-z ]+(?:\*\*)?) \|$", md, re.M)[1:len(stored["rows"]) + 1]
+        assert [v.strip("*") for v in verdicts] == [r["verdict"] for r in stored["rows"]]
+
+
+def test_the_calibration_claim_states_its_evidence_and_what_gives_a_verdict():
+    from attngeom.claims.catalogue import calibration_evidence
+    from attngeom.claims.settings import ClaimsSettings
+    from attngeom.stats.resampling import MIN_UNITS
+
+    default = ClaimsSettings().calib_windows
+    assert default < MIN_UNITS          # a documented choice (docs/claims.md#sample-size): the row says so
+    row = CL.claim_row("early_critical_head", value="z = 4", low=3.5, high=5.0, verdict=CL.HOLDS, note="early = layers 0–1")
+    (out,) = calibration_evidence(CL.sized([row], {}, default), default)
+    assert out["verdict"] == CL.TOO_FEW and out["windows"] == default
+    assert out["note"].startswith(f"evidence: single-head removal on the {default} calibration window(s) only; "
+                                  f"a verdict needs --calib-windows {MIN_UNITS} (and --max-windows {2 * MIN_UNITS}")
+    assert "early = layers 0–1" in out["note"] and f"{default} window(s); intervals need at least" in out["note"]
+    row = CL.claim_row("early_critical_head", value="z = 4", low=3.5, high=5.0, verdict=CL.HOLDS, note="")
+    (enough,) = calibration_evidence(CL.sized([row], {}, MIN_UNITS), MIN_UNITS)
+    assert enough["verdict"] == CL.HOLDS and "a verdict needs" not in enough["note"]
+    assert enough["note"] == f"evidence: single-head removal on the {MIN_UNITS} calibration window(s) only"
+
+
+def test_claims_help_says_what_gives_the_calibration_claim_a_verdict(capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["claims", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"below 10 of them \(the default 2\) its verdict is 'too few windows'", text)
+    assert "--calib-windows 10 --max-windows 20 gives every claim a verdict" in text
+
+
 def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("The sink collects attention but adds little to the output. " * 30)
@@ -363,5 +415,7 @@ def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_pat
     assert {r["id"] for r in res["rows"]} == {c["id"] for c in CL.CLAIMS[4:12]}          # sinks and selection
     assert all(r["verdict"] == CL.TOO_FEW for r in res["rows"])                          # on 4 windows
     assert (out / "report.md").is_file() and "too few windows" in (out / "report.md").read_text()
+    from attngeom.reports.claims import rerender
+    assert (out / "claims.md").read_text() == rerender(res)            # claims.md is claims.json rendered
     assert main(args[:-3] + ["--skip", "faithfulness,nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()

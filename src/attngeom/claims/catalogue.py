@@ -413,6 +413,22 @@ def sized(rows: list[dict], detail: dict, windows: int) -> list[dict]:
     return rows
 
 
+def calibration_evidence(rows: list[dict], windows: int) -> list[dict]:
+    """Say on the calibration-window claim's rows what their evidence is: the single-head removal on
+    the ``windows`` calibration windows alone; and, when that is below
+    :data:`~attngeom.stats.resampling.MIN_UNITS` (the default: 2, since the single-head removal is
+    most of a run's cost), what gives it a verdict."""
+    need = resampling.MIN_UNITS
+    for r in rows:
+        what = f"evidence: single-head removal on the {windows} calibration window(s) only"
+        if not resampling.enough_units(windows):
+            what += (f"; a verdict needs --calib-windows {need} (and --max-windows {2 * need} to keep "
+                     f"{need} held-out windows for claims 14–15), about {need / windows:g}× the single-head "
+                     "removal's cost")
+        r["note"] = what + (f"; {r['note']}" if r["note"] else "")
+    return rows
+
+
 def _withhold(obj) -> None:
     """Set ``low``/``high`` to None in every interval (a dict with ``value``, ``low`` and ``high``) in ``obj``."""
     if isinstance(obj, dict):

@@ -34,8 +34,8 @@ import numpy as np
 from attngeom.model.arguments import takes_handle
 from attngeom.stats import resampling
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
-from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, early_critical_row, sized, faithfulness_rows, regime_rows,
-                                       removal_row, selection_rows, sink_rows)
+from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, calibration_evidence, early_critical_row, sized,
+                                       faithfulness_rows, regime_rows, removal_row, selection_rows, sink_rows)
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.heads.settings import HeadsSettings
 from attngeom.selection.settings import SelectionSettings
@@ -169,7 +169,7 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
                    removal_row("taxonomy_removal_fixed", fixed, fixed_point, fixed_samples, retentions)], {}, Wh)
 
     row, head = _early_critical_claim(handle, res, Wc, cal_df, critical_k, counts_for)
-    rows += sized([row], head, Wc)
+    rows += calibration_evidence(sized([row], head, Wc), Wc)
     detail = {
         "regime_order_chosen": chosen, "regime_order_fixed": fixed,
         "order_search": res.tables["order_search"].to_dict(orient="records"),

@@ -1,5 +1,6 @@
 """``attngeom explore``: one self-contained, offline HTML page to explore attention against
-contribution for one text (``explore.html`` in ``--out``; see docs/explore.md).
+contribution for one text (``explore.html`` in ``--out``, with ``summary.json`` and a short
+``report.md``; see docs/explore.md).
 
 With no ``--text``/``--file`` it explores the built-in sample text (``make demo``). Bad input (empty
 text, a missing or unreadable file, bad layers or options, an output directory holding another run)
@@ -87,7 +88,12 @@ def run(args) -> int:
 
         def write(staging: Path) -> list[str]:
             (staging / PAGE).write_text(page, encoding="utf-8", newline="\n")
-            return [PAGE]
+            summary = rep.summary(data, settings, page_bytes=len(page.encode("utf-8")),
+                                  runtime_s=round(time.perf_counter() - t_start, 3))
+            files = [PAGE, "summary.json"]
+            summary["files"] = files + ["report.md"]
+            common.write_json(staging / "summary.json", summary)
+            return common.write_report(staging, "explore", summary, files, data.model_name)
 
         def report(out, files) -> None:
             size = len(page.encode("utf-8"))

@@ -98,11 +98,9 @@ def run(args) -> int:
             write_json(staging / "summary.json", summary)
             files = ["table.parquet", "summary.json"]
             if not table.empty and not args.no_figures:
-                from attngeom.reports.faithfulness import plot
+                from attngeom.reports.faithfulness import render
 
-                files += common.draw(lambda: [plot(table, staging / f"faithfulness.{fmt}",
-                                                   measure=summary.get("measure", "ppl"), title=summary.get("title"))],
-                                     args)
+                files += common.draw(lambda: render(staging, fmt), args)
             return common.write_report(staging, "faithfulness", summary, files)
 
         return write, lambda out, files: _print_summary(summary, out, files)

@@ -42,9 +42,8 @@ import torch
 from attngeom.model.arguments import takes_handle, takes_model
 from attngeom.capture.plugin import Session
 from attngeom.errors import InputError
-from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, layer_order, one_window_each,
-                                    per_window_array, window_records)
-from attngeom.runs.contract import perplexity
+from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, check_scorable, layer_order,
+                                    one_window_each, per_window_array, perplexity, window_records)
 from attngeom.capture.interventions import HeadRemoval
 from attngeom.model.adapter import adapter_for
 from attngeom.heads.settings import HeadsSettings
@@ -421,6 +420,8 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, corpora: Sequence[S
         raise InputError(f"{names[0]} gives {len(windows)} window(s){f' of {len(windows[0])} tokens' if windows else ''}: "
                          f"not enough for {calib_windows} calibration window(s) and at least one held-out window")
     calib, held = windows[:calib_windows], windows[calib_windows:]
+    for split, what in ((calib, "the calibration split"), (held, "the held-out split")):   # ΔPPL on each, before any compute
+        check_scorable(sum(max(0, len(to_ids(handle, w)) - 1) for w in split), f"{what} of {names[0]}")
     weights = weight_norms(handle)      # refuses up front (one line) where W_V does not exist (latent attention)
     L = handle.num_layers
     recs = taxonomy_stage(handle, run, "taxonomy", windows, sink=sink, winner_norm=winner_norm, batch_size=batch_size,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from attngeom.reports.markdown import text as _text
 from attngeom.stats.resampling import MIN_UNITS, TOO_FEW, format_number
 
@@ -115,6 +117,33 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
 
 def _num(x) -> str:
     return format_number(x)
+
+
+_OLD_NUMBER = re.compile(r"(?<![\w.,])([-+−]?)(\d+(?:\.\d+)?e[-+]\d+|\d{4,}(?:\.\d+)?)(?!\w|,\d|\.\d)")
+"""A number in a stored text cell written the way earlier versions did (``1.168e+04``, ``1840``)."""
+
+
+def one_number_format(cell):
+    """A stored text cell (a row's measured value, interval or note) with every number in
+    :func:`~attngeom.stats.resampling.format_number`'s one format (``11,680``, not ``1.168e+04``);
+    other text unchanged."""
+    if not isinstance(cell, str):
+        return cell
+
+    def fix(m):
+        sign = m.group(1).replace("−", "-")
+        return format_number(float(sign.replace("+", "") + m.group(2)), signed=sign == "+")
+
+    return _OLD_NUMBER.sub(fix, cell)
+
+
+def rerender(stored: dict) -> str:
+    """``claims.md`` from a run's ``claims.json`` content alone (nothing recomputed; the verdicts are
+    the stored ones): what the command writes, and how a run's ``claims.md`` written by an earlier
+    version is brought to the current one (terms, one number format)."""
+    rows = [{**r, **{k: one_number_format(r.get(k)) for k in ("value", "interval", "note")}} for r in stored["rows"]]
+    return render({**stored, "rows": rows}, stored.get("model", ""), stored.get("data", ""),
+                  stored.get("seconds_this_invocation"))
 
 
 def side_by_side(results: dict[str, dict]) -> str:

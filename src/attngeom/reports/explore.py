@@ -124,6 +124,20 @@ def render(data: ExploreData) -> str:
     return head + _escape_json(body) + tail
 
 
+def summary(data: ExploreData, settings: dict, page_bytes: int, runtime_s: float) -> dict:
+    """``summary.json`` of ``attngeom explore``: the run's settings, what the page holds (tokens,
+    layers, exact maps or top-k sources, the answer's length) and each analysed layer's sink
+    attention and contribution (the page's sink chart); :func:`attngeom.reports.run_report.render`
+    writes ``report.md`` from it."""
+    P = None if data.answer is None else int(data.answer["prompt_length"])
+    return {"command": "explore", "model": data.model_name, "settings": settings,
+            "source": settings.get("source"), "tokens": data.T, "prompt_tokens": P,
+            "answer_tokens": None if P is None else data.T - P, "layers": list(data.layers),
+            "heads": data.num_heads, "sink": data.sink, "exact": bool(data.exact), "top_k": data.top_k,
+            "layer_sink": {k: [float(x) for x in v] for k, v in data.layer_sink.items()},
+            "page_bytes": int(page_bytes), "runtime_s": runtime_s}
+
+
 def write(data: ExploreData, path: str | Path) -> Path:
     """Write the page to ``path`` (UTF-8). Returns the path."""
     path = Path(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attngeom.reports.common import save_figure  # sets the Agg backend first
+from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -18,14 +18,17 @@ COLORS = {
     "random": "#7f7f7f",
 }
 LABELS = {"comprehensiveness": "Comprehensiveness (top-k masked)", "sufficiency": "Sufficiency (bottom-k masked)"}
+FONT = MIN_FONT_PT + 0.5
 
 
 def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str | None = None) -> Path:
-    """Two panels (comprehensiveness, sufficiency): change vs ratio per metric; ``random`` as the mean
-    over seeds with a band from the lowest to the highest seed."""
+    """Two panels stacked at one column of a paper (:data:`~attngeom.reports.common.COLUMN_WIDTH_IN`;
+    every text at least 7 pt at that size): comprehensiveness above, sufficiency below, change vs
+    ratio per metric, one legend under both; ``random`` as the mean over seeds with a band from the
+    lowest to the highest seed."""
     path = Path(path)
-    ylabel = "ΔPPL (PPL′ − PPL clean)" if measure == "ppl" else "Δ accuracy (acc′ − acc clean)"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=150)
+    ylabel = "ΔPPL (PPL′ − PPL clean)" if measure == "ppl" else "Δ accuracy"
+    fig, axes = plt.subplots(2, 1, figsize=(COLUMN_WIDTH_IN, 5.6), dpi=150, sharex=True)
     for ax, mode in zip(axes, ("comprehensiveness", "sufficiency")):
         t = table[table["mode"] == mode]
         for metric, g in t.groupby("metric", sort=False):
@@ -39,25 +42,43 @@ def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str
                                     label="random (min–max over seeds)")
             else:
                 g = g.sort_values("ratio")
-                ax.plot(g["ratio"], g["change"], color=color, marker="o", ms=3.5, label=metric)
+                ax.plot(g["ratio"], g["change"], color=color, marker="o", ms=3, lw=1.2, label=metric)
         if measure == "ppl":
             ax.set_yscale("symlog", linthresh=1.0)
         ax.axhline(0.0, color="black", lw=0.6)
-        ax.set_xlabel("removal ratio r (share of sources masked per query)")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel, fontsize=FONT)
         better = "higher is more faithful" if mode == "comprehensiveness" else "lower is more faithful"
         if measure != "ppl":
             better = "lower is more faithful" if mode == "comprehensiveness" else "higher is more faithful"
-        ax.set_title(f"{LABELS[mode]}\n({better})", fontsize=10)
+        ax.set_title(f"{LABELS[mode]}; {better}", fontsize=FONT)
+        ax.tick_params(labelsize=FONT)
         ax.grid(alpha=0.3, which="both")
+    axes[-1].set_xlabel("removal ratio r (share of sources masked per query)", fontsize=FONT)
     handles, labels = axes[0].get_legend_handles_labels()
-    axes[1].legend(handles, labels, fontsize=8, loc="best")
+    if handles:
+        fig.legend(handles, labels, fontsize=FONT, loc="lower center", ncol=2, frameon=False)
     if title is None and not table.empty:
         clean = float(table["clean"].iloc[0])
         units = int(table["units"].iloc[0])
         what = "PPL" if measure == "ppl" else "accuracy"
         noun = ("window" if measure == "ppl" else "example") + ("" if units == 1 else "s")
-        title = f"Faithfulness of token rankings (clean {what} {clean:.4g}, {units} {noun})"
+        title = f"Faithfulness of token rankings\n(clean {what} {clean:.4g}, {units} {noun})"
     if title:
-        fig.suptitle(title, fontsize=11)
-    return save_figure(fig, path)
+        fig.suptitle(title, fontsize=FONT + 1)
+    rows = -(-len(handles) // 2)
+    fig.tight_layout(rect=(0, 0.035 * rows + 0.01, 1, 1))
+    return save_figure(fig, path, layout=False)
+
+
+def render(out_dir, fmt: str = "png") -> list[Path]:
+    """Draw the figure of the faithfulness run in ``out_dir`` from its ``table.parquet`` (and the
+    measure and title of its ``summary.json``) in format ``fmt``; returns its path (none when the
+    table is empty)."""
+    import json
+
+    out = Path(out_dir)
+    table = pd.read_parquet(out / "table.parquet")
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    if table.empty:
+        return []
+    return [plot(table, out / f"faithfulness.{fmt}", measure=summary.get("measure", "ppl"), title=summary.get("title"))]

@@ -1,5 +1,5 @@
 """``report.md`` of the corpus commands (sinks, selection, heads, faithfulness, kvcache, corpus-mode
-analyze): what was run, the headline numbers and what each file holds, for a reader of the
+analyze) and of ``explore``: what was run, the headline numbers and what each file holds, for a reader of the
 output directory. ``attngeom analyze`` on one text has its own (:mod:`attngeom.reports.analyze`);
 ``attngeom claims`` writes ``claims.md`` (:mod:`attngeom.reports.claims`) and this short report
 beside it.
@@ -20,6 +20,7 @@ FILE_NOTES = {
     "summary.json": "every number of this report, and the run's settings",
     "run.json": "the run's manifest (written last; checksums of every file)",
     "report.md": "this report",
+    "explore.html": "the explorer: one self-contained offline page; open it in a browser (docs/explore.md)",
     "claims.md": "one row per claim: measured value, 95 % interval, verdict; the rules and the numbers behind them",
     "claims.json": "the rows of claims.md and every interval",
     "heads.parquet": "one row per (layer, head)",
@@ -122,6 +123,29 @@ def _answers(s: dict) -> list[tuple[str, str]]:
             ("answers ended on a stop token", str(s.get("stopped_on_stop_token")))]
 
 
+def _explore(s: dict) -> list[tuple[str, str]]:
+    layers = s.get("layers", [])
+    out = [("tokens", str(s.get("tokens"))), ("layers analysed", _layer_list(layers)),
+           ("heads per layer", str(s.get("heads"))),
+           ("maps", "exact" if s.get("exact") else f"top-{s.get('top_k')} sources per (layer, head, query)")]
+    if s.get("answer_tokens") is not None:
+        out.append(("prompt + answer tokens", f"{s['prompt_tokens']} + {s['answer_tokens']}"))
+    sink = s.get("layer_sink", {})
+    for key, what in (("sink_attention", "attention"), ("sink_contribution", "contribution")):
+        v = sink.get(key, [])
+        if v:
+            hi = max(range(len(v)), key=v.__getitem__)
+            out.append((f"sink (position {s.get('sink')}) {what}: mean over layers; highest (layer)",
+                        f"{_f(sum(v) / len(v))}; {_f(v[hi])} (layer {layers[hi]})"))
+    size = s.get("page_bytes", 0)
+    out.append(("page size", f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"))
+    return out
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 12 else f"{layers[0]}–{layers[-1]} ({len(layers)} layers)"
+
+
 def _claims(s: dict) -> list[tuple[str, str]]:
     counts: dict[str, int] = {}
     for r in s.get("rows", []):
@@ -134,7 +158,7 @@ WITH_INTERVALS = ("kvcache", "claims")
 
 HEADLINES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "sinks": _sinks, "selection": _selection, "heads": _heads, "faithfulness": _faithfulness,
-    "kvcache": _kvcache, "analyze": _answers, "claims": _claims}
+    "kvcache": _kvcache, "analyze": _answers, "claims": _claims, "explore": _explore}
 """The headline numbers of each command's report, from its summary."""
 
 
