@@ -10,7 +10,7 @@ import sys
 
 from attngeom.errors import AttngeomError
 
-COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads", "explore", "compare", "claims", "kvcache")
+COMMANDS = ("analyze", "faithfulness", "sinks", "selection", "heads", "explore", "compare", "claims", "kvcache", "kvtasks")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Sequence, TYPE_CHECKING
 
 from attngeom.errors import InputError
 from attngeom.runs.storage import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
@@ -33,12 +33,13 @@ def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[st
 
 
 def write_outputs(staging: Path, tables: dict, names, model_name: str, summary: dict,
-                  report: str | None, args=None) -> list[str]:
+                  report: str | None, args=None, written: Sequence[str] = ()) -> list[str]:
     """An experiment command's outputs: its tables (:func:`write_tables`), the figures of
     ``attngeom.reports.<report>`` (its ``render(staging, fmt)``, which reads the tables just written,
     in ``--figure-format``; listed in ``summary["figures"]``; none when ``report`` is None), then
-    ``summary.json`` and ``report.md`` (:func:`write_report`). Returns the file names."""
-    files = write_tables(staging, tables, names, model_name)
+    ``summary.json`` and ``report.md`` (:func:`write_report`), which lists them after the files the
+    command has ``written`` already. Returns the file names."""
+    files = list(written) + write_tables(staging, tables, names, model_name)
     if report is not None:
         import importlib
 

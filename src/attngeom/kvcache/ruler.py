@@ -597,11 +597,33 @@ def write_jsonl(examples: Iterable[Example], path) -> Path:
 
 
 def read_jsonl(path) -> list[Example]:
-    """The examples :func:`write_jsonl` wrote."""
+    """The examples :func:`write_jsonl` wrote; anything else is one
+    :class:`~attngeom.errors.InputError` naming the file and line (a missing field, a field of
+    another type, a line that is not a JSON object)."""
+    from attngeom.data.corpora import input_path, json_object, utf8_text
+    from attngeom.errors import InputError
+
+    path = input_path(path, "examples file")
+    if path.is_dir():
+        raise InputError(f"{path}: an examples file is a JSONL file, not a folder")
+    types = {f.name: f.type for f in dataclasses.fields(Example)}
     out = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                obj = json.loads(line)
-                out.append(Example(**{**obj, "answers": tuple(obj["answers"])}))
+    for k, line in enumerate(utf8_text(path.read_bytes(), str(path)).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{k}"
+        obj = json_object(line, where)
+        missing = [n for n in types if n not in obj]
+        if missing:
+            raise InputError(f"{where}: an example needs the fields {', '.join(missing)}")
+        for n, t in types.items():
+            v = obj[n]
+            ok = isinstance(v, list) and all(isinstance(a, str) for a in v) if n == "answers" else \
+                isinstance(v, int) and not isinstance(v, bool) if t in ("int", int) else isinstance(v, str)
+            if not ok:
+                raise InputError(f"{where}: field {n!r} must be " + ("a list of strings" if n == "answers" else
+                                                                      "a whole number" if t in ("int", int) else "a string"))
+        out.append(Example(**{n: obj[n] for n in types} | {"answers": tuple(obj["answers"])}))
+    if not out:
+        raise InputError(f"{path}: no examples")
     return out

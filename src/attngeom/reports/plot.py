@@ -20,7 +20,7 @@ import numpy as np
 
 from attngeom.errors import InputError
 
-RUN_FIGURES = ("sinks", "selection", "heads", "kvcache", "faithfulness")
+RUN_FIGURES = ("sinks", "selection", "heads", "kvcache", "kvtasks", "faithfulness")
 """The commands whose figures :func:`run_figures` draws again from their tables."""
 
 

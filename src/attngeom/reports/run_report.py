@@ -42,13 +42,23 @@ FILE_NOTES = {
     "regimes_by_layer.parquet": "regime shares per layer",
     "regimes.parquet": "the calibration taxonomy (layer, head, regime) the taxonomy policy budgets by",
     "answers.parquet": "one row per answer (analyze: prompt, answer text and ids; kvcache: per example, policy and "
-                       "budget, the greedy answer and its agreement with the full cache)",
+                       "budget, the greedy answer and its agreement with the full cache; kvtasks: per example, policy "
+                       "and ratio, the answer and its score)",
+    "examples.jsonl": "the long-context examples (context, question, answer prefix, reference answers), one per line",
     "answers-summary.parquet": "per (policy, budget): agreement with the full cache and reference perplexity",
     "answer_shares.parquet": "per generated token and layer: contribution and attention from the sink, the prompt "
                              "and the earlier answer",
     "answer_sources.parquet": "per generated token, layer and metric: its top prompt sources",
     "answer_summary.parquet": "per layer and prompt token: mean attention and contribution over the answer",
 }
+
+COMMAND_FILE_NOTES = {
+    "kvtasks": {"summary.parquet": "per (task, policy, ratio) and over all tasks: accuracy with its 95 % interval "
+                                   "over examples, entries kept, cache bytes, seconds",
+                "pairs.parquet": "every policy against the best baseline at each ratio: the paired accuracy "
+                                 "difference, its interval, and how often the policy is ahead"},
+}
+"""Notes of the files a command writes under a name another command uses for something else."""
 
 
 def _f(x, signed: bool = False) -> str:
@@ -116,6 +126,25 @@ def _kvcache(s: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _kvtasks(s: dict) -> list[tuple[str, str]]:
+    out = [("examples", f"{s.get('examples')} ({', '.join(s.get('tasks', []))}); {s.get('mode')}; "
+                        + ("chat template" if s.get("chat_template") else "no chat template"))]
+    if (s.get("examples") or 0) < MIN_UNITS:
+        out.append(("intervals", f"none: too few examples ({s.get('examples')}; intervals need at least {MIN_UNITS})"))
+    rows = s.get("results", [])
+    task = "all" if any(r["task"] == "all" for r in rows) else (rows[0]["task"] if rows else None)
+    for r in rows:
+        if r["task"] != task:
+            continue
+        iv = "" if r.get("low") is None or r["low"] != r["low"] else f" [{_f(r['low'])}, {_f(r['high'])}]"
+        what = "full cache" if r["policy"] == "full" else f"{r['policy']} at ratio {_f(r['ratio'])}"
+        out.append((f"accuracy, {what}", _f(r["accuracy"]) + iv))
+    for v in s.get("verdicts", []):
+        out.append((f"{v['policy']} vs {v['baseline']} (best baseline) at ratio {_f(v['ratio'])}",
+                    f"{_f(v['delta'], True)}: {v['verdict']}"))
+    return out
+
+
 def _answers(s: dict) -> list[tuple[str, str]]:
     n = s.get("prompts") or 0
     return [("prompts answered", str(n)),
@@ -153,12 +182,12 @@ def _claims(s: dict) -> list[tuple[str, str]]:
     return [("verdicts", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "—")]
 
 
-WITH_INTERVALS = ("kvcache", "claims")
+WITH_INTERVALS = ("kvcache", "kvtasks", "claims")
 """The commands whose reports give bootstrap intervals (and say when there are too few windows)."""
 
 HEADLINES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "sinks": _sinks, "selection": _selection, "heads": _heads, "faithfulness": _faithfulness,
-    "kvcache": _kvcache, "analyze": _answers, "claims": _claims, "explore": _explore}
+    "kvcache": _kvcache, "kvtasks": _kvtasks, "analyze": _answers, "claims": _claims, "explore": _explore}
 """The headline numbers of each command's report, from its summary."""
 
 
@@ -189,7 +218,8 @@ def render(command: str, summary: dict, files: list[str], model: str | None = No
         headline = []
     lines += md.table(["measure", "value"], headline, align="lr") if headline else ["(no results)"]
     lines += ["", "## Files", ""]
+    notes = {**FILE_NOTES, **COMMAND_FILE_NOTES.get(command, {})}
     for f in files:
-        lines.append(f"- {md.link(f, f)}" + (f" — {t(FILE_NOTES[f])}" if f in FILE_NOTES else
+        lines.append(f"- {md.link(f, f)}" + (f" — {t(notes[f])}" if f in notes else
                                             " — figure" if f.rsplit(".", 1)[-1] in ("png", "pdf", "svg") else ""))
     return "\n".join(lines) + "\n"

@@ -1,0 +1,126 @@
+"""``attngeom kvtasks``: long-context tasks under KV-cache compression, the field's way
+(docs/kvcache.md, "Long-context tasks at compression ratios").
+
+RULER's synthetic tasks (:mod:`attngeom.kvcache.ruler`) are made offline in the model's own tokens
+(``--tasks``, ``--length``, ``--examples`` per task, ``--seed``, ``--haystack``), or read from a
+JSONL file that an earlier run (or another tool) wrote (``--examples-file``). Each example's
+context is compressed once after its prefill by every policy of ``--policies`` at every ratio of
+``--ratios`` (:mod:`attngeom.kvcache.prefill`); the question and the greedy answer follow, and the
+answer is scored by RULER's string match. Every example is one resumable unit in
+``--out/checkpoint``. Writes to ``--out``:
+
+- ``examples.jsonl`` — the examples, scorable by any other tool;
+- ``answers.parquet`` — one row per (example, policy, ratio): the answer, its score, entries kept,
+  cache bytes, seconds; the full cache as ``policy = full``, ``ratio = 0``;
+- ``summary.parquet`` — accuracy per (task, policy, ratio) and over all tasks, with 95 % bootstrap
+  intervals over examples;
+- ``pairs.parquet`` — every policy against the best baseline at each ratio, paired;
+- ``summary.json``, ``report.md`` and the figure of :mod:`attngeom.reports.kvtasks`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from attngeom.commands import common
+from attngeom.errors import InputError
+from attngeom.kvcache.settings import KVTaskInputs, KVTaskSettings
+
+
+def add_parser(subparsers) -> None:
+    s, d = KVTaskSettings(), KVTaskInputs()
+    p = subparsers.add_parser(
+        "kvtasks", help="long-context tasks (RULER) with the KV cache compressed once after the prefill, per ratio",
+        description="Make RULER's synthetic long-context tasks in the model's tokens, compress each context's "
+                    "KV cache once after its prefill under every policy at every compression ratio, decode the "
+                    "question and the greedy answer, and report string-match accuracy with bootstrap intervals "
+                    "over examples and paired differences against the best baseline.")
+    common.add_model_args(p)
+    p.add_argument("--tasks", default=",".join(d.tasks), help=f"comma-separated tasks (default {','.join(d.tasks)})")
+    p.add_argument("--length", type=int, default=d.length, help=f"prompt tokens per example (default {d.length})")
+    p.add_argument("--examples", type=int, default=d.examples, help=f"examples per task (default {d.examples})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the examples (default {d.seed})")
+    p.add_argument("--haystack", default=d.haystack,
+                   help="the needle tasks' haystack: 'noise' (RULER's repeated sentences) or a corpus file of "
+                        f"real prose (.txt/.jsonl/.csv/.parquet; default {d.haystack})")
+    p.add_argument("--examples-file", default=None,
+                   help="read the examples from this JSONL file (as written in examples.jsonl) instead of making them")
+    p.add_argument("--policies", default=",".join(s.policies), help=f"comma-separated policies (default {','.join(s.policies)})")
+    p.add_argument("--ratios", default=",".join(map(str, s.ratios)),
+                   help=f"compression ratios, shares of the cache removed (default {','.join(map(str, s.ratios))})")
+    p.add_argument("--mode", choices=("question-agnostic", "query-aware"), default=s.mode,
+                   help="question-agnostic: only the context is compressed (default); query-aware: the question too")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the chat template (default: when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="never apply a chat template")
+    common.add_figure_args(p)
+    common.add_progress_arg(p)
+    common.add_out_arg(p)
+    p.set_defaults(func=run)
+
+
+def _names(spec: str, what: str) -> list[str]:
+    names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
+    if not names:
+        raise InputError(f"--{what} names nothing")
+    return names
+
+
+def run(args) -> int:
+    from attngeom.data.corpora import input_path, parse_float_list
+    from attngeom.kvcache import ruler, tasks
+
+    common.figure_format(args)
+    common.check_at_least(args, length=64, examples=1)
+    policies = tasks.check_policies(_names(args.policies, "policies"))
+    ratios = tasks.check_ratios(sorted(set(parse_float_list(args.ratios, "--ratios"))))
+    task_names = _names(args.tasks, "tasks")
+    for t in task_names:
+        if t not in ruler.TASKS:
+            raise InputError(f"unknown task {t!r}; choose from {', '.join(ruler.TASKS)}")
+    if args.examples_file is not None:
+        input_path(args.examples_file, "examples file")
+    haystack = args.haystack
+    if haystack != "noise":
+        from attngeom.data.corpora import read_texts
+
+        haystack = read_texts(haystack)
+    settings = KVTaskSettings(tuple(policies), tuple(ratios), args.mode, args.chat)
+    source = common.data_identity(args.examples_file) if args.examples_file else \
+        {"tasks": task_names, "length": args.length, "examples": args.examples, "seed": args.seed,
+         **({"haystack": "noise"} if args.haystack == "noise" else {"haystack": common.data_identity(args.haystack)})}
+    identity = {**common.model_identity(args), **source, **common.settings_identity(settings, omit=("n_resamples",))}
+
+    def work(run):
+        handle = common.load(args)
+        if args.examples_file:
+            examples = ruler.read_jsonl(args.examples_file)
+        else:
+            examples = [e for t in task_names
+                        for e in ruler.make_examples(handle.tokenizer, t, args.length, args.examples, args.seed, haystack)]
+        result = tasks.experiment(handle, run, examples, settings)
+        model_name = getattr(handle, "name", args.model)
+        chat = bool(result.tables["answers"]["chat"].any())
+        summary = {"command": "kvtasks", "model": model_name, "examples": len(examples),
+                   "tasks": sorted({e.task for e in examples}), "length": args.length, "mode": args.mode,
+                   "chat_template": chat, "policies": policies, "ratios": ratios,
+                   "best_baselines": {str(k): v for k, v in tasks.best_baselines(result.tables["summary"]).items()},
+                   **result.summary, "settings": identity}
+
+        def write(staging) -> list[str]:
+            ruler.write_jsonl(examples, staging / "examples.jsonl")
+            return common.write_outputs(staging, result.tables, ("answers", "summary", "pairs"), model_name, summary,
+                                        None if args.no_figures else "kvtasks", args, written=["examples.jsonl"])
+
+        def report(out, files) -> None:
+            s = result.tables["summary"]
+            overall = s[s["task"] == s["task"].iloc[-1]] if len(s) else s
+            full = overall[overall["policy"] == "full"]["accuracy"]
+            print(f"attngeom kvtasks: {model_name}: {len(examples)} examples ({'chat template' if chat else 'no chat template'}), "
+                  f"{len(policies)} policies x {len(ratios)} ratios; full-cache accuracy "
+                  f"{float(full.iloc[0]) if len(full) else float('nan'):.2f}; written to {out}", file=sys.stderr)
+
+        return write, report
+
+    return common.run_command(args, "kvtasks", identity, work)
