@@ -261,6 +261,8 @@ ONE_TEXT = "The cat sat on the mat."
                                        "--no-progress"], False),
     ("explore", ["explore", "--text", ONE_TEXT, "--no-progress"], False),
     ("compare", ["compare", "--text", ONE_TEXT, "--text-b", "The dog sat on the mat."], False),
+    ("kvtasks", ["kvtasks", "--examples-file", "{examples}", "--policies", "h2o,snap_contribution", "--ratios", "0.5",
+                 "--no-progress"], False),
     ("claims", ["claims", "--data", "{corpus}", "--window", "16", "--max-windows", "4", "--ns", "2", "--repeats", "1",
                 "--bootstrap", "100", "--skip", "faithfulness,heads", "--no-progress"], False),
 ])
@@ -269,7 +271,12 @@ def test_the_readme_lists_what_the_other_commands_write(tiny_llama_dir, tmp_path
     exactly the files its row lists (figures drawn, as PNG), and a readable report.md."""
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat sat"}\n{"prompt": "a dog ran"}\n')
     (tmp_path / "corpus.txt").write_text(TEXT * 4)
-    argv = [a.format(prompts=tmp_path / "prompts.jsonl", corpus=tmp_path / "corpus.txt") for a in argv]
+    from attngeom.kvcache.ruler import Example, write_jsonl
+
+    write_jsonl([Example("toy", i, 0, "the key is abc. " * 3, "\nWhat is the key?", " The key is", ("abc",), 4, 0)
+                 for i in range(2)], tmp_path / "examples.jsonl")
+    argv = [a.format(prompts=tmp_path / "prompts.jsonl", corpus=tmp_path / "corpus.txt",
+                     examples=tmp_path / "examples.jsonl") for a in argv]
     out = tmp_path / "out"
     assert main([*argv, "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
     listed = _readme_outputs()[row]

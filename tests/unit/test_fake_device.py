@@ -172,7 +172,8 @@ def test_compressed_cache_scores_stay_on_the_device(fake):
 # --------------------------------------------------------------------------------------------
 
 GPU_PATH = ("capture/plugin.py", "capture/interventions.py", "streaming/reducers.py", "generation/decoding.py",
-            "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies.py", "metrics/formulas.py", "metrics/registry.py")
+            "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies.py", "kvcache/prefill.py", "kvcache/tasks.py",
+            "metrics/formulas.py", "metrics/registry.py")
 HOST_METHODS = ("cpu", "numpy", "item", "tolist", "nonzero", "equal")
 """Calls that bring a tensor's values to the host (``torch.equal`` and ``nonzero`` decide on them)."""
 HOST_BUILTINS = ("int", "float", "bool")

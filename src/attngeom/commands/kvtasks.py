@@ -68,7 +68,7 @@ def _names(spec: str, what: str) -> list[str]:
 
 
 def run(args) -> int:
-    from attngeom.data.corpora import input_path, parse_float_list
+    from attngeom.data.corpora import parse_float_list
     from attngeom.kvcache import ruler, tasks
 
     common.figure_format(args)
@@ -79,8 +79,7 @@ def run(args) -> int:
     for t in task_names:
         if t not in ruler.TASKS:
             raise InputError(f"unknown task {t!r}; choose from {', '.join(ruler.TASKS)}")
-    if args.examples_file is not None:
-        input_path(args.examples_file, "examples file")
+    given = ruler.read_jsonl(args.examples_file) if args.examples_file is not None else None  # checked before the model loads
     haystack = args.haystack
     if haystack != "noise":
         from attngeom.data.corpora import read_texts
@@ -94,8 +93,8 @@ def run(args) -> int:
 
     def work(run):
         handle = common.load(args)
-        if args.examples_file:
-            examples = ruler.read_jsonl(args.examples_file)
+        if given is not None:
+            examples = given
         else:
             examples = [e for t in task_names
                         for e in ruler.make_examples(handle.tokenizer, t, args.length, args.examples, args.seed, haystack)]
