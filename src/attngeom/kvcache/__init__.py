@@ -1,4 +1,6 @@
-"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`), the evaluation under a budget (:mod:`.evaluation`) and RULER's synthetic long-context tasks (:mod:`.ruler`)."""
+"""A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`), the evaluation under a budget
+(:mod:`.evaluation`), compression once after the prefill to a ratio (:mod:`.prefill`), RULER's synthetic
+long-context tasks (:mod:`.ruler`) and the tasks at compression ratios (:mod:`.tasks`)."""
 
 from attngeom._exports import lazy
 
@@ -27,4 +29,10 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "score": "ruler",
     "write_jsonl": "ruler",
     "read_jsonl": "ruler",
+    "select": "prefill",
+    "variant_cache": "prefill",
+    "greedy_answers": "prefill",
+    "compressed_generate": "tasks",
+    "KVTaskSettings": "settings",
+    "KVTaskInputs": "settings",
 })

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Benchmark of the long-context task grid (:mod:`attngeom.kvcache.tasks`) against one full-cache
+``model.generate`` of the same example, on the bundled model (float32, CPU).
+
+For ``--examples`` RULER examples of ``--task`` at ``--length`` tokens, per example and side by side:
+
+``generate``
+    transformers' ``model.generate`` (SDPA, full ``DynamicCache``) of context + question, greedy,
+    the task's answer length (what a user runs anyway).
+``prefill``
+    the plain prefill of the context (SDPA), and ``prefill-scores``: the captured prefill that
+    records every policy's scores at once (:func:`attngeom.kvcache.prefill.prefill`; KVzip's
+    reconstruction pass included when ``kvzip`` is among the policies).
+``grid``
+    the whole experiment of one example: the captured prefill, the full cache's answer, then every
+    policy at every ratio (selection, gathered caches, batched question and answers).
+
+Printed: seconds per example of each and the ratios to ``generate`` (the issue's target: a grid of
+12 policies x 4 ratios within 3x ``generate``). Medians over the examples; one process, the methods
+alternating per example.
+
+Usage::
+
+    python benchmarks/bench_kvtasks.py                                  # niah_single, 4096 tokens, 2 examples
+    python benchmarks/bench_kvtasks.py --length 1024 --examples 1        # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+DEFAULT_POLICIES = ("random", "streamingllm", "knorm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "vatp",
+                    "criticalkv", "dropkv", "snap_contribution")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--task", default="niah_single")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--examples", type=int, default=2)
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help="comma-separated (default: 12 policies, the issue's grid)")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75,0.875")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from attngeom import load_model
+    from attngeom.kvcache import prefill as P
+    from attngeom.kvcache import ruler, tasks
+    from attngeom.kvcache.policies import get_policy
+    from attngeom.kvcache.settings import KVTaskSettings
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    h = load_model(a.model)
+    policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
+    settings = KVTaskSettings(policies=policies, ratios=tuple(float(r) for r in a.ratios.split(",")))
+    examples = ruler.make_examples(h.tokenizer, a.task, a.length, a.examples, seed=0)
+    times: dict[str, list[float]] = {k: [] for k in ("generate", "prefill", "prefill-scores", "grid")}
+    for ex in examples:
+        c, q, _ = ruler.encode(ex, h.tokenizer)
+        ids = torch.tensor([c + q])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            h.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.max_new_tokens, do_sample=False)
+            times["generate"].append(time.perf_counter() - t0)
+        times["prefill"].append(P.prefill(h, c, [get_policy("window")]).seconds)
+        times["prefill-scores"].append(P.prefill(h, c, [get_policy(p) for p in policies]).seconds)
+        t0 = time.perf_counter()
+        tasks.answer_example(h, ex, settings)
+        times["grid"].append(time.perf_counter() - t0)
+    gen = statistics.median(times["generate"])
+    print(f"{a.model}, {a.task} at {a.length} tokens, {len(examples)} examples, {len(policies)} policies x "
+          f"{len(settings.ratios)} ratios, torch threads {torch.get_num_threads()}")
+    print(f"{'method':<16}{'seconds':>10}{'x generate':>12}")
+    for k, v in times.items():
+        m = statistics.median(v)
+        print(f"{k:<16}{m:>10.2f}{m / gen:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
