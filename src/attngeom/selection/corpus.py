@@ -41,20 +41,21 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
     out: dict = {"bound_violations": int(violations), "selections_checked": int(selections)}
     if not len(sel):
         return out
+    W = int(sel["window"].max()) + 1
+    columns = {"f_topn": "F", "p_topn": "P", "r_topn": "R", "f_predicted": "F_pred", "ginv_topn": "ginv"}
     for dist in sorted(sel["distance"].unique()):
-        dd = sel[sel["distance"] == dist]
+        ns = sorted(int(n) for n in sel.loc[sel["distance"] == dist, "N"].unique())
+        per_column = {col: column_means(sel, W, ns, dist, col) for col in set(columns.values())}
         block = {}
         for label, suffix in (("with_sink", ""), ("without_sink", "_nosink")):
-            top = dd[dd["kind"] == f"topn{suffix}"].groupby("N")
-            rnd = dd[dd["kind"] == f"random{suffix}"].groupby("N")
-            block[label] = {
-                "f_topn": {int(n): float(x) for n, x in top["F"].mean().items()},
-                "f_random": {int(n): float(x) for n, x in rnd["F"].mean().items()},
-                "p_topn": {int(n): float(x) for n, x in top["P"].mean().items()},
-                "r_topn": {int(n): float(x) for n, x in top["R"].mean().items()},
-                "f_predicted": {int(n): float(x) for n, x in top["F_pred"].mean().items()},
-                "ginv_topn": {int(n): float(x) for n, x in top["ginv"].mean().items()},
-            }
+            def per_n(col, kind):
+                m = per_column[col].get(kind)
+                return {} if m is None else {n: float(x) for n, x in zip(ns, m[0]) if not np.isnan(x)}
+
+            block[label] = {key: per_n(col, f"topn{suffix}") for key, col in columns.items()}
+            block[label]["f_random"] = per_n("F", f"random{suffix}")
+            block[label] = {k: block[label][k] for k in ("f_topn", "f_random", "p_topn", "r_topn", "f_predicted",
+                                                          "ginv_topn")}
         out[dist] = block
     if len(reg):
         def stat(col, fn="median"):
@@ -91,16 +92,18 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
     return out
 
 
-def summary_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str = "euclidean") -> dict:
-    """Per-window sums of F and row counts of the ``selection`` rows at ``distance``: ``{kind: (sum
-    [W, N], count [W, N])}`` for the kinds of :data:`attngeom.selection.separation.KINDS`."""
+def summary_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str = "euclidean",
+                 column: str = "F") -> dict:
+    """Per-window sums of ``column`` (``F`` by default) and row counts of the ``selection`` rows at
+    ``distance``: ``{kind: (sum [W, N], count [W, N])}`` for the kinds of
+    :data:`attngeom.selection.separation.KINDS`."""
     d = sel[sel["distance"] == distance]
     out = {}
     ns = list(ns)
     for kind, g in d.groupby("kind"):
         s = np.zeros((n_windows, len(ns)))
         c = np.zeros((n_windows, len(ns)))
-        agg = g.groupby(["window", "N"])["F"].agg(["sum", "count"]).reset_index()
+        agg = g.groupby(["window", "N"])[column].agg(["sum", "count"]).reset_index()
         for w, n, x, k in zip(agg["window"], agg["N"], agg["sum"], agg["count"]):
             if int(n) in ns and 0 <= int(w) < n_windows:
                 s[int(w), ns.index(int(n))] += x
@@ -109,17 +112,25 @@ def summary_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance:
     return out
 
 
+def column_means(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str, column: str,
+                 weights: np.ndarray | None = None) -> dict:
+    """Mean of ``column`` per kind of selection and ``N`` under resampling ``weights`` (bootstrap
+    counts per window ``[R, W]``; None: every window once): ``{kind: [R, len(ns)]}`` (NaN where a
+    kind has no row). The one rule behind :func:`summarize` and :func:`summary`."""
+    counts = resampling.counts_or_once(weights, n_windows)
+    X = summary_sums(sel, n_windows, ns, distance, column)
+    return {kind: resampling.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}
+
+
 def summary(per_window: dict, weights: np.ndarray | None = None, distance: str = "euclidean") -> dict:
     """Mean ``F_N`` per kind of selection under resampling ``weights`` (bootstrap counts per window
     ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
     from the experiment's ``per_window`` (its ``selection`` rows and the number of ``windows``):
-    ``{"ns": [N, ...], "mean_f": {kind: [R, len(ns)]}}`` (the means of :func:`summarize`;
-    tests/unit/test_claims.py checks that both agree)."""
+    ``{"ns": [N, ...], "mean_f": {kind: [R, len(ns)]}}`` (:func:`column_means`, as :func:`summarize`
+    computes its means)."""
     sel, W = per_window["selection"], per_window["windows"]
     ns = sorted(int(n) for n in sel["N"].unique())
-    counts = resampling.counts_or_once(weights, W)
-    X = summary_sums(sel, W, ns, distance)
-    return {"ns": ns, "mean_f": {kind: resampling.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}}
+    return {"ns": ns, "mean_f": column_means(sel, W, ns, distance, "F", weights)}
 
 
 # --------------------------------------------------------------------------------------------
