@@ -166,3 +166,19 @@ def tiny_model(arch: str, seed: int = 0, attn_implementation: str | None = None,
 def tiny_handles(seed: int = 0) -> dict[str, ModelHandle]:
     """One tiny model per supported architecture, keyed by architecture."""
     return {arch: tiny_model(arch, seed=seed) for arch in ARCHS}
+
+
+def eager_attentions(handle, ids, hooks=()):
+    """The attention maps ``[1, H, T, T]`` per layer of an eager forward pass of ``ids`` (the
+    independent reference of tests), with forward ``hooks`` ``(module, fn)`` registered for the pass;
+    the model's attention implementation is restored after."""
+    eager = handle.model.config._attn_implementation
+    handle.model.set_attn_implementation("eager")
+    handles = [m.register_forward_hook(fn) for m, fn in hooks]
+    try:
+        with torch.no_grad():
+            return handle.model(input_ids=torch.tensor([list(ids)]), output_attentions=True).attentions
+    finally:
+        handle.model.set_attn_implementation(eager)
+        for x in handles:
+            x.remove()

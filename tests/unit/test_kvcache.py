@@ -12,7 +12,7 @@ from attngeom.kvcache.cache import CacheScorer, CompressedCache, cache_bytes, ca
 from attngeom.kvcache.evaluation import read_under_budget
 from attngeom.kvcache.policies import taxonomy_budgets
 from attngeom.kvcache.policies import POLICIES, EvictionContext, get_policy
-from tiny_models import tiny_model
+from tiny_models import eager_attentions, tiny_model
 
 T = 24
 
@@ -239,12 +239,7 @@ def test_recorded_scores_match_eager_attention_and_trace_contributions():
 
     h = tiny_model("llama")
     ids = _ids(12)
-    eager = h.model.config._attn_implementation
-    h.model.set_attn_implementation("eager")
-    try:
-        att = h.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        h.model.set_attn_implementation(eager)
+    att = eager_attentions(h, ids)
     trace = analyze(h, torch.tensor(ids))
     for name in ("h2o", "contribution", "contribution_signed"):
         cache = CompressedCache(h.model.config, name, 64)

@@ -14,7 +14,7 @@ from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets,
                                        pyramid_budgets)
 from attngeom.kvcache.ruler import Example
 from attngeom.kvcache.settings import TASK_POLICIES, KVTaskSettings
-from tiny_models import tiny_model
+from tiny_models import eager_attentions, tiny_model
 
 COMPRESSING = [n for n in POLICIES if n not in ("full", "taxonomy")]
 
@@ -185,21 +185,11 @@ def test_suppressor_keeps_the_most_negative_contributions_first():
 
 
 def _eager_layer_pieces(h, ids):
-    """Per layer: attention [H, T, T] and per-head values [H, T, d] from an eager forward."""
-    eager = h.model.config._attn_implementation
-    h.model.set_attn_implementation("eager")
+    """Per layer: attention [H, T, T], per-head values [H, T, d] and W_O from an eager forward."""
     values = {}
-    hooks = []
-    for l, layer in enumerate(h.model.model.layers):
-        def grab(mod, args, kwargs, out, l=l):
-            pass
-        hooks.append(layer.self_attn.v_proj.register_forward_hook(lambda m, a, o, l=l: values.__setitem__(l, o)))
-    try:
-        att = h.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        h.model.set_attn_implementation(eager)
-        for k in hooks:
-            k.remove()
+    hooks = [(layer.self_attn.v_proj, lambda m, a, o, l=l: values.__setitem__(l, o))
+             for l, layer in enumerate(h.model.model.layers)]
+    att = eager_attentions(h, ids, hooks)
     cfg = h.model.config
     d = cfg.hidden_size // cfg.num_attention_heads
     out = []
@@ -243,12 +233,7 @@ def test_kvzip_scores_are_the_max_attention_while_the_context_is_repeated():
     ids = _ids(16)
     pre = P.prefill(h, ids, [get_policy("kvzip")])
     whole = ids + h.encode(KVZIP_PROMPT, add_bos=False) + ids
-    eager = h.model.config._attn_implementation
-    h.model.set_attn_implementation("eager")
-    try:
-        att = h.model(input_ids=torch.tensor([whole]), output_attentions=True).attentions
-    finally:
-        h.model.set_attn_implementation(eager)
+    att = eager_attentions(h, whole)
     for l in range(h.num_layers):
         want = att[l][0, :, len(ids):, :len(ids)].float().amax(1)                     # [H, n]
         assert torch.allclose(pre.scores["kvzip"][l][0], want, atol=1e-5), l

@@ -317,11 +317,12 @@ def stop_ids(handle: ModelHandleLike) -> set[int]:
 @takes_handle
 @torch.no_grad()
 def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Sequence[int] | None, first: torch.Tensor | None,
-                   max_new_tokens: int) -> list[list[int]]:
+                   max_new_tokens: int, settled=None) -> list[list[int]]:
     """Greedy answers of every batch row of ``cache``: the ``question`` ids (the same for every row)
     are read first and the answer follows; or, with ``question=None`` (query-aware), the answer
     starts from ``first`` ``[V]`` logits (the prefill's last row). Each row stops at its first
-    end-of-text token (not included) or after ``max_new_tokens``."""
+    end-of-text token (not included), after ``max_new_tokens``, or once ``settled(tokens)`` says its
+    answer so far is final for its use (a score that can no longer change)."""
     R = next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
     stops = stop_ids(handle)
     out: list[list[int]] = [[] for _ in range(R)]
@@ -336,6 +337,8 @@ def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Seque
             going = [k for k, tok in enumerate(nxt) if tok not in stops]
             for k in going:
                 out[rows[k]].append(nxt[k])
+            if settled is not None:
+                going = [k for k in going if not settled(out[rows[k]])]
             if not going or t + 1 == max_new_tokens:
                 break
             if len(going) < len(rows):                      # finished rows leave the batch

@@ -95,7 +95,8 @@ def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None =
 def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, encoded=None) -> pd.DataFrame:
     """One example under every (policy, ratio) of ``settings`` and the full cache (``policy``
     ``"full"``, ``ratio`` 0): one row each with the ``answer`` text, its ``score`` (RULER's string
-    match), ``kept`` (entries kept over the compressed layers and heads), ``kept_share`` (of the full
+    match; an answer stops as soon as it holds every reference string, since its score can then no
+    longer change: the text is cut there), ``kept`` (entries kept over the compressed layers and heads), ``kept_share`` (of the full
     cache's), ``bytes`` (cache storage per variant, padding included) and ``seconds`` (the
     prefill's share and the batch's decoding per variant). ``encoded``: :func:`~attngeom.kvcache.ruler.encode`'s
     result, when already made."""
@@ -109,12 +110,15 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     base = {"example": example.index, "task": example.task, "mode": settings.mode, "chat": chat,
             "context_tokens": len(ctx_ids), "question_tokens": len(q_ids)}
 
+    def settled(ids: list[int]) -> bool:                      # every reference found: the score is final
+        return ruler.score(handle.tokenizer.decode(ids, skip_special_tokens=True), example.answers) == 1.0
+
     def run_batch(names, ratio):
         t0 = time.perf_counter()
         sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
         cache = P.variant_cache(handle, pre, sels, room=len(q_ids) + example.max_new_tokens)
         per_row = P.row_bytes(handle, cache)
-        answers = P.greedy_answers(handle, cache, question, pre.logits, example.max_new_tokens)
+        answers = P.greedy_answers(handle, cache, question, pre.logits, example.max_new_tokens, settled)
         del cache
         seconds = (time.perf_counter() - t0) / len(names)
         rows = []
