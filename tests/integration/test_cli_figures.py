@@ -112,6 +112,13 @@ def runs(tiny_llama_dir, tmp_path_factory):
     }
     for name, extra in cmds.items():
         assert main([name, *common, *extra, "--out", str(d / name)]) == 0, name
+    from attngeom.kvcache.ruler import Example, write_jsonl
+
+    examples = write_jsonl([Example("toy", i, 0, "the key is abc. " * 3, "\nWhat is the key?", " The key is",
+                                    ("abc",), 4, 0) for i in range(3)], d / "examples.jsonl")
+    assert main(["kvtasks", "--model", str(tiny_llama_dir), "--examples-file", str(examples), "--policies",
+                 "h2o,snap_contribution", "--ratios", "0.5,0.75", "--no-progress", "--no-figures",
+                 "--out", str(d / "kvtasks")]) == 0
     return d
 
 
