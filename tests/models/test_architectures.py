@@ -592,7 +592,7 @@ def test_latent_attention_is_refused_before_any_stage_runs():
             stages.append(name)
             return super().stage(name, *args, **kw)
 
-    windows = [[1, 5, 7, 9, 11, 13, 15, 17]] * 3
+    windows = [[1] + [5 + 2 * i for i in range(24)]] * 3      # long enough to score: the refusal is the architecture's
     with pytest.raises(UnsupportedArchitectureError, match="W_V cannot be established") as err:
         HD.experiment(handle, Counting(), [windows], HeadsSettings(calib_windows=1, batch_size=1))
     assert stages == [] and "\n" not in str(err.value)
