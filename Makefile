@@ -48,11 +48,11 @@ REQUIRE_BROWSER = ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v 
 test: $(STAMP) browser
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q
 
-# The three tiers of docs/testing.md, one at a time: unit (tiny models, about a minute on one core),
-# integration (the command line, runs, distributed, the browser, the docs), models (the bundled
-# models, the seed architectures, the architecture matrix, precision).
+# The three tiers of docs/testing.md, one at a time: unit (tiny models, one process per core with
+# pytest-xdist, under a minute on two cores), integration (the command line, runs, distributed, the
+# browser, the docs), models (the bundled models, the seed architectures, the architecture matrix, precision).
 test-unit: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/unit
 
 test-integration: $(STAMP) browser
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests/integration
