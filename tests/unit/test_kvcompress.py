@@ -61,9 +61,10 @@ def test_ratio_zero_answers_equal_generate_with_the_full_cache(arch, mode):
     pre = P.prefill(h, ctx + q if mode == P.QUERY_AWARE else ctx, [get_policy(n) for n in names])
     sels = [P.select(pre, n, 0.0, h.num_heads) for n in names]
     cache = P.variant_cache(h, pre, sels, room=20)
-    h.generation_config = None
     got = P.greedy_answers(h, cache, None if mode == P.QUERY_AWARE else q, pre.logits, 10)
-    stops = P.stop_ids(h)
+    from attngeom.generation.decoding import model_stop_ids
+
+    stops = model_stop_ids(h)
     want = want[: next((i for i, t in enumerate(want) if t in stops), len(want))]
     assert all(g == want for g in got), (got, want)
 

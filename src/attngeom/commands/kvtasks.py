@@ -113,9 +113,8 @@ def run(args) -> int:
                                         None if args.no_figures else "kvtasks", args, written=["examples.jsonl"])
 
         def report(out, files) -> None:
-            s = result.tables["summary"]
-            overall = s[s["task"] == s["task"].iloc[-1]] if len(s) else s
-            full = overall[overall["policy"] == "full"]["accuracy"]
+            rows = tasks.overall(result.tables["summary"])
+            full = rows[rows["policy"] == "full"]["accuracy"]
             print(f"attngeom kvtasks: {model_name}: {len(examples)} examples ({'chat template' if chat else 'no chat template'}), "
                   f"{len(policies)} policies x {len(ratios)} ratios; full-cache accuracy "
                   f"{float(full.iloc[0]) if len(full) else float('nan'):.2f}; written to {out}", file=sys.stderr)

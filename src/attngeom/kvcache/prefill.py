@@ -36,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from attngeom.capture.plugin import Session
+from attngeom.generation.decoding import model_stop_ids
 from attngeom.kvcache.cache import CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads
 from attngeom.kvcache.policies import EvictionContext, Policy, full, get_policy
 from attngeom.model.arguments import takes_handle
@@ -68,21 +69,33 @@ def kept_count(n: int, ratio: float) -> int:
 
 class PrefillScores:
     """Observer summing every policy's scores of one forward pass: ``scores[name][layer]``
-    ``[B, H, n]`` (policies whose ``needs`` is None record nothing)."""
+    ``[B, H, n]`` (policies whose ``needs`` is None record nothing). Policies whose
+    :meth:`~attngeom.kvcache.policies.Policy.step` reads the same thing (the same ``needs``,
+    ``signed`` and ``last``) share one sum."""
 
     def __init__(self, policies: Sequence[Policy], n_queries: int):
         self.policies = [p for p in policies if p.needs is not None]
         self.n_queries = int(n_queries)
-        self.scores: dict[str, dict[int, torch.Tensor]] = {p.name: {} for p in self.policies}
+        self.sums: dict[tuple, tuple[Policy, dict[int, torch.Tensor]]] = {}
+        for p in self.policies:
+            self.sums.setdefault(self.reads(p), (p, {}))
         self.w_o: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def reads(p: Policy) -> tuple:
+        """What ``p.step`` reads from a block."""
+        return p.needs, p.signed, p.last
+
+    @property
+    def scores(self) -> dict[str, dict[int, torch.Tensor]]:
+        return {p.name: self.sums[self.reads(p)][1] for p in self.policies}
 
     def observe(self, block) -> None:
         self.w_o.setdefault(block.layer, block.state.w_o)
-        for p in self.policies:
+        for p, per_layer in self.sums.values():
             s = p.step(block, self.n_queries)
             if s is None:
                 continue
-            per_layer = self.scores[p.name]
             if block.layer not in per_layer:
                 B, H = s.shape[:2]
                 per_layer[block.layer] = torch.zeros(B, H, block.state.num_sources, device=s.device)
@@ -152,10 +165,11 @@ def prefill(handle: ModelHandleLike, ids: Sequence[int], policies: Sequence[Poli
     t0 = time.perf_counter()
     with compressing(handle.model, cache, session=session):
         logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]))[0, -1]
+    scores = scorer.scores
     for p in policies:
         if p.needs == "reconstruction":
-            scorer.scores[p.name] = reconstruction_scores(handle, cache, ids)
-    return Prefill(cache, logits, scorer.scores, scorer.w_o, len(ids), time.perf_counter() - t0)
+            scores[p.name] = reconstruction_scores(handle, cache, ids)
+    return Prefill(cache, logits, scores, scorer.w_o, len(ids), time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,22 +310,17 @@ def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Se
 @takes_handle
 def row_bytes(handle: ModelHandleLike, cache: DynamicCache) -> float:
     """Bytes of the cache's storages per batch row (padding included)."""
-    rows = next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
-    return cache_bytes(cache) / rows
+    return cache_bytes(cache) / _rows(cache)
+
+
+def _rows(cache: DynamicCache) -> int:
+    """The cache's batch rows."""
+    return next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
 
 
 # --------------------------------------------------------------------------------------------
 # Answers
 # --------------------------------------------------------------------------------------------
-
-
-def stop_ids(handle: ModelHandleLike) -> set[int]:
-    """Token ids that end an answer: the generation config's and the tokenizer's end of text."""
-    ids: set[int] = set()
-    for src in (getattr(handle.model, "generation_config", None), handle.model.config, handle.tokenizer):
-        e = getattr(src, "eos_token_id", None)
-        ids |= set(e) if isinstance(e, (list, tuple)) else ({int(e)} if e is not None else set())
-    return ids
 
 
 @takes_handle
@@ -321,10 +330,11 @@ def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Seque
     """Greedy answers of every batch row of ``cache``: the ``question`` ids (the same for every row)
     are read first and the answer follows; or, with ``question=None`` (query-aware), the answer
     starts from ``first`` ``[V]`` logits (the prefill's last row). Each row stops at its first
-    end-of-text token (not included), after ``max_new_tokens``, or once ``settled(tokens)`` says its
-    answer so far is final for its use (a score that can no longer change)."""
-    R = next(lay.keys.shape[0] for lay in cache.layers if lay.keys is not None)
-    stops = stop_ids(handle)
+    end-of-text token (:func:`~attngeom.generation.decoding.model_stop_ids`, not included), after
+    ``max_new_tokens``, or once ``settled(tokens)`` says its answer so far is final for its use (a
+    score that can no longer change)."""
+    R = _rows(cache)
+    stops = set(model_stop_ids(handle))
     out: list[list[int]] = [[] for _ in range(R)]
     rows = list(range(R))                                   # the cache's rows still answering
     with compressing(handle.model, cache):

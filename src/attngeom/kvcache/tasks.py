@@ -119,7 +119,6 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
         cache = P.variant_cache(handle, pre, sels, room=len(q_ids) + example.max_new_tokens)
         per_row = P.row_bytes(handle, cache)
         answers = P.greedy_answers(handle, cache, question, pre.logits, example.max_new_tokens, settled)
-        del cache
         seconds = (time.perf_counter() - t0) / len(names)
         rows = []
         for name, sel, ids in zip(names, sels, answers):
@@ -181,6 +180,14 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, examples: Sequence,
 # --------------------------------------------------------------------------------------------
 
 
+def overall(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a summary or pairs table over every task (:data:`ALL_TASKS`; the one task's rows
+    when there is one task)."""
+    if not len(df):
+        return df
+    return df[df["task"] == (ALL_TASKS if (df["task"] == ALL_TASKS).any() else df["task"].iloc[0])]
+
+
 def _units(df: pd.DataFrame) -> pd.Series:
     return df["task"].astype(str) + "/" + df["example"].astype(str)
 
@@ -213,9 +220,9 @@ def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.Da
 def best_baselines(summary: pd.DataFrame) -> dict[float, str]:
     """Per ratio, the baseline (a policy not derived from the papers' geometry) with the highest
     accuracy over all tasks (ties: the first by name)."""
-    overall = summary[summary["task"] == (ALL_TASKS if (summary["task"] == ALL_TASKS).any() else summary["task"].iloc[0])]
+    rows = overall(summary)
     out = {}
-    for ratio, g in overall[overall["ratio"] > 0].groupby("ratio"):
+    for ratio, g in rows[rows["ratio"] > 0].groupby("ratio"):
         base = g[[not get_policy(p).geometry for p in g["policy"]]]
         if len(base):
             out[float(ratio)] = str(base.sort_values(["accuracy", "policy"], ascending=[False, True])["policy"].iloc[0])
@@ -253,9 +260,11 @@ def verdicts(pairs: pd.DataFrame) -> list[dict]:
     above 0, ``loses`` below, ``tie`` across it, ``too few examples`` without an interval."""
     from attngeom.stats.resampling import TOO_FEW
 
-    task = ALL_TASKS if (pairs["task"] == ALL_TASKS).any() else (pairs["task"].iloc[0] if len(pairs) else None)
+    rows = overall(pairs)
+    if not len(rows):
+        return []
     out = []
-    for _, r in pairs[(pairs["task"] == task) & pairs["geometry"]].iterrows():
+    for _, r in rows[rows["geometry"]].iterrows():
         if np.isnan(r["low"]):
             v = TOO_FEW.replace("windows", "examples")
         else:

@@ -21,10 +21,6 @@ import numpy as np
 import pandas as pd
 
 
-def _overall(summary: pd.DataFrame) -> pd.DataFrame:
-    return summary[summary["task"] == ("all" if (summary["task"] == "all").any() else summary["task"].iloc[0])]
-
-
 def _line(ax, g: pd.DataFrame, **kw) -> None:
     g = g.sort_values("ratio")
     v, lo, hi = (g[c].to_numpy(float) for c in ("accuracy", "low", "high"))
@@ -34,9 +30,9 @@ def _line(ax, g: pd.DataFrame, **kw) -> None:
 
 def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
     from attngeom.kvcache.policies import get_policy
-    from attngeom.kvcache.tasks import best_baselines
+    from attngeom.kvcache.tasks import best_baselines, overall
 
-    s = _overall(summary)
+    s = overall(summary)
     full = s.loc[s["policy"] == "full", "accuracy"]
     best = best_baselines(summary)
     fig, axes = plt.subplots(1, 2, figsize=(2 * COLUMN_WIDTH_IN, 3.0), sharey=True)
