@@ -17,6 +17,7 @@ Budgets are the ticks, written as plain numbers. Rerun on an existing directory 
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 from attngeom.reports.common import save_figure  # sets the Agg backend first
@@ -83,13 +84,14 @@ def fig_memory(summary: pd.DataFrame, path: Path) -> Path:
         for key, policies in lines.items():
             n = len(key) // 2
             label = ", ".join(policies) if len(policies) < 4 else f"{len(policies)} policies ({', '.join(policies)})"
-            ax.plot(key[n:], key[:n], marker="o", ms=3, label=label)
+            ax.plot(key[n:], key[:n], marker="o", ms=3, label=textwrap.fill(label, 60))
         ax.axhline(1, color="k", ls="--", lw=1, label=FULL)
-        ax.legend(fontsize=7, loc="best")
+        # below the axes: policies that keep the same entries share one long label
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     else:
         ax.text(0.5, 0.5, "no full-cache run to compare with", ha="center", va="center", transform=ax.transAxes)
     _budget_axis(ax, summary["budget"])
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.08)
     ax.set_ylabel("peak cache memory / full cache")
     ax.set_title("KV-cache memory against the budget", fontsize=10)
     return save_figure(fig, path)
