@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, save_figure  # sets the Agg backend first
@@ -50,11 +51,12 @@ def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str
         better = "higher is more faithful" if mode == "comprehensiveness" else "lower is more faithful"
         if measure != "ppl":
             better = "lower is more faithful" if mode == "comprehensiveness" else "higher is more faithful"
-        ax.set_title(f"{LABELS[mode]}; {better}", fontsize=FONT)
+        ax.set_title(f"{LABELS[mode]}\n{better}", fontsize=FONT)        # two lines: one column is narrow
         ax.tick_params(labelsize=FONT)
         ax.grid(alpha=0.3, which="both")
-    axes[-1].set_xlabel("removal ratio r (share of sources masked per query)", fontsize=FONT)
+    axes[-1].set_xlabel("removal ratio r\n(share of sources masked per query)", fontsize=FONT)
     handles, labels = axes[0].get_legend_handles_labels()
+    labels = [textwrap.fill(label, 22) for label in labels]
     if handles:
         fig.legend(handles, labels, fontsize=FONT, loc="lower center", ncol=2, frameon=False)
     if title is None and not table.empty:
@@ -65,7 +67,7 @@ def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str
         title = f"Faithfulness of token rankings\n(clean {what} {clean:.4g}, {units} {noun})"
     if title:
         fig.suptitle(title, fontsize=FONT + 1)
-    rows = -(-len(handles) // 2)
+    rows = sum(max(label.count("\n") + 1 for label in labels[k:k + 2]) for k in range(0, len(labels), 2))
     fig.tight_layout(rect=(0, 0.035 * rows + 0.01, 1, 1))
     return save_figure(fig, path, layout=False)
 
