@@ -56,7 +56,9 @@ class DeviceCheck:
 
     def observe(self, block) -> None:
         dev = block.a.device
-        out = [block.metric(m) for m in registry.METRICS]
+        # value zeroing decides on the host where its closed form cancels (a boundary)
+        out = [block.metric(m) for m in registry.per_head_names() if m != "value_zeroing"]
+        out += [block.token_score(m) for m in registry.rivals() if m != "value_zeroing"]
         out += list(block.received(block.query_valid.float()).values())
         out += list(block.factors().values())
         out += [block.entropy, block.head_output_norm, block.output_norm, block.head_share, block.layer_output]
@@ -173,7 +175,8 @@ def test_compressed_cache_scores_stay_on_the_device(fake):
 
 GPU_PATH = ("capture/plugin.py", "capture/interventions.py", "streaming/reducers.py", "generation/decoding.py",
             "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies.py", "kvcache/prefill.py", "kvcache/tasks.py",
-            "metrics/formulas.py", "metrics/registry.py")
+            "metrics/formulas.py", "metrics/registry.py", "metrics/leave_one_out.py", "metrics/value_zeroing.py",
+            "metrics/alti.py")
 HOST_METHODS = ("cpu", "numpy", "item", "tolist", "nonzero", "equal")
 """Calls that bring a tensor's values to the host (``torch.equal`` and ``nonzero`` decide on them)."""
 HOST_BUILTINS = ("int", "float", "bool")

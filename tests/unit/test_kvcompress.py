@@ -10,9 +10,10 @@ import torch
 from attngeom.kvcache import prefill as P
 from attngeom.kvcache import tasks
 from attngeom.kvcache.cache import kept_entries
-from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets, get_policy, leave_one_out,
+from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets, get_policy,
                                        pyramid_budgets)
 from attngeom.kvcache.ruler import Example
+from attngeom.metrics.leave_one_out import leave_one_out
 from attngeom.kvcache.settings import TASK_POLICIES, KVTaskSettings
 from tiny_models import eager_attentions, tiny_model
 

@@ -30,7 +30,8 @@ SPEC_METRICS = ("attention", "value_weighted", "output_normalized", "contributio
 
 def test_builtin_table():
     assert R.names()[:5] == SPEC_METRICS
-    assert tuple(RANK_METRICS) == SPEC_METRICS + ("random",)
+    assert tuple(RANK_METRICS) == SPEC_METRICS + R.rivals() + ("random",)
+    assert R.rivals() == ("leave_one_out", "value_zeroing", "alti")        # SPEC §2.1
     # the lists other modules read come from the entries' flags
     assert R.hierarchy() == SPEC_METRICS[:4] and R.received_names() == SPEC_METRICS[:4]
     assert TokenStats().metrics == R.received_names()
@@ -176,8 +177,12 @@ def test_block_metric_names_come_from_the_table():
     state = LayerState(layer=0, module=None, value=v, w_o=w_o, G=M.gram(w_o, 2), G_full=M.full_gram(w_o),
                        kv_head=torch.arange(2), lengths=torch.tensor([3]))
     block = Block(state=state, a=a, q_start=0, k_start=0)
-    for name in R.METRICS:
+    for name in R.per_head_names():
         assert block.metric(name).shape == a.shape
         assert torch.equal(getattr(block, name), block.metric(name))
+    for name in R.METRICS:
+        assert block.token_score(name).shape == (1, 3, 3)
+    with pytest.raises(InputError, match="defined on the layer"):
+        block.alti
     with pytest.raises(AttributeError):
         block.no_such_metric

@@ -109,6 +109,9 @@ class Variant:
             raise InputError(f"unknown metric {self.metric!r}; known: {', '.join(RANK_METRICS)}")
         if self.mode not in MODES:
             raise InputError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
+        if self.per_head and self.metric != "random" and registry.get(self.metric).layer_only:
+            raise InputError(f"{self.metric} is defined on the layer: it ranks the sources of each query, "
+                             "not per head (leave out the per-head ranking)")
         r = float(self.ratio)
         if not (0.0 <= r <= 1.0) or math.isnan(r):
             raise InputError(f"ratio must be in [0, 1], got {self.ratio}")

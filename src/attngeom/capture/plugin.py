@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.errors import InputError
 from attngeom.model.arguments import takes_model
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
@@ -329,6 +330,9 @@ class Block:
     def metric(self, name: str) -> torch.Tensor:
         """A per-head map of :mod:`attngeom.metrics.registry` (SPEC §2) by name: ``[B, H, Q, S]``."""
         m = registry.get(name)
+        if m.layer_only:
+            raise InputError(f"{name} is defined on the layer (all heads at once): it has a token-level "
+                             "score and no per-head map")
         return self._memo(name, lambda: m.per_head(self))
 
     def token_score(self, name: str) -> torch.Tensor:
@@ -337,6 +341,8 @@ class Block:
         Each registry entry says which per-head map it combines and how (``contribution`` at token
         level is ``C_ij = Σ_h C_ij^h``, the inter-head map; ``attention`` is the mean over heads)."""
         m = registry.get(name)
+        if m.token is not None:
+            return self._memo("token:" + name, lambda: m.token(self))
         return metrics.token_scores(self.metric(m.token_map or name), m.heads)
 
 

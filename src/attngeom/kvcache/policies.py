@@ -118,6 +118,8 @@ class Policy:
             m = block.contribution[:, :, first:]
             m = m if self.signed else m.abs()
         elif self.needs in ("leave_one_out", "leave_one_out_head"):
+            from attngeom.metrics.leave_one_out import leave_one_out
+
             m = leave_one_out(block, head_space=self.needs == "leave_one_out_head", first=first)
         else:
             m = block.a[:, :, first:]
@@ -130,42 +132,6 @@ def uniform_keep(ctx: EvictionContext, ratio: float) -> "torch.Tensor":
 
     n = int(ctx.valid.sum(-1).max())
     return torch.full((ctx.valid.shape[1],), n - int(n * ratio), dtype=torch.long)
-
-
-def leave_one_out(block, head_space: bool, first: int = 0) -> "torch.Tensor":
-    """``[B, H, Q, S]``: how far each query's head output moves when source ``j`` alone is dropped
-    and the rest renormalised (the closed form of CAOTE, Goel et al., *CAOTE: KV Caching through
-    Attention Output Error based Token Eviction*, 2025; the DropKV score):
-    ``o^{(−j)} − o = a_ij (o_i − v_j) / (1 − a_ij)``, so its norm is
-    ``a_ij / (1 − a_ij) · ‖u_i − v_j‖``, in value space (``head_space=False``) or through
-    ``W_O^h`` (``‖·‖_G``, SPEC §2's head space). For the row's largest weight, where that form
-    cancels (``a_ij`` near 1), the same change is computed from the other sources directly:
-    ``a_ij (Σ_{k≠j} a_ik v_k / Σ_{k≠j} a_ik − v_j)``; a query's only source takes the whole
-    output with it (``‖u_i‖``). ``first``: the block's queries from this one on (``[B, H, Q − first, S]``)."""
-    import torch
-
-    a, v = block.a[:, :, first:], block.v
-    u = block.head_output[:, :, first:]
-    G = block.state.G if head_space else None
-
-    def sq(x):                                                    # ‖x‖² [B, H, Q] of x [B, H, Q, d]
-        return torch.einsum("bhqd,hde,bhqe->bhq", x, G, x) if head_space else (x * x).sum(-1)
-
-    if head_space:
-        uu, uv, vv = block.head_output_sq[:, :, first:], block.uG[:, :, first:] @ v.transpose(-1, -2), block.value_norm ** 2
-    else:
-        uu, uv, vv = (u * u).sum(-1), u @ v.transpose(-1, -2), (v * v).sum(-1)
-    dist = (uu[..., None] - 2 * uv + vv[:, :, None, :]).clamp_min(0).sqrt()
-    change = a / (1 - a).clamp_min(1e-30) * dist
-    # the largest weight of each row, from the other sources
-    top, j = a.max(-1)                                           # [B, H, Q]
-    others = a.scatter(-1, j[..., None], 0.0)
-    rest = others.sum(-1, keepdim=True)                          # [B, H, Q, 1]
-    v_top = v.gather(2, j[..., None].expand(-1, -1, -1, v.shape[-1]))
-    moved = top[..., None] * ((others @ v) / rest.clamp_min(1e-38) - v_top)
-    at_top = torch.where(rest[..., 0] > 0, sq(moved).clamp_min(0).sqrt(), uu.clamp_min(0).sqrt())
-    out = torch.where(a > 0, change, torch.zeros_like(a))
-    return out.scatter(-1, j[..., None], at_top[..., None])
 
 
 def _tiers(*levels: torch.Tensor) -> torch.Tensor:
@@ -404,7 +370,7 @@ def criticalkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, first: floa
 def dropkv(window: int = SNAP_WINDOW, head_space: bool = False) -> Policy:
     """Leave-one-out (DropKV; the closed form of CAOTE, Goel et al., 2025): for each query of the
     observation window, how far its head output moves when the entry alone is dropped and the rest
-    renormalised (:func:`leave_one_out`), summed over the window; the window is kept. ``head_space``
+    renormalised (:func:`attngeom.metrics.leave_one_out.leave_one_out`), summed over the window; the window is kept. ``head_space``
     (``loo_head``, this toolkit's geometry): the change measured through ``W_O^h``, the norm the
     head's output has in the residual stream (SPEC §2), instead of in value space."""
     name = "loo_head" if head_space else "dropkv"

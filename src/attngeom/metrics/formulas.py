@@ -66,6 +66,24 @@ def layer_output(u: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     return u.transpose(1, 2).reshape(B, Q, H * d) @ w_o.t()
 
 
+def projected_values(v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """``ṽ_j^h = v_j^h W_O^h`` in model space: ``v [B, H, S, d]`` -> ``[B, H, S, D]``."""
+    return torch.einsum("bhsd,hdD->bhsD", v, head_blocks(w_o, v.shape[1]))
+
+
+def value_cross_products(v: torch.Tensor, w_o: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """``⟨ṽ_j^g, ṽ_j^h⟩`` for every source and pair of heads: ``v [B, H, S, d]`` -> ``[B, S, H, H]``
+    (the projected values formed for a chunk of sources at a time)."""
+    B, H, S, _ = v.shape
+    W = head_blocks(w_o, H)
+    step = max(1, chunk_elements // max(1, B * H * W.shape[-1]))
+    out = v.new_empty(B, S, H, H)
+    for s0 in range(0, S, step):
+        pv = torch.einsum("bhsd,hdD->bshD", v[:, :, s0:s0 + step], W)
+        out[:, s0:s0 + step] = pv @ pv.transpose(-1, -2)
+    return out
+
+
 def pulled_back(u: torch.Tensor, G_full: torch.Tensor) -> torch.Tensor:
     """``p_i^h = o_i W_O^{hᵀ} = Σ_g u_i^g W_O^g W_O^{hᵀ}``, so that ``⟨o_i, ṽ_j^h⟩ = p_i^h·v_j^h``:
     ``u [B, H, Q, d]``, ``G_full [H*d, H*d]`` -> ``[B, H, Q, d]`` (no model-space vector formed)."""

@@ -75,7 +75,11 @@ ATTENTION_LEVEL = frozenset(QUANTITIES) - HEAD_SPACE
 class Metric:
     """One per-head importance map ``[B, H, Q, S]`` of a block, and how it ranks at token level.
 
-    ``per_head(block)`` computes the map from the block's quantities (``needs``).
+    ``per_head(block)`` computes the map from the block's quantities (``needs``); None for a
+    measure defined on the layer only (it has a token-level score, ``token``, and no per-head map:
+    per-head rankings refuse it). ``token(block)``: the token-level score ``[B, Q, S]`` computed
+    directly, for measures whose layer form is not a sum or mean of their per-head maps (value
+    zeroing of every head, ALTI); None: combined from ``token_map``'s per-head map.
     ``token_map`` names the metric whose per-head map gives the token-level score (default: this
     one; ``contribution`` ranks tokens by the inter-head map, ``C_ij = Σ_h C_ij^h``), and
     ``heads`` how the heads are combined: ``"sum"`` or ``"mean"``. ``rank``: offered as a ranking
@@ -86,11 +90,13 @@ class Metric:
     a score map (the built-in one-product path; :func:`received_names`); ``hierarchy``: its place in
     the contribution-weights paper's faithfulness hierarchy, 0 = least faithful (:func:`hierarchy`:
     the claims' hierarchy and the faithfulness experiment's default rankings). ``token_latex``: the
-    token-level score as the figures print it (matplotlib mathtext)."""
+    token-level score as the figures print it (matplotlib mathtext). ``rival``: the citation of a
+    published measure that accounts for values, set against contribution in the faithfulness
+    head-to-head (:func:`rivals`; the claims "contribution is more faithful than X")."""
 
     name: str
     label: str
-    per_head: Callable[["Block"], "torch.Tensor"]
+    per_head: Callable[["Block"], "torch.Tensor"] | None
     needs: frozenset[str]
     heads: str = "sum"
     token_map: str | None = None
@@ -99,8 +105,17 @@ class Metric:
     received: bool = False
     hierarchy: int | None = None
     token_latex: str = ""
+    token: Callable[["Block"], "torch.Tensor"] | None = None
+    rival: str = ""
+
+    @property
+    def layer_only(self) -> bool:
+        """Defined on the layer: a token-level score and no per-head map."""
+        return self.per_head is None
 
     def __post_init__(self):
+        if self.per_head is None and self.token is None:
+            raise ValueError(f"metric {self.name!r} needs a per-head map or a token-level function")
         if self.heads not in ("sum", "mean"):
             raise ValueError(f"heads must be 'sum' or 'mean', got {self.heads!r}")
         unknown = set(self.needs) - set(QUANTITIES) - set(METRICS)
@@ -153,6 +168,17 @@ def hierarchy() -> tuple[str, ...]:
     with a ``hierarchy`` place, in that order)."""
     ranked = [(m.hierarchy, n) for n, m in METRICS.items() if m.hierarchy is not None]
     return tuple(n for _, n in sorted(ranked))
+
+
+def rivals() -> tuple[str, ...]:
+    """The published value-aware measures set against contribution in the faithfulness head-to-head
+    (the metrics with a ``rival`` citation, in registration order)."""
+    return tuple(n for n, m in METRICS.items() if m.rival)
+
+
+def per_head_names() -> tuple[str, ...]:
+    """Metrics with a per-head map (every one but the layer-only measures)."""
+    return tuple(n for n, m in METRICS.items() if not m.layer_only)
 
 
 def label(name: str) -> str:
@@ -214,3 +240,9 @@ register(Metric("contribution", "contribution", lambda b: b.map_contribution(),
 register(Metric("contribution_inter", "contribution (inter-head)", lambda b: b.map_contribution_inter(),
                 frozenset({"attention", "pulled_back", "output_sq"}),
                 formula="C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²"))
+
+# The published value-aware measures of the faithfulness head-to-head (SPEC §2.1), one module per
+# family; each registers itself (imported last: they read the table above).
+from attngeom.metrics import leave_one_out as _leave_one_out  # noqa: E402,F401
+from attngeom.metrics import value_zeroing as _value_zeroing  # noqa: E402,F401
+from attngeom.metrics import alti as _alti  # noqa: E402,F401

@@ -114,6 +114,8 @@ class LayerTrace:
         m = registry.METRICS.get(name)
         if m is None:
             raise InputError(f"unknown metric {name!r}; known: {', '.join(registry.METRICS)}")
+        if m.token is not None:
+            return self._np(self.block.token_score(name))
         per_head = self.metric(m.token_map or name)
         return metrics.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
 
