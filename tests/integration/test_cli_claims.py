@@ -38,8 +38,17 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     for r in faith:
         assert list(r["per_ratio"]["ratios"]) == ["0.3", "0.6"]
         assert all(d["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE) for d in r["per_ratio"]["ratios"].values())
+    # the head-to-head: contribution against each published value-aware measure, in both modes
+    h2h = [r for r in res["rows"] if r["id"].startswith("contribution_beats_")]
+    rivals = ("leave_one_out", "value_zeroing", "alti")
+    assert [r["id"] for r in h2h] == [f"contribution_beats_{x}_{m}" for x in rivals
+                                      for m in ("comprehensiveness", "sufficiency")]
+    for r, x in zip(h2h, [x for x in rivals for _ in range(2)]):
+        assert list(r["per_ratio"]["ratios"]) == ["0.3", "0.6"]
+        assert list(r["numbers"]) == [f"contribution vs {x}"] and r["low"] <= r["high"]
     md = (out / "claims.md").read_text()
-    assert md.count("Per removal ratio: r=0.3: ") == 4 and "ΔPPL per removal ratio" in md
+    assert md.count("Per removal ratio: r=0.3: ") == 4 + len(h2h) and "ΔPPL per removal ratio" in md
+    assert "H2H: the head-to-head" in md
     assert md.count("\n| ") >= len(CL.CLAIMS) + 1
     assert "| too few windows |" in md and "## Terms" in md and "**semantic cone**" in md
     for c in CL.CLAIMS:

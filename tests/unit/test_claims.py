@@ -409,7 +409,7 @@ def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_pat
     corpus.write_text("The sink collects attention but adds little to the output. " * 30)
     out = tmp_path / "claims"
     args = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "4",
-            "--ns", "2", "--repeats", "1", "--bootstrap", "100", "--skip", "faithfulness,heads", "--no-progress"]
+            "--ns", "2", "--repeats", "1", "--bootstrap", "100", "--skip", "faithfulness,rivals,heads", "--no-progress"]
     assert main(args + ["--out", str(out)]) == 0
     res = json.loads((out / "claims.json").read_text())
     assert {r["id"] for r in res["rows"]} == {c["id"] for c in CL.CLAIMS[4:12]}          # sinks and selection

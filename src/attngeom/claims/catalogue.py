@@ -130,9 +130,38 @@ CLAIMS: tuple[dict, ...] = (
      "rule": "holds when the 95 % interval of that largest z lies above the critical threshold k (3); refuted "
              "when below k; else inconclusive"},
 )
+
+HEAD_TO_HEAD = "Head-to-head with published value-aware measures (SPEC §2.1)"
+MODE_WORDS = {"comprehensiveness": ("comprehensiveness", "removing the tokens contribution ranks highest raises "
+                                    "ΔPPL more than removing those {x} ranks highest"),
+              "sufficiency": ("sufficiency", "removing the tokens contribution ranks lowest keeps ΔPPL smaller than "
+                              "removing those {x} ranks lowest")}
+
+
+def rival_claim_id(rival: str, mode: str) -> str:
+    return f"contribution_beats_{rival}_{mode}"
+
+
+def rival_claims() -> tuple[dict, ...]:
+    """One claim per published measure of the head-to-head (:func:`attngeom.metrics.registry.rivals`)
+    and faithfulness mode: contribution is more faithful than it, judged like claims 2 and 4."""
+    out = []
+    for x in registry.rivals():
+        name = registry.label(x)
+        for mode, (word, how) in MODE_WORDS.items():
+            out.append({"id": rival_claim_id(x, mode), "paper": HEAD_TO_HEAD,
+                        "wording": f"contribution is more faithful than {name} ({word}: {how.format(x=name)})",
+                        "measure": f"{word} AOC of contribution minus that of {name} "
+                                   f"({'larger' if mode == 'comprehensiveness' else 'smaller'} ΔPPL is better)",
+                        "rule": "holds when the difference's whole 95 % interval is on contribution's side; refuted "
+                                "when it is all on the other side; else inconclusive"})
+    return tuple(out)
+
+
+CLAIMS = CLAIMS + rival_claims()
 CLAIM_BY_ID = {c["id"]: c for c in CLAIMS}
 
-PAPER_ABBREVIATIONS = {CONTRIBUTION_PAPER: "CW", SELECTION_PAPER: "TS"}
+PAPER_ABBREVIATIONS = {CONTRIBUTION_PAPER: "CW", SELECTION_PAPER: "TS", HEAD_TO_HEAD: "H2H"}
 """How ``docs/claims.md`` names the two papers in its table."""
 
 
@@ -187,7 +216,10 @@ def verdict_all(intervals: Sequence[tuple], threshold: float = 0.0) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def faithfulness_rows(point: dict, samples: dict, metrics: Sequence[str]) -> tuple[list[dict], dict]:
+def faithfulness_rows(point: dict, samples: dict, metrics: Sequence[str], rivals: Sequence[str] = ()
+                      ) -> tuple[list[dict], dict]:
+    """The faithfulness claims (1-4, when the hierarchy's metrics are all present) and the head-to-head
+    rows of ``rivals`` (contribution against each), from the resampled summary."""
     rows, detail = [], {"aoc": {}, "log_aoc": {}, "delta_ppl": {}, "beats": {}, "clean_ppl": None}
     detail["clean_ppl"] = resampling.interval_dict(point["clean"][0], samples["clean"])
     for (m, mode), s in samples["aoc"].items():
@@ -215,6 +247,8 @@ def faithfulness_rows(point: dict, samples: dict, metrics: Sequence[str]) -> tup
 
         hierarchy = registry.hierarchy()                                  # least faithful first
         if not all(m in present for m in hierarchy):
+            if rivals:
+                rows += rival_rows(mode, rivals, present, diff, point, samples)
             continue
         adj = [(hierarchy[k + 1], hierarchy[k]) for k in range(len(hierarchy) - 1)]
         diffs = {f"{b} vs {w}": diff(b, w) for b, w in adj}
@@ -233,7 +267,26 @@ def faithfulness_rows(point: dict, samples: dict, metrics: Sequence[str]) -> tup
                          per_ratio=per_ratio_verdicts(point, samples, mode, pairs, ratios),
                          note="value: the smallest AOC margin of contribution over another metric "
                               "(ΔPPL units; positive = contribution better)"))
+        if rivals:
+            rows += rival_rows(mode, rivals, present, diff, point, samples)
     return rows, detail
+
+
+def rival_rows(mode: str, rivals: Sequence[str], present: Sequence[str], diff, point: dict, samples: dict) -> list[dict]:
+    """The head-to-head rows of ``mode``: contribution against each measure of ``rivals`` present
+    (``diff(better, worse)``: the AOC margin with its interval), with the verdict at every ratio."""
+    rows = []
+    ratios = sorted({r for (m, md, r) in samples["delta"] if md == mode and m == "contribution"})
+    for x in rivals:
+        if x not in present or "contribution" not in present:
+            continue
+        d = diff("contribution", x)
+        rows.append(claim_row(rival_claim_id(x, mode), value=fmt_num(d["value"]), low=d["low"], high=d["high"],
+                              verdict=verdict_all([(d["low"], d["high"])]), numbers={f"contribution vs {x}": d},
+                              per_ratio=per_ratio_verdicts(point, samples, mode, [("contribution", x)], ratios),
+                              note=f"value: the AOC margin of contribution over {registry.label(x)} (ΔPPL units; "
+                                   f"positive = contribution better); beats in {fmt_pct(d['beats_share'])} of resamples"))
+    return rows
 
 
 def margin(mode: str, point_better: np.ndarray, point_worse: np.ndarray, samples_better: np.ndarray,

@@ -44,7 +44,7 @@ from attngeom.sinks.settings import SinksSettings
 
 @takes_handle
 def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, settings: Settings = DEFAULTS, *,
-               analyses: Sequence[str] = ("faithfulness", "sinks", "selection", "heads")) -> ExperimentResult:
+               analyses: Sequence[str] = ("faithfulness", "rivals", "sinks", "selection", "heads")) -> ExperimentResult:
     """Run (or resume) the reduced experiments on ``windows`` in ``run`` (a
     :class:`~attngeom.runs.run.Run` or :class:`~attngeom.runs.run.InMemoryRun`), one window per record, and
     score every claim from their :class:`~attngeom.runs.contract.ExperimentResult` s.
@@ -70,8 +70,10 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, 
     def counts_for(n: int, salt: int) -> np.ndarray:
         return resampling.resample_counts(n, st.n_resamples, st.seed * 1000 + salt)
 
-    if "faithfulness" in analyses:
-        r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for)
+    if "faithfulness" in analyses or "rivals" in analyses:
+        r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for,
+                                                       hierarchy="faithfulness" in analyses,
+                                                       rivals="rivals" in analyses)
         rows += sized(r, detail["faithfulness"], W)
     if "sinks" in analyses:
         r, detail["sinks"] = _sinks_part(handle, run, ids, counts_for)
@@ -95,13 +97,20 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, 
                             settings=recorded)
 
 
-def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds, counts_for) -> tuple[list[dict], dict]:
+def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds, counts_for, *, hierarchy: bool = True,
+                       rivals: bool = True) -> tuple[list[dict], dict]:
+    """Claims 1-4 (``hierarchy``: the paper's four metrics) and the head-to-head rows (``rivals``:
+    contribution against each published measure of SPEC §2.1) from one faithfulness run."""
     from attngeom import faithfulness
+    from attngeom.metrics import registry
 
-    settings = FaithfulnessSettings(ratios=tuple(ratios), seeds=tuple(seeds))
+    against = registry.rivals() if rivals else ()
+    metrics = (*(registry.hierarchy() if hierarchy else ("contribution",)), *against, "random")
+    settings = FaithfulnessSettings(metrics=metrics, ratios=tuple(ratios), seeds=tuple(seeds))
     res = faithfulness.experiment(handle, run, units=faithfulness.window_units(ids), settings=settings)
     return faithfulness_rows(faithfulness.summary(res.per_window),
-                             faithfulness.summary(res.per_window, counts_for(len(ids), 1)), settings.metrics)
+                             faithfulness.summary(res.per_window, counts_for(len(ids), 1)), settings.metrics,
+                             rivals=against)
 
 
 def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:

@@ -15,7 +15,7 @@ import time
 from attngeom.errors import InputError
 from attngeom.commands import common
 
-ANALYSES = ("faithfulness", "sinks", "selection", "heads")
+ANALYSES = ("faithfulness", "rivals", "sinks", "selection", "heads")
 """The reduced experiments of ``attngeom claims``, in the order they run (``--skip``)."""
 
 
@@ -42,7 +42,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--skip", default="",
                    help="analyses left out, comma-separated, from " + ", ".join(ANALYSES) + "; by default none is. "
                         "Cost per window: faithfulness 1 + 2 x 5 rankings x ratios forward passes (claims 1-4; "
-                        "91 by default), sinks 3 (claims 5-10), selection 1 (claims 11-12), heads the taxonomy "
+                        "91 by default), rivals 2 x 3 rankings x ratios more (the head-to-head with leave-one-out, "
+                        "value zeroing and ALTI, claims 17-22; 54 by default), sinks 3 (claims 5-10), selection 1 (claims 11-12), heads the taxonomy "
                         "pass, a pass per removal order and retention, and the single-head removal on the "
                         "calibration windows (claims 13-16)")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS.ratios),

@@ -6,6 +6,7 @@ import re
 
 from attngeom.reports.markdown import text as _text
 from attngeom.stats.resampling import MIN_UNITS, TOO_FEW, format_number
+from attngeom.claims.catalogue import PAPER_ABBREVIATIONS
 
 
 def escape(value) -> str:
@@ -56,11 +57,14 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
                  "interval is given. Terms are defined at the end.")
     lines += ["", "| # | claim | paper | measured | 95 % interval | verdict |", "|--:|---|---|---|---|---|"]
     for k, r in enumerate(result["rows"], 1):
-        paper = "CW" if r["paper"].startswith("Contribution") else "TS"
+        paper = PAPER_ABBREVIATIONS.get(r["paper"], r["paper"])
         lines.append(f"| {k} | {escape(r['claim'])} | {paper} | {escape(r['value'])} | {escape(r['interval'])} | "
                      f"{VERDICT_MARK.get(r['verdict'], escape(r['verdict']))} |")
+    h2h = any(PAPER_ABBREVIATIONS.get(r["paper"]) == "H2H" for r in result["rows"])
     lines += ["", "CW: *Contribution Weights* (Cunningham & Muca Cirone); TS: *Geometric Analysis of Token "
-              "Selection in Multi-Head Attention* (Mudarisov et al.).", "", "## Measures, rules and numbers", ""]
+              "Selection in Multi-Head Attention* (Mudarisov et al.)" + ("; H2H: the head-to-head of contribution "
+              "with published value-aware measures (docs/findings-faithfulness.md)." if h2h else "."),
+              "", "## Measures, rules and numbers", ""]
     for k, r in enumerate(result["rows"], 1):
         lines.append(f"**{k}. {escape(r['id'])}** — measured: {escape(r['measure'])}. Rule: {escape(r['rule'])}.")
         if r.get("note"):
