@@ -59,6 +59,7 @@ def test_cli_runs_and_resumes(tiny_llama_dir, tmp_path, capsys):
     (["--ratios", "0.5,1.2"], "ratio 1.2 is outside (0, 1)"),
     (["--ratios", "a,b"], "--ratios must be"),
     (["--metrics", "attention,saliency"], "unknown metric 'saliency'"),
+    (["--metrics", "contribution,alti", "--per-head"], "alti is defined on the layer"),
     (["--window", "1000"], "longer than the model's context (256"),
     (["--layers", "0,7"], "layer 7 does not exist"),
     (["--fields", "question,nope"], "field 'nope' is missing"),

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Markdown tables of the faithfulness head-to-head from ``attngeom claims`` runs (``claims.json``):
+per run, each measure's AOC (mean ΔPPL over the ratios) and mean ln(PPL'/PPL) with 95 % intervals,
+in both modes, and the verdict of contribution against each measure with its margin, at the AOC and
+per ratio (the tables of docs/findings-faithfulness.md).
+
+    python tools/h2h_tables.py docs/claims-runs/h2h-smollm2-135m-wikitext [more runs ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+MEASURES = ("attention", "value_weighted", "output_normalized", "contribution", "leave_one_out", "value_zeroing", "alti")
+MODES = ("comprehensiveness", "sufficiency")
+MARK = {"holds": "✓", "refuted": "✗", "inconclusive": "·"}
+
+
+def num(x: float) -> str:
+    if x is None:
+        return "—"
+    a = abs(x)
+    return f"{x:,.0f}" if a >= 1000 else f"{x:,.1f}" if a >= 10 else f"{x:.3g}" if a >= 0.01 else f"{x:.2g}"
+
+
+def iv(d: dict) -> str:
+    return f"{num(d['value'])} [{num(d['low'])}, {num(d['high'])}]"
+
+
+def tables(run: Path) -> str:
+    res = json.loads((run / "claims.json").read_text(encoding="utf-8"))
+    f = res["detail"]["faithfulness"]
+    out = [f"**{res['model']}**, {Path(res['data']).name}: {res['windows']['windows']} windows "
+           f"({res['windows']['tokens_scored']} predicted tokens), clean PPL {iv(f['clean_ppl'])}", ""]
+    out += ["| measure | comprehensiveness AOC ΔPPL (↑) | sufficiency AOC ΔPPL (↓) | comprehensiveness ln(PPL′/PPL) (↑) "
+            "| sufficiency ln(PPL′/PPL) (↓) |", "|---|---:|---:|---:|---:|"]
+    for m in MEASURES:
+        if m in f["aoc"]["comprehensiveness"]:
+            out.append(f"| {m} | " + " | ".join(iv(f[k][mode][m]) for k in ("aoc",) for mode in MODES) + " | "
+                       + " | ".join(iv(f["log_aoc"][mode][m]) for mode in MODES) + " |")
+    rows = {r["id"]: r for r in res["rows"]}
+    out += ["", "| contribution vs | mode | AOC margin (+ = contribution better) | verdict | per ratio 0.1 … 0.9 |",
+            "|---|---|---:|---|---|"]
+    for m in MEASURES[4:]:
+        for mode in MODES:
+            r = rows.get(f"contribution_beats_{m}_{mode}")
+            if r is None:
+                continue
+            d = next(iter(r["numbers"].values()))
+            per = " ".join(MARK[v["verdict"]] for v in r["per_ratio"]["ratios"].values())
+            out.append(f"| {m} | {mode} | {iv(d)} | {r['verdict']} | {per} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print("\n".join(tables(Path(p)) for p in sys.argv[1:]))
