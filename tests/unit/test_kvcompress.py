@@ -117,6 +117,27 @@ def test_finished_rows_leave_the_batch_without_changing_the_others():
     assert together2 == [a[0] for a in alone2] and len({len(a) for a in together2}) > 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])          # GQA; hybrid (sliding layers kept as they are)
+@pytest.mark.parametrize("mode", P.MODES)
+def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
+    h = tiny_model(arch)
+    ctx, q = _ids(40), _ids(4, seed=3)
+    names = ["adakv", "pyramidkv", "h2o", "random"]                   # padded heads (AdaKV, PyramidKV) and not
+    pre = P.prefill(h, ctx + q if mode == P.QUERY_AWARE else ctx, [get_policy(n) for n in names])
+    question = None if mode == P.QUERY_AWARE else q
+
+    def caches():                                                    # one cache per ratio, as the task grid makes them
+        return [P.variant_cache(h, pre, [P.select(pre, n, r, h.num_heads) for n in names], room=16) for r in (0.25, 0.75)]
+
+    def alone():
+        return [a for c in caches() for a in P.greedy_answers(h, c, question, pre.logits, 12)]
+
+    h.model.generation_config.eos_token_id = [alone()[1][2]]          # rows stop at different steps
+    want = alone()
+    assert P.greedy_answers(h, caches(), question, pre.logits, 12) == want
+    assert len({len(a) for a in want}) > 1
+
+
 # ---------------------------------------------------------------------------------------------
 # baselines on hand-computed cases
 # ---------------------------------------------------------------------------------------------

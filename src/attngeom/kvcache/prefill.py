@@ -37,7 +37,8 @@ from transformers import DynamicCache
 
 from attngeom.capture.plugin import Session
 from attngeom.generation.decoding import model_stop_ids
-from attngeom.kvcache.cache import CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads
+from attngeom.kvcache.cache import (CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads,
+                                    stacked)
 from attngeom.kvcache.policies import EvictionContext, Policy, full, get_policy
 from attngeom.model.arguments import takes_handle
 from attngeom.runs.contract import ModelHandleLike
@@ -49,6 +50,12 @@ QUERY_AWARE = "query-aware"
 """The question is read in the prefill and compressed with the context."""
 
 MODES = (QUESTION_AGNOSTIC, QUERY_AWARE)
+
+LOGIT_ROWS = 4
+"""Positions whose logits a forward pass of several tokens computes, when only the last one is read:
+4, not 1, so that the output layer's matrix product still has at least 4 rows, as over the whole
+sequence (a BLAS may compute a lone row, a matrix-vector product, in another summation order: its
+logits would then differ in their last bits from the whole sequence's)."""
 
 NO_EVICTION = 1 << 62
 """The budget of a compressed layer after the compression: nothing more is evicted while the
@@ -134,7 +141,7 @@ def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Seq
     again.layers = [copy.copy(lay) for lay in cache.layers]
     request = handle.encode(KVZIP_PROMPT, add_bos=False) + list(ids)
     with compressing(handle.model, again, session=Session(observers=[scorer])):
-        cached_forward(handle, again, torch.as_tensor([request]))
+        cached_forward(handle, again, torch.as_tensor([request]), last=1)     # the scores are read, not the logits
     return scorer.scores
 
 
@@ -164,7 +171,7 @@ def prefill(handle: ModelHandleLike, ids: Sequence[int], policies: Sequence[Poli
     cache = DynamicCache(config=handle.model.config)
     t0 = time.perf_counter()
     with compressing(handle.model, cache, session=session):
-        logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]))[0, -1]
+        logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]), last=LOGIT_ROWS)[0, -1]
     scores = scorer.scores
     for p in policies:
         if p.needs == "reconstruction":
@@ -325,21 +332,26 @@ def _rows(cache: DynamicCache) -> int:
 
 @takes_handle
 @torch.no_grad()
-def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Sequence[int] | None, first: torch.Tensor | None,
-                   max_new_tokens: int, settled=None) -> list[list[int]]:
-    """Greedy answers of every batch row of ``cache``: the ``question`` ids (the same for every row)
-    are read first and the answer follows; or, with ``question=None`` (query-aware), the answer
-    starts from ``first`` ``[V]`` logits (the prefill's last row). Each row stops at its first
-    end-of-text token (:func:`~attngeom.generation.decoding.model_stop_ids`, not included), after
-    ``max_new_tokens``, or once ``settled(tokens)`` says its answer so far is final for its use (a
-    score that can no longer change)."""
-    R = _rows(cache)
+def greedy_answers(handle: ModelHandleLike, caches: DynamicCache | Sequence[DynamicCache], question: Sequence[int] | None,
+                   first: torch.Tensor | None, max_new_tokens: int, settled=None) -> list[list[int]]:
+    """Greedy answers of every batch row of ``caches`` (one cache, or several whose rows are read as
+    one batch, each over its own cache: :func:`~attngeom.kvcache.cache.stacked`), in order: the
+    ``question`` ids (the same for every row) are read first and the answer follows; or, with
+    ``question=None`` (query-aware), the answer starts from ``first`` ``[V]`` logits (the prefill's
+    last row). Each row stops at its first end-of-text token
+    (:func:`~attngeom.generation.decoding.model_stop_ids`, not included), after ``max_new_tokens``,
+    or once ``settled(tokens)`` says its answer so far is final for its use (a score that can no
+    longer change)."""
+    caches = [caches] if isinstance(caches, DynamicCache) else list(caches)
+    R = sum(_rows(c) for c in caches)
+    cache = stacked(caches)
     stops = set(model_stop_ids(handle))
     out: list[list[int]] = [[] for _ in range(R)]
     rows = list(range(R))                                   # the cache's rows still answering
     with compressing(handle.model, cache):
         if question is not None:
-            logits = cached_forward(handle, cache, torch.as_tensor([list(question)]).expand(R, -1))[:, -1]
+            ids = torch.as_tensor([list(question)]).expand(R, -1)
+            logits = cached_forward(handle, cache, ids, last=LOGIT_ROWS)[:, -1]
         else:
             logits = first.reshape(1, -1).expand(R, -1)
         for t in range(max_new_tokens):
