@@ -138,6 +138,27 @@ def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
     assert len({len(a) for a in want}) > 1
 
 
+def test_masked_attention_of_several_queries_equals_transformers_sdpa():
+    # the question over a padded cache: SDPA sharing each key/value head itself, bit for bit what
+    # transformers' SDPA path gives after copying the keys and values per query head
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from attngeom.kvcache import cache as C
+
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, r, K, n_q, d = 3, 2, 3, 20, 5, 8
+    layer = P.PrefilledLayer(torch.randn(B, Hkv, K, d, generator=g), torch.randn(B, Hkv, K, d, generator=g),
+                             torch.arange(K).expand(B, Hkv, K), torch.rand(B, Hkv, K, generator=g) > 0.3, K, Hkv * r,
+                             room=n_q)
+    k, v = layer.update(torch.randn(B, Hkv, n_q, d, generator=g), torch.randn(B, Hkv, n_q, d, generator=g))
+    q = torch.randn(B, Hkv * r, n_q, d, generator=g)
+    module = SimpleNamespace(num_key_value_groups=r, is_causal=True, training=False)
+    got = C._attention(layer, module, q, k, v, None, scaling=0.3)[0]
+    assert torch.equal(got, sdpa_attention_forward(module, q, k, v, layer.attention_mask(r), scaling=0.3)[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # baselines on hand-computed cases
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.model.arguments import takes_handle, takes_model
-from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
+from attngeom.capture.plugin import _SESSION, ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
 from attngeom.generation.decoding import BatchMappedLayer
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.kvcache.policies import EvictionContext, Policy, get_policy
@@ -348,6 +348,13 @@ def kv_attention(module, query, key, value, attention_mask, **kwargs):
 def _attention(layer, module, query, key, value, attention_mask, **kwargs):
     if isinstance(layer, CompressedLayer) and layer.size == key.shape[2]:
         attention_mask = layer.attention_mask(query.shape[1] // key.shape[1])
+        if (attention_mask is not None and query.shape[2] > 1 and _SESSION.get() is None
+                and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")):
+            # several queries, a mask: SDPA shares each key/value head among its query heads itself (the
+            # same result as transformers' SDPA path, which first copies the keys and values per query head)
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                                   scale=kwargs.get("scaling"), enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
     return attngeom_attention(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -29,7 +29,7 @@ the experiment over examples (:mod:`attngeom.kvcache.tasks`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -149,7 +149,8 @@ def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Seq
 class Prefill:
     """One example's prefill: the full ``cache`` (batch 1), the last row's float32 ``logits [V]``,
     every policy's ``scores[name][layer] [1, H, n]``, each layer's output projection ``w_o[layer]``
-    (when scores were recorded), ``n`` tokens read, and ``seconds``."""
+    (when scores were recorded), ``n`` tokens read, and ``seconds``. ``value_l1[layer]``: CriticalKV's
+    value norms (:func:`~attngeom.kvcache.policies.projected_value_l1`), once a selection computed them."""
 
     cache: DynamicCache
     logits: torch.Tensor
@@ -157,6 +158,7 @@ class Prefill:
     w_o: dict[int, torch.Tensor]
     n: int
     seconds: float
+    value_l1: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @takes_handle
@@ -193,7 +195,7 @@ def eviction_context(pre: Prefill, policy: Policy, layer: int, num_heads: int) -
     score = pool_heads(rec, n_kv, policy.pool) if rec is not None else torch.zeros(B, n_kv, n, device=pos.device)
     return EvictionContext(pos=pos, valid=torch.ones_like(pos, dtype=torch.bool), score=score, values=lay.values,
                            seen=n, budget=torch.full((n_kv,), n, dtype=torch.long), keys=lay.keys, layer=layer,
-                           num_heads=num_heads, w_o=pre.w_o.get(layer))
+                           num_heads=num_heads, w_o=pre.w_o.get(layer), value_l1=pre.value_l1.get(layer))
 
 
 def compressible_layers(cache: DynamicCache) -> list[int]:
@@ -228,6 +230,8 @@ def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> 
         ctx = contexts[l]
         ctx.budget = budgets[l]
         idx[l], ok[l] = kept_entries(policy, ctx, budgets[l])
+        if ctx.value_l1 is not None:                           # the same at every ratio: computed once
+            pre.value_l1[l] = ctx.value_l1
     return Selection(idx, ok)
 
 
@@ -237,7 +241,11 @@ def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> 
 
 
 def _gathered(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
+    """The entries ``idx [R, Hkv, K]`` of ``t [1, Hkv, n, d]``, per row and head: ``[R, Hkv, K, d]``
+    (each entry's ``d`` values copied at once: ``index_select`` over the entries, not ``gather``)."""
+    _, H, n, d = t.shape
+    entries = idx + torch.arange(H, device=idx.device).reshape(1, H, 1) * n
+    return t.reshape(H * n, d).index_select(0, entries.reshape(-1)).reshape(*idx.shape, d)
 
 
 def _padded(ts: Sequence[torch.Tensor], K: int, fill) -> torch.Tensor:
@@ -307,8 +315,7 @@ def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Se
         K = max(s.idx[l].shape[-1] for s in selections)
         idx = _padded([s.idx[l] for s in selections], K, 0)
         ok = _padded([s.ok[l] for s in selections], K, False)
-        layers.append(PrefilledLayer(_gathered(lay.keys.expand(R, -1, -1, -1), idx),
-                                     _gathered(lay.values.expand(R, -1, -1, -1), idx), idx,
+        layers.append(PrefilledLayer(_gathered(lay.keys, idx), _gathered(lay.values, idx), idx,
                                      None if bool(ok.all()) else ok, pre.n, handle.num_heads, room))
     cache.layers = layers
     return cache

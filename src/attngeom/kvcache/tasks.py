@@ -120,13 +120,6 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     def settled(ids: list[int]) -> bool:                      # every reference found: the score is final
         return ruler.score(handle.tokenizer.decode(ids, skip_special_tokens=True), example.answers) == 1.0
 
-    def variants(names, ratio) -> dict:                       # one ratio's selections and caches
-        t0 = time.perf_counter()
-        sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
-        cache = P.variant_cache(handle, pre, sels, room=room)
-        return {"names": names, "ratio": ratio, "sels": sels, "cache": cache, "bytes": P.row_bytes(handle, cache),
-                "seconds": time.perf_counter() - t0}
-
     def answer(batch: list[dict]) -> list[dict]:              # several ratios' variants, decoded together
         t0 = time.perf_counter()
         answers = iter(P.greedy_answers(handle, [v["cache"] for v in batch], question, pre.logits,
@@ -145,11 +138,16 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     limit = memory_limit()
     rows, batch, held = [], [], 0
     for names, ratio in [(["full"], 0.0)] + [(list(settings.policies), r) for r in settings.ratios]:
-        need = cache_bytes_estimate(handle, pre.n + room, len(names))
-        if batch and limit is not None and held + need > limit:
+        t0 = time.perf_counter()
+        sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
+        kept = max((i.shape[-1] for s in sels for i in s.idx.values()), default=pre.n)     # the largest head
+        need = cache_bytes_estimate(handle, kept + room, len(names))
+        if batch and limit is not None and held + need > limit:      # decode the ratios held so far first
             rows += answer(batch)
             batch, held = [], 0
-        batch.append(variants(names, ratio))
+        cache = P.variant_cache(handle, pre, sels, room=room)
+        batch.append({"names": names, "ratio": ratio, "sels": sels, "cache": cache,
+                      "bytes": P.row_bytes(handle, cache), "seconds": time.perf_counter() - t0})
         held += need
     rows += answer(batch)
     df = pd.DataFrame(rows)
