@@ -14,8 +14,10 @@ pass: the prefill runs once inside a :class:`~attngeom.capture.plugin.Session` w
 :class:`PrefillScores` sums every policy's scores (:meth:`~attngeom.kvcache.policies.Policy.step`)
 from the same blocks; each (policy, ratio) then costs only its selection
 (:func:`~attngeom.kvcache.cache.kept_entries`), the question and the answer. The variants of one
-ratio are decoded together, one batch row each (:func:`variant_cache`), so the grid's decoding is a
-few batched passes instead of one ``generate`` per variant.
+ratio share one cache, one batch row each (:func:`variant_cache`), and the caches of several ratios
+are decoded as one batch (:func:`greedy_answers`: each row attends over its own ratio's cache, the
+model's other operations read every row at once), so the grid's decoding is one batched pass per
+token instead of one ``generate`` per variant.
 
 **Memory is freed**, not masked: each variant's kept keys and values are gathered into new storages
 of its kept size (:class:`~attngeom.kvcache.cache.CompressedLayer`); heads (or layers) that keep

@@ -3,9 +3,10 @@ compression ratio, scored the way the field scores it (RULER's string match, kvp
 
 Each example (:mod:`attngeom.kvcache.ruler`) is one resumable unit of a
 :class:`~attngeom.runs.run.Run`: its context is read once in a captured prefill that records every
-policy's scores (:func:`attngeom.kvcache.prefill.prefill`); the full cache (ratio 0) answers first,
-then, per ratio, every policy's kept entries are gathered into one batch row each and the question
-and the greedy answers are decoded together (:func:`attngeom.kvcache.prefill.greedy_answers`).
+policy's scores (:func:`attngeom.kvcache.prefill.prefill`); at each ratio every policy's kept
+entries are gathered into one batch row each, and the question and the greedy answers of the full
+cache (ratio 0) and of every ratio are decoded as one batch (:func:`attngeom.kvcache.prefill.greedy_answers`;
+in as few batches as the memory allows).
 :func:`summarize` gives the accuracy per (task, policy, ratio) and over all tasks with 95 % bootstrap
 intervals over examples; :func:`paired` the paired differences against the best baseline at each
 ratio (none below :data:`~attngeom.stats.resampling.MIN_UNITS` examples).
