@@ -118,6 +118,49 @@ def test_finished_rows_leave_the_batch_without_changing_the_others():
     assert together2 == [a[0] for a in alone2] and len({len(a) for a in together2}) > 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])          # GQA; hybrid (sliding layers kept as they are)
+@pytest.mark.parametrize("mode", P.MODES)
+def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
+    h = tiny_model(arch)
+    ctx, q = _ids(40), _ids(4, seed=3)
+    names = ["adakv", "pyramidkv", "h2o", "random"]                   # padded heads (AdaKV, PyramidKV) and not
+    pre = P.prefill(h, ctx + q if mode == P.QUERY_AWARE else ctx, [get_policy(n) for n in names])
+    question = None if mode == P.QUERY_AWARE else q
+
+    def caches():                                                    # as the task grid makes them: the full cache, then one per ratio
+        return [P.variant_cache(h, pre, [P.select(pre, n, r, h.num_heads) for n in (names if r else ["full"])], room=16)
+                for r in (0.0, 0.25, 0.75)]
+
+    def alone():
+        return [a for c in caches() for a in P.greedy_answers(h, c, question, pre.logits, 12)]
+
+    h.model.generation_config.eos_token_id = [alone()[0][2]]          # the full cache's row (a cache of its own) stops first
+    want = alone()
+    assert P.greedy_answers(h, caches(), question, pre.logits, 12) == want
+    assert len(want[0]) == 2 and max(len(a) for a in want) > 2       # its cache left the batch, the others went on
+
+
+def test_masked_attention_of_several_queries_equals_transformers_sdpa():
+    # the question over a padded cache: SDPA sharing each key/value head itself, bit for bit what
+    # transformers' SDPA path gives after copying the keys and values per query head
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from attngeom.kvcache import cache as C
+
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, r, K, n_q, d = 3, 2, 3, 20, 5, 8
+    layer = P.PrefilledLayer(torch.randn(B, Hkv, K, d, generator=g), torch.randn(B, Hkv, K, d, generator=g),
+                             torch.arange(K).expand(B, Hkv, K), torch.rand(B, Hkv, K, generator=g) > 0.3, K, Hkv * r,
+                             room=n_q)
+    k, v = layer.update(torch.randn(B, Hkv, n_q, d, generator=g), torch.randn(B, Hkv, n_q, d, generator=g))
+    q = torch.randn(B, Hkv * r, n_q, d, generator=g)
+    module = SimpleNamespace(num_key_value_groups=r, is_causal=True, training=False)
+    got = C._attention(layer, module, q, k, v, None, scaling=0.3)[0]
+    assert torch.equal(got, sdpa_attention_forward(module, q, k, v, layer.attention_mask(r), scaling=0.3)[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # baselines on hand-computed cases
 # ---------------------------------------------------------------------------------------------

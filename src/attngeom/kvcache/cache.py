@@ -44,11 +44,11 @@ from typing import Sequence
 
 import torch
 from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.model.arguments import takes_handle, takes_model
-from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
+from attngeom.capture.plugin import _SESSION, ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
 from attngeom.generation.decoding import BatchMappedLayer
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.kvcache.policies import EvictionContext, Policy, get_policy
@@ -246,6 +246,53 @@ class CompressedCache(DynamicCache):
         self.budget = int(budget)
 
 
+class StackedLayer(DynamicLayer):
+    """One layer of several caches read as one batch (:func:`stacked`): the rows of ``parts[0]``,
+    then those of ``parts[1]``, ... Each part keeps its own storages and attends over its own
+    entries, with its own padding and mask (:func:`kv_attention`); the model's other operations see
+    every row at once. Only inside :func:`compressing`."""
+
+    def __init__(self, parts: Sequence):
+        super().__init__()
+        self.parts = list(parts)
+        self.rows = [p.keys.shape[0] for p in self.parts]
+        self.is_sliding = getattr(self.parts[0], "is_sliding", False)
+        self.is_initialized = True
+        self.returned: list[tuple[torch.Tensor, torch.Tensor]] = []   # each part's keys and values after an update
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.returned = [p.update(k, v, *args, **kwargs) for p, k, v in
+                         zip(self.parts, key_states.split(self.rows), value_states.split(self.rows))]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.parts[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parts[0].get_mask_sizes(query_length)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (ascending); a part left without rows is dropped."""
+        keep, start, parts, rows = indices.tolist(), 0, [], []
+        for part, n in zip(self.parts, self.rows):
+            mine = [i - start for i in keep if start <= i < start + n]
+            if 0 < len(mine) < n:
+                part.batch_select_indices(torch.as_tensor(mine, device=indices.device))
+            if mine:
+                parts.append(part)
+                rows.append(len(mine))
+            start += n
+        self.parts, self.rows = parts, rows
+
+
+def stacked(caches: Sequence[Cache]) -> Cache:
+    """One cache whose batch rows are those of ``caches``, in order (a :class:`StackedLayer` per
+    layer): their rows are read together, each attending over its own cache's entries."""
+    out = DynamicCache()
+    out.layers = [StackedLayer(parts) for parts in zip(*(c.layers for c in caches))]
+    return out
+
+
 def cache_bytes(cache: Cache) -> int:
     """Bytes of the storages that hold the cache's keys and values (each storage once)."""
     seen, total = set(), 0
@@ -283,12 +330,31 @@ class CacheScorer:
 
 
 def kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """The ``"attngeom_kv"`` attention: a compressed layer's own mask, then ``"attngeom"``."""
+    """The ``"attngeom_kv"`` attention: a compressed layer's own mask, then ``"attngeom"``; a
+    :class:`StackedLayer` attends part by part (each over its own entries, with its own mask)."""
     cache = _ACTIVE.get()
     layer_idx = int(getattr(module, "layer_idx", -1))
     layer = cache.layers[layer_idx] if cache is not None and 0 <= layer_idx < len(cache.layers) else None
+    if not isinstance(layer, StackedLayer):
+        return _attention(layer, module, query, key, value, attention_mask, **kwargs)
+    out, start = [], 0
+    for part, q, (k, v) in zip(layer.parts, query.split(layer.rows), layer.returned):
+        mask = attention_mask if attention_mask is None or attention_mask.shape[0] == 1 else attention_mask[start:start + len(q)]
+        out.append(_attention(part, module, q, k, v, mask, **kwargs)[0])
+        start += len(q)
+    return torch.cat(out), None
+
+
+def _attention(layer, module, query, key, value, attention_mask, **kwargs):
     if isinstance(layer, CompressedLayer) and layer.size == key.shape[2]:
         attention_mask = layer.attention_mask(query.shape[1] // key.shape[1])
+        if (attention_mask is not None and query.shape[2] > 1 and _SESSION.get() is None
+                and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")):
+            # several queries, a mask: SDPA shares each key/value head among its query heads itself (the
+            # same result as transformers' SDPA path, which first copies the keys and values per query head)
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                                   scale=kwargs.get("scaling"), enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
     return attngeom_attention(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -327,7 +393,7 @@ def new_cache(handle: ModelHandleLike, policy: Policy, budget: int | None, head_
 
 
 @takes_handle
-def cached_forward(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+def cached_forward(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor, last: int = 0) -> torch.Tensor:
     """One forward pass of ``ids [B, C]`` with ``cache`` (inside :func:`compressing`): float32
-    logits ``[B, C, V]``."""
-    return handle.model(input_ids=ids.to(handle.device), cache=cache, use_cache=True).logits.float()
+    logits ``[B, C, V]``, or of the ``last`` positions only (``[B, last, V]``; 0: all)."""
+    return handle.model(input_ids=ids.to(handle.device), cache=cache, use_cache=True, logits_to_keep=last).logits.float()

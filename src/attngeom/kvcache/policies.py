@@ -66,6 +66,7 @@ class EvictionContext:
     layer: int = -1                        # the cache layer
     num_heads: int = 0                     # query heads H
     w_o: torch.Tensor | None = None        # [D, H*d] the layer's output projection (float32), when recorded
+    value_l1: torch.Tensor | None = None   # [B, Hkv, n] projected_value_l1 of these values, once computed
 
     def recent(self, count: torch.Tensor | int) -> torch.Tensor:
         """``[B, Hkv, n]`` bool: the entry is among the last ``count`` positions (per head)."""
@@ -336,15 +337,17 @@ def pyramidkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, beta: float 
 
 def projected_value_l1(ctx: EvictionContext) -> "torch.Tensor":
     """``[B, Hkv, n]``: ``‖W_O^h v_j‖₁`` of each entry, averaged over the query heads ``h`` of its
-    key/value head (CriticalKV's value term; ``W_O^h`` the columns of head ``h``)."""
+    key/value head (CriticalKV's value term; ``W_O^h`` the columns of head ``h``); kept in ``ctx.value_l1``."""
     import torch
 
-    D = ctx.w_o.shape[0]
-    B, n_kv, n, d = ctx.values.shape
-    H = ctx.num_heads
-    w = ctx.w_o.reshape(D, H, d).permute(1, 2, 0).reshape(n_kv, H // n_kv, d, D).to(ctx.values.device)
-    proj = torch.einsum("bgnd,grdD->bgrnD", ctx.values.float(), w)
-    return proj.abs().sum(-1).mean(2)
+    if ctx.value_l1 is None:
+        D = ctx.w_o.shape[0]
+        B, n_kv, n, d = ctx.values.shape
+        H = ctx.num_heads
+        w = ctx.w_o.reshape(D, H, d).permute(1, 2, 0).reshape(n_kv, H // n_kv, d, D).to(ctx.values.device)
+        proj = torch.einsum("bgnd,grdD->bgrnD", ctx.values.float(), w)
+        ctx.value_l1 = proj.abs().sum(-1).mean(2)
+    return ctx.value_l1
 
 
 def criticalkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, first: float = CRITICAL_FIRST_STAGE) -> Policy:

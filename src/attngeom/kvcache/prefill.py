@@ -14,8 +14,10 @@ pass: the prefill runs once inside a :class:`~attngeom.capture.plugin.Session` w
 :class:`PrefillScores` sums every policy's scores (:meth:`~attngeom.kvcache.policies.Policy.step`)
 from the same blocks; each (policy, ratio) then costs only its selection
 (:func:`~attngeom.kvcache.cache.kept_entries`), the question and the answer. The variants of one
-ratio are decoded together, one batch row each (:func:`variant_cache`), so the grid's decoding is a
-few batched passes instead of one ``generate`` per variant.
+ratio share one cache, one batch row each (:func:`variant_cache`), and the caches of several ratios
+are decoded as one batch (:func:`greedy_answers`: each row attends over its own ratio's cache, the
+model's other operations read every row at once), so the grid's decoding is one batched pass per
+token instead of one ``generate`` per variant.
 
 **Memory is freed**, not masked: each variant's kept keys and values are gathered into new storages
 of its kept size (:class:`~attngeom.kvcache.cache.CompressedLayer`); heads (or layers) that keep
@@ -29,7 +31,7 @@ the experiment over examples (:mod:`attngeom.kvcache.tasks`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -37,7 +39,8 @@ from transformers import DynamicCache
 
 from attngeom.capture.plugin import Session
 from attngeom.generation.decoding import model_stop_ids
-from attngeom.kvcache.cache import CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads
+from attngeom.kvcache.cache import (CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads,
+                                    stacked)
 from attngeom.kvcache.policies import EvictionContext, Policy, full, get_policy
 from attngeom.model.arguments import takes_handle
 from attngeom.runs.contract import ModelHandleLike
@@ -49,6 +52,12 @@ QUERY_AWARE = "query-aware"
 """The question is read in the prefill and compressed with the context."""
 
 MODES = (QUESTION_AGNOSTIC, QUERY_AWARE)
+
+LOGIT_ROWS = 4
+"""Positions whose logits a forward pass of several tokens computes, when only the last one is read:
+4, not 1, so that the output layer's matrix product still has at least 4 rows, as over the whole
+sequence (a BLAS may compute a lone row, a matrix-vector product, in another summation order: its
+logits would then differ in their last bits from the whole sequence's)."""
 
 NO_EVICTION = 1 << 62
 """The budget of a compressed layer after the compression: nothing more is evicted while the
@@ -134,7 +143,7 @@ def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Seq
     again.layers = [copy.copy(lay) for lay in cache.layers]
     request = handle.encode(KVZIP_PROMPT, add_bos=False) + list(ids)
     with compressing(handle.model, again, session=Session(observers=[scorer])):
-        cached_forward(handle, again, torch.as_tensor([request]))
+        cached_forward(handle, again, torch.as_tensor([request]), last=1)     # the scores are read, not the logits
     return scorer.scores
 
 
@@ -142,7 +151,8 @@ def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Seq
 class Prefill:
     """One example's prefill: the full ``cache`` (batch 1), the last row's float32 ``logits [V]``,
     every policy's ``scores[name][layer] [1, H, n]``, each layer's output projection ``w_o[layer]``
-    (when scores were recorded), ``n`` tokens read, and ``seconds``."""
+    (when scores were recorded), ``n`` tokens read, and ``seconds``. ``value_l1[layer]``: CriticalKV's
+    value norms (:func:`~attngeom.kvcache.policies.projected_value_l1`), once a selection computed them."""
 
     cache: DynamicCache
     logits: torch.Tensor
@@ -150,6 +160,7 @@ class Prefill:
     w_o: dict[int, torch.Tensor]
     n: int
     seconds: float
+    value_l1: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @takes_handle
@@ -164,7 +175,7 @@ def prefill(handle: ModelHandleLike, ids: Sequence[int], policies: Sequence[Poli
     cache = DynamicCache(config=handle.model.config)
     t0 = time.perf_counter()
     with compressing(handle.model, cache, session=session):
-        logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]))[0, -1]
+        logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]), last=LOGIT_ROWS)[0, -1]
     scores = scorer.scores
     for p in policies:
         if p.needs == "reconstruction":
@@ -186,7 +197,7 @@ def eviction_context(pre: Prefill, policy: Policy, layer: int, num_heads: int) -
     score = pool_heads(rec, n_kv, policy.pool) if rec is not None else torch.zeros(B, n_kv, n, device=pos.device)
     return EvictionContext(pos=pos, valid=torch.ones_like(pos, dtype=torch.bool), score=score, values=lay.values,
                            seen=n, budget=torch.full((n_kv,), n, dtype=torch.long), keys=lay.keys, layer=layer,
-                           num_heads=num_heads, w_o=pre.w_o.get(layer))
+                           num_heads=num_heads, w_o=pre.w_o.get(layer), value_l1=pre.value_l1.get(layer))
 
 
 def compressible_layers(cache: DynamicCache) -> list[int]:
@@ -221,6 +232,8 @@ def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> 
         ctx = contexts[l]
         ctx.budget = budgets[l]
         idx[l], ok[l] = kept_entries(policy, ctx, budgets[l])
+        if ctx.value_l1 is not None:                           # the same at every ratio: computed once
+            pre.value_l1[l] = ctx.value_l1
     return Selection(idx, ok)
 
 
@@ -230,7 +243,11 @@ def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> 
 
 
 def _gathered(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
+    """The entries ``idx [R, Hkv, K]`` of ``t [1, Hkv, n, d]``, per row and head: ``[R, Hkv, K, d]``
+    (each entry's ``d`` values copied at once: ``index_select`` over the entries, not ``gather``)."""
+    _, H, n, d = t.shape
+    entries = idx + torch.arange(H, device=idx.device).reshape(1, H, 1) * n
+    return t.reshape(H * n, d).index_select(0, entries.reshape(-1)).reshape(*idx.shape, d)
 
 
 def _padded(ts: Sequence[torch.Tensor], K: int, fill) -> torch.Tensor:
@@ -300,8 +317,7 @@ def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Se
         K = max(s.idx[l].shape[-1] for s in selections)
         idx = _padded([s.idx[l] for s in selections], K, 0)
         ok = _padded([s.ok[l] for s in selections], K, False)
-        layers.append(PrefilledLayer(_gathered(lay.keys.expand(R, -1, -1, -1), idx),
-                                     _gathered(lay.values.expand(R, -1, -1, -1), idx), idx,
+        layers.append(PrefilledLayer(_gathered(lay.keys, idx), _gathered(lay.values, idx), idx,
                                      None if bool(ok.all()) else ok, pre.n, handle.num_heads, room))
     cache.layers = layers
     return cache
@@ -325,21 +341,26 @@ def _rows(cache: DynamicCache) -> int:
 
 @takes_handle
 @torch.no_grad()
-def greedy_answers(handle: ModelHandleLike, cache: DynamicCache, question: Sequence[int] | None, first: torch.Tensor | None,
-                   max_new_tokens: int, settled=None) -> list[list[int]]:
-    """Greedy answers of every batch row of ``cache``: the ``question`` ids (the same for every row)
-    are read first and the answer follows; or, with ``question=None`` (query-aware), the answer
-    starts from ``first`` ``[V]`` logits (the prefill's last row). Each row stops at its first
-    end-of-text token (:func:`~attngeom.generation.decoding.model_stop_ids`, not included), after
-    ``max_new_tokens``, or once ``settled(tokens)`` says its answer so far is final for its use (a
-    score that can no longer change)."""
-    R = _rows(cache)
+def greedy_answers(handle: ModelHandleLike, caches: DynamicCache | Sequence[DynamicCache], question: Sequence[int] | None,
+                   first: torch.Tensor | None, max_new_tokens: int, settled=None) -> list[list[int]]:
+    """Greedy answers of every batch row of ``caches`` (one cache, or several whose rows are read as
+    one batch, each over its own cache: :func:`~attngeom.kvcache.cache.stacked`), in order: the
+    ``question`` ids (the same for every row) are read first and the answer follows; or, with
+    ``question=None`` (query-aware), the answer starts from ``first`` ``[V]`` logits (the prefill's
+    last row). Each row stops at its first end-of-text token
+    (:func:`~attngeom.generation.decoding.model_stop_ids`, not included), after ``max_new_tokens``,
+    or once ``settled(tokens)`` says its answer so far is final for its use (a score that can no
+    longer change)."""
+    caches = [caches] if isinstance(caches, DynamicCache) else list(caches)
+    R = sum(_rows(c) for c in caches)
+    cache = stacked(caches)
     stops = set(model_stop_ids(handle))
     out: list[list[int]] = [[] for _ in range(R)]
     rows = list(range(R))                                   # the cache's rows still answering
     with compressing(handle.model, cache):
         if question is not None:
-            logits = cached_forward(handle, cache, torch.as_tensor([list(question)]).expand(R, -1))[:, -1]
+            ids = torch.as_tensor([list(question)]).expand(R, -1)
+            logits = cached_forward(handle, cache, ids, last=LOGIT_ROWS)[:, -1]
         else:
             logits = first.reshape(1, -1).expand(R, -1)
         for t in range(max_new_tokens):

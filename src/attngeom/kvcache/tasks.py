@@ -3,9 +3,10 @@ compression ratio, scored the way the field scores it (RULER's string match, kvp
 
 Each example (:mod:`attngeom.kvcache.ruler`) is one resumable unit of a
 :class:`~attngeom.runs.run.Run`: its context is read once in a captured prefill that records every
-policy's scores (:func:`attngeom.kvcache.prefill.prefill`); the full cache (ratio 0) answers first,
-then, per ratio, every policy's kept entries are gathered into one batch row each and the question
-and the greedy answers are decoded together (:func:`attngeom.kvcache.prefill.greedy_answers`).
+policy's scores (:func:`attngeom.kvcache.prefill.prefill`); at each ratio every policy's kept
+entries are gathered into one batch row each, and the question and the greedy answers of the full
+cache (ratio 0) and of every ratio are decoded as one batch (:func:`attngeom.kvcache.prefill.greedy_answers`;
+in as few batches as the memory allows).
 :func:`summarize` gives the accuracy per (task, policy, ratio) and over all tasks with 95 % bootstrap
 intervals over examples; :func:`paired` the paired differences against the best baseline at each
 ratio (none below :data:`~attngeom.stats.resampling.MIN_UNITS` examples).
@@ -68,19 +69,23 @@ def cache_bytes_estimate(handle: ModelHandleLike, n: int, rows: int) -> int:
     return 2 * cfg.num_hidden_layers * handle.num_kv_heads * n * d * size * rows
 
 
+def memory_limit() -> int | None:
+    """Bytes the variants' caches may use: half the memory the system reports available (None
+    where it reports none)."""
+    import os
+
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):  # pragma: no cover - systems without sysconf
+        return None
+
+
 def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None = None) -> None:
     """Refuse, in one line, a grid whose largest batch of variants (``rows`` caches of ``n``
-    entries) would not fit in the memory available (``limit`` bytes; default: half the memory
-    the system reports available)."""
+    entries) would not fit in the memory available (``limit`` bytes; default: :func:`memory_limit`)."""
     need = cache_bytes_estimate(handle, n, rows)
-    if limit is None:
-        import os
-
-        try:
-            limit = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-        except (ValueError, OSError):  # pragma: no cover - systems without sysconf
-            return
-    if need > limit:
+    limit = limit or memory_limit()
+    if limit is not None and need > limit:
         raise InputError(f"the grid needs {need / 2**30:.1f} GiB for the caches of {rows} variants of a "
                          f"{n}-token context, more than the {limit / 2**30:.1f} GiB it may use; use fewer "
                          "--policies or a shorter --length")
@@ -97,9 +102,11 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     ``"full"``, ``ratio`` 0): one row each with the ``answer`` text, its ``score`` (RULER's string
     match; an answer stops as soon as it holds every reference string, since its score can then no
     longer change: the text is cut there), ``kept`` (entries kept over the compressed layers and heads), ``kept_share`` (of the full
-    cache's), ``bytes`` (cache storage per variant, padding included) and ``seconds`` (the
-    prefill's share and the batch's decoding per variant). ``encoded``: :func:`~attngeom.kvcache.ruler.encode`'s
-    result, when already made."""
+    cache's), ``bytes`` (cache storage per variant: its ratio's caches, padding included) and
+    ``seconds`` (its ratio's selections and caches, and the decoding, per variant; the prefill's in
+    ``prefill_seconds``). The ratios' variants are decoded as one batch, or in as few batches as
+    :func:`memory_limit` allows. ``encoded``: :func:`~attngeom.kvcache.ruler.encode`'s result, when
+    already made."""
     from attngeom.kvcache import ruler
 
     ctx_ids, q_ids, chat = encoded or ruler.encode(example, handle.tokenizer, settings.chat)
@@ -107,30 +114,43 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     policies = [get_policy(n) for n in settings.policies]
     pre = P.prefill(handle, ctx_ids + q_ids if query_aware else ctx_ids, policies)
     question = None if query_aware else q_ids
+    room = len(q_ids) + example.max_new_tokens
     base = {"example": example.index, "task": example.task, "mode": settings.mode, "chat": chat,
             "context_tokens": len(ctx_ids), "question_tokens": len(q_ids)}
 
     def settled(ids: list[int]) -> bool:                      # every reference found: the score is final
         return ruler.score(handle.tokenizer.decode(ids, skip_special_tokens=True), example.answers) == 1.0
 
-    def run_batch(names, ratio):
+    def answer(batch: list[dict]) -> list[dict]:              # several ratios' variants, decoded together
         t0 = time.perf_counter()
-        sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
-        cache = P.variant_cache(handle, pre, sels, room=len(q_ids) + example.max_new_tokens)
-        per_row = P.row_bytes(handle, cache)
-        answers = P.greedy_answers(handle, cache, question, pre.logits, example.max_new_tokens, settled)
-        seconds = (time.perf_counter() - t0) / len(names)
+        answers = iter(P.greedy_answers(handle, [v["cache"] for v in batch], question, pre.logits,
+                                        example.max_new_tokens, settled))
+        decoding = (time.perf_counter() - t0) / sum(len(v["names"]) for v in batch)
         rows = []
-        for name, sel, ids in zip(names, sels, answers):
-            text = handle.tokenizer.decode(ids, skip_special_tokens=True)
-            rows.append({**base, "policy": name, "ratio": ratio, "answer": text,
-                         "score": ruler.score(text, example.answers), "answer_tokens": len(ids),
-                         "kept": sel.kept(), "bytes": per_row, "seconds": seconds})
+        for v in batch:
+            for name, sel in zip(v["names"], v["sels"]):
+                ids = next(answers)
+                text = handle.tokenizer.decode(ids, skip_special_tokens=True)
+                rows.append({**base, "policy": name, "ratio": v["ratio"], "answer": text,
+                             "score": ruler.score(text, example.answers), "answer_tokens": len(ids),
+                             "kept": sel.kept(), "bytes": v["bytes"], "seconds": v["seconds"] / len(v["names"]) + decoding})
         return rows
 
-    rows = run_batch(["full"], 0.0)
-    for ratio in settings.ratios:
-        rows += run_batch(list(settings.policies), ratio)
+    limit = memory_limit()
+    rows, batch, held = [], [], 0
+    for names, ratio in [(["full"], 0.0)] + [(list(settings.policies), r) for r in settings.ratios]:
+        t0 = time.perf_counter()
+        sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
+        kept = max((i.shape[-1] for s in sels for i in s.idx.values()), default=pre.n)     # the largest head
+        need = cache_bytes_estimate(handle, kept + room, len(names))
+        if batch and limit is not None and held + need > limit:      # decode the ratios held so far first
+            rows += answer(batch)
+            batch, held = [], 0
+        cache = P.variant_cache(handle, pre, sels, room=room)
+        batch.append({"names": names, "ratio": ratio, "sels": sels, "cache": cache,
+                      "bytes": P.row_bytes(handle, cache), "seconds": time.perf_counter() - t0})
+        held += need
+    rows += answer(batch)
     df = pd.DataFrame(rows)
     df["kept_share"] = df["kept"] / float(df.loc[df["policy"] == "full", "kept"].iloc[0])
     df["prefill_seconds"] = pre.seconds
