@@ -5,6 +5,7 @@ in both modes, and the verdict of contribution against each measure with its mar
 per ratio (the tables of docs/findings-faithfulness.md).
 
     python tools/h2h_tables.py docs/claims-runs/h2h-smollm2-135m-wikitext [more runs ...]
+    python tools/h2h_tables.py --readme RUN [RUN ...]      # the README's table: a column per run
 """
 
 from __future__ import annotations
@@ -54,5 +55,30 @@ def tables(run: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def readme(runs: list[Path]) -> str:
+    """One row per head-to-head claim, one column per run: the verdict and the AOC margin."""
+    res = [json.loads((r / "claims.json").read_text(encoding="utf-8")) for r in runs]
+    names = {"SmolLM2-135M-Instruct": "SmolLM2-135M", "gemma-3-270m": "Gemma 3 270M"}
+    head = [f"{names.get(x['model'], x['model'])}, {'WikiText-2' if 'wikitext' in x['data'] else 'Handbook'}"
+            for x in res]
+    out = ["| # | contribution is more faithful than … | " + " | ".join(head) + " |",
+           "|--:|---|" + "---|" * len(res)]
+    ids = [r["id"] for r in res[0]["rows"] if r["id"].startswith("contribution_beats_")]
+    for k, cid in enumerate(ids, 17):
+        x, mode = cid[len("contribution_beats_"):].rsplit("_", 1)
+        cells = []
+        for r in res:
+            row = next(q for q in r["rows"] if q["id"] == cid)
+            d = next(iter(row["numbers"].values()))
+            v = row["verdict"]
+            cells.append(f"{'**' + v + '**' if v != 'inconclusive' else v} ({num(d['value'])} [{num(d['low'])}, {num(d['high'])}])")
+        label = {"leave_one_out": "leave-one-out", "value_zeroing": "value zeroing", "alti": "ALTI"}.get(x, x)
+        out.append(f"| {k} | {label}, {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
-    print("\n".join(tables(Path(p)) for p in sys.argv[1:]))
+    if sys.argv[1] == "--readme":
+        print(readme([Path(p) for p in sys.argv[2:]]))
+    else:
+        print("\n".join(tables(Path(p)) for p in sys.argv[1:]))
