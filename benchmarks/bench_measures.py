@@ -14,9 +14,15 @@ other jobs hits every method alike; medians of ``--repeats``):
 ``rank:<measure>``
     the faithfulness experiment's forward masking the top half of the sources by the measure
     (comprehensiveness, ratio 0.5, every layer; one row): what each point of the head-to-head costs.
+``prepare:<measure>``
+    for the measures computed before the forward that ranks by them
+    (:func:`attngeom.capture.prepared.prepare`): the pass itself, once per text and shared by every
+    ranked forward of it: gradient × attention's forward and backward pass through differentiable
+    eager attention, a rollout's captured forward and its composition over the layers. Their
+    ``score:`` row is that pass plus the captured forward reading its maps (what ``analyze(...,
+    prepare=[...])`` pays); their ``rank:`` row the ranked forward given the maps.
 
-No measure needs a backward pass; the gradient-based ones (gradient-weighted attention, AttnLRP) are
-not in the registry. Prints seconds and the ratios to both plain forwards.
+Prints seconds and the ratios to both plain forwards.
 
     python benchmarks/bench_measures.py                  # T=128,512; 1 thread; 5 repeats
     python benchmarks/bench_measures.py --sizes 128 --repeats 3 --threads 0
@@ -57,6 +63,7 @@ def main(argv=None) -> int:
     from attngeom import load_model
     from attngeom.capture.interventions import RankIntervention, Variant
     from attngeom.capture.plugin import Session
+    from attngeom.capture.prepared import prepare
     from attngeom.data.corpora import SAMPLE_TEXT
     from attngeom.metrics import registry
     from attngeom.streaming.reducers import InputBatch
@@ -79,14 +86,23 @@ def main(argv=None) -> int:
                     model(input_ids=x, use_cache=False, logits_to_keep=1)
             return run
 
+        before = registry.prepared_names(measures)
+        maps = {m: prepare(h, ids, T - 1, [m]) for m in before}
+
+        def prepass(m):
+            return lambda: prepare(h, ids, T - 1, [m])
+
         def score(m):
+            if m in before:
+                return lambda: tr.forward(h, batch, Session(observers=[Score(m)], prepared=prepare(h, ids, T - 1, [m])))
             return lambda: tr.forward(h, batch, Session(observers=[Score(m)]))
 
         def rank(m):
             v = Variant(m, "comprehensiveness", 0.5)
-            return lambda: tr.forward(h, batch, Session(intervention=RankIntervention(v)))
+            return lambda: tr.forward(h, batch, Session(intervention=RankIntervention(v), prepared=maps.get(m)))
 
         methods = {"sdpa": plain("sdpa"), "eager": plain("eager")}
+        methods |= {f"prepare:{m}": prepass(m) for m in before}
         methods |= {f"score:{m}": score(m) for m in measures}
         methods |= {f"rank:{m}": rank(m) for m in measures}
         for fn in methods.values():                      # warm-up

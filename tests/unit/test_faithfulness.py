@@ -118,11 +118,11 @@ def test_resume_after_a_kill_gives_the_same_table(tiny_llama, tmp_path, monkeypa
     calls = []
 
     def dies_after(n):
-        def pair_nll(handle, unit, chunk, layers):
+        def pair_nll(handle, unit, chunk, layers, *prepared):
             if len(calls) == n:
                 raise Killed
             calls.append(unit.salt)
-            return real(handle, unit, chunk, layers)
+            return real(handle, unit, chunk, layers, *prepared)
         return pair_nll
 
     monkeypatch.setattr(F, "_pair_nll", dies_after(5))  # 4 forwards per window (17 variants, 5 rows)

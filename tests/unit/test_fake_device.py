@@ -57,8 +57,10 @@ class DeviceCheck:
     def observe(self, block) -> None:
         dev = block.a.device
         # value zeroing decides on the host where its closed form cancels (a boundary)
-        out = [block.metric(m) for m in registry.per_head_names() if m != "value_zeroing"]
-        out += [block.token_score(m) for m in registry.rivals() if m != "value_zeroing"]
+        # gradients and rollouts are computed before the forward (their passes are not under fake tensors)
+        before = registry.prepared_names(registry.names())
+        out = [block.metric(m) for m in registry.per_head_names() if m != "value_zeroing" and m not in before]
+        out += [block.token_score(m) for m in registry.rivals() if m != "value_zeroing" and m not in before]
         out += list(block.received(block.query_valid.float()).values())
         out += list(block.factors().values())
         out += [block.entropy, block.head_output_norm, block.output_norm, block.head_share, block.layer_output]

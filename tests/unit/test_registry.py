@@ -31,7 +31,8 @@ SPEC_METRICS = ("attention", "value_weighted", "output_normalized", "contributio
 def test_builtin_table():
     assert R.names()[:5] == SPEC_METRICS
     assert tuple(RANK_METRICS) == SPEC_METRICS + R.rivals() + ("random",)
-    assert R.rivals() == ("leave_one_out", "value_zeroing", "alti")        # SPEC §2.1
+    assert R.rivals() == ("leave_one_out", "value_zeroing", "alti", "grad_attention", "rollout",
+                          "contribution_rollout")        # SPEC §2.1
     # the lists other modules read come from the entries' flags
     assert R.hierarchy() == SPEC_METRICS[:4] and R.received_names() == SPEC_METRICS[:4]
     assert TokenStats().metrics == R.received_names()
@@ -177,11 +178,23 @@ def test_block_metric_names_come_from_the_table():
     state = LayerState(layer=0, module=None, value=v, w_o=w_o, G=M.gram(w_o, 2), G_full=M.full_gram(w_o),
                        kv_head=torch.arange(2), lengths=torch.tensor([3]))
     block = Block(state=state, a=a, q_start=0, k_start=0)
+    prepared = R.prepared_names(R.METRICS)
+    assert prepared == ("grad_attention", "rollout", "contribution_rollout")
     for name in R.per_head_names():
+        if name in prepared:            # computed before the forward: refused without its pass
+            with pytest.raises(InputError, match="computed from the clean forward"):
+                block.metric(name)
+            continue
         assert block.metric(name).shape == a.shape
         assert torch.equal(getattr(block, name), block.metric(name))
     for name in R.METRICS:
-        assert block.token_score(name).shape == (1, 3, 3)
+        if name not in prepared:
+            assert block.token_score(name).shape == (1, 3, 3)
+    # with its maps (by absolute position) the block reads its part of them
+    state.prepared = {"grad_attention": torch.arange(18.0).reshape(1, 2, 3, 3), "rollout": torch.eye(3)[None]}
+    part = Block(state=state, a=a[:, :, 1:], q_start=1, k_start=0)
+    assert torch.equal(part.metric("grad_attention"), torch.arange(18.0).reshape(1, 2, 3, 3)[:, :, 1:])
+    assert torch.equal(part.token_score("rollout"), torch.eye(3)[None, 1:])
     with pytest.raises(InputError, match="defined on the layer"):
         block.alti
     with pytest.raises(AttributeError):

@@ -1,7 +1,9 @@
 """The value-aware measures of the faithfulness head-to-head (SPEC §2.1), each against a slow direct
 computation on a tiny model: leave-one-out against dropping the source and renormalising the row,
 value zeroing against zeroing the values and rerunning the layer, ALTI against its decomposition
-formed term by term in model space; and hand-computed cases."""
+formed term by term in model space, gradient-weighted attention against autograd through
+transformers' eager attention (and a finite difference of the intervened forward), rollouts against
+their composition formed from eager maps; and hand-computed cases."""
 
 import pytest
 import torch
@@ -172,8 +174,10 @@ def test_alti_equals_its_decomposition_in_model_space(gqa):
 
 def test_layer_only_measures_refuse_per_head_use(gqa):
     _, _, trace, _ = gqa
-    assert R.rivals() == ("leave_one_out", "value_zeroing", "alti")
-    assert R.get("alti").layer_only and "alti" not in R.per_head_names()
+    assert R.rivals() == ("leave_one_out", "value_zeroing", "alti", "grad_attention", "rollout",
+                          "contribution_rollout")
+    for name in ("alti", "rollout", "contribution_rollout"):
+        assert R.get(name).layer_only and name not in R.per_head_names()
     with pytest.raises(InputError, match="defined on the layer"):
         trace.layers[0].metric("alti")
     with pytest.raises(InputError, match="defined on the layer"):
@@ -196,3 +200,154 @@ def test_the_measures_rank_the_interventions(tiny_llama):
     assert (tab["change"] != 0).all() and tab["ppl"].notna().all()
     # different rankings mask different sources
     assert tab.groupby("mode")["ppl"].nunique().min() > 1
+
+
+# --------------------------------------------------------------------------------------------
+# Measures computed before the ranked forward: gradient-weighted attention, rollouts
+# --------------------------------------------------------------------------------------------
+
+
+def _eager_gradients(h, ids, n):
+    """``a ⊙ ∂ℓ/∂a`` per layer through transformers' own eager attention (``output_attentions``):
+    ``ℓ`` the log-likelihood of the last ``n`` tokens."""
+    eager = h.model.config._attn_implementation
+    h.model.set_attn_implementation("eager")
+    try:
+        x = torch.tensor([list(ids)])
+        with torch.enable_grad():
+            out = h.model(input_ids=x, output_attentions=True)
+            T = len(ids)
+            lp = torch.log_softmax(out.logits[0, T - 1 - n:T - 1].double(), -1)
+            ll = lp.gather(-1, x[0, T - n:, None]).sum()
+            grads = torch.autograd.grad(ll, list(out.attentions))
+        return [(a.detach() * g).double()[0] for a, g in zip(out.attentions, grads)]
+    finally:
+        h.model.set_attn_implementation(eager)
+
+
+@pytest.mark.parametrize("n", [None, 3])
+def test_gradient_weighted_attention_equals_autograd_through_eager_attention(gqa, n):
+    from attngeom.capture.prepared import gradient_maps
+
+    h, ids, _, _ = gqa
+    n = len(ids) - 1 if n is None else n
+    want = _eager_gradients(h, ids, n)
+    got = gradient_maps(h, ids, n)
+    assert sorted(got) == list(range(len(want)))
+    for l, w in enumerate(want):
+        g = got[l][0].double()
+        assert g.shape == w.shape
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6 * float(w.abs().max())), (l, (g - w).abs().max())
+        assert float(g.abs().max()) > 0 and float(g.triu(1).abs().max()) == 0      # causal: nothing ahead
+
+
+def test_gradient_weighted_attention_predicts_the_masking_to_first_order(gqa):
+    """``Σ g_ij`` over a small masked share ``ε`` of every weight of one layer is the first-order change
+    of ``ℓ``: scaling the mixing weights of layer 1 by ``1 − ε`` (an intervention of the plug-in)
+    changes ``ℓ`` by ``−ε Σ g`` up to ``O(ε²)``."""
+    from attngeom.capture.plugin import Session
+    from attngeom.capture.prepared import gradient_maps
+    from attngeom.streaming.passes import batch_nll
+    from attngeom.streaming.reducers import InputBatch
+
+    h, ids, _, _ = gqa
+    g = gradient_maps(h, ids, len(ids) - 1)[1]
+    batch = InputBatch(ids=torch.tensor([list(ids)]), lengths=torch.tensor([len(ids)]), index=[0])
+
+    def ll(eps):
+        scaled = Session(intervention=lambda b: b.a * (1 - eps) if b.layer == 1 else None)
+        return -float(batch_nll(h, batch, scaled)[0])
+
+    eps = 1e-2
+    slope = (ll(eps) - ll(-eps)) / (2 * eps)
+    assert slope == pytest.approx(-float(g.sum()), rel=2e-2, abs=1e-3)
+
+
+def test_rollout_compose_hand_case():
+    from attngeom.metrics.rollout import compose
+
+    A1 = torch.tensor([[[1.0, 0.0], [0.6, 0.4]]])
+    A2 = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    R1, R2 = compose([A1, A2])
+    # ½A1 + ½I = [[1, 0], [0.3, 0.7]]; ½A2 + ½I = I: the second layer changes nothing
+    assert torch.allclose(R1[0], torch.tensor([[1.0, 0.0], [0.3, 0.7]]))
+    assert torch.allclose(R2, R1)
+    assert torch.allclose(R1.sum(-1), torch.ones(1, 2))
+
+
+def test_rollouts_equal_their_composition_of_eager_maps(gqa):
+    from attngeom.capture.prepared import rollout_maps
+
+    h, ids, trace, pieces = gqa
+    T = len(ids)
+    got = rollout_maps(h, ids, "attention")
+    R = torch.eye(T, dtype=torch.float64)
+    for l, (a, _, _, _) in enumerate(pieces):
+        R = (0.5 * a.mean(0) + 0.5 * torch.eye(T, dtype=torch.float64)) @ R
+        assert torch.allclose(got[l][0].double(), R, atol=1e-5), l
+        assert torch.allclose(got[l][0].sum(-1).double(), torch.ones(T, dtype=torch.float64), atol=1e-5)
+    got = rollout_maps(h, ids, "contribution")
+    R = torch.eye(T, dtype=torch.float64)
+    for l in range(len(pieces)):
+        C = torch.from_numpy(trace.layers[l].token_score("contribution")).double()          # [T, T]
+        R = (0.5 * C + 0.5 * torch.eye(T, dtype=torch.float64)) @ R
+        assert torch.allclose(got[l][0].double(), R, atol=1e-5), l
+
+
+def test_prepared_measures_refuse_a_forward_without_their_pass(gqa):
+    """A block reads a gradient or rollout only from the pass run before its forward: analysing a text
+    alone says so in one line instead of ranking by zeros."""
+    h = gqa[0]
+    for name in ("grad_attention", "rollout"):
+        with pytest.raises(InputError, match="computed from the clean forward"):
+            _read_in_a_forward(h, name)
+
+
+def _read_in_a_forward(h, name):
+    from attngeom.capture.plugin import Session
+    from attngeom.streaming.passes import forward
+    from attngeom.streaming.reducers import InputBatch
+
+    class Read:
+        needs = frozenset({"attention"})
+
+        def observe(self, block):
+            block.token_score(name)
+
+    ids = h.encode(TEXT)
+    forward(h, InputBatch(ids=torch.tensor([ids]), lengths=torch.tensor([len(ids)]), index=[0]), Session([Read()]))
+
+
+def test_prepared_maps_rank_a_batch_of_variants_like_one_row(tiny_llama):
+    """The prepared maps of one text serve every row of a batched forward: ranking by gradient or
+    rollout in a batch of variants gives each variant's NLL as run alone."""
+    from attngeom.faithfulness.curves import Unit, _pair_nll
+
+    ids = tiny_llama.encode(TEXT * 2)
+    unit = Unit(tuple(ids), len(ids) - 1, 0)
+    chunk = [Variant(m, mode, 0.4) for m in ("grad_attention", "rollout", "contribution_rollout")
+             for mode in ("comprehensiveness", "sufficiency")]
+    cache: dict = {}
+    together = _pair_nll(tiny_llama, unit, chunk, None, cache)
+    assert set(cache) == {"unit", "grad_attention", "rollout", "contribution_rollout"}
+    alone = [_pair_nll(tiny_llama, unit, [v], None)[0] for v in chunk]
+    assert together == pytest.approx(alone, rel=1e-5)
+    assert len(set(round(x, 4) for x in together)) == len(chunk)
+
+
+def test_analyze_prepares_gradients_and_rollouts_on_request(gqa):
+    from attngeom.capture.prepared import gradient_maps, rollout_maps
+
+    h, ids, _, _ = gqa
+    trace = analyze(h, TEXT, prepare=["grad_attention", "rollout"])
+    g, r = gradient_maps(h, ids, len(ids) - 1), rollout_maps(h, ids)
+    for l, layer in enumerate(trace.layers):
+        assert torch.allclose(torch.from_numpy(layer.metric("grad_attention")), g[l][0], atol=1e-7)
+        assert torch.allclose(torch.from_numpy(layer.token_score("grad_attention")), g[l][0].sum(0), atol=1e-6)
+        assert torch.allclose(torch.from_numpy(layer.token_score("rollout")), r[l][0])
+    with pytest.raises(InputError, match="computed from the clean forward"):
+        trace.layers[0].token_score("contribution_rollout")            # not asked for
+    with pytest.raises(InputError, match="needs no pass"):
+        analyze(h, TEXT, prepare=["contribution"])
+    with pytest.raises(InputError, match="not of a generation"):
+        analyze(h, TEXT, prepare=["rollout"], generate=2)

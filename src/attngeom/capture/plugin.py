@@ -76,6 +76,7 @@ class LayerState:
     G_full: torch.Tensor
     kv_head: torch.Tensor
     lengths: torch.Tensor  # [B] valid tokens per text (right padding)
+    prepared: dict | None = None  # {metric: map by absolute position} computed before this forward
 
     @cached_property
     def grouped(self) -> bool:
@@ -327,6 +328,20 @@ class Block:
                 out[n] = (weight.unsqueeze(1) @ self.token_score(n)).squeeze(1)
         return {n: out[n] for n in names}
 
+    def prepared(self, name: str) -> torch.Tensor:
+        """The block's part of a map computed before this forward (a measure with ``prepare`` in
+        :mod:`attngeom.metrics.registry`: ``[B, H, Q, S]`` per head, ``[B, Q, S]`` on the layer), the
+        one text's map shared by every row of the batch."""
+        maps = self.state.prepared or {}
+        if name not in maps:
+            raise InputError(f"{name} is computed from the clean forward before the one that ranks by it "
+                             "(a backward pass or a composition of layers): faithfulness and claims compute it "
+                             f"first; in Python, analyze(model, text, prepare=[{name!r}])")
+        m = maps[name]
+        Q, S = self.a.shape[2], self.a.shape[3]
+        part = m[..., self.q_start:self.q_start + Q, self.k_start:self.k_start + S].to(self.a.device)
+        return part.expand(self.a.shape[0], *part.shape[1:])
+
     def metric(self, name: str) -> torch.Tensor:
         """A per-head map of :mod:`attngeom.metrics.registry` (SPEC §2) by name: ``[B, H, Q, S]``."""
         m = registry.get(name)
@@ -435,7 +450,9 @@ class Session:
 
     ``layers``: the attention layers (``attngeom.model.adapter.attention_layer``) observed and intervened on;
     None means all. Layers outside it still run through the exact blocked path, unobserved.
-    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :data:`DEFAULT_BLOCK_ELEMENTS`)."""
+    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :data:`DEFAULT_BLOCK_ELEMENTS`).
+    ``prepared``: ``{layer: {metric: map}}`` of the measures computed before this forward
+    (:func:`attngeom.metrics.registry.prepare`), read by :meth:`Block.prepared`."""
 
     def __init__(
         self,
@@ -443,9 +460,11 @@ class Session:
         intervention: Intervention | None = None,
         layers: Iterable[int] | None = None,
         block_elements: int | None = None,
+        prepared: dict[int, dict[str, torch.Tensor]] | None = None,
     ):
         from attngeom.data.corpora import check_layers
 
+        self.prepared = prepared or {}
         self.observers = list(observers)
         self.intervention = intervention
         layers = check_layers(layers)       # whole numbers from 0; the model's range: check
@@ -600,7 +619,8 @@ def exact_attention(
         w_o, G, G_full = output_grams(module, H)
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
         state = LayerState(layer=layer, module=module, value=value.detach().float(), w_o=w_o, G=G, G_full=G_full,
-                           kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device))
+                           kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device),
+                           prepared=session.prepared.get(layer))
         state.__dict__["grouped"] = True     # repeat_kv's layout by construction: no comparison of kv_head's data
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])

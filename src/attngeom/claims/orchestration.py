@@ -73,7 +73,8 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, 
     if "faithfulness" in analyses or "rivals" in analyses:
         r, detail["faithfulness"] = _faithfulness_part(handle, run, ids, st.ratios, st.seeds, counts_for,
                                                        hierarchy="faithfulness" in analyses,
-                                                       rivals="rivals" in analyses)
+                                                       rivals=st.head_to_head() if "rivals" in analyses else (),
+                                                       per_head=st.per_head)
         rows += sized(r, detail["faithfulness"], W)
     if "sinks" in analyses:
         r, detail["sinks"] = _sinks_part(handle, run, ids, counts_for)
@@ -98,15 +99,16 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows: Sequence, 
 
 
 def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds, counts_for, *, hierarchy: bool = True,
-                       rivals: bool = True) -> tuple[list[dict], dict]:
+                       rivals: Sequence[str] = (), per_head: bool = False) -> tuple[list[dict], dict]:
     """Claims 1-4 (``hierarchy``: the paper's four metrics) and the head-to-head rows (``rivals``:
-    contribution against each published measure of SPEC §2.1) from one faithfulness run."""
+    contribution against each of these published measures of SPEC §2.1) from one faithfulness run,
+    ranking per head with ``per_head``."""
     from attngeom import faithfulness
     from attngeom.metrics import registry
 
-    against = registry.rivals() if rivals else ()
+    against = tuple(rivals)
     metrics = (*(registry.hierarchy() if hierarchy else ("contribution",)), *against, "random")
-    settings = FaithfulnessSettings(metrics=metrics, ratios=tuple(ratios), seeds=tuple(seeds))
+    settings = FaithfulnessSettings(metrics=metrics, ratios=tuple(ratios), seeds=tuple(seeds), per_head=per_head)
     res = faithfulness.experiment(handle, run, units=faithfulness.window_units(ids), settings=settings)
     return faithfulness_rows(faithfulness.summary(res.per_window),
                              faithfulness.summary(res.per_window, counts_for(len(ids), 1)), settings.metrics,

@@ -16,7 +16,9 @@ class ClaimsSettings:
     random ranking, selection sizes ``ns`` and random ``repeats``, head-removal ``retentions``
     (percent of heads kept) with the first ``calib_windows`` windows as calibration split and the
     a-priori ``fixed_order`` of regimes beside the calibrated one, and the bootstrap
-    (``n_resamples`` resamples seeded by ``seed``; ``critical_k`` the critical-head threshold)."""
+    (``n_resamples`` resamples seeded by ``seed``; ``critical_k`` the critical-head threshold).
+    ``per_head``: the faithfulness rankings are per head (SPEC §3's option) instead of per token;
+    ``rivals``: the measures of the head-to-head rows (:meth:`head_to_head`)."""
 
     window: int = 128
     max_windows: int = 12
@@ -30,6 +32,17 @@ class ClaimsSettings:
     n_resamples: int = 1000
     seed: int = 0
     critical_k: float = 3.0
+    per_head: bool = False
+    rivals: tuple[str, ...] | None = None
+
+    def head_to_head(self) -> tuple[str, ...]:
+        """The published measures the head-to-head rows set against contribution: ``rivals`` (None:
+        every one of :func:`attngeom.metrics.registry.rivals`), and with ``per_head`` only those with a
+        per-head map (a layer-only measure has no per-head ranking)."""
+        from attngeom.metrics import registry
+
+        names = registry.rivals() if self.rivals is None else tuple(self.rivals)
+        return tuple(n for n in names if not (self.per_head and registry.get(n).layer_only))
 
     def record(self, level: float | None = None) -> dict:
         """What a result records of them (``bootstrap``: the resamples; ``level``, when given: the
@@ -37,4 +50,7 @@ class ClaimsSettings:
         return {"calib_windows": self.calib_windows, "ratios": list(self.ratios), "seeds": list(self.seeds),
                 "ns": list(self.ns), "repeats": self.repeats, "retentions": list(self.retentions),
                 "fixed_order": list(self.fixed_order), "bootstrap": self.n_resamples, "seed": self.seed,
-                **({} if level is None else {"level": level}), "critical_k": self.critical_k}
+                **({} if level is None else {"level": level}), "critical_k": self.critical_k,
+                # recorded when set, so that the runs made before these options keep their identity
+                **({"per_head": True} if self.per_head else {}),
+                **({} if self.rivals is None else {"rivals": list(self.rivals)})}

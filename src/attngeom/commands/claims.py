@@ -42,12 +42,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--skip", default="",
                    help="analyses left out, comma-separated, from " + ", ".join(ANALYSES) + "; by default none is. "
                         "Cost per window: faithfulness 1 + 2 x 5 rankings x ratios forward passes (claims 1-4; "
-                        "91 by default), rivals 2 x 3 rankings x ratios more (the head-to-head with leave-one-out, "
-                        "value zeroing and ALTI, claims 17-22; 54 by default), sinks 3 (claims 5-10), selection 1 (claims 11-12), heads the taxonomy "
+                        "91 by default), rivals 2 x 6 rankings x ratios more (the head-to-head with leave-one-out, "
+                        "value zeroing, ALTI, gradient x attention and the two rollouts, claims 17-28; 108 by "
+                        "default, and a backward pass and two forwards per window), sinks 3 (claims 5-10), selection 1 (claims 11-12), heads the taxonomy "
                         "pass, a pass per removal order and retention, and the single-head removal on the "
                         "calibration windows (claims 13-16)")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULTS.ratios),
                    help="faithfulness removal ratios (default %(default)s)")
+    p.add_argument("--per-head", action="store_true",
+                   help="rank the faithfulness interventions per head (each head masks its own top or bottom "
+                        "sources) instead of per token; the head-to-head then leaves out the measures defined "
+                        "on the layer only")
+    p.add_argument("--rivals", default=None,
+                   help="the published measures of the head-to-head rows, comma-separated (default: all, "
+                        "from attngeom.metrics.registry.rivals)")
     p.add_argument("--seeds", default=",".join(str(s) for s in DEFAULTS.seeds),
                    help="seeds of the random ranking (default %(default)s)")
     p.add_argument("--ns", default=",".join(str(n) for n in DEFAULTS.ns),
@@ -96,7 +104,21 @@ def check_args(args) -> dict:
         raise InputError(f"--skip: unknown analysis {unknown[0]!r}; known: {', '.join(ANALYSES)}")
     if set(skip) >= set(ANALYSES):
         raise InputError("--skip leaves no analysis to run")
-    return {"skip": [a for a in ANALYSES if a in skip], "ratios": ratios, "seeds": sorted(set(seeds)), "ns": sorted(set(ns)), "retentions": retentions,
+    rivals = None
+    if args.rivals is not None:
+        from attngeom.metrics import registry
+
+        rivals = [x.strip() for x in args.rivals.split(",") if x.strip()]
+        known = registry.rivals()
+        bad = [x for x in rivals if x not in known]
+        if bad or not rivals or len(set(rivals)) != len(rivals):
+            raise InputError(f"--rivals: {'unknown measure ' + repr(bad[0]) if bad else 'name each measure once'}; "
+                             f"known: {', '.join(known)}")
+        if "rivals" in skip:
+            raise InputError("--rivals names the measures of the head-to-head, which --skip rivals leaves out")
+        if getattr(args, "per_head", False) and all(registry.get(x).layer_only for x in rivals):
+            raise InputError("--per-head: every measure of --rivals is defined on the layer only (no per-head ranking)")
+    return {"skip": [a for a in ANALYSES if a in skip], "rivals": rivals, "ratios": ratios, "seeds": sorted(set(seeds)), "ns": sorted(set(ns)), "retentions": retentions,
             "fixed_order": order}
 
 
@@ -112,7 +134,8 @@ def run(args) -> int:
     options = Settings(window=args.window, max_windows=args.max_windows, calib_windows=args.calib_windows,
                        ratios=tuple(opts["ratios"]), seeds=tuple(opts["seeds"]), ns=tuple(opts["ns"]),
                        repeats=args.repeats, retentions=tuple(opts["retentions"]),
-                       fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap, seed=args.seed)
+                       fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap, seed=args.seed,
+                       per_head=args.per_head, rivals=None if opts["rivals"] is None else tuple(opts["rivals"]))
     analyses = [a for a in ANALYSES if a not in opts["skip"]]
     # critical_k is no option of the command: the identity holds what its options change
     settings = {**common.corpus_identity(args, fields), "skip": opts["skip"],

@@ -137,13 +137,28 @@ def auto_rows(handle: ModelHandleLike, length: int, budget_bytes: float = 3e9, c
 # --------------------------------------------------------------------------------------------
 
 
-def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], layers) -> list[float]:
+def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], layers, prepared: dict | None = None) -> list[float]:
     """Summed NLL of ``unit`` under each variant of ``chunk``, in one batched forward (row ``b``
-    uses variant ``b``)."""
+    uses variant ``b``). ``prepared``: a cache of the unit's maps computed before the forward
+    (:func:`attngeom.capture.prepared.prepare`: gradients, rollouts), filled on first use."""
+    from attngeom.capture.prepared import prepare
+    from attngeom.metrics import registry
+
     T = len(unit.ids)
     ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
     batch = InputBatch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
-    session = Session(intervention=RankIntervention(chunk, salts=[unit.salt] * len(chunk)), layers=layers)
+    cache = {} if prepared is None else prepared
+    if cache.get("unit") != unit.digest:
+        cache.clear()
+        cache["unit"] = unit.digest
+    maps: dict = {}
+    for name in registry.prepared_names(v.metric for v in chunk if v.metric is not None and not v.clean):
+        if name not in cache:
+            cache[name] = prepare(handle, unit.ids, unit.n_scored, [name])
+        for layer, m in cache[name].items():
+            maps.setdefault(layer, {}).update(m)
+    session = Session(intervention=RankIntervention(chunk, salts=[unit.salt] * len(chunk)), layers=layers,
+                      prepared=maps)
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
 
 
@@ -164,9 +179,11 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
     V = len(variants)
     R = rows or (auto_rows(handle, max(len(u.ids) for u in units)) if units else 1)
 
+    prepared: dict = {}     # the current unit's gradients and rollouts, shared by its batched forwards
+
     def work(pairs: list[int]) -> dict:
         unit = units[pairs[0] // V]
-        return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers)}
+        return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers, prepared)}
 
     from attngeom.runs.run import run_or_in_memory
 

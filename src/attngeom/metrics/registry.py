@@ -92,7 +92,15 @@ class Metric:
     the claims' hierarchy and the faithfulness experiment's default rankings). ``token_latex``: the
     token-level score as the figures print it (matplotlib mathtext). ``rival``: the citation of a
     published measure that accounts for values, set against contribution in the faithfulness
-    head-to-head (:func:`rivals`; the claims "contribution is more faithful than X")."""
+    head-to-head (:func:`rivals`; the claims "contribution is more faithful than X").
+
+    ``prepare``: a measure computed before the forward that ranks by it, from the clean forward of
+    the same tokens, names the pass that computes it (``"gradient"``: a backward pass;
+    ``"rollout:<metric>"``: that metric's token-level maps composed over the layers), run by
+    :func:`attngeom.capture.prepared.prepare`; its maps (``[1, H, T, T]`` per head, ``[1, T, T]`` on the
+    layer) are handed to that forward's session (``Session(prepared=...)``) and the block reads them by
+    position (:meth:`~attngeom.capture.plugin.Block.prepared`); a forward without them refuses the
+    measure in one line."""
 
     name: str
     label: str
@@ -107,6 +115,7 @@ class Metric:
     token_latex: str = ""
     token: Callable[["Block"], "torch.Tensor"] | None = None
     rival: str = ""
+    prepare: str | None = None
 
     @property
     def layer_only(self) -> bool:
@@ -174,6 +183,11 @@ def rivals() -> tuple[str, ...]:
     """The published value-aware measures set against contribution in the faithfulness head-to-head
     (the metrics with a ``rival`` citation, in registration order)."""
     return tuple(n for n, m in METRICS.items() if m.rival)
+
+
+def prepared_names(names: Iterable[str]) -> tuple[str, ...]:
+    """Those of ``names`` that are registry metrics computed before the forward (``prepare``)."""
+    return tuple(n for n in dict.fromkeys(names) if n in METRICS and METRICS[n].prepare is not None)
 
 
 def per_head_names() -> tuple[str, ...]:
@@ -246,3 +260,5 @@ register(Metric("contribution_inter", "contribution (inter-head)", lambda b: b.m
 from attngeom.metrics import leave_one_out as _leave_one_out  # noqa: E402,F401
 from attngeom.metrics import value_zeroing as _value_zeroing  # noqa: E402,F401
 from attngeom.metrics import alti as _alti  # noqa: E402,F401
+from attngeom.metrics import gradient as _gradient  # noqa: E402,F401
+from attngeom.metrics import rollout as _rollout  # noqa: E402,F401

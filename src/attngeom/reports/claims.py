@@ -49,6 +49,9 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
     lines.append(f"Data: {escape(data)}; {w.get('windows', '?')} windows ({w.get('tokens_scored', '?')} predicted "
                  f"tokens)" + (f", head removal: {w['calibration_windows']} calibration / {w['heldout_windows']} "
                                "held-out windows" if "calibration_windows" in w else "") + ".")
+    if s.get("per_head"):
+        lines.append("Faithfulness rankings: **per head** (each head masks its own top or bottom sources; "
+                     "SPEC §3's option), not per token.")
     lines.append(f"Intervals: 95 % percentile bootstrap over windows, {s.get('bootstrap')} resamples, seed "
                  f"{s.get('seed')}." + (f" Run time {seconds:.0f} s." if seconds is not None else ""))
     lines.append("Verdict: **holds** when the whole interval is on the claim's side, **refuted** when it is "

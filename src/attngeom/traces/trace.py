@@ -59,6 +59,7 @@ class LayerTrace:
     G: torch.Tensor        # [H, d, d]
     w_o: torch.Tensor      # [D, H*d]
     learned_sink: torch.Tensor | None = None  # [H, T] a_i∅: the learned sink's share (gpt-oss; SPEC §1)
+    prepared: dict | None = None  # {metric: map} of the measures computed before the forward (analyze(prepare=...))
 
     @property
     def num_heads(self) -> int:
@@ -73,7 +74,7 @@ class LayerTrace:
         T = self.a.shape[-1]
         state = LayerState(layer=self.index, module=None, value=self.v[None], w_o=self.w_o, G=self.G,
                            G_full=metrics.full_gram(self.w_o), kv_head=torch.arange(self.num_heads),
-                           lengths=torch.tensor([T]))
+                           lengths=torch.tensor([T]), prepared=self.prepared)
         return Block(state=state, a=self.a[None], q_start=0, k_start=0, learned_sink=self._sink())
 
     def _sink(self) -> torch.Tensor | None:
@@ -282,10 +283,21 @@ class Trace:
 
 @takes_handle
 def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[int] | None = None, batch_size: int = 4,
-                  block_elements: int | None = None) -> list[Trace]:
+                  block_elements: int | None = None, prepare: Iterable[str] = ()) -> list[Trace]:
     """Full traces of several texts (or id lists), right-padded into batches of ``batch_size``.
 
-    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (smaller: less memory, more blocks)."""
+    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (smaller: less memory, more blocks).
+    ``prepare``: measures computed before the forward (``grad_attention``, ``rollout``,
+    ``contribution_rollout``: :func:`attngeom.metrics.registry.prepared_names`), each text's by its own
+    pass (the gradient of its log-likelihood; the rollouts of its clean forward), so that
+    ``layer.metric(name)`` / ``layer.token_score(name)`` read them (not stored by :meth:`Trace.save`)."""
+    prepare = tuple(prepare)
+    for name in prepare:
+        if name not in registry.METRICS:
+            raise InputError(f"unknown metric {name!r}; known: {', '.join(registry.METRICS)}")
+        if not registry.prepared_names([name]):
+            raise InputError(f"{name} needs no pass before the forward; known: "
+                             f"{', '.join(registry.prepared_names(registry.METRICS))}")
     capture = FullCapture()
     traces: dict[int, Trace] = {}
     session = Session(observers=[capture], layers=layers,
@@ -296,14 +308,24 @@ def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[
         for b, i in enumerate(batch.index):
             L = int(batch.lengths[b])
             ids = batch.ids[b, :L].tolist()
+            maps = _prepared_maps(handle, ids, prepare)
             lts = [
                 LayerTrace(layer, st["a"][b, :, :L, :L].clone(), st["v"][b, :, :L].clone(), st["G"], st["w_o"],
-                           learned_sink=st["sink"][b, :, :L].clone() if "sink" in st else None)
+                           learned_sink=st["sink"][b, :, :L].clone() if "sink" in st else None,
+                           prepared=maps.get(layer))
                 for layer, st in sorted(capture.result().items())
             ]
             traces[i] = Trace(ids=ids, tokens=handle.tokens(ids), layers=lts, model_name=getattr(handle, "name", ""),
                               special=special_positions(handle, ids))
     return [traces[i] for i in sorted(traces)]
+
+
+def _prepared_maps(handle: ModelHandleLike, ids: list[int], names: Sequence[str]) -> dict:
+    if not names:
+        return {}
+    from attngeom.capture.prepared import prepare
+
+    return prepare(handle, ids, len(ids) - 1, names)
 
 
 @takes_handle
@@ -336,7 +358,7 @@ def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: 
 
 @takes_handle
 def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = None, block_elements: int | None = None,
-            generate: int | None = None, **generation) -> Trace:
+            generate: int | None = None, prepare: Iterable[str] = (), **generation) -> Trace:
     """Full trace of one text (a string, or token ids): every layer's metric maps.
 
     ``analyze(load_model("smollm2-135m"), "some text").layers[5].contribution`` is a
@@ -345,12 +367,16 @@ def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = Non
     ``generate=N``: ``text`` is a prompt (or a list of chat messages) and the trace covers prompt +
     the model's answer of up to ``N`` tokens, captured step by step with the KV cache;
     ``generation`` takes ``chat``, ``system``, ``sample``, ``temperature``, ``top_p``, ``seed`` and
-    ``stop`` (:func:`analyze_generation`, docs/generation.md)."""
+    ``stop`` (:func:`analyze_generation`, docs/generation.md). ``prepare``: the measures computed
+    before the forward to make available (:func:`analyze_batch`; a text analysed as given)."""
     if generate is not None or generation:
+        if tuple(prepare):
+            raise InputError("prepare= computes gradients and rollouts of a text analysed as given, not of a generation")
         if generate is None:
             raise InputError(f"{sorted(generation)[0]} is an option of generation; give generate=N")
         return analyze_generation(handle, text, generate=generate, layers=layers, block_elements=block_elements,
                            **generation)
     if isinstance(text, (list, tuple)) and text and isinstance(text[0], str):
         raise InputError("analyze takes one text; use analyze_batch for several")
-    return analyze_batch(handle, [text], layers=layers, batch_size=1, block_elements=block_elements)[0]
+    return analyze_batch(handle, [text], layers=layers, batch_size=1, block_elements=block_elements,
+                         prepare=prepare)[0]
