@@ -5,7 +5,9 @@ in both modes, and the verdict of contribution against each measure with its mar
 per ratio (the tables of docs/findings-faithfulness.md).
 
     python tools/h2h_tables.py docs/claims-runs/h2h-smollm2-135m-wikitext [more runs ...]
-    python tools/h2h_tables.py --readme RUN [RUN ...]      # the README's table: a column per run
+    python tools/h2h_tables.py --readme RUN[+RUN] [RUN[+RUN] ...]
+        # the README's table: a column per model and corpus, its rows from one run or several
+        # (joined with +: the runs of different measures on the same windows)
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-MEASURES = ("attention", "value_weighted", "output_normalized", "contribution", "leave_one_out", "value_zeroing", "alti")
+MEASURES = ("attention", "value_weighted", "output_normalized", "contribution", "leave_one_out", "value_zeroing", "alti",
+            "grad_attention", "rollout", "contribution_rollout")
+LABELS = {"leave_one_out": "leave-one-out", "value_zeroing": "value zeroing", "alti": "ALTI",
+          "grad_attention": "gradient × attention", "rollout": "attention rollout",
+          "contribution_rollout": "contribution rollout"}
 MODES = ("comprehensiveness", "sufficiency")
 MARK = {"holds": "✓", "refuted": "✗", "inconclusive": "·"}
 
@@ -55,30 +61,38 @@ def tables(run: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def readme(runs: list[Path]) -> str:
-    """One row per head-to-head claim, one column per run: the verdict and the AOC margin."""
-    res = [json.loads((r / "claims.json").read_text(encoding="utf-8")) for r in runs]
+def readme(columns: list[list[Path]]) -> str:
+    """One row per head-to-head claim, one column per model and corpus (the rows of its runs): the
+    verdict and the AOC margin; rows numbered as ``attngeom claims`` numbers them by default."""
+    from attngeom.claims.catalogue import CLAIMS
+
+    res = [[json.loads((r / "claims.json").read_text(encoding="utf-8")) for r in runs] for runs in columns]
     names = {"SmolLM2-135M-Instruct": "SmolLM2-135M", "gemma-3-270m": "Gemma 3 270M"}
-    head = [f"{names.get(x['model'], x['model'])}, {'WikiText-2' if 'wikitext' in x['data'] else 'Handbook'}"
+    head = [f"{names.get(x[0]['model'], x[0]['model'])}, {'WikiText-2' if 'wikitext' in x[0]['data'] else 'Handbook'}"
             for x in res]
     out = ["| # | contribution is more faithful than … | " + " | ".join(head) + " |",
            "|--:|---|" + "---|" * len(res)]
-    ids = [r["id"] for r in res[0]["rows"] if r["id"].startswith("contribution_beats_")]
-    for k, cid in enumerate(ids, 17):
+    rows = [{q["id"]: q for r in col for q in r["rows"]} for col in res]
+    for k, claim in enumerate(CLAIMS, 1):
+        cid = claim["id"]
+        if not cid.startswith("contribution_beats_") or not any(cid in r for r in rows):
+            continue
         x, mode = cid[len("contribution_beats_"):].rsplit("_", 1)
         cells = []
-        for r in res:
-            row = next(q for q in r["rows"] if q["id"] == cid)
+        for r in rows:
+            row = r.get(cid)
+            if row is None:
+                cells.append("not run")
+                continue
             d = next(iter(row["numbers"].values()))
             v = row["verdict"]
             cells.append(f"{'**' + v + '**' if v != 'inconclusive' else v} ({num(d['value'])} [{num(d['low'])}, {num(d['high'])}])")
-        label = {"leave_one_out": "leave-one-out", "value_zeroing": "value zeroing", "alti": "ALTI"}.get(x, x)
-        out.append(f"| {k} | {label}, {mode} | " + " | ".join(cells) + " |")
+        out.append(f"| {k} | {LABELS.get(x, x)}, {mode} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--readme":
-        print(readme([Path(p) for p in sys.argv[2:]]))
+        print(readme([[Path(q) for q in p.split("+")] for p in sys.argv[2:]]))
     else:
         print("\n".join(tables(Path(p)) for p in sys.argv[1:]))

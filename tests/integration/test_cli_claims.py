@@ -40,7 +40,7 @@ def test_claims_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
         assert all(d["verdict"] in (CL.HOLDS, CL.REFUTED, CL.INCONCLUSIVE) for d in r["per_ratio"]["ratios"].values())
     # the head-to-head: contribution against each published value-aware measure, in both modes
     h2h = [r for r in res["rows"] if r["id"].startswith("contribution_beats_")]
-    rivals = ("leave_one_out", "value_zeroing", "alti")
+    rivals = ("leave_one_out", "value_zeroing", "alti", "grad_attention", "rollout", "contribution_rollout")
     assert [r["id"] for r in h2h] == [f"contribution_beats_{x}_{m}" for x in rivals
                                       for m in ("comprehensiveness", "sufficiency")]
     for r, x in zip(h2h, [x for x in rivals for _ in range(2)]):

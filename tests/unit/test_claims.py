@@ -419,3 +419,34 @@ def test_claims_skip_leaves_out_an_analysis_and_its_cost(tiny_llama_dir, tmp_pat
     assert (out / "claims.md").read_text() == rerender(res)            # claims.md is claims.json rendered
     assert main(args[:-3] + ["--skip", "faithfulness,nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown analysis 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_claims_per_head_and_rivals_choose_the_head_to_head(tiny_llama_dir, tmp_path, capsys):
+    """``--rivals`` names the measures of the head-to-head rows, ``--per-head`` ranks per head and leaves
+    out the measures defined on the layer only; both are recorded and said in the report."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The sink collects attention but adds little to the output. " * 30)
+    out = tmp_path / "claims"
+    base = ["claims", "--model", str(tiny_llama_dir), "--data", str(corpus), "--window", "16", "--max-windows", "4",
+            "--ns", "2", "--ratios", "0.5", "--bootstrap", "100", "--skip", "faithfulness,sinks,selection,heads",
+            "--no-progress"]
+    assert main(base + ["--per-head", "--rivals", "grad_attention,alti", "--out", str(out)]) == 0
+    res = json.loads((out / "claims.json").read_text())
+    assert [r["id"] for r in res["rows"]] == ["contribution_beats_grad_attention_comprehensiveness",
+                                              "contribution_beats_grad_attention_sufficiency"]
+    assert res["settings"]["per_head"] is True and res["settings"]["rivals"] == ["grad_attention", "alti"]
+    assert "rankings: **per head**" in (out / "claims.md").read_text()
+    # refusals before any compute, one line each
+    for extra, says in ((["--rivals", "nope"], "unknown measure 'nope'"),
+                        (["--rivals", "alti,alti"], "name each measure once"),
+                        (["--per-head", "--rivals", "alti,rollout"], "defined on the layer only"),
+                        (["--skip", "rivals,sinks", "--rivals", "alti"], "--skip rivals leaves out")):
+        capsys.readouterr()
+        args = [a for a in base] + extra + ["--out", str(tmp_path / "x")]
+        if "--skip" in extra:
+            i = args.index("--skip")
+            del args[i:i + 2]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
