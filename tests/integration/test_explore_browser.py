@@ -212,6 +212,45 @@ def test_topk_page(driver, tiny_llama, tmp_path):
     assert console_errors(driver) == []
 
 
+def shown_sources(driver, table: str) -> list[tuple[int, float]]:
+    """(position, value as printed) of the rows a sources table lists, in its order."""
+    return [(int(r.get_attribute("data-pos")), float(r.find_element("css selector", "td.val").text))
+            for r in driver.find_elements("css selector", f"#{table} tr.src")]
+
+
+def test_measure_column(driver, tiny_llama, tmp_path):
+    """--measure: a third list of sources, the measure's as Python stored it, for the whole layer and
+    per head; the highlight selector offers it; a layer-only measure (ALTI) says in the per-head view
+    that it has no per-head form and shows no numbers there."""
+    from attngeom.metrics import registry
+
+    for name in ("value_zeroing", "alti"):
+        data = E.build(tiny_llama, TEXT, measure=name)
+        open_page(driver, R.write(data, tmp_path / f"{name}.html"))
+        label, last, q = registry.label(name), data.layers[-1], 7
+        assert driver.find_element("id", "measurelabel").text == label
+        driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()
+        check_view(driver, data, last, None, q)
+        for head in (None, 1):
+            select(driver, "head", -1 if head is None else head)
+            got = shown_sources(driver, "src-measure")
+            if head is not None and registry.get(name).layer_only:
+                assert got == []
+                assert "no per-head form" in driver.find_element("css selector", "#src-measure td.none").text
+                assert "no per-head form" in driver.find_element("id", "srcnote").text
+                continue
+            want = data.sources(last, head, q, name)[:10]
+            assert [p for p, _ in got] == [p for p, _ in want], (name, head)
+            for (_, x), (_, y) in zip(got, want):
+                assert x == pytest.approx(y, rel=1e-2, abs=5e-4)
+        select(driver, "head", -1)
+        select(driver, "hl", name)                       # the highlight: coloured by the measure
+        top = driver.find_element("css selector", f'#tokens .tok[data-pos="{data.top_source(last, None, q, name)}"]')
+        assert label in top.get_attribute("title") and top.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
+        shot(driver, f"explore-measure-{name}.png")
+        assert console_errors(driver) == []
+
+
 def test_token_text_is_data(driver, tiny_llama, tmp_path):
     ids = tiny_llama.encode("x" * (len(NASTY) + 4))[: len(NASTY)]
     data = E.build(tiny_llama, ids)

@@ -15,6 +15,7 @@ import torch
 from attngeom import analyze
 from attngeom.explorer import data as E
 from attngeom.cli import main
+from attngeom.metrics import registry
 from attngeom.reports import explore as R
 
 TEXT = "The cat sat on the mat; the dog lay by the door."
@@ -189,6 +190,106 @@ def test_from_trace_equals_build(exact, trace):
 
 
 # ------------------------------------------------------------------------------------------------
+# A third measure of the registry (--measure): its rows are the trace's maps and scores
+# ------------------------------------------------------------------------------------------------
+
+PREPARED = ["grad_attention", "rollout"]
+
+
+@pytest.fixture(scope="module")
+def prepared_trace(tiny_llama, ids):
+    return analyze(tiny_llama, ids, prepare=PREPARED)
+
+
+def assert_rows_equal_trace(data, trace, name):
+    """Stored rows of ``name`` = ``LayerTrace.metric(name)`` per head and ``token_score(name)`` for the
+    layer, within float16 rounding; nothing above the diagonal; one view for a layer-only measure."""
+    H, T = data.num_heads, data.T
+    layer_only = registry.get(name).layer_only
+    for k, lt in enumerate(trace.layers):
+        x = data.rows[name][k].astype(np.float32)
+        assert x.shape == ((1 if layer_only else H + 1), T, T)
+        assert not np.triu(x, 1).any()
+        np.testing.assert_allclose(x[-1], np.tril(lt.token_score(name)), rtol=2e-3, atol=1e-5)
+        if not layer_only:
+            np.testing.assert_allclose(x[:H], np.tril(lt.metric(name)), rtol=2e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["value_zeroing", "alti", "grad_attention", "rollout"])
+def test_measure_rows_equal_the_trace(tiny_llama, ids, prepared_trace, name):
+    """A per-head measure, a layer-only one and two computed before the forward (build computes
+    their pass itself; from_trace reads a trace analysed with prepare=[...])."""
+    built = E.build(tiny_llama, ids, measure=name)
+    assert built.measure == name and set(built.rows) == set(E.METRICS) | {name}
+    assert_rows_equal_trace(built, prepared_trace, name)
+    assert_rows_equal_trace(E.from_trace(prepared_trace, measure=name), prepared_trace, name)
+    lt, q = prepared_trace.layers[-1], built.T - 2      # the last row of a gradient is 0: it predicts nothing scored
+    assert built.top_source(lt.index, None, q, name) == int(np.argmax(lt.token_score(name)[q]))
+
+
+def test_measure_leaves_the_other_rows_as_they_were(tiny_llama, ids, exact):
+    d = E.build(tiny_llama, ids, measure="value_zeroing")
+    for m in E.METRICS:
+        for a, b in zip(d.rows[m], exact.rows[m]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_measure_topk_rows(tiny_llama, ids):
+    """Top-k rows of a measure are the top of its exact rows by |value| (gradient × attention is
+    signed); a layer-only measure keeps the layer's view only."""
+    k = 3
+    for name in ("grad_attention", "alti"):
+        full = E.build(tiny_llama, ids, measure=name)
+        top = E.build(tiny_llama, ids, measure=name, top_k=k, exact_max_tokens=5)
+        assert top.rows[name][0][0].shape[0] == (1 if registry.get(name).layer_only else top.num_heads + 1)
+        heads = (None,) if registry.get(name).layer_only else (0, None)
+        for l in top.layers:
+            for v in heads:
+                for q in (0, 6, top.T - 2):
+                    exact = dict(full.sources(l, v, q, name))
+                    want = sorted((abs(x) for x in exact.values()), reverse=True)[:k]
+                    got = top.sources(l, v, q, name)       # ties at the k-th value: either source
+                    assert sorted((abs(x) for _, x in got), reverse=True) == pytest.approx(want, rel=8e-3, abs=1e-6)
+                    for p, x in got:
+                        assert x == pytest.approx(exact[p], rel=8e-3, abs=1e-6)
+
+
+def test_layer_only_measure_has_no_per_head_view(tiny_llama, ids):
+    d = E.build(tiny_llama, ids, measure="alti")
+    with pytest.raises(Exception, match="alti is defined on the layer .* no per-head form"):
+        d.sources(d.layers[0], 0, 3, "alti")
+    p = R.payload(d)
+    assert p["measure"] == {"name": "alti", "label": "ALTI", "formula": registry.get("alti").formula,
+                            "layer_only": True}
+    raw, blocks = R.pack(d)
+    words = np.frombuffer(raw[: len(raw) // 2], np.uint8).astype(np.uint16) | (
+        np.frombuffer(raw[len(raw) // 2:], np.uint8).astype(np.uint16) << 8)
+    T, q, k = d.T, d.T - 1, len(d.layers) - 1
+    start = blocks["alti"][k]["val"] + q * (q + 1) // 2      # view 0 = the layer: no per-head views stored
+    assert blocks["alti"][k]["val"] + T * (T + 1) // 2 == words.size         # the last part: one view
+    np.testing.assert_array_equal(words[start:start + q + 1].view(np.float16), d.rows["alti"][k][0, q, :q + 1])
+    assert "measure" not in R.payload(E.build(tiny_llama, ids, layers=[0]))     # pages without one: as before
+
+
+def test_measure_refusals(tiny_llama, ids, trace, prepared_trace, tmp_path):
+    from attngeom.generation.decoding import Decoding
+    from attngeom.traces.trace import Trace
+
+    with pytest.raises(Exception, match="unknown measure 'nope'"):
+        E.build(tiny_llama, ids, measure="nope")
+    with pytest.raises(Exception, match="not for a generation"):
+        E.build(tiny_llama, "The cat", decoding=Decoding(2), measure="rollout")
+    # a trace analysed without prepare=[...], and a saved one (prepared maps are not saved)
+    for t in (trace, Trace.load(prepared_trace.save(tmp_path / "saved"))):
+        for name in PREPARED:
+            with pytest.raises(Exception, match=rf"analyze\(model, text, prepare=\['{name}'\]\)"):
+                E.from_trace(t, measure=name)
+    with pytest.raises(Exception, match="prepare=\\['rollout'\\]"):
+        trace.to_html(tmp_path / "t.html", measure="rollout")
+    assert trace.to_html(tmp_path / "vz.html", measure="value_zeroing").is_file()   # needs no pass
+
+
+# ------------------------------------------------------------------------------------------------
 # HTML: self-contained, data never markup
 # ------------------------------------------------------------------------------------------------
 
@@ -279,6 +380,8 @@ def test_trace_to_html_and_repr(trace, tmp_path):
     (["--layers", "-1"], "does not exist"),
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--exact-max-tokens", "-3"], "--exact-max-tokens"),
+    (["--measure", "nope"], "unknown measure 'nope'; known: attention,"),
+    (["--measure", "grad_attention", "--generate", "3"], "not for a generation"),
 ])
 def test_bad_input_before_the_model(no_model, argv, message, tmp_path, capsys):
     rc = main(["explore", *argv, "--out", str(tmp_path / "o")])
@@ -313,6 +416,25 @@ def test_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main(["explore", "--model", str(tiny_llama_dir), "--text", TEXT + " more", "--out", str(out),
                  "--overwrite"]) == 0
+
+
+def test_command_measure(tiny_llama_dir, tmp_path, capsys):
+    """--measure puts the measure on the page and into the run's identity (recorded only when set: a
+    default run's identity is as before), so a rerun with another measure is another run."""
+    out = tmp_path / "m"
+    base = ["explore", "--model", str(tiny_llama_dir), "--text", TEXT, "--layers", "0,1"]
+    assert main([*base, "--measure", "rollout", "--out", str(out)]) == 0
+    data = json.loads(_data_block((out / "explore.html").read_text(encoding="utf-8")))
+    assert data["measure"]["name"] == "rollout" and data["measure"]["layer_only"]
+    assert set(data["blocks"]) == {*E.METRICS, "rollout"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["measure"] == "rollout" and summary["settings"]["measure"] == "rollout"
+    assert "attention rollout" in (out / "report.md").read_text(encoding="utf-8")
+    capsys.readouterr()
+    assert main([*base, "--measure", "alti", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "plain")]) == 0
+    assert "measure" not in json.loads((tmp_path / "plain" / "summary.json").read_text())["settings"]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3_text", "phi3"])

@@ -145,3 +145,9 @@ def prepare(handle, ids: Sequence[int], n_scored: int, names: Iterable[str]) -> 
         for layer, m in maps.items():
             out.setdefault(layer, {})[name] = m
     return out
+
+
+def prepare_text(handle, ids: Sequence[int], names: Iterable[str]) -> dict[int, dict[str, torch.Tensor]]:
+    """:func:`prepare` for one text analysed as given: its log-likelihood scores every prediction
+    (``n_scored = T - 1``), as :func:`attngeom.traces.trace.analyze` and the explorer compute it."""
+    return prepare(handle, ids, len(ids) - 1, names)

@@ -24,6 +24,7 @@ PAGE = "explore.html"
 
 def add_parser(subparsers) -> None:
     from attngeom.explorer.settings import ExploreSettings
+    from attngeom.metrics import registry
 
     d = ExploreSettings()
     p = subparsers.add_parser(
@@ -31,7 +32,8 @@ def add_parser(subparsers) -> None:
         help="write an interactive, offline HTML explorer of attention vs contribution for one text",
         description="Run one text (default: the built-in sample) through the model and write explore.html "
                     "into --out: the text as tokens (hover or click one to see its sources by attention "
-                    "beside contribution, per head or for the whole layer), a layers x heads grid, the "
+                    "beside contribution, and with --measure a third measure's, per head or for the whole layer), "
+                    "a layers x heads grid, the "
                     "per-layer sink attention vs sink contribution and a contribution-flow graph. One file, "
                     "no network; open it from disk.")
     add_model_args(p)
@@ -42,6 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--exact-max-tokens", type=int, default=d.exact_max_tokens,
                    help="keep every source (exact maps) up to this many tokens (default %(default)s)")
     p.add_argument("--sink", type=int, default=d.sink, help="position of the sink token (default %(default)s)")
+    p.add_argument("--measure", default=d.measure, metavar="NAME",
+                   help="a third list of sources beside attention and contribution: this measure's, per head or "
+                        "for the whole layer (default: none); one of " + ", ".join(registry.names()) +
+                        " (attngeom.metrics.registry; the layer-only ones have no per-head view)")
     add_generation_args(p)
     common.add_progress_arg(p)
     add_out_arg(p, default=DEFAULT_OUT)
@@ -49,7 +55,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from attngeom.explorer.settings import ExploreSettings
+    from attngeom.explorer.settings import ExploreSettings, check_measure
 
     t_start = time.perf_counter()
     # ---- everything that needs no model ----------------------------------------------------------
@@ -57,8 +63,10 @@ def run(args) -> int:
     check_at_least(args, top_k=1, exact_max_tokens=0, sink=0)
     text, source = text_input(args, "explore")
     decoding = decoding_of(args)
+    measure = check_measure(args.measure, generation=decoding is not None)
     prompt = prompt_of(args, text) if decoding else text
-    options = ExploreSettings(top_k=args.top_k, exact_max_tokens=args.exact_max_tokens, sink=args.sink)
+    options = ExploreSettings(top_k=args.top_k, exact_max_tokens=args.exact_max_tokens, sink=args.sink,
+                              measure=measure)
     settings = {**model_identity(args), **text_identity(text, source), "layers": common.layers_identity(layers),
                 **common.settings_identity(options), **settings_of(decoding, args)}
 
@@ -73,7 +81,7 @@ def run(args) -> int:
         if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
             data = build(handle, prompt, layers=checked, top_k=args.top_k,
                          exact_max_tokens=args.exact_max_tokens, sink=args.sink, decoding=decoding, chat=args.chat,
-                         system=args.system, progress=not args.no_progress)
+                         system=args.system, progress=not args.no_progress, measure=measure)
             ids = data.ids
         else:
             ids = handle.encode(text)
@@ -83,7 +91,7 @@ def run(args) -> int:
             if args.sink >= len(ids):
                 raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
             data = build(handle, ids, layers=checked, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
-                         sink=args.sink)
+                         sink=args.sink, measure=measure)
         page = rep.render(data)
 
         def write(staging: Path) -> list[str]:
@@ -97,7 +105,8 @@ def run(args) -> int:
 
         def report(out, files) -> None:
             size = len(page.encode("utf-8"))
-            mode = "exact maps" if data.exact else f"top-{data.top_k} sources"
+            mode = ("exact maps" if data.exact else f"top-{data.top_k} sources") + \
+                ("" if measure is None else f" (+ {measure})")
             print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
                   f"in {time.perf_counter() - t_start:.1f} s -> {out / PAGE}", file=sys.stderr)
             if data.exact and size > 50e6:

@@ -9,12 +9,18 @@ sink figures and the contribution-flow graph. :mod:`attngeom.reports.explore` re
 - the whole layer (``head = None``, stored as view ``H``): attention = mean over heads of ``a_ij^h``
   (the token-level attention score) beside the inter-head contribution ``C_ij = Σ_h C_ij^h``;
 - the heads behind a token: each head's ``C_ij^h`` (metric ``contribution_inter``), whose sum over
-  heads and sources is 1 per layer, beside ``a_ij^h / H`` (as :meth:`attngeom.traces.trace.Trace.heads_for`).
+  heads and sources is 1 per layer, beside ``a_ij^h / H`` (as :meth:`attngeom.traces.trace.Trace.heads_for`);
+- a third measure of :mod:`attngeom.metrics.registry` on request (``measure``): its per-head map for one
+  head, its token-level score (``Block.token_score``) for the whole layer. A layer-only measure (ALTI,
+  the rollouts) keeps the layer's view only: it has no per-head form.
+
+Every row is the registry's: view ``v < H`` is ``Block.metric(name)`` of head ``v``, view ``H``
+``Block.token_score(name)`` (:func:`views`).
 
 **Exact or top-k.** Up to ``exact_max_tokens`` (default 512) every visible source of every
 (layer, view, query) row is kept (*exact maps*). Beyond, each row keeps its ``k`` (default 8)
-largest sources: by value for attention, by absolute value for contribution (so strong negative
-contributions stay visible). Values are stored as float16 (top-k: rounded to 7 significant bits).
+largest sources: by value for attention, by absolute value for contribution and the measure (so
+strong negative contributions stay visible). Values are stored as float16 (top-k: rounded to 7 significant bits).
 
 **Contribution flow** (SPEC §8): the residual shares ``r_i^l`` (:class:`ResidualShares`), the
 transfer matrix ``A^l`` (:meth:`ExploreData.transfer_rows`) and the flow ``f`` back from one token
@@ -31,11 +37,12 @@ import torch
 
 from attngeom.model.arguments import takes_handle
 from attngeom.metrics import formulas as metrics
+from attngeom.metrics import registry
 from attngeom.capture.plugin import Block
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.reducers import Reducer
-from attngeom.explorer.settings import ExploreSettings
+from attngeom.explorer.settings import ExploreSettings, check_measure
 
 DEFAULT_TOP_K = ExploreSettings.top_k
 DEFAULT_EXACT_MAX_TOKENS = ExploreSettings.exact_max_tokens
@@ -44,7 +51,7 @@ METRICS = ("attention", "contribution", "contribution_inter")
 ``C_ij``) and the inter-head contribution ``C_ij^h`` (view H: ``C_ij``), which splits a layer's
 ``C_ij`` by head (the page's heads behind a token; exact maps only, so that top-k pages stay small)."""
 SHOWN = ("attention", "contribution")
-"""The two metrics of the page's Sources panel, side by side."""
+"""The two metrics of the page's Sources panel, side by side (a measure, when asked, is the third)."""
 HEAD_STATS = ("sink_rate", "sink_contribution", "head_share", "regime")
 PAD = 0xFFFF  # index padding in top-k rows (a query with fewer than k visible sources)
 RESIDUAL_DECIMALS = 4  # residual shares are kept to 4 decimals (the page gets the same numbers)
@@ -62,13 +69,16 @@ at most 2^-7 < 0.8%): what keeps T = 2048 on the bundled model under 25 MB. Exac
 class ExploreData:
     """Everything the explorer shows for one text.
 
-    ``rows[metric][k]`` for the analysed layer ``layers[k]``:
+    ``rows[metric][k]`` for the analysed layer ``layers[k]`` (:func:`stored`: the metrics kept):
 
-    - exact (``top_k is None``): float16 ``[H+1, T, T]``, entry ``[v, i, j]`` for ``j <= i`` (zero above
-      the diagonal); view ``v < H`` is head ``v``, view ``H`` the whole layer;
-    - top-k: ``(idx uint16 [H+1, T, k], val float16 [H+1, T, k])``, ``idx`` the source position
+    - exact (``top_k is None``): float16 ``[V, T, T]``, entry ``[v, i, j]`` for ``j <= i`` (zero above
+      the diagonal); ``V = H+1``: view ``v < H`` is head ``v``, view ``H`` the whole layer (a layer-only
+      ``measure``: ``V = 1``, the whole layer);
+    - top-k: ``(idx uint16 [V, T, k], val float16 [V, T, k])``, ``idx`` the source position
       (nearest first; ``PAD`` where a query sees fewer than ``k`` sources), ``val`` rounded to
       :data:`TOPK_MANTISSA_BITS` mantissa bits.
+
+    ``measure``: the registry measure shown beside attention and contribution (None: none).
 
     ``head_stats[name]``: float ``[len(layers), H]`` (``regime``: 0 Retriever, 1 Mixer, 2 Reset).
     ``layer_sink``: ``{"sink_attention", "sink_contribution", "sink_share"}`` each ``[len(layers)]``.
@@ -94,6 +104,7 @@ class ExploreData:
     answer: dict | None = None
     special: list[int] = field(default_factory=list)
     template: list[int] = field(default_factory=list)
+    measure: str | None = None
 
     @property
     def T(self) -> int:
@@ -115,13 +126,25 @@ class ExploreData:
         except ValueError:
             raise InputError(f"layer {layer} was not analysed; analysed: {self.layers}") from None
 
-    def sources(self, layer: int, head: int | None, query: int, metric: str) -> list[tuple[int, float]]:
-        """``[(source position, value), ...]`` of one row, by value (largest first), as stored."""
-        if metric not in METRICS:
-            raise InputError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+    def _view(self, metric: str, head: int | None) -> int:
+        """The stored view of ``metric`` for ``head`` (None: the whole layer); a layer-only measure has
+        no per-head view and refuses one in one line."""
+        known = METRICS + ((self.measure,) if self.measure not in (None, *METRICS) else ())
+        if metric not in known:
+            raise InputError(f"unknown metric {metric!r}; known: {', '.join(known)} "
+                             "(build(..., measure=NAME) adds a measure of attngeom.metrics.registry)")
         if metric not in self.rows:
             raise InputError(f"{metric} rows are kept with exact maps only (up to exact_max_tokens tokens)")
-        v = self.num_heads if head is None else int(head)
+        if not registry.get(metric).layer_only:
+            return self.num_heads if head is None else int(head)
+        if head is not None:
+            raise InputError(f"{metric} is defined on the layer (all heads at once): it has a token-level score "
+                             "and no per-head form")
+        return 0
+
+    def sources(self, layer: int, head: int | None, query: int, metric: str) -> list[tuple[int, float]]:
+        """``[(source position, value), ...]`` of one row, by value (largest first), as stored."""
+        v = self._view(metric, head)
         entry = self.rows[metric][self._k(layer)]
         if self.exact:
             vals = entry[v, query, : query + 1].astype(np.float32)
@@ -216,13 +239,31 @@ def round_float16(x: np.ndarray, bits: int = 7) -> np.ndarray:
     return u.astype(np.uint16).view(np.float16)
 
 
-class RowCollector(Reducer):
-    """Keeps, per analysed layer, the explorer rows (module docstring) of one text (batch of one).
-    ``T``: the rows' length (a generation: the longest possible; :meth:`crop` to what it became)."""
+def stored(top_k: int | None, measure: str | None = None) -> tuple[str, ...]:
+    """The metrics whose rows a page keeps: :data:`METRICS` with exact maps, :data:`SHOWN` with top-k
+    rows, then ``measure`` (when not one of them)."""
+    kept = METRICS if top_k is None else SHOWN
+    return kept + ((measure,) if measure is not None and measure not in kept else ())
 
-    def __init__(self, T: int, num_heads: int, top_k: int | None):
+
+def views(block: Block, name: str) -> torch.Tensor:
+    """The rows of registry metric ``name`` in one block (batch of one), float32: ``[H+1, Q, S]``, each
+    head's map (``Block.metric``) then the whole layer's token-level score (``Block.token_score``);
+    ``[1, Q, S]``, the layer's alone, for a layer-only measure."""
+    layer = block.token_score(name)[0].float()[None]
+    if registry.get(name).layer_only:
+        return layer
+    return torch.cat([block.metric(name)[0].float(), layer])
+
+
+class RowCollector(Reducer):
+    """Keeps, per analysed layer, the explorer rows (module docstring) of one text (batch of one):
+    those of :func:`stored` (``measure``: a registry measure besides). ``T``: the rows' length (a
+    generation: the longest possible; :meth:`crop` to what it became)."""
+
+    def __init__(self, T: int, num_heads: int, top_k: int | None, measure: str | None = None):
         self.T, self.H, self.top_k = T, num_heads, top_k
-        self.rows: dict[str, dict[int, object]] = {m: {} for m in (METRICS if top_k is None else SHOWN)}
+        self.rows: dict[str, dict[int, object]] = {m: {} for m in stored(top_k, measure)}
 
     def crop(self, T: int) -> None:
         """Keep the first ``T`` queries (and, for exact maps, sources)."""
@@ -232,32 +273,29 @@ class RowCollector(Reducer):
         self.T = T
 
     def observe(self, block: Block) -> None:
-        B, H, Q, S = block.shape
-        T, q0, k0 = self.T, block.q_start, block.k_start
-        a = block.a[0].float()                                             # [H, Q, S]
-        c = block.contribution[0].float()
-        Ch = block.contribution_inter[0].float()                            # [H, Q, S]
-        C = Ch.sum(0, keepdim=True)                                         # [1, Q, S]
-        views = {"attention": torch.cat([a, a.mean(0, keepdim=True)]), "contribution": torch.cat([c, C])}
+        for m in self.rows:
+            self._keep(block, m, views(block, m))
+
+    def _keep(self, block: Block, m: str, x: torch.Tensor) -> None:
+        """Store one metric's rows ``x [V, Q, S]`` of ``block``: exact, or the top-k sources of each
+        row (by value for attention, by absolute value for the others)."""
+        V, Q, S = x.shape
+        T, q0, k0, store = self.T, block.q_start, block.k_start, self.rows[m]
         if self.top_k is None:
-            views["contribution_inter"] = torch.cat([Ch, C])                # [H+1, Q, S]
-        for m, x in views.items():
-            store = self.rows[m]
-            if self.top_k is None:
-                if block.layer not in store:
-                    store[block.layer] = np.zeros((H + 1, T, T), dtype=np.float16)
-                vis = (block.k_positions[None, :] <= block.q_positions[:, None])[None]
-                x = torch.where(vis, x, torch.zeros_like(x))
-                store[block.layer][:, q0:q0 + Q, k0:k0 + S] = x.cpu().numpy().astype(np.float16)
-            else:
-                if block.layer not in store:
-                    store[block.layer] = (np.full((H + 1, T, self.top_k), PAD, dtype=np.uint16),
-                                          np.zeros((H + 1, T, self.top_k), dtype=np.float16))
-                pos, vals = _topk_rows(x, self.top_k, block.q_positions, block.k_positions,
-                                       by_abs=(m != "attention"))
-                idx, val = store[block.layer]
-                idx[:, q0:q0 + Q] = pos.cpu().numpy().astype(np.uint16)
-                val[:, q0:q0 + Q] = round_float16(vals.cpu().numpy(), TOPK_MANTISSA_BITS)
+            if block.layer not in store:
+                store[block.layer] = np.zeros((V, T, T), dtype=np.float16)
+            vis = (block.k_positions[None, :] <= block.q_positions[:, None])[None]
+            x = torch.where(vis, x, torch.zeros_like(x))
+            store[block.layer][:, q0:q0 + Q, k0:k0 + S] = x.cpu().numpy().astype(np.float16)
+        else:
+            if block.layer not in store:
+                store[block.layer] = (np.full((V, T, self.top_k), PAD, dtype=np.uint16),
+                                      np.zeros((V, T, self.top_k), dtype=np.float16))
+            pos, vals = _topk_rows(x, self.top_k, block.q_positions, block.k_positions,
+                                   by_abs=(m != "attention"))
+            idx, val = store[block.layer]
+            idx[:, q0:q0 + Q] = pos.cpu().numpy().astype(np.uint16)
+            val[:, q0:q0 + Q] = round_float16(vals.cpu().numpy(), TOPK_MANTISSA_BITS)
 
 
 class ResidualShares:
@@ -344,13 +382,18 @@ def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None
 @takes_handle
 def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = None,
           exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS, sink: int = 0, decoding=None,
-          chat: bool = False, system: str | None = None, progress: bool = False) -> ExploreData:
+          chat: bool = False, system: str | None = None, progress: bool = False,
+          measure: str | None = None) -> ExploreData:
     """Run one text (a string or token ids) through the model and collect the explorer's data
     (``progress``: a bar on stderr, counting the generated tokens with ``decoding``).
 
     One streaming pass over ``layers`` (default all) keeps only the rows (exact or top-k), the
     per-head statistics (:class:`attngeom.streaming.reducers.HeadStats`, regimes by
     :func:`attngeom.heads.taxonomy.regimes_of`) and the residual shares.
+
+    ``measure``: a measure of :mod:`attngeom.metrics.registry` whose rows the page shows beside
+    attention and contribution. One computed before the forward (``prepare``: gradient × attention,
+    the rollouts) gets its pass here first (:func:`prepared_maps`), for a text as given only.
 
     ``decoding`` (an :class:`attngeom.generation.decoding.Decoding`): ``text`` is a prompt (``chat``/``system``
     as in :func:`attngeom.generation.decoding.prompt_ids`); the same collectors observe the generation step by
@@ -360,6 +403,7 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     from attngeom.model.handle import special_positions
     from attngeom.streaming.reducers import HeadStats
 
+    measure = check_measure(measure, generation=decoding is not None)
     template = ()
     if decoding is not None:
         from attngeom.generation.decoding import prompt_ids, template_positions
@@ -378,13 +422,14 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     if not 0 <= sink < len(ids):
         raise InputError(f"sink position {sink} is beyond the input ({len(ids)} tokens)")
     k = resolve_mode(T, top_k, exact_max_tokens)
-    rows = RowCollector(T, H, k)
+    rows = RowCollector(T, H, k, measure)
     stats = HeadStats(sink=sink)
+    prepared = prepared_maps(handle, ids, measure, layers) if decoding is None else None
     res = ResidualShares(handle, layers)
     answer = None
     try:
         if decoding is None:
-            stream(handle, [ids], [rows, stats], layers=layers, progress=progress)
+            stream(handle, [ids], [rows, stats], layers=layers, progress=progress, prepared=prepared)
         else:
             from attngeom.generation.decoding import AnswerSources, stream_generation_ids
 
@@ -403,7 +448,29 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
         rows={m: [rows.rows[m][l] for l in layers] for m in rows.rows},
         head_stats=head, layer_sink=sink_fig, residual_share=share, top_k=k, sink=sink,
         model_name=getattr(handle, "name", ""), meta={"num_layers": L}, answer=answer,
-        special=list(special_positions(handle, ids)), template=list(template))
+        special=list(special_positions(handle, ids)), template=list(template), measure=measure)
+
+
+def prepared_maps(handle: ModelHandleLike, ids, measure: str | None, layers: list[int]) -> dict | None:
+    """The maps of ``measure`` computed before the forward of one text as given
+    (:func:`attngeom.capture.prepared.prepare_text`), at ``layers``, as ``Session(prepared=...)`` takes
+    them; None for a measure that needs no such pass."""
+    if measure is None or not registry.prepared_names([measure]):
+        return None
+    from attngeom.capture.prepared import prepare_text
+
+    maps = prepare_text(handle, ids, [measure])
+    return {l: maps[l] for l in layers if l in maps}
+
+
+def check_trace_measure(trace, measure: str | None) -> None:
+    """Refuse, in one line, a measure computed before the forward that ``trace`` does not hold (it
+    was analysed without ``prepare=[measure]``, or saved and loaded: those maps are not saved)."""
+    if measure is None or registry.get(measure).prepare is None:
+        return
+    if not all(lt.prepared and measure in lt.prepared for lt in trace.layers):
+        raise InputError(f"{measure} is computed before the forward and this trace does not hold it (a saved "
+                         f"trace never does): analyze(model, text, prepare=[{measure!r}]) gives a trace that has it")
 
 
 def _answer_summary(summary, layers: list[int], P: int) -> dict:
@@ -418,9 +485,11 @@ def _answer_summary(summary, layers: list[int], P: int) -> dict:
 
 
 def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAULT_EXACT_MAX_TOKENS,
-               sink: int = 0) -> ExploreData:
+               sink: int = 0, measure: str | None = None) -> ExploreData:
     """The explorer's data from a :class:`attngeom.traces.trace.Trace` (no residual stream: the flow graph
-    is not available). A generation's trace (``trace.prompt_length``) gets its answer view."""
+    is not available). A generation's trace (``trace.prompt_length``) gets its answer view. ``measure``
+    as in :func:`build`; one computed before the forward needs a trace that holds it
+    (:func:`check_trace_measure`)."""
     from attngeom.generation.decoding import AnswerSources, GenerationBatch
     from attngeom.streaming.reducers import HeadStats
 
@@ -431,8 +500,10 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
     if not layers:
         raise InputError("the trace holds no layers")
     H = trace.layers[0].num_heads
+    measure = check_measure(measure)
+    check_trace_measure(trace, measure)
     k = resolve_mode(T, top_k, exact_max_tokens)
-    rows = RowCollector(T, H, k)
+    rows = RowCollector(T, H, k, measure)
     stats = HeadStats(sink=sink)
     P = trace.prompt_length
     sources = AnswerSources(sink=sink) if P is not None and 0 < P < T else None
@@ -454,4 +525,5 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
         tokens=list(trace.tokens), ids=list(trace.ids), layers=layers, num_heads=H,
         rows={m: [rows.rows[m][l] for l in layers] for m in rows.rows},
         head_stats=head, layer_sink=sink_fig, residual_share=None, top_k=k, sink=sink,
-        model_name=trace.model_name, meta={}, answer=answer, special=list(trace.special), template=list(trace.template))
+        model_name=trace.model_name, meta={}, answer=answer, special=list(trace.special), template=list(trace.template),
+        measure=measure)

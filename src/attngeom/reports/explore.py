@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attngeom.explorer.data import METRICS, PAD, ExploreData
+from attngeom.explorer.data import PAD, ExploreData
 
 TEMPLATE = "explore_template.html"
 PLACEHOLDER = "__EXPLORE_DATA__"
@@ -39,7 +39,7 @@ def pack(data: ExploreData) -> tuple[bytes, dict]:
     ``N`` uint16 words as two byte planes (all low bytes, then all high bytes), which deflate
     compresses better than interleaved words."""
     parts: list[np.ndarray] = []
-    blocks: dict[str, list[dict]] = {m: [] for m in METRICS if m in data.rows}
+    blocks: dict[str, list[dict]] = {m: [] for m in data.rows}
     off = 0
     T = data.T
     for m in blocks:
@@ -71,6 +71,18 @@ def encode_sources(idx: np.ndarray) -> np.ndarray:
     return code.astype(np.uint16).reshape(-1)
 
 
+def measure_entry(name: str | None) -> dict:
+    """The page's ``measure`` entry (empty without one): the registry measure of the third list of
+    sources, its label and formula, and whether it is defined on the layer only (no per-head view)."""
+    if name is None:
+        return {}
+    from attngeom.metrics import registry
+
+    m = registry.get(name)
+    return {"measure": {"name": name, "label": registry.label(name), "formula": m.formula,
+                        "layer_only": m.layer_only}}
+
+
 def _escape_json(text: str) -> str:
     return (text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
@@ -95,6 +107,7 @@ def payload(data: ExploreData, level: int = 9) -> dict:
         "sink": data.sink,
         "exact": data.exact,
         "k": data.top_k,
+        **measure_entry(data.measure),
         "tokens": list(data.tokens),
         "special": [int(p) for p in data.special],
         "template": [int(p) for p in data.template],
@@ -126,14 +139,15 @@ def render(data: ExploreData) -> str:
 
 def summary(data: ExploreData, settings: dict, page_bytes: int, runtime_s: float) -> dict:
     """``summary.json`` of ``attngeom explore``: the run's settings, what the page holds (tokens,
-    layers, exact maps or top-k sources, the answer's length) and each analysed layer's sink
-    attention and contribution (the page's sink chart); :func:`attngeom.reports.run_report.render`
-    writes ``report.md`` from it."""
+    layers, exact maps or top-k sources, the answer's length, the measure when one is shown) and each
+    analysed layer's sink attention and contribution (the page's sink chart);
+    :func:`attngeom.reports.run_report.render` writes ``report.md`` from it."""
     P = None if data.answer is None else int(data.answer["prompt_length"])
     return {"command": "explore", "model": data.model_name, "settings": settings,
             "source": settings.get("source"), "tokens": data.T, "prompt_tokens": P,
             "answer_tokens": None if P is None else data.T - P, "layers": list(data.layers),
             "heads": data.num_heads, "sink": data.sink, "exact": bool(data.exact), "top_k": data.top_k,
+            **({} if data.measure is None else {"measure": data.measure}),
             "layer_sink": {k: [float(x) for x in v] for k, v in data.layer_sink.items()},
             "page_bytes": int(page_bytes), "runtime_s": runtime_s}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from attngeom.metrics import registry
 from attngeom.reports import markdown as md
 from attngeom.stats.resampling import MIN_UNITS, format_number
 
@@ -159,6 +160,8 @@ def _explore(s: dict) -> list[tuple[str, str]]:
            ("maps", "exact" if s.get("exact") else f"top-{s.get('top_k')} sources per (layer, head, query)")]
     if s.get("answer_tokens") is not None:
         out.append(("prompt + answer tokens", f"{s['prompt_tokens']} + {s['answer_tokens']}"))
+    if s.get("measure"):
+        out.append(("third list of sources", registry.label(s["measure"])))
     sink = s.get("layer_sink", {})
     for key, what in (("sink_attention", "attention"), ("sink_contribution", "contribution")):
         v = sink.get(key, [])

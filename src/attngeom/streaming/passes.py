@@ -180,15 +180,17 @@ def stream(
     total: int | None = None,
     block_elements: int | None = None,
     index: Sequence[int] | None = None,
+    prepared: dict | None = None,
 ) -> Sequence[Reducer]:
     """Run every input through the model with ``reducers`` observing ``layers`` (default: all).
 
     Keeps no full maps: each reducer keeps its own summaries. ``index``: the inputs' numbers in the
-    whole stream (see :func:`make_batches`). Returns the reducers."""
+    whole stream (see :func:`make_batches`). ``prepared``: the maps computed before the forward
+    (``Session(prepared=...)``; one text's, so one input). Returns the reducers."""
     from tqdm.auto import tqdm
 
     session = Session(observers=reducers, intervention=intervention, layers=layers,
-                      block_elements=block_elements)
+                      block_elements=block_elements, prepared=prepared)
     desc = progress if isinstance(progress, str) else "analyse"
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]

@@ -225,7 +225,9 @@ class Trace:
 
     def to_html(self, path: str | Path, **options) -> Path:
         """Write the interactive explorer of this trace (one offline HTML file, see docs/explore.md);
-        ``options`` go to :func:`attngeom.explorer.data.from_trace` (``top_k``, ``exact_max_tokens``, ``sink``)."""
+        ``options`` go to :func:`attngeom.explorer.data.from_trace` (``top_k``, ``exact_max_tokens``, ``sink``,
+        ``measure``: a registry measure shown beside attention and contribution; one computed before the
+        forward needs ``analyze(..., prepare=[measure])``)."""
         from attngeom.explorer.data import from_trace
 
         return from_trace(self, **options).to_html(path)
@@ -323,9 +325,9 @@ def analyze_batch(handle: ModelHandleLike, items: Sequence, *, layers: Iterable[
 def _prepared_maps(handle: ModelHandleLike, ids: list[int], names: Sequence[str]) -> dict:
     if not names:
         return {}
-    from attngeom.capture.prepared import prepare
+    from attngeom.capture.prepared import prepare_text
 
-    return prepare(handle, ids, len(ids) - 1, names)
+    return prepare_text(handle, ids, names)
 
 
 @takes_handle
