@@ -45,8 +45,10 @@ demo: $(STAMP)
 # turns their skip into a failure.
 REQUIRE_BROWSER = ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
 
+# every tier; the unit tier one process per core (its tests are independent), the others in one
 test: $(STAMP) browser
-	$(REQUIRE_BROWSER) $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/unit
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests/integration tests/models
 
 # The three tiers of docs/testing.md, one at a time: unit (tiny models, one process per core with
 # pytest-xdist, under a minute on two cores), integration (the command line, runs, distributed, the
