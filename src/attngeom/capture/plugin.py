@@ -452,7 +452,7 @@ class Session:
     None means all. Layers outside it still run through the exact blocked path, unobserved.
     ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :data:`DEFAULT_BLOCK_ELEMENTS`).
     ``prepared``: ``{layer: {metric: map}}`` of the measures computed before this forward
-    (:func:`attngeom.metrics.registry.prepare`), read by :meth:`Block.prepared`."""
+    (:func:`attngeom.capture.prepared.prepare`), read by :meth:`Block.prepared`."""
 
     def __init__(
         self,
