@@ -144,6 +144,7 @@ def test_value_zeroing_equals_zeroing_the_values_and_rerunning_the_layer(gqa):
             want[:, j] = torch.where(torch.arange(T) >= j, 1 - cos, torch.zeros_like(cos))
         got = torch.from_numpy(trace.layers[l].token_score("value_zeroing")).double()
         assert torch.allclose(got, want, atol=2e-5), (l, (got - want).abs().max())
+        assert float(got.min()) >= 0 and float(got.max()) <= 2        # a cosine distance, rounding included
         # per head: j zeroed in head h alone, the rest of the layer's output kept
         per = torch.zeros(h.num_heads, T, T, dtype=torch.float64)
         for hd in range(h.num_heads):
@@ -154,6 +155,7 @@ def test_value_zeroing_equals_zeroing_the_values_and_rerunning_the_layer(gqa):
                 per[hd, :, j] = torch.where(torch.arange(T) >= j, 1 - cos, torch.zeros_like(cos))
         got = torch.from_numpy(trace.layers[l].metric("value_zeroing")).double()
         assert torch.allclose(got, per, atol=2e-5), (l, (got - per).abs().max())
+        assert float(got.min()) >= 0 and float(got.max()) <= 2
 
 
 def test_alti_equals_its_decomposition_in_model_space(gqa):

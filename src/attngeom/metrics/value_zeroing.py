@@ -37,7 +37,7 @@ cancels; there ``o − x`` is formed in model space and the cosine taken directl
 
 def cosine_distance(oo: torch.Tensor, o_dot_part: torch.Tensor, part_sq: torch.Tensor) -> torch.Tensor:
     """``1 − cos(o, o − x)`` from ``‖o‖²``, ``⟨o, x⟩`` and ``‖x‖²`` (broadcast): 0 where ``x = 0`` or
-    ``o = 0``; 1 where ``o − x = 0`` (the output is gone)."""
+    ``o = 0``; 1 where ``o − x = 0`` (the output is gone); within [0, 2]."""
     import torch
 
     from attngeom.metrics import formulas
@@ -46,7 +46,8 @@ def cosine_distance(oo: torch.Tensor, o_dot_part: torch.Tensor, part_sq: torch.T
     den = (oo.clamp_min(0) * rest_sq).sqrt()
     dist = 1 - formulas.safe_div(oo - o_dot_part, den, fill=0.0)
     dist = torch.where((den > 0) | (oo <= 0), dist, torch.ones_like(dist))
-    return torch.where((part_sq > 0) & (oo > 0), dist, torch.zeros_like(dist))
+    # a cosine distance lies in [0, 2]; rounding of the closed form can step just outside
+    return torch.where((part_sq > 0) & (oo > 0), dist, torch.zeros_like(dist)).clamp_(0, 2)
 
 
 def _refine(dist: torch.Tensor, ill: torch.Tensor, o: torch.Tensor, rest) -> torch.Tensor:
@@ -63,7 +64,7 @@ def _refine(dist: torch.Tensor, ill: torch.Tensor, o: torch.Tensor, rest) -> tor
     r = rest(idx)
     cos = torch.nn.functional.cosine_similarity(ob, r, dim=-1, eps=1e-30)
     out = dist.clone()
-    out[idx] = 1 - torch.where(r.abs().amax(-1) > 0, cos, torch.zeros_like(cos))
+    out[idx] = (1 - torch.where(r.abs().amax(-1) > 0, cos, torch.zeros_like(cos))).clamp(0, 2)
     return out
 
 
