@@ -150,10 +150,24 @@ def test_llama31_8b_two_layers_default_suite(test_device):
     assert f["blocks"] >= 8  # several blocks of queries per layer
 
 
+SEED_T = 256
+"""Tokens per input of the full-width checks. Their cost is the bf16 matrix products of two
+7-9B-wide layers (several times slower on a CPU without AVX-512 than in float32), linear in ``T``;
+the checks do not depend on it beyond having several blocks of queries per layer (below)."""
+
+
+def blocks_of(name: str, T: int, blocks: int = 4) -> int:
+    """A ``block_elements`` budget that splits ``T`` queries into about ``blocks`` blocks per layer."""
+    from seed_configs import seed_config
+
+    return seed_config(name).num_attention_heads * T * T // blocks
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SEED_NAMES)
-def test_seed_architecture_at_512(name, test_device):
-    f = check_architecture(name, T=512, device=test_device)
+def test_seed_architecture_at_full_width(name, test_device):
+    f = check_architecture(name, T=SEED_T, block_elements=blocks_of(name, SEED_T), device=test_device)
+    assert f["blocks"] >= 2 * 3, f  # two layers, several blocks of queries each
     print(name, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in f.items()})
 
 
@@ -161,9 +175,11 @@ def test_seed_architecture_at_512(name, test_device):
 def test_mistral_beyond_its_sliding_window(test_device):
     """Beyond the sliding window: queries past it do not see the first tokens (not even the BOS
     sink), and the blocks of those queries compute only their window. Mistral's layers at full
-    width with its window set to 512 and T = 640: the same masks and blocks as its 4096 window at
-    T = 4608 (which, in bf16 on a CPU without AVX-512, takes many minutes), at a seventh of the length."""
-    f = check_architecture("mistral-7b-v0.1", T=640, device=test_device, sliding_window=512)
-    assert f["T"] > 512
+    width with its window set to 128 and T = 320: the same masks and blocks as its 4096 window at
+    T = 4608 (which, in bf16 on a CPU without AVX-512, takes many minutes), at a fourteenth of the length."""
+    T = 320
+    f = check_architecture("mistral-7b-v0.1", T=T, device=test_device, sliding_window=128,
+                           block_elements=blocks_of("mistral-7b-v0.1", T, blocks=5))
+    assert f["T"] > 128
     assert f["late_blocks_skipping"] > 0, f
     print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in f.items()})
