@@ -331,7 +331,8 @@ def test_prepared_maps_rank_a_batch_of_variants_like_one_row(tiny_llama):
              for mode in ("comprehensiveness", "sufficiency")]
     cache: dict = {}
     together = _pair_nll(tiny_llama, unit, chunk, None, cache)
-    assert set(cache) == {"unit", "grad_attention", "rollout", "contribution_rollout"}
+    assert list(cache) == [unit.digest]
+    assert set(cache[unit.digest]) == {"grad_attention", "rollout", "contribution_rollout"}
     alone = [_pair_nll(tiny_llama, unit, [v], None)[0] for v in chunk]
     assert together == pytest.approx(alone, rel=1e-5)
     assert len(set(round(x, 4) for x in together)) == len(chunk)
@@ -353,3 +354,24 @@ def test_analyze_prepares_gradients_and_rollouts_on_request(gqa):
         analyze(h, TEXT, prepare=["contribution"])
     with pytest.raises(InputError, match="not of a generation"):
         analyze(h, TEXT, prepare=["rollout"], generate=2)
+
+
+def test_both_rollouts_share_one_forward_and_equal_each_alone(gqa):
+    """``prepare`` records every rollout's maps in one clean forward: the same maps as each
+    rollout's own pass, bit for bit, for one forward instead of one per rollout."""
+    from attngeom.capture.prepared import prepare, rollout_maps
+
+    h, ids, _, _ = gqa
+    calls = []
+    hook = h.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        both = prepare(h, ids, len(ids) - 1, ["rollout", "contribution_rollout"])
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+    alone = {"rollout": rollout_maps(h, ids, "attention"), "contribution_rollout": rollout_maps(h, ids, "contribution")}
+    assert sorted(both) == sorted(alone["rollout"])
+    for layer, maps in both.items():
+        assert sorted(maps) == ["contribution_rollout", "rollout"]
+        for name, m in maps.items():
+            assert torch.equal(m, alone[name][layer]), (name, layer)

@@ -102,48 +102,66 @@ def gradient_maps(handle, ids: Sequence[int], n_scored: int) -> dict[int, torch.
 
 
 class _TokenMaps:
-    """Records one token-level map ``[B, T, T]`` per layer of a forward."""
+    """Records the token-level maps ``[B, T, T]`` of ``metrics``, per metric and layer, in one forward."""
 
-    def __init__(self, metric: str):
-        self.metric, self.needs, self.maps = metric, registry.closure([metric]), {}
+    def __init__(self, metrics: Sequence[str]):
+        self.maps: dict[str, dict[int, torch.Tensor]] = {m: {} for m in metrics}
 
     def observe(self, block) -> None:
         T = block.state.num_sources                       # one text, no cache: every position
-        m = self.maps.setdefault(block.layer, block.a.new_zeros(block.a.shape[0], T, T))
         Q, S = block.a.shape[2], block.a.shape[3]
-        m[:, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.token_score(self.metric)
+        for metric, maps in self.maps.items():
+            m = maps.setdefault(block.layer, block.a.new_zeros(block.a.shape[0], T, T))
+            m[:, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.token_score(metric)
 
 
-def rollout_maps(handle, ids: Sequence[int], metric: str = "attention") -> dict[int, torch.Tensor]:
-    """``{layer: R^l [1, T, T]}`` of one text: ``metric``'s token-level maps of its clean forward
-    composed from the first layer up (:func:`attngeom.metrics.rollout.compose`)."""
+def rollouts(handle, ids: Sequence[int], metrics: Sequence[str]) -> dict[str, dict[int, torch.Tensor]]:
+    """``{metric: {layer: R^l [1, T, T]}}`` of one text: each metric's token-level maps of its clean
+    forward composed from the first layer up (:func:`attngeom.metrics.rollout.compose`); one
+    forward records every metric's maps."""
     from attngeom.capture.plugin import Session, attngeom_attention_implementation
 
     x = _check_text(handle, ids)
-    rec = _TokenMaps(metric)
+    rec = _TokenMaps(metrics)
     session = Session(observers=[rec])
     with torch.no_grad(), attngeom_attention_implementation(handle.model), \
             session.active(torch.tensor([x.shape[1]], device=x.device)):
         handle.model(input_ids=x, use_cache=False, logits_to_keep=1)
-    layers = sorted(rec.maps)
-    return dict(zip(layers, compose([rec.maps[l] for l in layers])))
+    out = {}
+    for metric, maps in rec.maps.items():
+        layers = sorted(maps)
+        out[metric] = dict(zip(layers, compose([maps[l] for l in layers])))
+    return out
+
+
+def rollout_maps(handle, ids: Sequence[int], metric: str = "attention") -> dict[int, torch.Tensor]:
+    """``{layer: R^l [1, T, T]}`` of one text for one ``metric`` (:func:`rollouts`)."""
+    return rollouts(handle, ids, [metric])[metric]
 
 
 def prepare(handle, ids: Sequence[int], n_scored: int, names: Iterable[str]) -> dict[int, dict[str, torch.Tensor]]:
     """The maps of the measures of ``names`` computed before the forward
     (:func:`attngeom.metrics.registry.prepared_names`), from the clean forward of ``ids``:
-    ``{layer: {name: map}}``, what ``Session(prepared=...)`` takes (empty when none is)."""
+    ``{layer: {name: map}}``, what ``Session(prepared=...)`` takes (empty when none is). The
+    gradient has its own forward and backward pass; every rollout shares one forward."""
     out: dict[int, dict] = {}
+    composed: dict[str, str] = {}                          # measure -> the metric its rollout composes
     for name in registry.prepared_names(names):
         kind = registry.get(name).prepare
         if kind == "gradient":
             maps = gradient_maps(handle, ids, n_scored)
         elif kind.startswith("rollout:"):
-            maps = rollout_maps(handle, ids, kind.split(":", 1)[1])
+            composed[name] = kind.split(":", 1)[1]
+            continue
         else:  # pragma: no cover - a registry entry naming no pass
             raise ValueError(f"metric {name!r}: unknown prepare pass {kind!r}")
         for layer, m in maps.items():
             out.setdefault(layer, {})[name] = m
+    if composed:
+        by_metric = rollouts(handle, ids, sorted(set(composed.values())))
+        for name, metric in composed.items():
+            for layer, m in by_metric[metric].items():
+                out.setdefault(layer, {})[name] = m
     return out
 
 

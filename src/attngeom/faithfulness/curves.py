@@ -140,23 +140,30 @@ def auto_rows(handle: ModelHandleLike, length: int, budget_bytes: float = 3e9, c
 def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], layers, prepared: dict | None = None) -> list[float]:
     """Summed NLL of ``unit`` under each variant of ``chunk``, in one batched forward (row ``b``
     uses variant ``b``). ``prepared``: a cache of the unit's maps computed before the forward
-    (:func:`attngeom.capture.prepared.prepare`: gradients, rollouts), filled on first use."""
+    (:func:`attngeom.capture.prepared.prepare`: gradients, rollouts), keyed by the unit's digest and
+    filled on first use; a new unit replaces the last one's."""
     from attngeom.capture.prepared import prepare
     from attngeom.metrics import registry
 
     T = len(unit.ids)
     ids = torch.tensor(unit.ids, dtype=torch.long)[None].repeat(len(chunk), 1)
     batch = InputBatch(ids=ids, lengths=torch.full((len(chunk),), T), index=list(range(len(chunk))))
-    cache = {} if prepared is None else prepared
-    if cache.get("unit") != unit.digest:
+    cache = {} if prepared is None else prepared          # {unit digest: {name: {layer: map}}}: this unit's only
+    if unit.digest not in cache:
         cache.clear()
-        cache["unit"] = unit.digest
+    done = cache.setdefault(unit.digest, {})
+    wanted = registry.prepared_names(v.metric for v in chunk if v.metric is not None and not v.clean)
+    missing = [n for n in wanted if n not in done]
+    if missing:                                           # together: the rollouts share one forward
+        for layer, by_name in prepare(handle, unit.ids, unit.n_scored, missing).items():
+            for name, m in by_name.items():
+                done.setdefault(name, {})[layer] = m
+        for name in missing:
+            done.setdefault(name, {})
     maps: dict = {}
-    for name in registry.prepared_names(v.metric for v in chunk if v.metric is not None and not v.clean):
-        if name not in cache:
-            cache[name] = prepare(handle, unit.ids, unit.n_scored, [name])
-        for layer, m in cache[name].items():
-            maps.setdefault(layer, {}).update(m)
+    for name in wanted:
+        for layer, m in done[name].items():
+            maps.setdefault(layer, {})[name] = m
     session = Session(intervention=RankIntervention(chunk, salts=[unit.salt] * len(chunk)), layers=layers,
                       prepared=maps)
     return [float(x) for x in batch_nll(handle, batch, session, last=unit.n_scored)]
