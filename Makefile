@@ -45,10 +45,12 @@ demo: $(STAMP)
 # turns their skip into a failure.
 REQUIRE_BROWSER = ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
 
-# every tier; the unit tier one process per core (its tests are independent), the others in one
+# every tier, one process per core, one thread each (the unit tier's tests are independent; the
+# others share only the model cache, written atomically), at most 4 processes for the integration and
+# models tiers (each may hold a 7B-wide layer pair or a bundled model); the slowest tests are listed
 test: $(STAMP) browser
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/unit
-	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests/integration tests/models
+	$(REQUIRE_BROWSER) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --durations 15 tests/integration tests/models
 
 # The three tiers of docs/testing.md, one at a time: unit (tiny models, one process per core with
 # pytest-xdist, under a minute on two cores), integration (the command line, runs, distributed, the

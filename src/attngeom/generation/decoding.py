@@ -568,6 +568,7 @@ class AnswerSources(Reducer):
         # left out of the rankings: the sink (it has its share), the excluded positions, prompt tokens in exclude_ids
         self._left_out = {self.sink, *of_text(self.exclude, batch.index[0]),
                           *(j for j, t in enumerate(prompt_ids) if t in self.exclude_ids)}
+        self._left_out_at = np.array(sorted(self._left_out), dtype=np.int64)
         self._reset()
 
     def _reset(self) -> None:
@@ -591,8 +592,9 @@ class AnswerSources(Reducer):
             got = block.received(w, TABLE_METRICS)
             row = np.zeros((len(TABLE_METRICS), q + 1))
             n = min(S, q + 1 - block.k_start)                        # sources up to the query
-            for m, name in enumerate(TABLE_METRICS):
-                row[m, block.k_start:block.k_start + n] = got[name][0, :n].double().cpu().numpy()
+            # the metrics' rows in one copy to the host
+            row[:, block.k_start:block.k_start + n] = torch.stack(
+                [got[name][0, :n] for name in TABLE_METRICS]).double().cpu().numpy()
             self._add_row(block.layer, q, row)
 
     def _add_row(self, layer: int, q: int, row: np.ndarray) -> None:
@@ -665,7 +667,7 @@ class AnswerSources(Reducer):
 
     def _top(self, row: np.ndarray) -> list[dict]:
         keep = np.ones(row.shape[1], dtype=bool)
-        keep[[j for j in self._left_out if j < row.shape[1]]] = False
+        keep[self._left_out_at[self._left_out_at < row.shape[1]]] = False
         cand, k_top = np.flatnonzero(keep), self.top_k
         out = []
         for k, m in enumerate(TABLE_METRICS):
