@@ -27,7 +27,7 @@ import torch
 from attngeom.capture.plugin import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
-from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_model
+from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_config, seed_model
 from checks import o_proj_inputs as capture_o_proj_inputs
 
 BF16_ULP = 2.0**-8
@@ -158,8 +158,6 @@ the checks do not depend on it beyond having several blocks of queries per layer
 
 def blocks_of(name: str, T: int, blocks: int = 4) -> int:
     """A ``block_elements`` budget that splits ``T`` queries into about ``blocks`` blocks per layer."""
-    from seed_configs import seed_config
-
     return seed_config(name).num_attention_heads * T * T // blocks
 
 

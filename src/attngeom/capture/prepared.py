@@ -111,7 +111,9 @@ class _TokenMaps:
         T = block.state.num_sources                       # one text, no cache: every position
         Q, S = block.a.shape[2], block.a.shape[3]
         for metric, maps in self.maps.items():
-            m = maps.setdefault(block.layer, block.a.new_zeros(block.a.shape[0], T, T))
+            if block.layer not in maps:                   # a layer's first block: its [B, T, T] map, once
+                maps[block.layer] = block.a.new_zeros(block.a.shape[0], T, T)
+            m = maps[block.layer]
             m[:, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.token_score(metric)
 
 

@@ -155,11 +155,10 @@ def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], lay
     wanted = registry.prepared_names(v.metric for v in chunk if v.metric is not None and not v.clean)
     missing = [n for n in wanted if n not in done]
     if missing:                                           # together: the rollouts share one forward
+        done.update({name: {} for name in missing})
         for layer, by_name in prepare(handle, unit.ids, unit.n_scored, missing).items():
             for name, m in by_name.items():
-                done.setdefault(name, {})[layer] = m
-        for name in missing:
-            done.setdefault(name, {})
+                done[name][layer] = m
     maps: dict = {}
     for name in wanted:
         for layer, m in done[name].items():

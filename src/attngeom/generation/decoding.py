@@ -566,9 +566,9 @@ class AnswerSources(Reducer):
         self.P = answer_prompt_length(batch, type(self).__name__)
         prompt_ids = batch.ids[0, :self.P].tolist()
         # left out of the rankings: the sink (it has its share), the excluded positions, prompt tokens in exclude_ids
-        self._left_out = {self.sink, *of_text(self.exclude, batch.index[0]),
-                          *(j for j, t in enumerate(prompt_ids) if t in self.exclude_ids)}
-        self._left_out_at = np.array(sorted(self._left_out), dtype=np.int64)
+        left_out = {self.sink, *of_text(self.exclude, batch.index[0]),
+                    *(j for j, t in enumerate(prompt_ids) if t in self.exclude_ids)}
+        self._left_out_at = np.array(sorted(left_out), dtype=np.int64)
         self._reset()
 
     def _reset(self) -> None:
