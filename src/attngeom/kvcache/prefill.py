@@ -242,12 +242,17 @@ def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _gathered(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The entries ``idx [R, Hkv, K]`` of ``t [1, Hkv, n, d]``, per row and head: ``[R, Hkv, K, d]``
-    (each entry's ``d`` values copied at once: ``index_select`` over the entries, not ``gather``)."""
+def _gathered(t: torch.Tensor, idx: torch.Tensor, room: int = 0) -> torch.Tensor:
+    """The entries ``idx [R, Hkv, K]`` of ``t [1, Hkv, n, d]``, per row and head, in a storage with
+    room for ``room`` more entries per head: ``[R, Hkv, K + room, d]``, whose last ``room`` entries
+    are placeholders (copies of the first) for later tokens to overwrite. Each entry's ``d`` values
+    are copied at once (``index_select`` over the entries, not ``gather``), straight into the storage
+    the cache keeps (no second copy)."""
     _, H, n, d = t.shape
     entries = idx + torch.arange(H, device=idx.device).reshape(1, H, 1) * n
-    return t.reshape(H * n, d).index_select(0, entries.reshape(-1)).reshape(*idx.shape, d)
+    if room:
+        entries = torch.cat([entries, entries[..., :1].expand(*entries.shape[:-1], room)], dim=-1)
+    return t.reshape(H * n, d).index_select(0, entries.reshape(-1)).reshape(*entries.shape, d)
 
 
 def _padded(ts: Sequence[torch.Tensor], K: int, fill) -> torch.Tensor:
@@ -255,20 +260,24 @@ def _padded(ts: Sequence[torch.Tensor], K: int, fill) -> torch.Tensor:
 
 
 class PrefilledLayer(CompressedLayer):
-    """A full-attention layer after the compression: the kept entries ``keys, values [B, Hkv, K, d]``
-    at positions ``pos [B, Hkv, K]`` (``valid`` False on padding), then every later token appended in
+    """A full-attention layer after the compression: the kept entries at positions ``pos [B, Hkv, K]``
+    (``valid`` False on padding), their keys and values the first ``K`` entries of the storages
+    ``keys, values [B, Hkv, K + room, d]`` (:func:`_gathered`), then every later token appended in
     place (room for ``room`` more, doubling past it: :class:`~attngeom.capture.plugin.GrowingTensor`),
     nothing evicted. ``seen``: tokens read before (the next token's position)."""
 
     def __init__(self, keys, values, pos, valid, seen: int, num_heads: int, room: int = 0):
         from attngeom.capture.plugin import GrowingTensor
 
+        K = pos.shape[2]
+        if keys.shape[2] != K + int(room) or values.shape[2] != K + int(room):
+            raise ValueError(f"keys and values need storages of {K} + {room} entries, got {keys.shape[2]} and {values.shape[2]}")
         super().__init__(full(), [NO_EVICTION] * keys.shape[1], num_heads)
         self.lazy_initialization(keys, values)
-        cap = keys.shape[2] + int(room)
-        self._grow = {name: GrowingTensor(2, cap) for name in ("keys", "values", "pos", "valid")}
+        self._grow = {name: GrowingTensor.holding(2, t, K) for name, t in (("keys", keys), ("values", values))}
+        self._grow.update({name: GrowingTensor(2, K + int(room)) for name in ("pos", "valid")})
         self._has_padding = valid is not None
-        for name, t in (("keys", keys), ("values", values), ("pos", pos), ("valid", valid)):
+        for name, t in (("pos", pos), ("valid", valid)):
             if t is not None:
                 self._grow[name].append(t)
         self._views()
@@ -317,7 +326,7 @@ def variant_cache(handle: ModelHandleLike, pre: Prefill, selections: Sequence[Se
         K = max(s.idx[l].shape[-1] for s in selections)
         idx = _padded([s.idx[l] for s in selections], K, 0)
         ok = _padded([s.ok[l] for s in selections], K, False)
-        layers.append(PrefilledLayer(_gathered(lay.keys, idx), _gathered(lay.values, idx), idx,
+        layers.append(PrefilledLayer(_gathered(lay.keys, idx, room), _gathered(lay.values, idx, room), idx,
                                      None if bool(ok.all()) else ok, pre.n, handle.num_heads, room))
     cache.layers = layers
     return cache

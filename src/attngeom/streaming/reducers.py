@@ -390,7 +390,9 @@ class FullCapture(Reducer):
             }
         st["a"][:, :, block.q_start:block.q_start + Q, block.k_start:block.k_start + S] = block.a.cpu()
         if block.learned_sink is not None:   # gpt-oss: the learned sink's share of each row (SPEC §1)
-            st.setdefault("sink", torch.zeros(B, H, T))[:, :, block.q_start:block.q_start + Q] = block.learned_sink.cpu()
+            if "sink" not in st:
+                st["sink"] = torch.zeros(B, H, T)
+            st["sink"][:, :, block.q_start:block.q_start + Q] = block.learned_sink.cpu()
         known, S_all = st["v_known"], block.state.num_sources
         if S_all > known:                    # the sources this call added (a cached token's values never change)
             st["v"][:, :, known:S_all] = block.state.v_from(known).cpu()
