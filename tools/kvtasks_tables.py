@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Markdown tables of an ``attngeom kvtasks`` run (its ``summary.json`` and ``pairs.parquet``): the
+accuracy of every policy at every compression ratio over all tasks with 95 % intervals, each
+geometry policy against the best baseline at each ratio (paired difference, interval, verdict),
+and the accuracy per task (the tables of docs/kvcache.md).
+
+    python tools/kvtasks_tables.py docs/kvtasks-runs/smollm2-135m-2k-question-agnostic
+    python tools/kvtasks_tables.py --readme RUN       # the README's short table
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def pct(x) -> str:
+    return "—" if x is None or x != x else f"{100 * x:.0f}"
+
+
+def iv(r: dict) -> str:
+    lo, hi = r.get("low"), r.get("high")
+    return pct(r["accuracy"]) + ("" if lo is None or lo != lo else f" [{pct(lo)}, {pct(hi)}]")
+
+
+def signed(x: float) -> str:
+    return f"{100 * x:+.0f}"
+
+
+def load(run: Path) -> tuple[dict, list[dict]]:
+    s = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    pairs = []
+    if (run / "pairs.parquet").exists():
+        import pandas as pd
+
+        pairs = pd.read_parquet(run / "pairs.parquet").to_dict(orient="records")
+    return s, pairs
+
+
+def _geometry(pairs: list[dict]) -> set[str]:
+    return {p["policy"] for p in pairs if p["geometry"]}
+
+
+def accuracy_table(s: dict, pairs: list[dict], task: str = "all") -> str:
+    """Policies (rows) by ratio (columns): accuracy in % with its 95 % interval; geometry policies in bold."""
+    rows = [r for r in s["results"] if r["task"] == task]
+    ratios = sorted({r["ratio"] for r in rows if r["policy"] != "full"})
+    geo = _geometry(pairs)
+    by = {(r["policy"], r["ratio"]): r for r in rows}
+    full = by.get(("full", 0.0))
+    out = ["| policy | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
+    if full:
+        out.append("| full cache | " + " | ".join([iv(full)] * len(ratios)) + " |")
+    best = {float(k): v for k, v in s.get("best_baselines", {}).items()}
+    for p in s["policies"]:
+        name = f"**{p}**" if p in geo else p
+        cells = []
+        for r in ratios:
+            c = iv(by[(p, r)]) if (p, r) in by else "—"
+            cells.append(f"*{c}*" if best.get(r) == p else c)
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def verdict_table(s: dict) -> str:
+    """Each geometry policy against the best baseline at each ratio (over all tasks)."""
+    out = ["| ratio | best baseline | geometry policy | difference (points) [95 %] | verdict |", "|---:|---|---|---:|---|"]
+    for v in sorted(s.get("verdicts", []), key=lambda v: (v["ratio"], -v["delta"])):
+        d = f"{signed(v['delta'])}" + ("" if v["low"] != v["low"] else f" [{signed(v['low'])}, {signed(v['high'])}]")
+        out.append(f"| {v['ratio']:g} | {v['baseline']} | {v['policy']} | {d} | {v['verdict']} |")
+    return "\n".join(out)
+
+
+def task_table(s: dict, ratio: float) -> str:
+    """Tasks (columns) by policy (rows) at one ratio: accuracy in %, the full cache's first."""
+    tasks = [t for t in s["tasks"]]
+    by = {(r["task"], r["policy"], r["ratio"]): r for r in s["results"]}
+    out = ["| policy | " + " | ".join(t.replace("_", " ") for t in tasks) + " | all |", "|---|" + "---:|" * (len(tasks) + 1)]
+    for p, r in [("full", 0.0)] + [(p, ratio) for p in s["policies"]]:
+        cells = [pct(by[(t, p, r)]["accuracy"]) if (t, p, r) in by else "—" for t in tasks + ["all"]]
+        out.append(f"| {'full cache' if p == 'full' else p} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def readme_table(s: dict, pairs: list[dict]) -> str:
+    """Per ratio: the full cache, the best baseline, the best geometry policy and its paired difference."""
+    geo = _geometry(pairs)
+    allrows = {(r["policy"], r["ratio"]): r for r in s["results"] if r["task"] == "all"}
+    full = allrows[("full", 0.0)]
+    out = ["| ratio | full cache | best baseline | best geometry policy | difference [95 %] |", "|---:|---:|---|---|---:|"]
+    for ratio, base in sorted((float(k), v) for k, v in s.get("best_baselines", {}).items()):
+        cands = [v for v in s.get("verdicts", []) if v["ratio"] == ratio and v["policy"] in geo]
+        if not cands:
+            continue
+        top = max(cands, key=lambda v: (allrows[(v["policy"], ratio)]["accuracy"], v["policy"]))
+        d = signed(top["delta"]) + ("" if top["low"] != top["low"] else f" [{signed(top['low'])}, {signed(top['high'])}]")
+        out.append(f"| {ratio:g} | {pct(full['accuracy'])} | {base} {iv(allrows[(base, ratio)])} | "
+                   f"{top['policy']} {iv(allrows[(top['policy'], ratio)])} | {d} ({top['verdict']}) |")
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    readme = "--readme" in argv
+    runs = [Path(a) for a in argv if a != "--readme"]
+    if not runs:
+        print(__doc__, file=sys.stderr)
+        return 2
+    for run in runs:
+        s, pairs = load(run)
+        head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
+                f"({len(s['tasks'])} tasks), {'chat template' if s.get('chat_template') else 'no chat template'}")
+        if readme:
+            print(f"{head}\n\n{readme_table(s, pairs)}\n")
+            continue
+        print(f"### {head}\n\nAccuracy (%) over all tasks, 95 % intervals over examples "
+              "(geometry policies in bold; the best baseline at each ratio in italics):\n")
+        print(accuracy_table(s, pairs) + "\n")
+        print("Each geometry policy against the best baseline at each ratio, paired over examples:\n")
+        print(verdict_table(s) + "\n")
+        for ratio in sorted({r["ratio"] for r in s["results"] if r["ratio"] > 0}):
+            print(f"Accuracy (%) per task at ratio {ratio:g}:\n\n{task_table(s, ratio)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
