@@ -42,9 +42,14 @@ def _geometry(pairs: list[dict]) -> set[str]:
     return {p["policy"] for p in pairs if p["geometry"]}
 
 
-def accuracy_table(s: dict, pairs: list[dict], task: str = "all") -> str:
+def overall(s: dict) -> str:
+    """The task of the summary rows over every task: ``all``, or the one task of a run of one."""
+    return "all" if any(r["task"] == "all" for r in s["results"]) else s["tasks"][0]
+
+
+def accuracy_table(s: dict, pairs: list[dict]) -> str:
     """Policies (rows) by ratio (columns): accuracy in % with its 95 % interval; geometry policies in bold."""
-    rows = [r for r in s["results"] if r["task"] == task]
+    rows = [r for r in s["results"] if r["task"] == overall(s)]
     ratios = sorted({r["ratio"] for r in rows if r["policy"] != "full"})
     geo = _geometry(pairs)
     by = {(r["policy"], r["ratio"]): r for r in rows}
@@ -74,11 +79,11 @@ def verdict_table(s: dict) -> str:
 
 def task_table(s: dict, ratio: float) -> str:
     """Tasks (columns) by policy (rows) at one ratio: accuracy in %, the full cache's first."""
-    tasks = [t for t in s["tasks"]]
+    tasks = list(s["tasks"]) + (["all"] if len(s["tasks"]) > 1 else [])
     by = {(r["task"], r["policy"], r["ratio"]): r for r in s["results"]}
-    out = ["| policy | " + " | ".join(t.replace("_", " ") for t in tasks) + " | all |", "|---|" + "---:|" * (len(tasks) + 1)]
+    out = ["| policy | " + " | ".join(t.replace("_", " ") for t in tasks) + " |", "|---|" + "---:|" * len(tasks)]
     for p, r in [("full", 0.0)] + [(p, ratio) for p in s["policies"]]:
-        cells = [pct(by[(t, p, r)]["accuracy"]) if (t, p, r) in by else "—" for t in tasks + ["all"]]
+        cells = [pct(by[(t, p, r)]["accuracy"]) if (t, p, r) in by else "—" for t in tasks]
         out.append(f"| {'full cache' if p == 'full' else p} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -86,7 +91,7 @@ def task_table(s: dict, ratio: float) -> str:
 def readme_table(s: dict, pairs: list[dict]) -> str:
     """Per ratio: the full cache, the best baseline, the best geometry policy and its paired difference."""
     geo = _geometry(pairs)
-    allrows = {(r["policy"], r["ratio"]): r for r in s["results"] if r["task"] == "all"}
+    allrows = {(r["policy"], r["ratio"]): r for r in s["results"] if r["task"] == overall(s)}
     full = allrows[("full", 0.0)]
     out = ["| ratio | full cache | best baseline | best geometry policy | difference [95 %] |", "|---:|---:|---|---|---:|"]
     for ratio, base in sorted((float(k), v) for k, v in s.get("best_baselines", {}).items()):
@@ -109,7 +114,7 @@ def main(argv: list[str]) -> int:
     for run in runs:
         s, pairs = load(run)
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
-                f"({len(s['tasks'])} tasks), {'chat template' if s.get('chat_template') else 'no chat template'}")
+                f"({len(s['tasks'])} task{'s' if len(s['tasks']) > 1 else ''}), {'chat template' if s.get('chat_template') else 'no chat template'}")
         if readme:
             print(f"{head}\n\n{readme_table(s, pairs)}\n")
             continue
