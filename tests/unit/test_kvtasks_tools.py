@@ -1,0 +1,97 @@
+"""tools/kvtasks_merge.py and tools/kvtasks_tables.py on hand-made runs: only whole tasks are
+merged, a task is taken from the first run that has it whole, runs of other settings are refused,
+and the tables show what the summary says."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SETTINGS = {"model": "m", "dtype": "float32", "device_type": "cpu", "threads": 1, "length": 64, "examples": 2,
+            "seed": 0, "haystack": "noise", "policies": ["random", "contribution"], "ratios": [0.5],
+            "mode": "question-agnostic", "chat": None}
+
+
+def _rows(task, examples, scores):
+    """Rows of ``examples`` of ``task``: the full cache and each policy at ratio 0.5, ``scores[policy]``."""
+    out = []
+    for e in examples:
+        for policy, ratio in (("full", 0.0), ("random", 0.5), ("contribution", 0.5)):
+            out.append({"example": e, "task": task, "mode": "question-agnostic", "chat": False, "policy": policy,
+                        "ratio": ratio, "answer": "", "score": scores[policy][e], "answer_tokens": 1, "kept": 1,
+                        "bytes": 1.0, "seconds": 0.1, "kept_share": 1.0 if policy == "full" else 0.5,
+                        "prefill_seconds": 0.1})
+    return pd.DataFrame(out)
+
+
+def _run(path: Path, tasks, rows: pd.DataFrame, finished: bool, **settings) -> Path:
+    (path / "checkpoint").mkdir(parents=True)
+    doc = {"format": 2, "command": "kvtasks", "settings": {**SETTINGS, "tasks": tasks, **settings}}
+    (path / "checkpoint" / "settings.json").write_text(json.dumps(doc))
+    if finished:
+        rows.to_parquet(path / "answers.parquet")
+    else:                                                   # a stopped run: its units in the checkpoint
+        from attngeom.runs.storage import encode_record
+
+        with (path / "checkpoint" / "records-r0-1-1.jsonl").open("w") as f:
+            for u, ((t, e), g) in enumerate(rows.groupby(["task", "example"])):
+                f.write(json.dumps({"stage": "tasks", "units": [u], "fingerprints": [0],
+                                    "data": {"rows": encode_record(g.reset_index(drop=True))}}) + "\n")
+            f.write('{"stage": "tasks", "units": [9')       # a line cut short by a kill
+    return path
+
+
+def test_merge_takes_whole_tasks_first_run_first_and_refuses_other_settings(tmp_path, capsys):
+    merge = _tool("kvtasks_merge")
+    full = {0: 1.0, 1: 1.0}
+    a = _run(tmp_path / "a", ["t1", "t2"], pd.concat([
+        _rows("t1", [0, 1], {"full": full, "random": {0: 0.0, 1: 0.0}, "contribution": {0: 1.0, 1: 0.0}}),
+        _rows("t2", [0], {"full": full, "random": {0: 1.0}, "contribution": {0: 1.0}})]), finished=False)
+    b = _run(tmp_path / "b", ["t2", "t1"], pd.concat([
+        _rows("t2", [0, 1], {"full": full, "random": {0: 1.0, 1: 1.0}, "contribution": {0: 0.0, 1: 1.0}}),
+        _rows("t1", [0, 1], {"full": full, "random": {0: 1.0, 1: 1.0}, "contribution": {0: 1.0, 1: 1.0}})]),
+        finished=True)
+    out = tmp_path / "merged"
+    assert merge.main(["--out", str(out), str(a), str(b)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["merged"] == [{"run": "a", "tasks": ["t1"], "examples_per_task": 2},
+                           {"run": "b", "tasks": ["t2"], "examples_per_task": 2}]
+    assert s["tasks"] == ["t1", "t2"] and s["examples"] == 4
+    acc = {(r["task"], r["policy"]): r["accuracy"] for r in s["results"]}
+    assert acc[("t1", "contribution")] == 0.5 and acc[("t1", "random")] == 0.0      # t1 from run a, not b
+    assert acc[("t2", "contribution")] == 0.5 and acc[("all", "random")] == 0.5
+    assert s["best_baselines"] == {"0.5": "random"}
+
+    assert merge.main(["--out", str(out), str(a)]) == 2                              # never over a folder
+    c = _run(tmp_path / "c", ["t1"], _rows("t1", [0, 1], {"full": full, "random": full, "contribution": full}),
+             finished=True, mode="query-aware")
+    assert merge.main(["--out", str(tmp_path / "m2"), str(a), str(c)]) == 2
+    assert "differs from" in capsys.readouterr().err and not (tmp_path / "m2").exists()
+
+
+def test_tables_show_the_summary(tmp_path):
+    merge, tables = _tool("kvtasks_merge"), _tool("kvtasks_tables")
+    full = {e: 1.0 for e in range(10)}
+    a = _run(tmp_path / "a", ["t1"], _rows("t1", range(10), {
+        "full": full, "random": {e: float(e < 3) for e in range(10)},
+        "contribution": {e: float(e < 8) for e in range(10)}}), finished=True, examples=10)
+    out = tmp_path / "m"
+    assert merge.main(["--out", str(out), str(a)]) == 0
+    s, pairs = tables.load(out)
+    acc = tables.accuracy_table(s, pairs)
+    assert "| full cache | 100 [100, 100] |" in acc and "| **contribution** | 80 [" in acc
+    assert "| random | *30 [" in acc                                                 # the best baseline in italics
+    v = tables.verdict_table(s)
+    assert "| 0.5 | random | contribution | +50 [" in v
+    assert tables.task_table(s, 0.5).splitlines()[0] == "| policy | t1 |"
