@@ -10,6 +10,7 @@ and the accuracy per task (the tables of docs/kvcache.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -106,11 +107,15 @@ def readme_table(s: dict, pairs: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    readme = "--readme" in argv
-    runs = [Path(a) for a in argv if a != "--readme"]
-    if not runs:
-        print(__doc__, file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="folders written by attngeom kvtasks (or tools/kvtasks_merge.py)")
+    ap.add_argument("--readme", action="store_true", help="only the README's short table")
+    a = ap.parse_args(argv)
+    for run in a.runs:
+        if not (run / "summary.json").is_file():
+            print(f"kvtasks_tables: {run} holds no summary.json (not a finished kvtasks run)", file=sys.stderr)
+            return 2
+    runs, readme = a.runs, a.readme
     for run in runs:
         s, pairs = load(run)
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
