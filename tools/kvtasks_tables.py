@@ -16,17 +16,28 @@ import sys
 from pathlib import Path
 
 
+def missing(x) -> bool:
+    """No value: ``null`` in the command's JSON, NaN in a table."""
+    return x is None or x != x
+
+
 def pct(x) -> str:
-    return "—" if x is None or x != x else f"{100 * x:.0f}"
+    return "—" if missing(x) else f"{100 * x:.0f}"
 
 
 def iv(r: dict) -> str:
     lo, hi = r.get("low"), r.get("high")
-    return pct(r["accuracy"]) + ("" if lo is None or lo != lo else f" [{pct(lo)}, {pct(hi)}]")
+    return pct(r["accuracy"]) + ("" if missing(lo) or missing(hi) else f" [{pct(lo)}, {pct(hi)}]")
 
 
 def signed(x: float) -> str:
-    return f"{100 * x:+.0f}"
+    return "—" if missing(x) else f"{100 * x:+.0f}"
+
+
+def difference(v: dict) -> str:
+    """A verdict's paired difference in points, with its interval when there is one."""
+    return signed(v["delta"]) + ("" if missing(v.get("low")) or missing(v.get("high"))
+                                 else f" [{signed(v['low'])}, {signed(v['high'])}]")
 
 
 def load(run: Path) -> tuple[dict, list[dict]]:
@@ -73,8 +84,7 @@ def verdict_table(s: dict) -> str:
     """Each geometry policy against the best baseline at each ratio (over all tasks)."""
     out = ["| ratio | best baseline | geometry policy | difference (points) [95 %] | verdict |", "|---:|---|---|---:|---|"]
     for v in sorted(s.get("verdicts", []), key=lambda v: (v["ratio"], -v["delta"])):
-        d = f"{signed(v['delta'])}" + ("" if v["low"] != v["low"] else f" [{signed(v['low'])}, {signed(v['high'])}]")
-        out.append(f"| {v['ratio']:g} | {v['baseline']} | {v['policy']} | {d} | {v['verdict']} |")
+        out.append(f"| {v['ratio']:g} | {v['baseline']} | {v['policy']} | {difference(v)} | {v['verdict']} |")
     return "\n".join(out)
 
 
@@ -100,9 +110,8 @@ def readme_table(s: dict, pairs: list[dict]) -> str:
         if not cands:
             continue
         top = max(cands, key=lambda v: (allrows[(v["policy"], ratio)]["accuracy"], v["policy"]))
-        d = signed(top["delta"]) + ("" if top["low"] != top["low"] else f" [{signed(top['low'])}, {signed(top['high'])}]")
         out.append(f"| {ratio:g} | {pct(full['accuracy'])} | {base} {iv(allrows[(base, ratio)])} | "
-                   f"{top['policy']} {iv(allrows[(top['policy'], ratio)])} | {d} ({top['verdict']}) |")
+                   f"{top['policy']} {iv(allrows[(top['policy'], ratio)])} | {difference(top)} ({top['verdict']}) |")
     return "\n".join(out)
 
 

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
+from attngeom.errors import InputError
 from attngeom.kvcache import prefill as P
 from attngeom.kvcache import tasks
 from attngeom.kvcache.cache import kept_entries
@@ -78,6 +79,9 @@ def test_compressed_generate_at_ratio_zero_is_generate():
     assert torch.equal(got, want)
     half = tasks.compressed_generate(h, ctx, q, "snap_contribution", 0.5, max_new_tokens=8, do_sample=False)
     assert half.shape[1] <= want.shape[1] and torch.equal(half[0, :35], want[0, :35])
+    for bad in (1.0, -0.1):                                          # a share of the cache removed
+        with pytest.raises(InputError, match="in \\[0, 1\\)"):
+            tasks.compressed_generate(h, ctx, q, "snap_contribution", bad, max_new_tokens=8)
 
 
 def test_every_policy_keeps_the_budget_and_the_memory_is_freed():
@@ -181,6 +185,14 @@ def test_gathered_entries_go_straight_into_the_storage_the_layer_keeps():
     assert layer.pos[:, :, 3].eq(n).all()
     with pytest.raises(ValueError, match="storages of 3 \\+ 2 entries"):
         P.PrefilledLayer(t.expand(2, Hkv, n, d), t.expand(2, Hkv, n, d), idx, None, n, Hkv, room=room)
+    with pytest.raises(ValueError, match="storages of their own"):                # appended into both in place
+        P.PrefilledLayer(got, got, idx, None, n, Hkv, room=room)
+    # nothing kept, room for the question: placeholders only, then the appended tokens
+    none = P._gathered(t, idx[..., :0], room)
+    assert none.shape == (2, Hkv, room, d) and torch.equal(none[:, 1, 0], t[0, 1, 0].expand(2, d))
+    empty = P.PrefilledLayer(none, P._gathered(t, idx[..., :0], room), idx[..., :0], None, n, Hkv, room=room)
+    k, _ = empty.update(new, new.clone())
+    assert k.shape[2] == 1 and torch.equal(k, new)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,3 +95,39 @@ def test_tables_show_the_summary(tmp_path):
     v = tables.verdict_table(s)
     assert "| 0.5 | random | contribution | +50 [" in v
     assert tables.task_table(s, 0.5).splitlines()[0] == "| policy | t1 |"
+
+
+def test_merge_reads_finished_runs_writes_strict_json_and_refuses_in_one_line(tmp_path, capsys):
+    """A finished run kept without its checkpoint is read from run.json; intervals missing below 10
+    examples are ``null`` (strict JSON, as the command writes them) and the tables print without them;
+    what cannot be merged is one line and exit 2, with nothing written."""
+    merge, tables = _tool("kvtasks_merge"), _tool("kvtasks_tables")
+    full = {0: 1.0, 1: 1.0}
+    a = _run(tmp_path / "a", ["t1"], _rows("t1", [0, 1], {"full": full, "random": {0: 0.0, 1: 1.0},
+                                                           "contribution": full}), finished=True)
+    (a / "run.json").write_text((a / "checkpoint" / "settings.json").read_text())
+    (a / "checkpoint" / "settings.json").unlink()
+    (a / "checkpoint").rmdir()
+    out = tmp_path / "m"
+    assert merge.main(["--out", str(out), str(a)]) == 0
+    text = (out / "summary.json").read_text()
+    assert "NaN" not in text and json.loads(text)["verdicts"][0]["low"] is None
+    assert tables.main([str(out)]) == 0 and tables.main(["--readme", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 0.5 | random | contribution | +50 | too few examples |" in printed
+    assert "| 0.5 | 100 | random 50 | contribution 100 | +50 (too few examples) |" in printed
+
+    other = _run(tmp_path / "b", ["t1"], _rows("t1", range(3), {"full": {e: 1.0 for e in range(3)},
+                                                                 "random": {e: 1.0 for e in range(3)},
+                                                                 "contribution": {e: 1.0 for e in range(3)}}),
+                 finished=True, examples=3)
+    empty = tmp_path / "empty"
+    (empty / "checkpoint").mkdir(parents=True)
+    (empty / "checkpoint" / "settings.json").write_text(json.dumps({"command": "kvtasks", "settings": {**SETTINGS, "tasks": ["t1"]}}))
+    for runs, said in (([a, other], "differs from"), ([tmp_path / "nothing"], "neither run.json"),
+                       ([empty], "no whole task")):
+        assert merge.main(["--out", str(tmp_path / "m2"), *map(str, runs)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "m2").exists()
+    assert tables.main([str(tmp_path / "nothing")]) == 2
+    assert "holds no summary.json" in capsys.readouterr().err

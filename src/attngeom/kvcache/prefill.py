@@ -245,13 +245,14 @@ def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> 
 def _gathered(t: torch.Tensor, idx: torch.Tensor, room: int = 0) -> torch.Tensor:
     """The entries ``idx [R, Hkv, K]`` of ``t [1, Hkv, n, d]``, per row and head, in a storage with
     room for ``room`` more entries per head: ``[R, Hkv, K + room, d]``, whose last ``room`` entries
-    are placeholders (copies of the first) for later tokens to overwrite. Each entry's ``d`` values
+    are placeholders (copies of the head's first entry, ``K = 0`` included) for later tokens to overwrite. Each entry's ``d`` values
     are copied at once (``index_select`` over the entries, not ``gather``), straight into the storage
     the cache keeps (no second copy)."""
     _, H, n, d = t.shape
-    entries = idx + torch.arange(H, device=idx.device).reshape(1, H, 1) * n
+    start = torch.arange(H, device=idx.device).reshape(1, H, 1) * n           # each head's first entry
+    entries = idx + start
     if room:
-        entries = torch.cat([entries, entries[..., :1].expand(*entries.shape[:-1], room)], dim=-1)
+        entries = torch.cat([entries, start.expand(*entries.shape[:-1], room)], dim=-1)
     return t.reshape(H * n, d).index_select(0, entries.reshape(-1)).reshape(*entries.shape, d)
 
 
@@ -272,6 +273,8 @@ class PrefilledLayer(CompressedLayer):
         K = pos.shape[2]
         if keys.shape[2] != K + int(room) or values.shape[2] != K + int(room):
             raise ValueError(f"keys and values need storages of {K} + {room} entries, got {keys.shape[2]} and {values.shape[2]}")
+        if keys.untyped_storage().data_ptr() == values.untyped_storage().data_ptr():
+            raise ValueError("keys and values need storages of their own: later tokens are appended into both in place")
         super().__init__(full(), [NO_EVICTION] * keys.shape[1], num_heads)
         self.lazy_initialization(keys, values)
         self._grow = {name: GrowingTensor.holding(2, t, K) for name, t in (("keys", keys), ("values", values))}

@@ -307,6 +307,8 @@ def compressed_generate(handle: ModelHandleLike, context: Sequence[int], questio
     compressed once by ``policy`` at ``ratio``, then ``question`` (not compressed) and the answer
     decoded by ``generate`` with ``generate_kwargs``. Returns ``generate``'s ids ``[1, T]``
     (context, question and answer). With ``ratio=0`` the answer is the full cache's."""
+    if not 0.0 <= float(ratio) < 1.0:
+        raise InputError(f"ratio is the share of the cache removed, in [0, 1); got {ratio}")
     pol = get_policy(policy)
     if pol.name == "taxonomy":
         raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
