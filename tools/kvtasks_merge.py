@@ -16,7 +16,6 @@ tables of docs/kvcache.md then say which tasks are whole.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

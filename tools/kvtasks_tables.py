@@ -25,9 +25,14 @@ def pct(x) -> str:
     return "—" if missing(x) else f"{100 * x:.0f}"
 
 
+def with_interval(fmt, x, lo, hi) -> str:
+    """``fmt(x)``, then ``[fmt(lo), fmt(hi)]`` when the interval exists."""
+    return fmt(x) + ("" if missing(lo) or missing(hi) else f" [{fmt(lo)}, {fmt(hi)}]")
+
+
 def iv(r: dict) -> str:
-    lo, hi = r.get("low"), r.get("high")
-    return pct(r["accuracy"]) + ("" if missing(lo) or missing(hi) else f" [{pct(lo)}, {pct(hi)}]")
+    """An accuracy in %, with its interval."""
+    return with_interval(pct, r["accuracy"], r.get("low"), r.get("high"))
 
 
 def signed(x: float) -> str:
@@ -36,8 +41,7 @@ def signed(x: float) -> str:
 
 def difference(v: dict) -> str:
     """A verdict's paired difference in points, with its interval when there is one."""
-    return signed(v["delta"]) + ("" if missing(v.get("low")) or missing(v.get("high"))
-                                 else f" [{signed(v['low'])}, {signed(v['high'])}]")
+    return with_interval(signed, v["delta"], v.get("low"), v.get("high"))
 
 
 def load(run: Path) -> tuple[dict, list[dict]]:
@@ -124,12 +128,11 @@ def main(argv: list[str]) -> int:
         if not (run / "summary.json").is_file():
             print(f"kvtasks_tables: {run} holds no summary.json (not a finished kvtasks run)", file=sys.stderr)
             return 2
-    runs, readme = a.runs, a.readme
-    for run in runs:
+    for run in a.runs:
         s, pairs = load(run)
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
                 f"({len(s['tasks'])} task{'s' if len(s['tasks']) > 1 else ''}), {'chat template' if s.get('chat_template') else 'no chat template'}")
-        if readme:
+        if a.readme:
             print(f"{head}\n\n{readme_table(s, pairs)}\n")
             continue
         print(f"### {head}\n\nAccuracy (%) over all tasks, 95 % intervals over examples "
