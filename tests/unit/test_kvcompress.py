@@ -13,7 +13,7 @@ from attngeom.kvcache import tasks
 from attngeom.kvcache.cache import kept_entries
 from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets, get_policy,
                                        pyramid_budgets)
-from attngeom.kvcache.ruler import Example
+from attngeom.kvcache.ruler import Example, encode
 from attngeom.metrics.leave_one_out import leave_one_out
 from attngeom.kvcache.settings import TASK_POLICIES, KVTaskSettings
 from tiny_models import eager_attentions, tiny_model
@@ -144,17 +144,19 @@ def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
     assert len(want[0]) == 2 and max(len(a) for a in want) > 2       # its cache left the batch, the others went on
 
 
-def test_masked_attention_of_several_queries_equals_transformers_sdpa():
-    # the question over a padded cache: SDPA sharing each key/value head itself, bit for bit what
-    # transformers' SDPA path gives after copying the keys and values per query head
+@pytest.mark.parametrize("n_q", [5, 1])                              # the question; one step of the answer
+def test_masked_attention_equals_transformers_sdpa(n_q):
+    # queries over a padded cache: SDPA sharing each key/value head itself, bit for bit SDPA over the
+    # keys and values copied per query head (transformers' SDPA path, which copies them at every step;
+    # for one query it also regroups the heads, which moves the last bits: equal within 1e-6 there)
     from types import SimpleNamespace
 
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     from attngeom.kvcache import cache as C
 
     g = torch.Generator().manual_seed(0)
-    B, Hkv, r, K, n_q, d = 3, 2, 3, 20, 5, 8
+    B, Hkv, r, K, d = 3, 2, 3, 20, 8
     layer = P.PrefilledLayer(torch.randn(B, Hkv, K + n_q, d, generator=g), torch.randn(B, Hkv, K + n_q, d, generator=g),
                              torch.arange(K).expand(B, Hkv, K), torch.rand(B, Hkv, K, generator=g) > 0.3, K, Hkv * r,
                              room=n_q)
@@ -162,7 +164,41 @@ def test_masked_attention_of_several_queries_equals_transformers_sdpa():
     q = torch.randn(B, Hkv * r, n_q, d, generator=g)
     module = SimpleNamespace(num_key_value_groups=r, is_causal=True, training=False)
     got = C._attention(layer, module, q, k, v, None, scaling=0.3)[0]
-    assert torch.equal(got, sdpa_attention_forward(module, q, k, v, layer.attention_mask(r), scaling=0.3)[0])
+    mask = layer.attention_mask(r)
+    copied = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, r), repeat_kv(v, r), attn_mask=mask, scale=0.3)
+    assert torch.equal(got, copied.transpose(1, 2))
+    theirs = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+    assert torch.equal(got, theirs) if n_q > 1 else torch.allclose(got, theirs, rtol=0, atol=1e-6)
+
+
+def test_rows_leave_a_batch_of_own_caches_without_copying_the_others():
+    # the task grid gives each variant a cache of its own: a finished row's cache leaves the batch,
+    # and the other rows' storages stay where they are (nothing gathered again)
+    from attngeom.kvcache.cache import stacked
+
+    h = tiny_model("llama")
+    ctx = _ids(40)
+    names = ["h2o", "window", "adakv"]
+    pre = P.prefill(h, ctx, [get_policy(n) for n in names])
+    caches = [P.variant_cache(h, pre, [P.select(pre, n, 0.5, h.num_heads)], room=8) for n in names]
+    ptrs = [[lay.keys.untyped_storage().data_ptr() for lay in c.layers] for c in caches]
+    cache = stacked(caches)
+    cache.layers[0].batch_select_indices(torch.tensor([0, 2]))
+    assert cache.layers[0].parts == [caches[0].layers[0], caches[2].layers[0]]
+    assert [p.keys.untyped_storage().data_ptr() for p in cache.layers[0].parts] == [ptrs[0][0], ptrs[2][0]]
+
+
+def test_each_variant_holds_the_bytes_of_its_own_cache():
+    # a uniform policy's bytes do not grow with a head-wise policy's largest head at the same ratio
+    h = tiny_model("llama")
+    ex = _examples(h, 1)[0]
+    s = KVTaskSettings(policies=("h2o", "adakv"), ratios=(0.5,), n_resamples=50)
+    a = tasks.answer_example(h, ex, s).set_index("policy")
+    ctx, q, _ = encode(ex, h.tokenizer, s.chat)
+    room = len(q) + ex.max_new_tokens
+    assert a.loc["h2o", "bytes"] == tasks.cache_bytes_estimate(h, P.kept_count(len(ctx), 0.5) + room, 1)
+    assert a.loc["full", "bytes"] == tasks.cache_bytes_estimate(h, len(ctx) + room, 1)
+    assert a.loc["adakv", "bytes"] >= a.loc["h2o", "bytes"]
 
 
 def test_gathered_entries_go_straight_into_the_storage_the_layer_keeps():

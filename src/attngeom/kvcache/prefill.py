@@ -13,15 +13,16 @@ last queries (SnapKV's observation window sees the question) and is reported sep
 pass: the prefill runs once inside a :class:`~attngeom.capture.plugin.Session` whose observer
 :class:`PrefillScores` sums every policy's scores (:meth:`~attngeom.kvcache.policies.Policy.step`)
 from the same blocks; each (policy, ratio) then costs only its selection
-(:func:`~attngeom.kvcache.cache.kept_entries`), the question and the answer. The variants of one
-ratio share one cache, one batch row each (:func:`variant_cache`), and the caches of several ratios
-are decoded as one batch (:func:`greedy_answers`: each row attends over its own ratio's cache, the
-model's other operations read every row at once), so the grid's decoding is one batched pass per
-token instead of one ``generate`` per variant.
+(:func:`~attngeom.kvcache.cache.kept_entries`), the question and the answer. Each variant gets a
+cache of its own (:func:`variant_cache` of one selection; several selections can also share one
+cache, a batch row each, padded to the largest head among them), and the variants' caches are
+decoded as one batch (:func:`greedy_answers`: each row attends over its own cache, the model's other
+operations read every row at once), so the grid's decoding is one batched pass per token instead of
+one ``generate`` per variant.
 
 **Memory is freed**, not masked: each variant's kept keys and values are gathered into new storages
 of its kept size (:class:`~attngeom.kvcache.cache.CompressedLayer`); heads (or layers) that keep
-different numbers of entries (AdaKV, PyramidKV) are padded to the largest in their batch, and
+different numbers of entries (AdaKV, PyramidKV) are padded to the largest in their cache, and
 :func:`variant_cache` reports both the entries kept and the bytes held.
 
 What belongs here: the prefill, the selection at a ratio, the variants' cache and their greedy

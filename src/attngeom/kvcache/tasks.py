@@ -4,9 +4,10 @@ compression ratio, scored the way the field scores it (RULER's string match, kvp
 Each example (:mod:`attngeom.kvcache.ruler`) is one resumable unit of a
 :class:`~attngeom.runs.run.Run`: its context is read once in a captured prefill that records every
 policy's scores (:func:`attngeom.kvcache.prefill.prefill`); at each ratio every policy's kept
-entries are gathered into one batch row each, and the question and the greedy answers of the full
-cache (ratio 0) and of every ratio are decoded as one batch (:func:`attngeom.kvcache.prefill.greedy_answers`;
-in as few batches as the memory allows).
+entries are gathered into a cache of its own (one batch row, its heads padded to its own largest
+only), and the question and the greedy answers of the full cache (ratio 0) and of every ratio are
+decoded as one batch (:func:`attngeom.kvcache.prefill.greedy_answers`: each row over its own cache, a
+row that has finished leaves without copying the others; in as few batches as the memory allows).
 :func:`summarize` gives the accuracy per (task, policy, ratio) and over all tasks with 95 % bootstrap
 intervals over examples; :func:`paired` the paired differences against the best baseline at each
 ratio (none below :data:`~attngeom.stats.resampling.MIN_UNITS` examples).
@@ -102,7 +103,7 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     ``"full"``, ``ratio`` 0): one row each with the ``answer`` text, its ``score`` (RULER's string
     match; an answer stops as soon as it holds every reference string, since its score can then no
     longer change: the text is cut there), ``kept`` (entries kept over the compressed layers and heads), ``kept_share`` (of the full
-    cache's), ``bytes`` (cache storage per variant: its ratio's caches, padding included) and
+    cache's), ``bytes`` (the variant's cache storage, its heads padded to its largest) and
     ``seconds`` (its ratio's selections and caches, and the decoding, per variant; the prefill's in
     ``prefill_seconds``). The ratios' variants are decoded as one batch, or in as few batches as
     :func:`memory_limit` allows. ``encoded``: :func:`~attngeom.kvcache.ruler.encode`'s result, when
@@ -123,17 +124,17 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
 
     def answer(batch: list[dict]) -> list[dict]:              # several ratios' variants, decoded together
         t0 = time.perf_counter()
-        answers = iter(P.greedy_answers(handle, [v["cache"] for v in batch], question, pre.logits,
+        answers = iter(P.greedy_answers(handle, [c for v in batch for c in v["caches"]], question, pre.logits,
                                         example.max_new_tokens, settled))
         decoding = (time.perf_counter() - t0) / sum(len(v["names"]) for v in batch)
         rows = []
         for v in batch:
-            for name, sel in zip(v["names"], v["sels"]):
+            for name, sel, size in zip(v["names"], v["sels"], v["bytes"]):
                 ids = next(answers)
                 text = handle.tokenizer.decode(ids, skip_special_tokens=True)
                 rows.append({**base, "policy": name, "ratio": v["ratio"], "answer": text,
                              "score": ruler.score(text, example.answers), "answer_tokens": len(ids),
-                             "kept": sel.kept(), "bytes": v["bytes"], "seconds": v["seconds"] / len(v["names"]) + decoding})
+                             "kept": sel.kept(), "bytes": size, "seconds": v["seconds"] / len(v["names"]) + decoding})
         return rows
 
     limit = memory_limit()
@@ -141,20 +142,24 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     for names, ratio in [(["full"], 0.0)] + [(list(settings.policies), r) for r in settings.ratios]:
         t0 = time.perf_counter()
         sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
-        kept = max((i.shape[-1] for s in sels for i in s.idx.values()), default=pre.n)     # the largest head
-        need = cache_bytes_estimate(handle, kept + room, len(names))
+        need = sum(cache_bytes_estimate(handle, _largest_head(s, pre.n) + room, 1) for s in sels)
         if batch and limit is not None and held + need > limit:      # decode the ratios held so far first
             rows += answer(batch)
             batch, held = [], 0
-        cache = P.variant_cache(handle, pre, sels, room=room)
-        batch.append({"names": names, "ratio": ratio, "sels": sels, "cache": cache,
-                      "bytes": P.row_bytes(handle, cache), "seconds": time.perf_counter() - t0})
+        caches = [P.variant_cache(handle, pre, [s], room=room) for s in sels]    # each variant its own
+        batch.append({"names": names, "ratio": ratio, "sels": sels, "caches": caches,
+                      "bytes": [P.row_bytes(handle, c) for c in caches], "seconds": time.perf_counter() - t0})
         held += need
     rows += answer(batch)
     df = pd.DataFrame(rows)
     df["kept_share"] = df["kept"] / float(df.loc[df["policy"] == "full", "kept"].iloc[0])
     df["prefill_seconds"] = pre.seconds
     return df
+
+
+def _largest_head(sel, n: int) -> int:
+    """Entries of the selection's largest head (its cache's size per head, padding included)."""
+    return max((i.shape[-1] for i in sel.idx.values()), default=n)
 
 
 # --------------------------------------------------------------------------------------------
