@@ -131,7 +131,7 @@ def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
     pre = P.prefill(h, ctx + q if mode == P.QUERY_AWARE else ctx, [get_policy(n) for n in names])
     question = None if mode == P.QUERY_AWARE else q
 
-    def caches():                                                    # as the task grid makes them: the full cache, then one per ratio
+    def caches():                                                    # the full cache, then one cache per ratio (a row per policy)
         return [P.variant_cache(h, pre, [P.select(pre, n, r, h.num_heads) for n in (names if r else ["full"])], room=16)
                 for r in (0.0, 0.25, 0.75)]
 
@@ -146,12 +146,12 @@ def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
 
 @pytest.mark.parametrize("n_q", [5, 1])                              # the question; one step of the answer
 def test_masked_attention_equals_transformers_sdpa(n_q):
-    # queries over a padded cache: SDPA sharing each key/value head itself, bit for bit SDPA over the
-    # keys and values copied per query head (transformers' SDPA path, which copies them at every step;
-    # for one query it also regroups the heads, which moves the last bits: equal within 1e-6 there)
+    # queries over a padded cache: several go through SDPA sharing each key/value head itself, bit for
+    # bit what transformers' SDPA path gives after copying the keys and values per query head; one
+    # (a decoding step) goes through transformers' path itself, which regroups the query heads
     from types import SimpleNamespace
 
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from attngeom.kvcache import cache as C
 
@@ -164,28 +164,54 @@ def test_masked_attention_equals_transformers_sdpa(n_q):
     q = torch.randn(B, Hkv * r, n_q, d, generator=g)
     module = SimpleNamespace(num_key_value_groups=r, is_causal=True, training=False)
     got = C._attention(layer, module, q, k, v, None, scaling=0.3)[0]
-    mask = layer.attention_mask(r)
-    copied = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, r), repeat_kv(v, r), attn_mask=mask, scale=0.3)
-    assert torch.equal(got, copied.transpose(1, 2))
-    theirs = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
-    assert torch.equal(got, theirs) if n_q > 1 else torch.allclose(got, theirs, rtol=0, atol=1e-6)
+    assert torch.equal(got, sdpa_attention_forward(module, q, k, v, layer.attention_mask(r), scaling=0.3)[0])
 
 
-def test_rows_leave_a_batch_of_own_caches_without_copying_the_others():
-    # the task grid gives each variant a cache of its own: a finished row's cache leaves the batch,
-    # and the other rows' storages stay where they are (nothing gathered again)
+def _grid_caches(monkeypatch, h, ex, s):
+    """answer_example's rows, and the caches it decoded (one list per call of greedy_answers)."""
+    seen, real = [], P.greedy_answers
+
+    def spy(handle, caches, *args, **kwargs):
+        seen.append(list(caches))
+        return real(handle, caches, *args, **kwargs)
+
+    monkeypatch.setattr(P, "greedy_answers", spy)
+    return tasks.answer_example(h, ex, s), seen
+
+
+def test_the_grid_gives_each_variant_a_cache_of_its_own(monkeypatch):
+    # one cache of one row per (policy, ratio) and the full cache, so a finished row's cache leaves
+    # the batch and the other rows' storages stay where they are (nothing gathered again)
     from attngeom.kvcache.cache import stacked
 
     h = tiny_model("llama")
-    ctx = _ids(40)
-    names = ["h2o", "window", "adakv"]
-    pre = P.prefill(h, ctx, [get_policy(n) for n in names])
-    caches = [P.variant_cache(h, pre, [P.select(pre, n, 0.5, h.num_heads)], room=8) for n in names]
-    ptrs = [[lay.keys.untyped_storage().data_ptr() for lay in c.layers] for c in caches]
+    s = KVTaskSettings(policies=("h2o", "window", "adakv"), ratios=(0.25, 0.75), n_resamples=50)
+    _, seen = _grid_caches(monkeypatch, h, _examples(h, 1)[0], s)
+    caches = seen[0]
+    assert len(seen) == 1 and len(caches) == 1 + 3 * 2
+    assert all(lay.keys.shape[0] == 1 for c in caches for lay in c.layers)
+    heads = [max(lay.pos.shape[-1] for lay in c.layers) for c in caches[1:]]
+    assert heads[0] == heads[1] < heads[2]                           # h2o and window: no AdaKV padding
+    ptrs = [c.layers[0].keys.untyped_storage().data_ptr() for c in caches]
     cache = stacked(caches)
-    cache.layers[0].batch_select_indices(torch.tensor([0, 2]))
-    assert cache.layers[0].parts == [caches[0].layers[0], caches[2].layers[0]]
-    assert [p.keys.untyped_storage().data_ptr() for p in cache.layers[0].parts] == [ptrs[0][0], ptrs[2][0]]
+    for lay in cache.layers:
+        lay.batch_select_indices(torch.tensor([0, 2, 5]))
+    assert cache.layers[0].rows == [1, 1, 1]
+    assert [p.keys.untyped_storage().data_ptr() for p in cache.layers[0].parts] == [ptrs[0], ptrs[2], ptrs[5]]
+
+
+def test_a_grid_over_the_memory_limit_is_decoded_in_several_batches(monkeypatch):
+    h = tiny_model("llama")
+    ex = _examples(h, 1)[0]
+    s = KVTaskSettings(policies=("h2o", "adakv"), ratios=(0.25, 0.5, 0.875), n_resamples=50)
+    whole, seen = _grid_caches(monkeypatch, h, ex, s)
+    assert len(seen) == 1
+    one_ratio = int(whole.loc[whole["ratio"] == 0.25, "bytes"].sum())
+    monkeypatch.setattr(tasks, "memory_limit", lambda: one_ratio + 1)    # room for about one ratio at a time
+    split, seen = _grid_caches(monkeypatch, h, ex, s)
+    assert len(seen) > 1 and sum(len(c) for c in seen) == 1 + 2 * 3
+    cols = ["policy", "ratio", "answer", "score", "kept", "bytes", "answer_tokens"]
+    assert split[cols].equals(whole[cols])
 
 
 def test_each_variant_holds_the_bytes_of_its_own_cache():

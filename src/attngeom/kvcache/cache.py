@@ -348,10 +348,11 @@ def kv_attention(module, query, key, value, attention_mask, **kwargs):
 def _attention(layer, module, query, key, value, attention_mask, **kwargs):
     if isinstance(layer, CompressedLayer) and layer.size == key.shape[2]:
         attention_mask = layer.attention_mask(query.shape[1] // key.shape[1])
-        if (attention_mask is not None and _SESSION.get() is None
+        if (attention_mask is not None and query.shape[2] > 1 and _SESSION.get() is None
                 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")):
-            # a mask: SDPA shares each key/value head among its query heads itself (the same result as
-            # transformers' SDPA path, which first copies the keys and values per query head, at every step)
+            # several queries, a mask: SDPA shares each key/value head among its query heads itself (the
+            # same result as transformers' SDPA path, which first copies the keys and values per query head;
+            # for one query transformers regroups the query heads per key/value head itself, faster here)
             out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                    scale=kwargs.get("scaling"), enable_gqa=True)
             return out.transpose(1, 2).contiguous(), None

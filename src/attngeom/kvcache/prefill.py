@@ -21,9 +21,10 @@ operations read every row at once), so the grid's decoding is one batched pass p
 one ``generate`` per variant.
 
 **Memory is freed**, not masked: each variant's kept keys and values are gathered into new storages
-of its kept size (:class:`~attngeom.kvcache.cache.CompressedLayer`); heads (or layers) that keep
-different numbers of entries (AdaKV, PyramidKV) are padded to the largest in their cache, and
-:func:`variant_cache` reports both the entries kept and the bytes held.
+of its kept size (:class:`~attngeom.kvcache.cache.CompressedLayer`); in a layer whose heads keep
+different numbers of entries (AdaKV) they are padded to the largest (and, in a cache of several
+rows, to the largest among the rows), and :func:`variant_cache` reports both the entries kept and
+the bytes held.
 
 What belongs here: the prefill, the selection at a ratio, the variants' cache and their greedy
 answers. Not here: the scores (:mod:`attngeom.kvcache.policies`), the tasks (:mod:`attngeom.kvcache.ruler`),

@@ -147,9 +147,10 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
             rows += answer(batch)
             batch, held = [], 0
         caches = [P.variant_cache(handle, pre, [s], room=room) for s in sels]    # each variant its own
-        batch.append({"names": names, "ratio": ratio, "sels": sels, "caches": caches,
-                      "bytes": [P.row_bytes(handle, c) for c in caches], "seconds": time.perf_counter() - t0})
-        held += need
+        sizes = [P.row_bytes(handle, c) for c in caches]
+        batch.append({"names": names, "ratio": ratio, "sels": sels, "caches": caches, "bytes": sizes,
+                      "seconds": time.perf_counter() - t0})
+        held += sum(sizes)                                        # what is held (the estimate decided before)
     rows += answer(batch)
     df = pd.DataFrame(rows)
     df["kept_share"] = df["kept"] / float(df.loc[df["policy"] == "full", "kept"].iloc[0])
