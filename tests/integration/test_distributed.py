@@ -105,8 +105,11 @@ def test_a_killed_rank_stops_the_run_and_a_rerun_resumes(tiny_llama_dir, tmp_pat
     def rank1_logs():
         return list((part / "checkpoint").glob("records-r1-*.jsonl")) if (part / "checkpoint").is_dir() else []
 
+    def rank0_logs():   # rank 0 past its model load (else its one line is about the load)
+        return list((part / "checkpoint").glob("records-r0-*.jsonl")) if (part / "checkpoint").is_dir() else []
+
     deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None and not rank1_logs():
+    while time.time() < deadline and p.poll() is None and not (rank1_logs() and rank0_logs()):
         time.sleep(0.05)
     logs = rank1_logs()
     assert logs, "rank 1 never recorded a unit"
