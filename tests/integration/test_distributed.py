@@ -102,16 +102,14 @@ def test_a_killed_rank_stops_the_run_and_a_rerun_resumes(tiny_llama_dir, tmp_pat
     p = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script),
                           *_argv("sinks", tiny_llama_dir, data, part)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    def rank1_logs():
-        return list((part / "checkpoint").glob("records-r1-*.jsonl")) if (part / "checkpoint").is_dir() else []
+    def rank_logs(rank):
+        return list((part / "checkpoint").glob(f"records-r{rank}-*.jsonl")) if (part / "checkpoint").is_dir() else []
 
-    def rank0_logs():   # rank 0 past its model load (else its one line is about the load)
-        return list((part / "checkpoint").glob("records-r0-*.jsonl")) if (part / "checkpoint").is_dir() else []
-
+    # both ranks past their model load (else the survivor's one line is rightly about the load)
     deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None and not (rank1_logs() and rank0_logs()):
+    while time.time() < deadline and p.poll() is None and not (rank_logs(1) and rank_logs(0)):
         time.sleep(0.05)
-    logs = rank1_logs()
+    logs = rank_logs(1)
     assert logs, "rank 1 never recorded a unit"
     os.kill(int(logs[0].stem.rsplit("-", 1)[1]), signal.SIGKILL)  # the file name ends with the pid
     t0 = time.time()
