@@ -272,7 +272,7 @@ def test_answer_top_sources_break_ties_by_the_earlier_position():
     tables.begin(GenerationBatch(ids=torch.arange(12)[None], lengths=torch.tensor([12]), index=[0], prompt_length=8))
     row = np.array([[0.5, 0.1, 0.3, 0.3, 0.3, 0.0, 0.3, 0.2, 0.9],             # the sink (0) left out; the answer
                     [0.0, 0.2, 0.1, 0.4, 0.1, 0.4, 0.1, 0.4, 0.0]])            # token 8 is a source like the prompt's
-    got = {m: [(r["source"], r["score"]) for r in tables._top(row) if r["metric"] == m] for m in ("attention", "contribution")}
+    got = {m: [(int(j), float(x)) for j, x in zip(*top)] for m, top in zip(("attention", "contribution"), tables._top(row))}
     assert got == {"attention": [(8, 0.9), (2, 0.3), (3, 0.3)], "contribution": [(3, 0.4), (5, 0.4), (7, 0.4)]}
 
 

@@ -165,3 +165,30 @@ def test_grouped_values_equal_values_repeated_per_head(Q):
     per_head = M.received(a, w, ["contribution"], v=v, p=p, out_sq=out_sq)["contribution"]
     ref = torch.einsum("bhqs,bhqs->bs", a, (p / out_sq[:, None, :, None] * w[:, None, :, None]) @ v.transpose(-1, -2))
     assert torch.allclose(grouped, ref, atol=1e-5) and torch.allclose(per_head, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_rep", [1, 3])
+def test_one_row_received_equals_received_with_the_weight_on_that_row(n_rep):
+    """:func:`received_row` (a decoding step's answer-table row) is :func:`received` with the weight 1
+    on one query and 0 elsewhere, for attention and contribution, grouped or not; a zero output
+    gives no contribution."""
+    g = torch.Generator().manual_seed(n_rep)
+    Hg, Q, S, d = 3, 5, 17, 4
+    H = Hg * n_rep
+    a = torch.softmax(torch.randn(1, H, Q, S, generator=g), -1)
+    v = torch.randn(1, Hg, S, d, generator=g)
+    p = torch.randn(1, H, Q, d, generator=g)
+    out_sq = torch.rand(1, Q, generator=g) + 0.5
+    out_sq[0, 4] = 0.0
+    for r in range(Q):
+        w = torch.zeros(1, Q)
+        w[0, r] = 1.0
+        want = M.received(a, w, ["attention", "contribution"], v=v, p=p, out_sq=out_sq)
+        got = M.received_row(a[0, :, r], p[0, :, r], out_sq[0, r], v[0])
+        assert torch.allclose(got[0], want["attention"][0], atol=1e-6)
+        assert torch.allclose(got[1], want["contribution"][0], atol=1e-6)
+    assert torch.equal(M.received_row(a[0, :, 4], p[0, :, 4], out_sq[0, 4], v[0])[1], torch.zeros(S))
+    # by hand: one head, two sources, p = (1, 0), ‖o‖² = 2: C_j = a_j (p·v_j) / 2
+    row = M.received_row(torch.tensor([[0.25, 0.75]]), torch.tensor([[1.0, 0.0]]), torch.tensor(2.0),
+                         torch.tensor([[[2.0, 5.0], [-1.0, 3.0]]]))
+    assert torch.allclose(row, torch.tensor([[0.25, 0.75], [0.25, -0.375]]))

@@ -77,6 +77,7 @@ class LayerState:
     kv_head: torch.Tensor
     lengths: torch.Tensor  # [B] valid tokens per text (right padding)
     prepared: dict | None = None  # {metric: map by absolute position} computed before this forward
+    norms: object | None = field(default=None, repr=False)  # e.g. GrowingNorms: ``norms.of(state)`` gives both norms
 
     @cached_property
     def grouped(self) -> bool:
@@ -115,12 +116,16 @@ class LayerState:
 
     @cached_property
     def value_norm(self) -> torch.Tensor:
-        """``‖ṽ_j^h‖``: ``[B, H, S]``."""
+        """``‖ṽ_j^h‖``: ``[B, H, S]`` (from :attr:`norms` when an observer set it)."""
+        if self.norms is not None:
+            return self.norms.of(self)[0]
         return metrics.projected_value_norm(self.v, self.G)
 
     @cached_property
     def raw_value_norm(self) -> torch.Tensor:
         """``‖v_j^h‖`` in head space: ``[B, H, S]`` (one norm per key/value head, shared by its group)."""
+        if self.norms is not None:
+            return self.norms.of(self)[1]
         return self.value.norm(dim=-1)[:, self.kv_head.to(self.value.device)]
 
     @property

@@ -48,6 +48,7 @@ from transformers.cache_utils import DynamicLayer
 from attngeom.model.arguments import takes_handle
 from attngeom.capture.plugin import Block, GrowingTensor, Session, attngeom_attention_implementation
 from attngeom.errors import InputError
+from attngeom.metrics import formulas as metrics
 from attngeom.runs.contract import ModelHandleLike, RunLike
 from attngeom.streaming.reducers import InputBatch, Reducer
 
@@ -423,28 +424,28 @@ def _answer_as_text(handle: ModelHandleLike, cache, ids: list[int], answer: list
 
 class GrowingNorms:
     """Observer put first in a generation's session: per layer it keeps the value norms
-    ``‖ṽ_j^h‖`` and ``‖v_j^h‖`` of the tokens already cached and computes only the new tokens' at
-    each call, then hands the whole vectors to the call's :class:`~attngeom.capture.plugin.LayerState`
-    (a cached token's values never change during one generation). Without it every step would
-    recompute every source's ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step. The norms are
-    :class:`~attngeom.capture.plugin.GrowingTensor` s with room for ``capacity`` tokens (prompt + answer)."""
+    ``‖ṽ_j^h‖`` and ``‖v_j^h‖`` of the tokens already cached and computes only the new tokens' when
+    an observer first reads :attr:`~attngeom.capture.plugin.LayerState.value_norm` (or
+    ``raw_value_norm``) of a call, then hands the whole vectors to it (a cached token's values never
+    change during one generation). Without it every step would recompute every source's
+    ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step; a step no observer reads the norms of
+    (the answer tables read none) costs nothing: its tokens are added at the next read. The norms
+    are :class:`~attngeom.capture.plugin.GrowingTensor` s with room for ``capacity`` tokens (prompt + answer)."""
 
     def __init__(self, capacity: int = 0):
         self.capacity = int(capacity)
         self.norms: dict[int, tuple[GrowingTensor, GrowingTensor]] = {}
 
     def observe(self, block: Block) -> None:
-        from attngeom.metrics import formulas as metrics
+        block.state.norms = self                                  # read lazily: LayerState.value_norm calls of()
 
-        st = block.state
-        if "value_norm" in st.__dict__:                        # this call's layer state has them already
-            return
-        have = self.norms.get(block.layer)
+    def of(self, st) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(‖ṽ_j^h‖, ‖v_j^h‖)`` of every source of the call ``st``: ``[B, H, S]`` each."""
+        have = self.norms.get(st.layer)
         if have is None or have[0].length > st.num_sources:     # a new generation on this observer
-            have = self.norms[block.layer] = (GrowingTensor(-1, self.capacity), GrowingTensor(-1, self.capacity))
-        new = st.v_from(have[0].length)                          # the new tokens' values per query head
-        parts = (have[0].append(metrics.projected_value_norm(new, st.G)), have[1].append(new.norm(dim=-1)))
-        st.__dict__["value_norm"], st.__dict__["raw_value_norm"] = parts   # the cached properties' slots
+            have = self.norms[st.layer] = (GrowingTensor(-1, self.capacity), GrowingTensor(-1, self.capacity))
+        new = st.v_from(have[0].length)                          # the tokens not seen yet, per query head
+        return have[0].append(metrics.projected_value_norm(new, st.G)), have[1].append(new.norm(dim=-1))
 
 
 @dataclass
@@ -572,68 +573,87 @@ class AnswerSources(Reducer):
         self._reset()
 
     def _reset(self) -> None:
-        # Each producing row [metrics, q + 1] (float64) is reduced when it is observed, so the state
-        # grows by a few numbers per row, not by the row: the per-layer shares and top sources,
+        # Each producing row [metrics, q + 1] (float64) is reduced soon after it is observed, so the
+        # state grows by a few numbers per row, not by the row: the per-layer shares and top sources,
         # the running sum over layers that becomes the model's row, and per layer the sum of the
-        # prompt columns over the rows known to be producing (the latest row waits in _pending:
-        # only the end says whether it is the last token's, which produces nothing).
-        self._tables: dict[tuple[int, int], tuple[dict, list[dict]]] = {}   # (layer, query) -> shares, sources
+        # prompt columns over the rows known to be producing (the rows of the latest query wait in
+        # _pending: only the end says whether it is the last token's, which produces nothing).
+        # The rows of one forward call wait on the device in _step and are reduced together, all
+        # layers at once: one copy to the host and a few array operations per decoding step.
+        self._step: list[tuple[int, int, int, torch.Tensor]] = []           # (layer, query, first source, row)
+        self._tables: dict[tuple[int, int], tuple] = {}                     # (layer, query) -> shares, top sources
         self._layer_sum: dict[int, np.ndarray] = {}                        # query -> Σ_layers row
         self._layer_count: dict[int, int] = {}
-        self._summary_sum: dict[int, np.ndarray] = {}                      # layer -> Σ_queries row[:, :P]
-        self._summary_count: dict[int, int] = {}
-        self._pending: dict[int, tuple[int, np.ndarray]] = {}              # layer -> (query, row)
+        self._summary: dict[tuple, list] = {}                              # layers -> [Σ_queries rows[:, :, :P], count]
+        self._pending: dict[int, list[tuple[tuple, np.ndarray]]] = {}      # query -> [(layers, rows)]
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
+        if self._step and block.layer < self._step[-1][0]:                 # a new forward call
+            self._flush()
         for r, q in producing_rows(block, self.P):
-            w = torch.zeros(1, Q, dtype=block.a.dtype, device=block.a.device)
-            w[0, r] = 1.0
-            got = block.received(w, TABLE_METRICS)
-            row = np.zeros((len(TABLE_METRICS), q + 1))
+            got = metrics.received_row(block.a[0, :, r], block.pulled_back[0, :, r], block.output_sq[0, r],
+                                       block.group_values[0])        # [TABLE_METRICS, S]
             n = min(S, q + 1 - block.k_start)                        # sources up to the query
-            # the metrics' rows in one copy to the host
-            row[:, block.k_start:block.k_start + n] = torch.stack(
-                [got[name][0, :n] for name in TABLE_METRICS]).double().cpu().numpy()
-            self._add_row(block.layer, q, row)
+            self._step.append((block.layer, q, block.k_start, got[:, :n]))
 
-    def _add_row(self, layer: int, q: int, row: np.ndarray) -> None:
-        self._tables[(layer, q)] = (self._shares(row, q), self._top(row))
-        if q in self._layer_sum:
-            self._layer_sum[q] += row
-        else:
-            self._layer_sum[q] = row.copy()
-        self._layer_count[q] = self._layer_count.get(q, 0) + 1
-        if layer in self._pending:
-            self._commit(layer)
-        self._pending[layer] = (q, row)
+    def _flush(self) -> None:
+        """Reduce the waiting rows: one copy to the host, then per query all its layers' rows at once."""
+        step, self._step = self._step, []
+        if not step:
+            return
+        host = torch.cat([got for *_, got in step], dim=1).cpu().numpy()     # [TABLE_METRICS, Σ n]
+        by_query: dict[int, list[tuple[int, int, int, int]]] = {}
+        offset = 0
+        for layer, q, k0, got in step:
+            by_query.setdefault(q, []).append((layer, k0, offset, got.shape[1]))
+            offset += got.shape[1]
+        for q, items in by_query.items():
+            rows = np.zeros((len(items), len(TABLE_METRICS), q + 1))
+            for i, (_, k0, off, n) in enumerate(items):
+                rows[i, :, k0:k0 + n] = host[:, off:off + n]
+            self._add_rows(q, tuple(layer for layer, *_ in items), rows)
 
-    def _commit(self, layer: int) -> None:
-        """Add the layer's pending row to its summary sum (it is a producing row: a later one came)."""
-        _, row = self._pending.pop(layer)
-        self._add_summary(layer, row)
+    def _add_rows(self, q: int, layers: tuple, rows: np.ndarray) -> None:
+        """The rows ``[len(layers), metrics, q + 1]`` of query ``q``: their tables now, their sums."""
+        shares, top, m = self._shares(rows, q), self._top(rows.reshape(-1, q + 1)), len(TABLE_METRICS)
+        for i, layer in enumerate(layers):
+            self._tables[(layer, q)] = (shares[i], top[i * m:(i + 1) * m])
+        self._layer_sum[q] = rows.sum(0) + self._layer_sum.get(q, 0.0)
+        self._layer_count[q] = self._layer_count.get(q, 0) + len(layers)
+        for earlier in [k for k in self._pending if k < q]:               # a later query came: producing rows
+            self._commit(earlier)
+        self._pending.setdefault(q, []).append((layers, rows))
 
-    def _add_summary(self, layer, row: np.ndarray) -> None:
-        prompt = row[:, :self.P]
-        if layer in self._summary_sum:
-            self._summary_sum[layer] += prompt
-        else:
-            self._summary_sum[layer] = prompt.copy()
-        self._summary_count[layer] = self._summary_count.get(layer, 0) + 1
+    def _commit(self, q: int) -> None:
+        """Add the query's pending rows to their layers' summary sums."""
+        for layers, rows in self._pending.pop(q):
+            have = self._summary.setdefault(layers, [0.0, 0])
+            have[0] = have[0] + rows[:, :, :self.P]
+            have[1] += 1
+
+    def _summary_means(self) -> dict[int, np.ndarray]:
+        """Per layer the mean of its committed rows' prompt columns: ``{layer: [metrics, P]}``."""
+        sums: dict[int, list] = {}
+        for layers, (total, count) in self._summary.items():
+            for i, layer in enumerate(layers):
+                have = sums.setdefault(layer, [0.0, 0])
+                have[0], have[1] = have[0] + total[i], have[1] + count
+        return {layer: total / count for layer, (total, count) in sums.items()}
 
     def end(self, batch: InputBatch) -> None:
         T, P, index = int(batch.lengths[0]), self.P, batch.index[0]
         ids = batch.ids[0, :T].tolist()
         answer_left_out = {j for j in range(P, T) if ids[j] in self.exclude_ids}
+        self._flush()
         layers = sorted({l for l, _ in self._tables})
         queries = range(P - 1, T - 1)                             # the last token produced nothing
-        for layer, (q, _) in list(self._pending.items()):
-            if q < T - 1:
-                self._commit(layer)
+        for q in [k for k in self._pending if k < T - 1]:
+            self._commit(q)
         if layers and len(queries):
             model_rows = {q: self._layer_sum[q] / self._layer_count[q] for q in queries}
-            for q in queries:
-                self._add_summary(None, model_rows[q])
+            means = self._summary_means()
+            means[None] = np.mean([model_rows[q][:, :P] for q in queries], axis=0)
             shares, sources, summary = [], [], []
             for layer in [*layers, None]:
                 for q in queries:
@@ -642,12 +662,12 @@ class AnswerSources(Reducer):
                             "query": q}
                     row_shares, top = (self._tables[(layer, q)] if layer is not None
                                        else (self._shares(model_rows[q], q), self._top(model_rows[q])))
-                    shares.append({**base, **row_shares})
-                    ranked = [s for s in top if s["source"] not in answer_left_out]
-                    for m in TABLE_METRICS:
-                        sources += [{**base, "metric": m, "rank": r, "source": s["source"], "source_id": ids[s["source"]],
-                                     "score": s["score"]} for r, s in enumerate(t for t in ranked if t["metric"] == m)]
-                mean = self._summary_sum[layer] / self._summary_count[layer]          # [metrics, P]
+                    shares.append({**base, **self._shares_dict(row_shares)})
+                    for m, (at, score) in zip(TABLE_METRICS, top):
+                        ranked = [(int(j), float(x)) for j, x in zip(at, score) if j not in answer_left_out]
+                        sources += [{**base, "metric": m, "rank": r, "source": j, "source_id": ids[j], "score": x}
+                                    for r, (j, x) in enumerate(ranked)]
+                mean = means[layer]                                                # [metrics, P]
                 summary.append(pd.DataFrame({"text": index, "layer": layer, "position": np.arange(P),
                                              "token_id": ids[:P], **{m: mean[k] for k, m in enumerate(TABLE_METRICS)}}))
             self.shares.append(_nullable_layer(pd.DataFrame(shares)))
@@ -655,31 +675,40 @@ class AnswerSources(Reducer):
             self.summary.append(_nullable_layer(pd.concat(summary, ignore_index=True)))
         self._reset()
 
-    def _shares(self, row: np.ndarray, q: int) -> dict:
+    def _shares(self, rows: np.ndarray, q: int) -> np.ndarray:
+        """Each metric's ``(sink, prompt, answer)`` shares of rows ``[..., metrics, q + 1]``: ``[..., metrics, 3]``."""
         P, sink = self.P, self.sink
-        out = {}
-        for k, m in enumerate(TABLE_METRICS):
-            s = float(row[k, sink]) if sink <= q else 0.0
-            prompt = float(row[k, :P].sum()) - (s if sink < P else 0.0)
-            out.update({f"{m}_sink": s, f"{m}_prompt": prompt,
-                        f"{m}_answer": float(row[k, P:].sum()) - (s if sink >= P else 0.0)})
+        s = rows[..., sink] if sink <= q else np.zeros(rows.shape[:-1])
+        out = np.stack([s, rows[..., :P].sum(-1), rows[..., P:].sum(-1)], axis=-1)
+        if sink <= q:
+            out[..., 1 if sink < P else 2] -= s                 # the sink is neither prompt nor answer
         return out
 
-    def _top(self, row: np.ndarray) -> list[dict]:
-        keep = np.ones(row.shape[1], dtype=bool)
-        keep[self._left_out_at[self._left_out_at < row.shape[1]]] = False
+    def _shares_dict(self, shares: np.ndarray) -> dict:
+        return {f"{m}_{part}": float(shares[k, i]) for k, m in enumerate(TABLE_METRICS)
+                for i, part in enumerate(("sink", "prompt", "answer"))}
+
+    def _top(self, rows: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per row of ``rows [R, n]`` (one metric each) its ``top_k`` sources (not left out) and their
+        scores, the highest first, ties the earlier position first: ``[(positions, scores)] * R``.
+        All rows at once: only what can rank is sorted (each row's k-th largest and above; a row
+        with a NaN, all of it), by row, score and position."""
+        keep = np.ones(rows.shape[1], dtype=bool)
+        keep[self._left_out_at[self._left_out_at < rows.shape[1]]] = False
         cand, k_top = np.flatnonzero(keep), self.top_k
-        out = []
-        for k, m in enumerate(TABLE_METRICS):
-            if not len(cand):
-                break
-            scores = row[k, cand]
-            sel = cand
-            if len(cand) > k_top and not np.isnan(scores).any():   # only what can rank: the k-th largest and above
-                sel = cand[scores >= np.partition(scores, len(cand) - k_top)[len(cand) - k_top]]
-            order = sel[np.lexsort((sel, -row[k, sel]))][:k_top]
-            out += [{"metric": m, "source": int(j), "score": float(row[k, j])} for j in order]
-        return out
+        scores = rows[:, cand]                                               # [R, m]
+        if len(cand) > k_top:
+            kth = np.partition(scores, len(cand) - k_top, axis=1)[:, len(cand) - k_top]
+            can_rank = (scores >= kth[:, None]) | np.isnan(scores).any(1, keepdims=True)
+        else:
+            can_rank = np.ones(scores.shape, dtype=bool)
+        r, c = np.nonzero(can_rank)
+        order = np.lexsort((c, -scores[r, c], r))
+        r, c = r[order], c[order]
+        rank = np.arange(len(r)) - np.searchsorted(r, r)                     # place within its row
+        r, c = r[rank < k_top], c[rank < k_top]
+        bounds = np.searchsorted(r, np.arange(len(rows) + 1))
+        return [(cand[c[b0:b1]], scores[r[b0:b1], c[b0:b1]]) for b0, b1 in zip(bounds[:-1], bounds[1:])]
 
     def result(self) -> dict[str, pd.DataFrame]:
         """The three tables; ``layer`` is a nullable integer (null: the model) however the state travelled."""

@@ -245,6 +245,20 @@ def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | 
     return {n: out[n] for n in names}
 
 
+def received_row(a: torch.Tensor, p: torch.Tensor, out_sq: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What one query's row gives each source by the token-level ``attention`` and ``contribution``
+    of SPEC §2 (:func:`received` with the weight 1 on that query alone, in a third of its
+    operations: a decoding step's answer tables compute one such row per layer and token):
+    ``a [H, S]``, ``p [H, d]`` the pulled-back output, ``out_sq`` ``‖o‖²`` (a 0-d tensor),
+    ``v [Hg, S, d]`` (one value per head or per group of ``H / Hg`` consecutive heads) ->
+    ``[2, S]``: ``(mean_h a_j^h, C_j = Σ_h a_j^h (p^h·v_j^h)/‖o‖²)``."""
+    H, S = a.shape
+    Hg, d = v.shape[0], p.shape[-1]
+    X = safe_div(p, out_sq)                                                  # [H, d]
+    pv = (X.view(Hg, H // Hg, d) @ v.transpose(-1, -2)).view(H, S)          # p^h·v_j^h / ‖o‖²
+    return torch.stack([a.mean(0), (a * pv).sum(0)])
+
+
 def contribution_by_map(n_rep: int, Q: int, d: int) -> bool:
     """Whether :func:`received` sums the contribution over queries by the per-head ``[Q, S]`` product
     ``X vᵀ`` (True) or by the grouped ``[d, S]`` product ``Xᵀa`` (False): the one with the smaller
