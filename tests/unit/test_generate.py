@@ -206,6 +206,31 @@ def test_reducers_during_generation_equal_the_full_forward(arch, mode):
     assert np.allclose(ta[num].to_numpy(), tb[num].to_numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_the_answer_tables_alone_run_as_many_forward_calls_as_model_generate():
+    """The answer tables read producing rows only (READS_LAST_TOKEN False): N tokens cost N forward
+    calls, as model.generate, and the tables equal those of a generation that also ran the last
+    token for a reducer that reads it."""
+    handle = tiny_model("llama")
+    ids, N = handle.encode(PROMPT), 5
+    stream_generation(handle, ids, [AnswerSources()], Decoding(1, stop=()))   # the adapter's probes run once, first
+    calls = []
+    hook = handle.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        alone, beside = AnswerSources(), AnswerSources()
+        a_ids = stream_generation(handle, ids, [alone], Decoding(N, stop=()))
+        assert len(calls) == N
+        calls.clear()
+        b_ids = stream_generation(handle, ids, [beside, HeadStats()], Decoding(N, stop=()))
+        assert len(calls) == N + 1 and a_ids == b_ids
+    finally:
+        hook.remove()
+    for name, table in alone.result().items():
+        other = beside.result()[name]
+        assert table.shape == other.shape and len(table), name
+        num = table.select_dtypes("number").columns
+        assert np.allclose(table[num].to_numpy(float), other[num].to_numpy(float), atol=1e-6, equal_nan=True), name
+
+
 def _slow_answer_tables(trace: Trace, sink: int, top_k: int):
     """Shares and top sources of each producing row, from the full trace's maps."""
     P, T = trace.prompt_length, len(trace.ids)

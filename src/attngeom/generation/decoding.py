@@ -27,8 +27,9 @@ its metrics equal row ``t`` of a full forward of prompt + answer (tests/unit/tes
 length) is predicted by the output at position ``t - 1``: its *producing row* is query ``t - 1``
 (the last prompt token for the first answer token). Answer tables use producing rows. After the last
 token is chosen, one more step runs it through the model so that the trace has every token's row
-(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``), unless only text
-reducers need the answer's rows.
+(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``), unless no step
+reducer reads that row (``Reducer.READS_LAST_TOKEN``: the answer tables read producing rows only)
+and text reducers, if any, read the answer again.
 """
 
 from __future__ import annotations
@@ -496,7 +497,8 @@ def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers:
 
     cache = GrowingCache(P + N)
     answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
-                      last_step=bool(reducers) or not text_reducers, cache=cache, progress=progress)
+                      last_step=any(r.READS_LAST_TOKEN for r in reducers) or not (reducers or text_reducers),
+                      cache=cache, progress=progress)
     if text_reducers:
         _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(P + N), *text_reducers]))
     full = list(ids) + answer
@@ -552,6 +554,7 @@ class AnswerSources(Reducer):
       answer's producing rows: which prompt tokens the whole answer drew on."""
 
     STATE = ("shares", "sources", "summary")
+    READS_LAST_TOKEN = False                                  # the last token's row produces nothing
 
     def __init__(self, sink: int = 0, top_k: int = DEFAULT_TOP_K, exclude=(), exclude_ids: Iterable[int] = ()):
         self.sink, self.top_k = int(sink), int(top_k)
@@ -727,6 +730,7 @@ class Answers(Reducer):
     ``answer_tokens``, ``stopped`` (ended on a stop token), ``answer_ids`` (space-separated))."""
 
     STATE = ("answers",)
+    READS_LAST_TOKEN = False
 
     def __init__(self, stop: Iterable[int] = ()):
         self.stop = set(int(s) for s in stop)

@@ -135,6 +135,7 @@ class AnswerHeads(Reducer):
     ``exclude_special`` left out of the ranking)."""
 
     STATE = ("heads",)
+    READS_LAST_TOKEN = False                                  # the last token's row produces nothing
 
     def __init__(self, special_ids: Collection[int] = (), template: Collection[int] | Mapping = (), *,
                  top: int = DEFAULT_TOP, exclude_special: bool = True):

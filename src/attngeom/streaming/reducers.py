@@ -55,6 +55,10 @@ class Reducer:
     ``result()`` of one reducer that saw every unit."""
 
     STATE: tuple[str, ...] = ()
+    READS_LAST_TOKEN = True
+    """Whether, observing a generation's steps, the reducer reads the last generated token's row
+    (which produces no token). When no step reducer does (and no text reducer reads the answer
+    again), :func:`attngeom.generation.decoding.stream_generation` does not run that token."""
 
     def state(self) -> dict:
         return {name: _export(getattr(self, name)) for name in self.STATE}
