@@ -158,6 +158,19 @@ def test_generation_steps_stay_on_the_device(fake, monkeypatch):
         assert str(norms.norms[layer][0].tensor.device) == d
 
 
+def test_the_answer_tables_join_their_rows_on_each_rows_device():
+    """AnswerSources copies a step's rows to the host once per device: under device_map the layers'
+    rows live on several devices, and no product or join mixes them."""
+    from attngeom.generation.decoding import rows_by_device
+
+    with fake_cuda():
+        rows = [torch.ones(2, 5, device=CUDA0), torch.ones(2, 5, device=CUDA1), torch.ones(2, 3, device=CUDA0)]
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            torch.cat(rows, dim=1)                       # what one join of every row would do
+        joined = rows_by_device(rows)
+        assert [(idx, j.device, tuple(j.shape)) for idx, j in joined] == [([0, 2], CUDA0, (2, 8)), ([1], CUDA1, (2, 5))]
+
+
 @pytest.mark.parametrize("fake", CASES[:1], ids=IDS[:1], indirect=True)
 def test_compressed_cache_scores_stay_on_the_device(fake):
     """A prompt read into a compressed cache whose policy records scores from the capture

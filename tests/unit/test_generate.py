@@ -231,6 +231,68 @@ def test_the_answer_tables_alone_run_as_many_forward_calls_as_model_generate():
         assert np.allclose(table[num].to_numpy(float), other[num].to_numpy(float), atol=1e-6, equal_nan=True), name
 
 
+def test_an_observer_without_reads_last_token_counts_as_reading_it():
+    """README: a reducer is any object with observe(block); one without READS_LAST_TOKEN gets every
+    row, the last token's included."""
+    handle = tiny_model("llama")
+    ids, N = handle.encode(PROMPT), 3
+
+    class Duck:
+        def __init__(self):
+            self.queries = set()
+
+        def begin(self, batch):
+            pass
+
+        def observe(self, block):
+            self.queries.update(range(block.q_start, block.q_start + block.shape[2]))
+
+        def end(self, batch):
+            pass
+
+    duck = Duck()
+    full = stream_generation(handle, ids, [duck, AnswerSources()], Decoding(N, stop=()))
+    assert duck.queries == set(range(len(full)))
+
+
+def test_a_growing_norms_reused_for_a_new_generation_starts_again():
+    """A GrowingNorms that read the norms on the prompt's call only, then serves a generation with a
+    longer prompt: the new call has no more sources than its layer's previous call, so the norms are
+    recomputed, equal to the values' own."""
+    handle = tiny_model("llama")
+    norms = GrowingNorms()
+    got = {}
+
+    class ReadOnPrompt(Reducer):
+        def observe(self, block):
+            if block.shape[2] > 1:                                   # the prompt's call only
+                got[block.layer] = (block.state.value_norm.clone(), block.state.v.clone(), block.state.G)
+
+    for prompt, n in (("a b", 6), ("The cat sat on the mat again and again", 2)):
+        ids = handle.encode(prompt)
+        generate(handle, ids, Decoding(n, stop=()), Session(observers=[norms, ReadOnPrompt()]))
+        for layer, (vn, v, G) in got.items():
+            assert vn.shape[-1] == len(ids)
+            assert torch.allclose(vn, ((v @ G) * v).sum(-1).clamp_min(0).sqrt(), atol=1e-5), (prompt, layer)
+
+
+def test_answer_sources_on_one_layer_reduce_each_steps_row_before_the_next():
+    """Observing a single layer, a step's row still leaves the device when the next call begins:
+    the rows waiting never hold more than one call's."""
+    handle = tiny_model("llama")
+    waiting = []
+
+    class Counting(AnswerSources):
+        def observe(self, block):
+            super().observe(block)
+            waiting.append(len(self._step))
+
+    tables = Counting()
+    stream_generation(handle, handle.encode(PROMPT), [tables], Decoding(6, stop=()), layers=[1])
+    assert max(waiting) == 1 and len(waiting) >= 6
+    assert len(tables.result()["shares"]) == 6 * 2                   # layer 1 and the model, per token
+
+
 def _slow_answer_tables(trace: Trace, sink: int, top_k: int):
     """Shares and top sources of each producing row, from the full trace's maps."""
     P, T = trace.prompt_length, len(trace.ids)

@@ -27,9 +27,9 @@ its metrics equal row ``t`` of a full forward of prompt + answer (tests/unit/tes
 length) is predicted by the output at position ``t - 1``: its *producing row* is query ``t - 1``
 (the last prompt token for the first answer token). Answer tables use producing rows. After the last
 token is chosen, one more step runs it through the model so that the trace has every token's row
-(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``), unless no step
-reducer reads that row (``Reducer.READS_LAST_TOKEN``: the answer tables read producing rows only)
-and text reducers, if any, read the answer again.
+(``N + 1`` forward calls for ``N`` tokens; ``model.generate`` makes ``N``) when a step reducer reads
+that row (``Reducer.READS_LAST_TOKEN``, True unless a reducer says otherwise: the answer tables read
+producing rows only), or when there are no reducers at all; text reducers read the answer again.
 """
 
 from __future__ import annotations
@@ -431,19 +431,25 @@ class GrowingNorms:
     change during one generation). Without it every step would recompute every source's
     ``‖ṽ_j^h‖``, an ``H·S·d²`` product per layer and step; a step no observer reads the norms of
     (the answer tables read none) costs nothing: its tokens are added at the next read. The norms
-    are :class:`~attngeom.capture.plugin.GrowingTensor` s with room for ``capacity`` tokens (prompt + answer)."""
+    are :class:`~attngeom.capture.plugin.GrowingTensor` s with room for ``capacity`` tokens (prompt + answer).
+    One observer serves one generation at a time: a call with nothing cached before its queries (a
+    generation's prompt call) starts a new one, and the norms kept so far are dropped."""
 
     def __init__(self, capacity: int = 0):
         self.capacity = int(capacity)
         self.norms: dict[int, tuple[GrowingTensor, GrowingTensor]] = {}
 
     def observe(self, block: Block) -> None:
-        block.state.norms = self                                  # read lazily: LayerState.value_norm calls of()
+        st = block.state
+        if st.norms is not self:                                 # the call's first block of this layer
+            if block.q_start == 0:                               # nothing cached before it: a new generation
+                self.norms.pop(st.layer, None)
+            st.norms = self                                      # read lazily: LayerState.value_norm calls of()
 
     def of(self, st) -> tuple[torch.Tensor, torch.Tensor]:
         """``(‖ṽ_j^h‖, ‖v_j^h‖)`` of every source of the call ``st``: ``[B, H, S]`` each."""
         have = self.norms.get(st.layer)
-        if have is None or have[0].length > st.num_sources:     # a new generation on this observer
+        if have is None or have[0].length > st.num_sources:
             have = self.norms[st.layer] = (GrowingTensor(-1, self.capacity), GrowingTensor(-1, self.capacity))
         new = st.v_from(have[0].length)                          # the tokens not seen yet, per query head
         return have[0].append(metrics.projected_value_norm(new, st.G)), have[1].append(new.norm(dim=-1))
@@ -497,7 +503,8 @@ def stream_generation_ids(handle: ModelHandleLike, ids: Sequence[int], reducers:
 
     cache = GrowingCache(P + N)
     answer = generate(handle, ids, decoding, session([norms, *everyone]), steps=session([norms, *reducers]),
-                      last_step=any(r.READS_LAST_TOKEN for r in reducers) or not (reducers or text_reducers),
+                      last_step=any(getattr(r, "READS_LAST_TOKEN", True) for r in reducers)
+                      or not (reducers or text_reducers),
                       cache=cache, progress=progress)
     if text_reducers:
         _answer_as_text(handle, cache, ids, answer, session([GrowingNorms(P + N), *text_reducers]))
@@ -532,11 +539,21 @@ def producing_rows(block: Block, prompt_length: int):
         yield r, q0 + r
 
 
+def rows_by_device(rows: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Rows ``[k, n_i]`` joined along their last dimension, one tensor per device (the layers of a
+    model split by ``device_map`` live on several): ``[(indices of the rows, joined), ...]``, each
+    joined tensor on its rows' device, so that each device's rows reach the host in one copy."""
+    at: dict[torch.device, list[int]] = {}
+    for i, row in enumerate(rows):
+        at.setdefault(row.device, []).append(i)
+    return [(idx, torch.cat([rows[i] for i in idx], dim=1)) for idx in at.values()]
+
+
 class AnswerSources(Reducer):
     """Where each generated token's producing row (module docstring) draws from, per layer and
     for the model (the mean of the analysed layers' rows), from the token-level scores of SPEC §2
     (``attention``: mean over heads of ``a_ij^h``; ``contribution``: ``C_ij = Σ_h C_ij^h``, which
-    sums to 1 over ``j``). Only producing rows are computed (one ``wᵀa`` product per row, no map).
+    sums to 1 over ``j``). Only producing rows are computed (:func:`~attngeom.metrics.formulas.received_row`, no map).
 
     :meth:`result` gives three tables (one row per generated token unless said):
 
@@ -547,8 +564,8 @@ class AnswerSources(Reducer):
     - ``sources``: the ``top_k`` sources by each metric, prompt and earlier answer tokens alike (the
       sink left out: it has its own share; so are the positions ``exclude`` (or ``{text: positions}``)
       and the tokens ``exclude_ids``, e.g. chat-template and special tokens): ``metric``, ``rank`` (0 first),
-      ``source``, ``source_id``, ``score``; ties: the earlier position first. Each row is ranked when it
-      is observed; an answer token in ``exclude_ids`` (known only at the end) is then left out of the
+      ``source``, ``source_id``, ``score``; ties: the earlier position first. Each row is ranked
+      when the next forward call (or block) begins; an answer token in ``exclude_ids`` (known only at the end) is then left out of the
       lists, which keeps the order of the rest but may leave such a row fewer than ``top_k`` sources.
     - ``summary``: per layer (null: the model) and prompt position, each metric's mean over the
       answer's producing rows: which prompt tokens the whole answer drew on."""
@@ -592,7 +609,7 @@ class AnswerSources(Reducer):
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
-        if self._step and block.layer < self._step[-1][0]:                 # a new forward call
+        if self._step and block.layer <= self._step[-1][0]:                # a new forward call (or block)
             self._flush()
         for r, q in producing_rows(block, self.P):
             got = metrics.received_row(block.a[0, :, r], block.pulled_back[0, :, r], block.output_sq[0, r],
@@ -601,20 +618,23 @@ class AnswerSources(Reducer):
             self._step.append((block.layer, q, block.k_start, got[:, :n]))
 
     def _flush(self) -> None:
-        """Reduce the waiting rows: one copy to the host, then per query all its layers' rows at once."""
+        """Reduce the waiting rows: one copy to the host per device, then per query all its layers'
+        rows at once."""
         step, self._step = self._step, []
         if not step:
             return
-        host = torch.cat([got for *_, got in step], dim=1).cpu().numpy()     # [TABLE_METRICS, Σ n]
-        by_query: dict[int, list[tuple[int, int, int, int]]] = {}
-        offset = 0
-        for layer, q, k0, got in step:
-            by_query.setdefault(q, []).append((layer, k0, offset, got.shape[1]))
-            offset += got.shape[1]
+        host: list = [None] * len(step)
+        for at, joined in rows_by_device([got for *_, got in step]):
+            parts = np.split(joined.cpu().numpy(), np.cumsum([step[i][3].shape[1] for i in at])[:-1], axis=1)
+            for i, part in zip(at, parts):
+                host[i] = part                                               # [TABLE_METRICS, n]
+        by_query: dict[int, list[tuple[int, int, np.ndarray]]] = {}
+        for (layer, q, k0, _), row in zip(step, host):
+            by_query.setdefault(q, []).append((layer, k0, row))
         for q, items in by_query.items():
             rows = np.zeros((len(items), len(TABLE_METRICS), q + 1))
-            for i, (_, k0, off, n) in enumerate(items):
-                rows[i, :, k0:k0 + n] = host[:, off:off + n]
+            for i, (_, k0, row) in enumerate(items):
+                rows[i, :, k0:k0 + row.shape[1]] = row
             self._add_rows(q, tuple(layer for layer, *_ in items), rows)
 
     def _add_rows(self, q: int, layers: tuple, rows: np.ndarray) -> None:

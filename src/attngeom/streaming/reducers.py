@@ -57,8 +57,9 @@ class Reducer:
     STATE: tuple[str, ...] = ()
     READS_LAST_TOKEN = True
     """Whether, observing a generation's steps, the reducer reads the last generated token's row
-    (which produces no token). When no step reducer does (and no text reducer reads the answer
-    again), :func:`attngeom.generation.decoding.stream_generation` does not run that token."""
+    (which produces no token). When no step reducer does, :func:`attngeom.generation.decoding.stream_generation`
+    does not run that token (text reducers see it in their own call of the whole answer). An
+    observer without this attribute counts as reading it."""
 
     def state(self) -> dict:
         return {name: _export(getattr(self, name)) for name in self.STATE}
