@@ -257,8 +257,8 @@ def test_an_observer_without_reads_last_token_counts_as_reading_it():
 
 def test_a_growing_norms_reused_for_a_new_generation_starts_again():
     """A GrowingNorms that read the norms on the prompt's call only, then serves a generation with a
-    longer prompt: the new call has no more sources than its layer's previous call, so the norms are
-    recomputed, equal to the values' own."""
+    longer prompt (more sources than the first generation ever held): the new prompt call has nothing
+    cached before it, so the kept norms are dropped and recomputed, equal to the values' own."""
     handle = tiny_model("llama")
     norms = GrowingNorms()
     got = {}

@@ -115,17 +115,22 @@ class LayerState:
         return self.value.shape[2]
 
     @cached_property
+    def _kept_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(‖ṽ_j^h‖, ‖v_j^h‖)`` from :attr:`norms` (both in one call of its ``of``)."""
+        return self.norms.of(self)
+
+    @cached_property
     def value_norm(self) -> torch.Tensor:
         """``‖ṽ_j^h‖``: ``[B, H, S]`` (from :attr:`norms` when an observer set it)."""
         if self.norms is not None:
-            return self.norms.of(self)[0]
+            return self._kept_norms[0]
         return metrics.projected_value_norm(self.v, self.G)
 
     @cached_property
     def raw_value_norm(self) -> torch.Tensor:
         """``‖v_j^h‖`` in head space: ``[B, H, S]`` (one norm per key/value head, shared by its group)."""
         if self.norms is not None:
-            return self.norms.of(self)[1]
+            return self._kept_norms[1]
         return self.value.norm(dim=-1)[:, self.kv_head.to(self.value.device)]
 
     @property

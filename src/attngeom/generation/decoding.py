@@ -449,7 +449,7 @@ class GrowingNorms:
     def of(self, st) -> tuple[torch.Tensor, torch.Tensor]:
         """``(‖ṽ_j^h‖, ‖v_j^h‖)`` of every source of the call ``st``: ``[B, H, S]`` each."""
         have = self.norms.get(st.layer)
-        if have is None or have[0].length > st.num_sources:
+        if have is None or have[0].length > st.num_sources:     # none kept, or more than the call holds
             have = self.norms[st.layer] = (GrowingTensor(-1, self.capacity), GrowingTensor(-1, self.capacity))
         new = st.v_from(have[0].length)                          # the tokens not seen yet, per query head
         return have[0].append(metrics.projected_value_norm(new, st.G)), have[1].append(new.norm(dim=-1))
