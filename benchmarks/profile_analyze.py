@@ -22,6 +22,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def analysis_methods(T: int) -> dict:
+    """``{name: () -> None}``: one forward of ``T`` tokens of the bundled model (float32, CPU) by the
+    SDPA forward, the attngeom forward with no observer (``capture``), attention-level statistics and
+    all metrics (``analyze``), as ``bench_analyze.py`` defines them."""
+    import torch
+
+    from bench_analyze import ATTENTION_FIELDS, _bench_ids
+    from attngeom.model import load_model
+    from attngeom.streaming.reducers import HeadStats, TokenStats
+    from attngeom.traces import trace as tr
+
+    handle = load_model("smollm2-135m", dtype="float32", device="cpu")
+    model = handle.model
+    ids = _bench_ids(handle, T)
+    x = torch.tensor([ids])
+
+    def sdpa():
+        model.set_attn_implementation("sdpa")
+        with torch.inference_mode():
+            model(x, logits_to_keep=1)
+
+    def streamed(observers):
+        return lambda: tr.stream(handle, [ids], observers(), progress=False)
+
+    return {
+        "sdpa": sdpa,
+        "capture": streamed(lambda: []),
+        "attention_stats": streamed(lambda: [HeadStats(fields=ATTENTION_FIELDS),
+                                             TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]),
+        "analyze": streamed(lambda: [HeadStats(), TokenStats()]),
+    }
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=2048)
@@ -33,35 +66,9 @@ def main(argv=None) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_analyze import ATTENTION_FIELDS, _bench_ids
-    from attngeom.traces import trace as tr
-    from attngeom.model import load_model
-    from attngeom.streaming.reducers import HeadStats, TokenStats
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    handle = load_model("smollm2-135m", dtype="float32", device="cpu")
-    model = handle.model
-    ids = _bench_ids(handle, args.T)
-    x = torch.tensor([ids])
-
-    def sdpa():
-        model.set_attn_implementation("sdpa")
-        with torch.inference_mode():
-            model(x, logits_to_keep=1)
-
-    def streamed(observers):
-        def run():
-            tr.stream(handle, [ids], observers(), progress=False)
-        return run
-
-    methods = {
-        "sdpa": sdpa,
-        "capture": streamed(lambda: []),
-        "attention_stats": streamed(lambda: [HeadStats(fields=ATTENTION_FIELDS),
-                                             TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]),
-        "analyze": streamed(lambda: [HeadStats(), TokenStats()]),
-    }
+    methods = analysis_methods(args.T)
     for f in methods.values():  # warm-up
         f()
     times = {k: [] for k in methods}
