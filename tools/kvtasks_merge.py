@@ -114,11 +114,15 @@ def main(argv=None) -> int:
         print(f"kvtasks_merge: {e}", file=sys.stderr)
         return 2
     df = df.sort_values(["task", "example", "ratio", "policy"], kind="stable").reset_index(drop=True)
+    # a finished run's rows name the model as the command prints it; a stopped run's units do not
+    names = df["model"].dropna().unique() if "model" in df else []
+    model = str(names[0]) if len(names) else first["model"]
+    if "model" in df:
+        df["model"] = df["model"].fillna(model)
     summary, pairs = tasks.summarize(df), tasks.paired(df)
     out.mkdir(parents=True)
     for name, t in (("answers", df), ("summary", summary), ("pairs", pairs)):
         t.to_parquet(out / f"{name}.parquet")
-    model = str(df["model"].iloc[0]) if "model" in df else first["model"]      # the name the command records
     doc = {"command": "kvtasks", "model": model, "examples": int(df.groupby(["task", "example"]).ngroups),
            "tasks": sorted(df["task"].unique()), "length": first["length"], "mode": first["mode"],
            "chat_template": bool(df["chat"].any()), "policies": list(first["policies"]), "ratios": list(first["ratios"]),

@@ -131,3 +131,18 @@ def test_merge_reads_finished_runs_writes_strict_json_and_refuses_in_one_line(tm
         assert said in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "m2").exists()
     assert tables.main([str(tmp_path / "nothing")]) == 2
     assert "holds no summary.json" in capsys.readouterr().err
+
+
+def test_merge_names_the_model_when_only_a_finished_run_records_its_name(tmp_path):
+    """A finished run's answer rows carry the model's name, a stopped run's units do not: the summary
+    and every merged row take the name, not a missing value of the first run's rows."""
+    merge = _tool("kvtasks_merge")
+    full = {0: 1.0, 1: 1.0}
+    scores = {"full": full, "random": full, "contribution": full}
+    a = _run(tmp_path / "a", ["t1", "t2"], _rows("t1", [0, 1], scores), finished=False)
+    b = _run(tmp_path / "b", ["t2"], _rows("t2", [0, 1], scores).assign(model="Model-Name"), finished=True)
+    out = tmp_path / "m"
+    assert merge.main(["--out", str(out), str(a), str(b)]) == 0
+    assert json.loads((out / "summary.json").read_text())["model"] == "Model-Name"
+    answers = pd.read_parquet(out / "answers.parquet")
+    assert set(answers["model"]) == {"Model-Name"} and set(answers["task"]) == {"t1", "t2"}
