@@ -49,7 +49,7 @@ def addressed_bytes(t: torch.Tensor) -> int:
     return min(span, t.numel()) * t.element_size()
 
 
-def product_flops(name: str, args, kwargs, out) -> int:
+def product_flops(name: str, args, kwargs) -> int:
     """Floating-point operations (a multiply and an add each count) of one matrix product."""
     name = name.rstrip("_") if name in ("addmm_", "baddbmm_") else name
     if name == "mm":
@@ -93,7 +93,7 @@ class OpCounts(TorchDispatchMode):
         if func.is_view or name in NO_DATA:
             return out
         if name in PRODUCTS:
-            row[1] += product_flops(name, args, kwargs, out)
+            row[1] += product_flops(name, args, kwargs)
         outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
         if name in GATHERS:     # reads as many elements of its source (args[0]) as it writes, plus the index
             moved = 2 * sum(addressed_bytes(t) for t in outs) + sum(

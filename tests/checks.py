@@ -1,7 +1,10 @@
 """Checks shared by the test tiers: hooks that read what a model computes without attngeom, the
-equality of two traces, and input files written for a test."""
+equality of two traces, input files written for a test, and the repository's scripts loaded as
+modules."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -88,3 +91,12 @@ def write_jsonl(path, rows):
     """``rows`` (dicts) as one JSON object a line in ``path``; returns ``path``."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def load_script(path: Path, name: str | None = None):
+    """The script at ``path`` (a benchmark, a tool) loaded as a module named ``name`` (default: its
+    file's stem), without putting its folder on the import path."""
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -114,10 +114,10 @@ def main(argv=None) -> int:
         print(f"kvtasks_merge: {e}", file=sys.stderr)
         return 2
     df = df.sort_values(["task", "example", "ratio", "policy"], kind="stable").reset_index(drop=True)
-    # a finished run's rows name the model as the command prints it; a stopped run's units do not
-    names = df["model"].dropna().unique() if "model" in df else []
-    model = str(names[0]) if len(names) else first["model"]
-    if "model" in df:
+    model = first["model"]
+    if "model" in df:           # a finished run's rows name the model as the command prints it; a stopped run's units do not
+        named = df["model"].dropna()
+        model = str(named.iloc[0]) if len(named) else model
         df["model"] = df["model"].fillna(model)
     summary, pairs = tasks.summarize(df), tasks.paired(df)
     out.mkdir(parents=True)

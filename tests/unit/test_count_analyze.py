@@ -2,24 +2,18 @@
 operations and the bytes each operator addresses (views none, expanded inputs their span, gathers
 what they read)."""
 
-import importlib.util
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from checks import load_script
 
-
-def _counter():
-    spec = importlib.util.spec_from_file_location("count_analyze", BENCHMARKS / "count_analyze.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "count_analyze.py"
 
 
 def _count(fn):
-    mod = _counter()
+    mod = load_script(SCRIPT)
     with torch.inference_mode(), mod.OpCounts() as c:
         fn()
     return c

@@ -2,20 +2,18 @@
 merged, a task is taken from the first run that has it whole, runs of other settings are refused,
 and the tables show what the summary says."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pandas as pd
 
+from checks import load_script
+
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TOOLS / f"{name}.py")
 
 
 SETTINGS = {"model": "m", "dtype": "float32", "device_type": "cpu", "threads": 1, "length": 64, "examples": 2,

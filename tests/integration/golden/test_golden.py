@@ -16,7 +16,6 @@ refactoring on that machine.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from checks import load_script
+
 HERE = Path(__file__).parent
 SCRIPT = HERE / "make_golden.py"
 GOLDEN = HERE / "golden_outputs.json"
@@ -32,10 +33,7 @@ SHOWN = 40
 
 
 def _make_golden_module():
-    spec = importlib.util.spec_from_file_location("attngeom_make_golden", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "attngeom_make_golden")
 
 
 @pytest.mark.slow
