@@ -1,15 +1,24 @@
 #!/usr/bin/env python
-"""One summary from several ``attngeom kvtasks`` runs of the same model, length, mode, policies and
-ratios, finished or stopped: the whole tasks of each (every example of the task answered) merged
-and summarised as the command summarises one run (:func:`attngeom.kvcache.tasks.summarize`,
-``paired``, ``verdicts``). A stopped run is read from its checkpoint; a task found in several runs
-is taken from the first. Writes ``answers.parquet``, ``summary.parquet``, ``pairs.parquet`` and
-``summary.json`` (with ``"merged"``: the runs and the tasks taken from each) to ``--out``, which
-must not exist.
+"""One summary from several ``attngeom kvtasks`` runs of the same model, length, seed, mode,
+policies and ratios, finished or stopped, or folders this tool wrote: the whole tasks of each
+merged and summarised as the command summarises one run (:func:`attngeom.kvcache.tasks.summarize`,
+``paired``, ``verdicts``). Writes ``answers.parquet``, ``summary.parquet``, ``pairs.parquet`` and
+``summary.json`` (with ``"settings"``, the inputs' common identity, and ``"merged"``: the example
+numbers taken from each input, and those skipped) to ``--out``, which must not exist.
 
-    python tools/kvtasks_merge.py --out docs/kvtasks-runs/NAME RUN [RUN ...]
+    python tools/kvtasks_merge.py --out docs/kvtasks-runs/NAME INPUT [INPUT ...]
 
-Used when a grid is split by tasks over processes or machines, or when a run had to stop: the
+A task of a run is taken when it is whole in that run: every example ``first_example ..
+first_example + examples - 1`` answered (a stopped run is read from its checkpoint). Its examples
+add to those earlier inputs gave the task; an example number (task, example) already taken is
+skipped, the first input wins. A folder this tool wrote counts as whole for every example it holds.
+So a sample of 50 examples per task is gathered 10 at a time: runs of ``attngeom kvtasks
+--examples 10 --first-example 0``, then ``10``, ``20``, ... each merged with the published folder
+into a new one (never over it: ``--out`` must not exist)::
+
+    python tools/kvtasks_merge.py --out docs/kvtasks-runs/NAME-20 docs/kvtasks-runs/NAME RUN10
+
+Also used when a grid is split by tasks over processes or machines, or when a run had to stop: the
 tables of docs/kvcache.md then say which tasks are whole.
 """
 
@@ -19,31 +28,47 @@ import argparse
 import sys
 from pathlib import Path
 
-IDENTITY = ("model", "dtype", "device_type", "threads", "length", "examples", "seed", "haystack", "policies", "ratios",
+IDENTITY = ("model", "dtype", "device_type", "threads", "length", "seed", "haystack", "policies", "ratios",
             "mode", "chat", "allow_missing_weights")
+DEFAULTS = {"allow_missing_weights": False}
+"""Identity keys a run records only when they differ from their default: absent compares as the default."""
 
 
 class Refused(Exception):
     """A run that cannot be merged: one line, exit 2."""
 
 
-def settings_of(run: Path) -> dict:
-    """The run's settings: from ``run.json`` when finished, else from its checkpoint."""
+def identity(settings: dict) -> dict:
+    """The keys of :data:`IDENTITY` in ``settings``, an absent one as its default."""
+    return {k: settings.get(k, DEFAULTS.get(k)) for k in IDENTITY}
+
+
+def settings_of(run: Path) -> tuple[dict, bool]:
+    """The input's settings and whether it is a folder this tool wrote: from ``run.json`` when a
+    finished run, else from its checkpoint, else from a merged folder's ``summary.json``."""
     from attngeom.runs.storage import parse_json
 
-    for path in (run / "run.json", run / "checkpoint" / "settings.json"):
+    for path in (run / "run.json", run / "checkpoint" / "settings.json", run / "summary.json"):
         if path.is_file():
             try:
                 doc = parse_json(path.read_text(encoding="utf-8"))
             except ValueError as e:
                 raise Refused(f"{path} is not valid JSON ({e})") from None
+            if path.name == "summary.json":
+                if not isinstance(doc, dict) or "merged" not in doc or not (run / "answers.parquet").is_file():
+                    break
+                if not isinstance(doc.get("settings"), dict):
+                    raise Refused(f"{path} has no \"settings\" (written before kvtasks_merge recorded them): add "
+                                  f"\"settings\" with the runs' {', '.join(IDENTITY)}, as their run.json has them")
+                return doc["settings"], True
             if not isinstance(doc, dict) or doc.get("command") != "kvtasks" or not isinstance(doc.get("settings"), dict):
                 raise Refused(f"{path} is not the record of an attngeom kvtasks run")
             settings = doc["settings"]
             if not isinstance(settings.get("tasks"), list) or not isinstance(settings.get("examples"), int):
                 raise Refused(f"{run} was made from an examples file (no task list): merge its tasks by running them again")
-            return settings
-    raise Refused(f"{run} holds neither run.json nor checkpoint/settings.json (not an attngeom kvtasks run)")
+            return settings, False
+    raise Refused(f"{run} holds neither run.json nor checkpoint/settings.json (not an attngeom kvtasks run) "
+                  "nor the summary.json and answers.parquet of a merged folder")
 
 
 def rows_of(run: Path):
@@ -68,38 +93,74 @@ def rows_of(run: Path):
     return pd.concat(units.values(), ignore_index=True) if units else pd.DataFrame()
 
 
+def whole_examples(settings: dict, merged: bool, df) -> dict[str, list[int]]:
+    """The example numbers of each whole task: every one a merged folder holds; of a run, its tasks
+    whose examples ``first_example .. first_example + examples - 1`` are all answered."""
+    got = df.groupby("task")["example"].agg(set).to_dict() if len(df) else {}
+    if merged:
+        return {t: sorted(int(e) for e in got[t]) for t in sorted(got)}
+    first = settings.get("first_example", 0)
+    want = range(first, first + settings["examples"])
+    return {t: list(want) for t in settings["tasks"] if set(want) <= got.get(t, set())}
+
+
+def inputs_of(folder: Path) -> list:
+    """The ``"merged"`` record of a folder this tool wrote: where its examples came from, kept in the
+    new folder's record so that a sample gathered over sessions names every run behind it."""
+    from attngeom.runs.storage import parse_json
+
+    return parse_json((folder / "summary.json").read_text(encoding="utf-8"))["merged"]
+
+
+def spans(numbers) -> str:
+    """Example numbers as ranges: 0..9 and 20 are ``"0-9, 20"``."""
+    out = []
+    for n in sorted(numbers):
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in out)
+
+
 def collect(runs: list[Path]):
-    """The rows of every whole task (each taken from the first run that has it whole), the runs'
-    contributions and their common settings; :class:`Refused` when runs differ or nothing is whole."""
+    """The rows of every whole task's examples (each (task, example) taken from the first input that
+    has it), each input's contribution, their common identity and the number of examples skipped as
+    taken already; :class:`Refused` when inputs differ or nothing is whole."""
     import pandas as pd
 
-    frames, merged, first = [], [], None
+    frames, merged, first, taken, dropped = [], [], None, set(), 0
     for run in runs:
-        settings = settings_of(run)
-        ident = {k: settings.get(k) for k in IDENTITY}
+        settings, is_merged = settings_of(run)
+        ident = identity(settings)
         if first is None:
             first = ident
         elif ident != first:
             diff = [k for k in IDENTITY if ident[k] != first[k]]
             raise Refused(f"{run} differs from {runs[0]} in {', '.join(diff)}")
         df = rows_of(run)
-        if not len(df):
-            continue
-        done = df.groupby("task")["example"].nunique()
-        taken = {x for m in merged for x in m["tasks"]}
-        whole = [t for t in settings["tasks"] if done.get(t, 0) == settings["examples"] and t not in taken]
-        if whole:
-            frames.append(df[df["task"].isin(whole)])
-            merged.append({"run": run.name, "tasks": whole, "examples_per_task": settings["examples"]})
+        new, skipped = {}, {}
+        for t, examples in whole_examples(settings, is_merged, df).items():
+            for e in examples:
+                (skipped if (t, e) in taken else new).setdefault(t, []).append(e)
+        keep = {(t, e) for t, es in new.items() for e in es}
+        taken |= keep
+        dropped += sum(map(len, skipped.values()))
+        if keep:
+            frames.append(df[pd.MultiIndex.from_frame(df[["task", "example"]]).isin(list(keep))])
+        if keep or skipped:
+            merged.append({"run": run.name, "tasks": list(new), "examples": {t: spans(es) for t, es in new.items()},
+                           **({"skipped": {t: spans(es) for t, es in skipped.items()}} if skipped else {}),
+                           **({"from": inputs_of(run)} if is_merged else {})})
     if not frames:
         raise Refused("no whole task in these runs (a task is merged once every one of its examples is answered)")
-    return pd.concat(frames, ignore_index=True), merged, first
+    return pd.concat(frames, ignore_index=True), merged, first, dropped
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("runs", nargs="+")
+    ap.add_argument("runs", nargs="+", help="kvtasks runs (finished or stopped) or folders this tool wrote")
     a = ap.parse_args(argv)
     from attngeom.kvcache import tasks
     from attngeom.runs.storage import write_json
@@ -109,7 +170,7 @@ def main(argv=None) -> int:
         print(f"kvtasks_merge: {out} exists; give a new folder", file=sys.stderr)
         return 2
     try:
-        df, merged, first = collect([Path(r) for r in a.runs])
+        df, merged, first, skipped = collect([Path(r) for r in a.runs])
     except Refused as e:
         print(f"kvtasks_merge: {e}", file=sys.stderr)
         return 2
@@ -123,13 +184,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True)
     for name, t in (("answers", df), ("summary", summary), ("pairs", pairs)):
         t.to_parquet(out / f"{name}.parquet")
-    doc = {"command": "kvtasks", "model": model, "examples": int(df.groupby(["task", "example"]).ngroups),
+    per_task = df.groupby("task")["example"].nunique()
+    doc = {"command": "kvtasks", "model": model, "examples": int(per_task.sum()),
+           "examples_per_task": {t: int(n) for t, n in per_task.items()},
            "tasks": sorted(df["task"].unique()), "length": first["length"], "mode": first["mode"],
            "chat_template": bool(df["chat"].any()), "policies": list(first["policies"]), "ratios": list(first["ratios"]),
            "best_baselines": {str(k): v for k, v in tasks.best_baselines(summary).items()},
-           "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs), "merged": merged}
+           "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs), "settings": first,
+           "merged": merged}
     write_json(out / "summary.json", doc)
-    print(f"kvtasks_merge: {doc['examples']} examples of {', '.join(doc['tasks'])} written to {out}", file=sys.stderr)
+    print(f"kvtasks_merge: {doc['examples']} examples of {', '.join(doc['tasks'])} written to {out}"
+          + (f" ({skipped} examples given again skipped: the first input wins)" if skipped else ""), file=sys.stderr)
     return 0
 
 

@@ -47,6 +47,8 @@ def test_runs_writes_every_table_and_resumes(tiny_llama_dir, tmp_path, examples,
     (["--tasks", "qa"], "unknown task"),
     (["--length", "10"], "--length"),
     (["--examples-file", "{missing}"], "not found"),
+    (["--first-example", "-1"], "--first-example must be at least 0"),
+    (["--examples-file", "{missing}", "--first-example", "10"], "an --examples-file brings its own"),
 ])
 def test_bad_input_is_one_line_before_the_model_loads(no_model, tmp_path, capsys, extra, message):
     extra = [e.format(missing=tmp_path / "missing.jsonl") for e in extra]

@@ -1,6 +1,7 @@
 """tools/kvtasks_merge.py and tools/kvtasks_tables.py on hand-made runs: only whole tasks are
-merged, a task is taken from the first run that has it whole, runs of other settings are refused,
-and the tables show what the summary says."""
+merged, their examples add up across runs (``--first-example``) and folders the tool wrote, an
+example is taken from the first input that has it, inputs of other settings are refused, and the
+tables show what the summary says."""
 
 import json
 from pathlib import Path
@@ -63,9 +64,9 @@ def test_merge_takes_whole_tasks_first_run_first_and_refuses_other_settings(tmp_
     out = tmp_path / "merged"
     assert merge.main(["--out", str(out), str(a), str(b)]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["merged"] == [{"run": "a", "tasks": ["t1"], "examples_per_task": 2},
-                           {"run": "b", "tasks": ["t2"], "examples_per_task": 2}]
-    assert s["tasks"] == ["t1", "t2"] and s["examples"] == 4
+    assert s["merged"] == [{"run": "a", "tasks": ["t1"], "examples": {"t1": "0-1"}},
+                           {"run": "b", "tasks": ["t2"], "examples": {"t2": "0-1"}, "skipped": {"t1": "0-1"}}]
+    assert s["tasks"] == ["t1", "t2"] and s["examples"] == 4 and s["examples_per_task"] == {"t1": 2, "t2": 2}
     acc = {(r["task"], r["policy"]): r["accuracy"] for r in s["results"]}
     assert acc[("t1", "contribution")] == 0.5 and acc[("t1", "random")] == 0.0      # t1 from run a, not b
     assert acc[("t2", "contribution")] == 0.5 and acc[("all", "random")] == 0.5
@@ -118,7 +119,7 @@ def test_merge_reads_finished_runs_writes_strict_json_and_refuses_in_one_line(tm
     other = _run(tmp_path / "b", ["t1"], _rows("t1", range(3), {"full": {e: 1.0 for e in range(3)},
                                                                  "random": {e: 1.0 for e in range(3)},
                                                                  "contribution": {e: 1.0 for e in range(3)}}),
-                 finished=True, examples=3)
+                 finished=True, examples=3, seed=1)
     empty = tmp_path / "empty"
     (empty / "checkpoint").mkdir(parents=True)
     (empty / "checkpoint" / "settings.json").write_text(json.dumps({"command": "kvtasks", "settings": {**SETTINGS, "tasks": ["t1"]}}))
@@ -144,3 +145,89 @@ def test_merge_names_the_model_when_only_a_finished_run_records_its_name(tmp_pat
     assert json.loads((out / "summary.json").read_text())["model"] == "Model-Name"
     answers = pd.read_parquet(out / "answers.parquet")
     assert set(answers["model"]) == {"Model-Name"} and set(answers["task"]) == {"t1", "t2"}
+
+
+def _scores(examples, contribution):
+    """The full cache right on every example, random wrong, contribution right where ``contribution(e)``."""
+    return {"full": {e: 1.0 for e in examples}, "random": {e: 0.0 for e in examples},
+            "contribution": {e: float(contribution(e)) for e in examples}}
+
+
+def test_merge_adds_up_examples_across_runs_and_merged_folders(tmp_path, capsys):
+    """Runs of --first-example 0 and 10 add up to 20 examples a task; the merged folder then joins
+    a run of 20..29 into 30; an example given twice is taken from the first input; a task not whole
+    in its run brings nothing."""
+    merge = _tool("kvtasks_merge")
+    r0, r10, r20 = range(0, 10), range(10, 20), range(20, 30)
+    both = ["t1", "t2"]
+    a = _run(tmp_path / "a", both, pd.concat([_rows(t, r0, _scores(r0, lambda e: e < 5)) for t in both]),
+             finished=True, examples=10)
+    b = _run(tmp_path / "b", both, pd.concat([_rows(t, r10, _scores(r10, lambda e: True)) for t in both]),
+             finished=False, examples=10, first_example=10)
+    m20 = tmp_path / "m20"
+    assert merge.main(["--out", str(m20), str(a), str(b)]) == 0
+    s = json.loads((m20 / "summary.json").read_text())
+    assert s["examples"] == 40 and s["examples_per_task"] == {"t1": 20, "t2": 20}
+    assert s["merged"] == [{"run": "a", "tasks": ["t1", "t2"], "examples": {"t1": "0-9", "t2": "0-9"}},
+                           {"run": "b", "tasks": ["t1", "t2"], "examples": {"t1": "10-19", "t2": "10-19"}}]
+    assert s["settings"] == {**{k: v for k, v in SETTINGS.items() if k != "examples"}, "allow_missing_weights": False}
+    acc = {(r["task"], r["policy"]): (r["accuracy"], r["examples"]) for r in s["results"]}
+    assert acc[("t1", "contribution")] == (0.75, 20) and acc[("all", "contribution")] == (0.75, 40)
+    assert acc[("all", "random")] == (0.0, 40)
+    assert sorted(set(pd.read_parquet(m20 / "answers.parquet")["example"])) == list(range(20))
+
+    # t1 whole in c (20..29), t2 not (29 missing); b again: all of it taken already
+    c = _run(tmp_path / "c", both, pd.concat([_rows("t1", r20, _scores(r20, lambda e: False)),
+                                              _rows("t2", r20[:-1], _scores(r20[:-1], lambda e: False))]),
+             finished=True, examples=10, first_example=20)
+    m30 = tmp_path / "m30"
+    assert merge.main(["--out", str(m30), str(m20), str(c), str(b)]) == 0
+    assert "20 examples given again skipped" in capsys.readouterr().err
+    s = json.loads((m30 / "summary.json").read_text())
+    assert s["examples_per_task"] == {"t1": 30, "t2": 20} and s["examples"] == 50
+    m20_from = json.loads((m20 / "summary.json").read_text())["merged"]     # the runs behind m20, kept
+    assert [r["run"] for r in m20_from] == ["a", "b"]
+    assert s["merged"] == [{"run": "m20", "tasks": ["t1", "t2"], "examples": {"t1": "0-19", "t2": "0-19"},
+                            "from": m20_from},
+                           {"run": "c", "tasks": ["t1"], "examples": {"t1": "20-29"}},
+                           {"run": "b", "tasks": [], "examples": {}, "skipped": {"t1": "10-19", "t2": "10-19"}}]
+    acc = {(r["task"], r["policy"]): r["accuracy"] for r in s["results"]}
+    assert acc[("t1", "contribution")] == 0.5 and acc[("t2", "contribution")] == 0.75
+
+    # first wins: a run of 0..9 scored otherwise (contribution always right) before the merged folder
+    a2 = _run(tmp_path / "a2", ["t1"], _rows("t1", r0, _scores(r0, lambda e: True)), finished=True, examples=10)
+    m = tmp_path / "first"
+    assert merge.main(["--out", str(m), str(a2), str(m20)]) == 0
+    s = json.loads((m / "summary.json").read_text())
+    assert s["merged"][1] == {"run": "m20", "tasks": ["t1", "t2"], "examples": {"t1": "10-19", "t2": "0-19"},
+                              "skipped": {"t1": "0-9"}, "from": m20_from}
+    acc = {(r["task"], r["policy"]): r["accuracy"] for r in s["results"]}
+    assert acc[("t1", "contribution")] == 1.0 and acc[("t2", "contribution")] == 0.75
+
+
+def test_merge_refuses_other_settings_and_a_merged_folder_without_them(tmp_path, capsys):
+    """A run that differs in a key of the identity other than examples and first_example is refused,
+    against a run or a merged folder; so is a merged folder written before "settings" were recorded,
+    with a line that says how to fix it. A run that records no allow_missing_weights is the default."""
+    merge = _tool("kvtasks_merge")
+    r = range(2)
+    a = _run(tmp_path / "a", ["t1"], _rows("t1", r, _scores(r, bool)), finished=True)
+    m = tmp_path / "m"
+    assert merge.main(["--out", str(m), str(a)]) == 0
+    later = _run(tmp_path / "later", ["t1"], _rows("t1", range(2, 4), _scores(range(2, 4), bool)), finished=True,
+                 first_example=2, allow_missing_weights=False)
+    assert merge.main(["--out", str(tmp_path / "ok"), str(m), str(later)]) == 0
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["examples_per_task"] == {"t1": 4}
+    capsys.readouterr()
+    other = _run(tmp_path / "other", ["t1"], _rows("t1", range(2, 4), _scores(range(2, 4), bool)), finished=True,
+                 first_example=2, length=128)
+    doc = json.loads((m / "summary.json").read_text())
+    del doc["settings"]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text(json.dumps(doc))
+    (old / "answers.parquet").write_bytes((m / "answers.parquet").read_bytes())
+    for runs, said in (([a, other], "differs from"), ([m, other], "in length"), ([old, later], 'no "settings"')):
+        assert merge.main(["--out", str(tmp_path / "m2"), *map(str, runs)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "m2").exists()

@@ -84,6 +84,14 @@ def test_length_within_tolerance(tokenizer, task, length):
         assert ex.question.startswith("\n") and ex.answers
 
 
+@pytest.mark.parametrize("task", ["niah_multivalue", "frequent_words"])
+def test_example_numbers_do_not_depend_on_where_a_run_starts(tokenizer, task):
+    """Examples 1 and 2 made from ``first=1`` are those a run from 0 makes: runs of ``--first-example``
+    0, 10, 20 add up to one sample (tools/kvtasks_merge.py)."""
+    assert make_examples(tokenizer, task, 512, 2, first=1) == make_examples(tokenizer, task, 512, 3)[1:]
+    assert [e.index for e in make_examples(tokenizer, task, 512, 2, first=5)] == [5, 6]
+
+
 @pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "variable_tracking"])
 def test_prose_haystack_lengths(tokenizer, prose, task):
     for ex in make_examples(tokenizer, task, 1024, 2, haystack=prose):

@@ -39,6 +39,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tasks", default=",".join(d.tasks), help=f"comma-separated tasks (default {','.join(d.tasks)})")
     p.add_argument("--length", type=int, default=d.length, help=f"prompt tokens per example (default {d.length})")
     p.add_argument("--examples", type=int, default=d.examples, help=f"examples per task (default {d.examples})")
+    p.add_argument("--first-example", type=int, default=d.first_example,
+                   help="number of the first example of each task (default 0): runs from 0, 10, 20, ... answer "
+                        "different examples, which tools/kvtasks_merge.py joins into one sample")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the examples (default {d.seed})")
     p.add_argument("--haystack", default=d.haystack,
                    help="the needle tasks' haystack: 'noise' (RULER's repeated sentences) or a corpus file of "
@@ -72,13 +75,15 @@ def run(args) -> int:
     from attngeom.kvcache import ruler, tasks
 
     common.figure_format(args)
-    common.check_at_least(args, length=64, examples=1)
+    common.check_at_least(args, length=64, examples=1, first_example=0)
     policies = tasks.check_policies(_names(args.policies, "policies"))
     ratios = tasks.check_ratios(sorted(set(parse_float_list(args.ratios, "--ratios"))))
     task_names = _names(args.tasks, "tasks")
     for t in task_names:
         if t not in ruler.TASKS:
             raise InputError(f"unknown task {t!r}; choose from {', '.join(ruler.TASKS)}")
+    if args.examples_file is not None and args.first_example:
+        raise InputError("--first-example numbers the examples kvtasks makes; an --examples-file brings its own")
     given = ruler.read_jsonl(args.examples_file) if args.examples_file is not None else None  # checked before the model loads
     haystack = args.haystack
     if haystack != "noise":
@@ -88,6 +93,7 @@ def run(args) -> int:
     settings = KVTaskSettings(tuple(policies), tuple(ratios), args.mode, args.chat)
     source = common.data_identity(args.examples_file) if args.examples_file else \
         {"tasks": task_names, "length": args.length, "examples": args.examples, "seed": args.seed,
+         **({"first_example": args.first_example} if args.first_example else {}),
          **({"haystack": "noise"} if args.haystack == "noise" else {"haystack": common.data_identity(args.haystack)})}
     identity = {**common.model_identity(args), **source, **common.settings_identity(settings, omit=("n_resamples",))}
 
@@ -97,7 +103,8 @@ def run(args) -> int:
             examples = given
         else:
             examples = [e for t in task_names
-                        for e in ruler.make_examples(handle.tokenizer, t, args.length, args.examples, args.seed, haystack)]
+                        for e in ruler.make_examples(handle.tokenizer, t, args.length, args.examples, args.seed, haystack,
+                                                      first=args.first_example)]
         result = tasks.experiment(handle, run, examples, settings)
         model_name = getattr(handle, "name", args.model)
         chat = bool(result.tables["answers"]["chat"].any())

@@ -495,8 +495,9 @@ def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, option
     return best
 
 
-def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, haystack="noise", **task_options) -> list[Example]:
-    """``n`` examples of ``task`` (a key of :data:`TASKS`) whose prompt (context + question + answer
+def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, haystack="noise", first: int = 0,
+                  **task_options) -> list[Example]:
+    """``n`` examples of ``task``, numbered ``first .. first + n - 1``, (a key of :data:`TASKS`) whose prompt (context + question + answer
     prefix, plain text, BOS included, no chat template) has at most ``length`` tokens of
     ``tokenizer`` and at least ``length - tolerance(length)``.
 
@@ -512,7 +513,7 @@ def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, hays
     if not isinstance(hay, str) and not hay:
         raise ValueError("the prose haystack has no words")
     out = []
-    for index in range(n):
+    for index in range(first, first + n):
         (context, question, prefix, answers), tokens = _fit(tokenizer, spec, f"ruler:{task}:{seed}:{index}", length, hay, task_options)
         if tokens < length - tolerance(length):
             raise RuntimeError(f"{task}: {tokens} tokens, more than {tolerance(length)} below {length}")

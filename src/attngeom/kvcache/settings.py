@@ -66,12 +66,16 @@ class KVTaskSettings:
 @dataclass(frozen=True)
 class KVTaskInputs:
     """How ``attngeom kvtasks`` makes its examples (:mod:`attngeom.kvcache.ruler`): ``tasks``,
-    ``length`` tokens per example, ``examples`` per task, ``seed``, and the ``haystack`` of the
-    needle tasks (``noise``: RULER's repeated sentences, or a corpus file of real prose)."""
+    ``length`` tokens per example, ``examples`` per task from example number ``first_example`` on,
+    ``seed``, and the ``haystack`` of the needle tasks (``noise``: RULER's repeated sentences, or a
+    corpus file of real prose). Example ``i`` of a task is the same whatever the other numbers, so
+    runs of ``first_example = 0, 10, 20, ...`` add up to one larger sample
+    (``tools/kvtasks_merge.py``)."""
 
     tasks: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
                               "variable_tracking", "common_words", "frequent_words")
     length: int = 4096
     examples: int = 50
+    first_example: int = 0
     seed: int = 0
     haystack: str = "noise"
