@@ -2,7 +2,8 @@
 """Where the time of a streaming analysis goes, beside the SDPA forward, under the current CPU kernels.
 
 One process, the bundled model in float32 at ``--T`` tokens: times the SDPA forward, the attngeom
-forward with no observer (``capture``), attention-level statistics and all metrics (as
+forward with no observer (``capture``), only the matrix products all metrics need (``products``:
+the floor under all metrics on this CPU), attention-level statistics and all metrics (as
 ``benchmarks/bench_analyze.py`` defines them), alternating, and prints their ratios to SDPA; then
 profiles one all-metrics pass with ``torch.profiler`` and prints the operators by self CPU time,
 beside the same table for the SDPA forward. Run it under several kernel settings to see which
@@ -24,19 +25,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def analysis_methods(T: int) -> dict:
     """``{name: () -> None}``: one forward of ``T`` tokens of the bundled model (float32, CPU) by the
-    SDPA forward, the attngeom forward with no observer (``capture``), attention-level statistics and
-    all metrics (``analyze``), as ``bench_analyze.py`` defines them."""
+    SDPA forward, the attngeom forward with no observer (``capture``), only the products all metrics need
+    (``products``), attention-level statistics and all metrics (``analyze``), as
+    ``bench_analyze.py`` defines them."""
     import torch
 
     from bench_analyze import ATTENTION_FIELDS, _bench_ids
     from attngeom.model import load_model
-    from attngeom.streaming.reducers import HeadStats, TokenStats
+    from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
     from attngeom.traces import trace as tr
 
     handle = load_model("smollm2-135m", dtype="float32", device="cpu")
     model = handle.model
     ids = _bench_ids(handle, T)
     x = torch.tensor([ids])
+
+    class ProductsOnly(Reducer):
+        """Computes, per block, only the matrix products all metrics cannot do without (the floor
+        under ``analyze``): the head outputs ``a·v`` (the module's own output, shared), their
+        pull-back ``p = u·W_OᵀW_O`` and ``uG``, and the contribution each source receives (``Xᵀa``
+        per group of heads); no other pass over a block map."""
+
+        def observe(self, block) -> None:
+            block.uG
+            block.received(block.query_valid.float(), ("contribution",))
 
     def sdpa():
         model.set_attn_implementation("sdpa")
@@ -49,6 +61,7 @@ def analysis_methods(T: int) -> dict:
     return {
         "sdpa": sdpa,
         "capture": streamed(lambda: []),
+        "products": streamed(lambda: [ProductsOnly()]),
         "attention_stats": streamed(lambda: [HeadStats(fields=ATTENTION_FIELDS),
                                              TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]),
         "analyze": streamed(lambda: [HeadStats(), TokenStats()]),

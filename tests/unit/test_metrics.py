@@ -1,5 +1,6 @@
 """The five metrics of SPEC §2 against a slow, obvious model-space computation, and their invariants."""
 
+import math
 import numpy as np
 import pytest
 import torch
@@ -144,6 +145,26 @@ def test_entropy_from_logits_equals_entropy_of_probabilities():
     s = s + mask
     a = torch.softmax(s, -1)
     assert torch.allclose(M.entropy_from_logits(a, s), M.entropy(a), atol=1e-5)
+
+
+def test_entropy_from_logits_reads_lse_at_a_reference_column():
+    """``lse`` read at the larger of two candidate columns gives the entropy of the row-maximum form;
+    a row whose candidates both hold (almost) nothing falls back to the row maxima, and the hand case
+    ``a = (1/2, 1/4, 1/4)`` gives ``1.5 log 2``."""
+    s = torch.log(torch.tensor([[2.0, 1.0, 1.0]])) + 5.0             # lse = 5 + log 4
+    a = torch.softmax(s, -1)
+    ref = torch.tensor([[1, 2]])                                    # both candidates hold 1/4
+    assert torch.allclose(M.entropy_from_logits(a, s, ref), torch.tensor([1.5 * math.log(2.0)]), atol=1e-6)
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(2, 3, 7, 9, generator=g) * torch.tensor([0.1, 3.0, 30.0]).view(1, 3, 1, 1)
+    s[0, 2, 0] = torch.tensor([-200.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])   # column 0 holds e^-200: none
+    s[0, 2, 0, 3] = 50.0                                                            # and the mass sits on column 3
+    a = torch.softmax(s, -1)
+    ref = torch.tensor([0, 0]).view(1, 1, 1, 2).expand(2, 3, 7, 2)  # column 0 twice
+    assert a[0, 2, 0, 0] < M.LSE_REFERENCE_MIN
+    expected = M.entropy(a.double()).float()
+    assert torch.allclose(M.entropy_from_logits(a, s, ref), expected, atol=1e-5)
+    assert torch.allclose(M.entropy_from_logits(a, s, ref), M.entropy_from_logits(a, s), atol=2e-6)
 
 
 @pytest.mark.parametrize("Q", [1, 5, 40])

@@ -109,6 +109,12 @@ class LayerState:
         (``value`` itself when :attr:`grouped`; else the per-head :attr:`v`, ``Hg = H``)."""
         return self.value if self.grouped else self.v
 
+    @cached_property
+    def group_values_t(self) -> torch.Tensor:
+        """:attr:`group_values` transposed, contiguous along the sources: ``[B, Hg, d, S]`` (one copy
+        per layer, read by the blocks' received contribution, :func:`attngeom.metrics.formulas.received`)."""
+        return self.group_values.transpose(-1, -2).contiguous()
+
     @property
     def num_sources(self) -> int:
         """``S``: the sources of this call (with a cache, every cached token)."""
@@ -264,14 +270,22 @@ class Block:
     @property
     def entropy(self) -> torch.Tensor:
         """Entropy (nats) of each attention row: ``[B, H, Q]``. From the logits when the block has
-        them (``lse·Σ_j a_ij − Σ_j a_ij s_ij``: two row maxima and one fused product instead of a
-        logarithm per element), else ``−Σ_j a_ij log a_ij``; with a learned sink its share
-        ``a_i∅`` is one more outcome of the row (``− a_i∅ log a_i∅`` is added)."""
+        them (``lse·Σ_j a_ij − Σ_j a_ij s_ij`` with ``lse`` read at the query's own column or the
+        block's first, :func:`attngeom.metrics.formulas.entropy_from_logits`: one fused product per
+        row instead of a logarithm per element), else ``−Σ_j a_ij log a_ij``; with a learned sink its
+        share ``a_i∅`` is one more outcome of the row (``− a_i∅ log a_i∅`` is added)."""
         if self.learned_sink is not None:
             return self._memo("entropy", lambda: metrics.entropy(self.a) + metrics.entropy(self.learned_sink.unsqueeze(-1)))
         if self.scores is not None:
-            return self._memo("entropy", lambda: metrics.entropy_from_logits(self.a, self.scores))
+            return self._memo("entropy", lambda: metrics.entropy_from_logits(self.a, self.scores, self._lse_reference()))
         return self._memo("entropy", lambda: metrics.entropy(self.a))
+
+    def _lse_reference(self) -> torch.Tensor:
+        """``[B, H, Q, 2]``: each query's candidate columns for its row's ``lse`` (the block's first
+        source, often a sink, and the query's own position, clamped into the block)."""
+        B, H, Q, S = self.shape
+        own = (self.q_positions - self.k_start).clamp(0, S - 1)
+        return torch.stack([torch.zeros_like(own), own], dim=-1).view(1, 1, Q, 2).expand(B, H, Q, 2)
 
     # ---- maps [B, H, Q, S]: the metrics of attngeom.metrics.registry ----------------------------------
     @property
@@ -326,9 +340,12 @@ class Block:
         out: dict[str, torch.Tensor] = {}
         if fast:
             need_norm = "value_weighted" in fast or "output_normalized" in fast
+            grouped_product = "contribution" in fast and not metrics.contribution_by_map(
+                self.state.n_rep, self.shape[2], self.state.value.shape[-1])
             out.update(metrics.received(
                 self.a, weight, fast,
                 v=self.group_values if "contribution" in fast else None,
+                v_t=self.state.group_values_t[..., self.k_start:self.k_start + self.shape[3]] if grouped_product else None,
                 value_norm=self.value_norm if need_norm else None,
                 head_out_norm=self.head_output_norm if "output_normalized" in fast else None,
                 p=self.pulled_back if "contribution" in fast else None,

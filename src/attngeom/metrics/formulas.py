@@ -194,7 +194,8 @@ def head_share(o: torch.Tensor, u: torch.Tensor, w_o: torch.Tensor) -> torch.Ten
 
 def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | None = None,
              value_norm: torch.Tensor | None = None, head_out_norm: torch.Tensor | None = None,
-             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             p: torch.Tensor | None = None, out_sq: torch.Tensor | None = None,
+             v_t: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores ``s`` of SPEC §2
     named in ``names`` (a subset of ``attention``, ``value_weighted``, ``output_normalized`` and
     ``contribution``: the metrics :mod:`attngeom.metrics.registry` flags ``received``), without forming any score map:
@@ -212,7 +213,10 @@ def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | 
     times smaller ``[B, Hg, d, S]`` result. When a group has fewer stacked queries than dimensions
     (:func:`contribution_by_map`: a decoding step, or full multi-head attention in blocks of few
     queries), the ``[n_rep·Q, S]`` product ``X vᵀ`` per group is the smaller one and is used
-    instead: ``Σ_i a_ij (X vᵀ)_ij``, the same sum in the other order."""
+    instead: ``Σ_i a_ij (X vᵀ)_ij``, the same sum in the other order. ``v_t``: optionally ``v``
+    transposed and contiguous along the sources (``[B, Hg, d, S]``, e.g. a slice of one copy per
+    layer), so that ``v_j · (Xᵀa)_j`` reads both operands in order: a strided ``vᵀ`` costs this
+    last step about twice as much."""
     B, H, Q, S = a.shape
     names = tuple(names)
     rows = []                                                                # pieces of Xᵀ: [B, H, k, Q]
@@ -241,7 +245,7 @@ def received(a: torch.Tensor, weight: torch.Tensor, names, *, v: torch.Tensor | 
             out["contribution"] = (a.reshape(B, n_groups, n_rep * Q, S) * (Xg @ v.transpose(-1, -2))).sum(2).sum(1)
         else:
             Rc = Xg.transpose(-1, -2) @ a.reshape(B, n_groups, n_rep * Q, S)       # [B, Hg, d, S]
-            out["contribution"] = (Rc * v.transpose(-1, -2)).sum(2).sum(1)
+            out["contribution"] = (Rc * (v.transpose(-1, -2) if v_t is None else v_t)).sum((1, 2))
     return {n: out[n] for n in names}
 
 
@@ -274,14 +278,32 @@ def token_scores(per_head: torch.Tensor, heads: str = "sum") -> torch.Tensor:
     return per_head.mean(1) if heads == "mean" else per_head.sum(1)
 
 
-def entropy_from_logits(a: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+LSE_REFERENCE_MIN = 2.0 ** -24
+"""The smallest probability :func:`entropy_from_logits` reads a row's ``lse`` from (``s_ij − log a_ij``):
+below it a float32 ``a_ij`` has lost precision to its logit's rounding, and the row maximum is used."""
+
+
+def entropy_from_logits(a: torch.Tensor, scores: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy (nats) of each row of ``a = softmax(scores)`` from the logits: ``[..., S]`` -> ``[...]``.
 
-    ``log a_ij = s_ij − lse_i`` and the row maximum of ``a`` is ``exp(max_j s_ij − lse_i)``, so
-    ``−Σ_j a_ij log a_ij = lse_i Σ_j a_ij − Σ_j a_ij s_ij`` with ``lse_i = max_j s_ij − log max_j a_ij``.
-    Masked sources hold ``a = 0`` and a finite (very negative) logit. Clamped to ``[0, log S]``,
-    the range of an entropy over ``S`` sources (a row with no visible source has no meaning)."""
-    lse = scores.amax(-1) - torch.log(a.amax(-1))
+    ``log a_ij = s_ij − lse_i`` for every source ``j``, so ``−Σ_j a_ij log a_ij = lse_i Σ_j a_ij −
+    Σ_j a_ij s_ij``: one fused product per row instead of a logarithm per element. ``lse_i = s_ij −
+    log a_ij`` is read at one column ``j``: the larger of the candidate columns ``reference [..., k]``
+    (e.g. a query's own column and the first source, where attention mostly sits: two gathers instead
+    of two passes over the row), or the row maximum (``lse_i = max_j s_ij − log max_j a_ij``) when no
+    reference is given or the best candidate holds less than :data:`LSE_REFERENCE_MIN`. Masked sources
+    hold ``a = 0`` and a finite (very negative) logit. Clamped to ``[0, log S]``, the range of an
+    entropy over ``S`` sources (a row with no visible source has no meaning)."""
+    if reference is None:
+        lse = scores.amax(-1) - torch.log(a.amax(-1))
+    else:
+        a_ref, s_ref = a.gather(-1, reference), scores.gather(-1, reference)
+        best = a_ref.argmax(-1, keepdim=True)
+        a_best = a_ref.gather(-1, best).squeeze(-1)
+        lse = s_ref.gather(-1, best).squeeze(-1) - torch.log(a_best)
+        low = a_best < LSE_REFERENCE_MIN
+        if a.device.type != "cpu" or bool(low.any()):   # rare on the CPU; no host sync on an accelerator
+            lse = torch.where(low, scores.amax(-1) - torch.log(a.amax(-1)), lse)
     h = lse * a.sum(-1) - torch.einsum("...j,...j->...", a, scores)  # einsum: no [..., S] product formed
     return h.clamp(0.0, math.log(a.shape[-1]))
 
