@@ -119,6 +119,20 @@ def readme_table(s: dict, pairs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def tasks_said(s: dict) -> str:
+    """``"6 tasks"``, or with the examples per task when they differ (a merged sample gathered in
+    parts): ``"6 tasks: frequent_words 20, the others 10"``."""
+    n = len(s["tasks"])
+    said = f"{n} task{'s' if n > 1 else ''}"
+    per = s.get("examples_per_task") or {}
+    counts = sorted(set(per.values()))
+    if len(counts) < 2:
+        return said
+    common = max(counts, key=lambda c: sum(v == c for v in per.values()))
+    odd = ", ".join(f"{t} {v}" for t, v in sorted(per.items()) if v != common)
+    return f"{said}: {odd}, the others {common}"
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="folders written by attngeom kvtasks (or tools/kvtasks_merge.py)")
@@ -131,7 +145,7 @@ def main(argv: list[str]) -> int:
     for run in a.runs:
         s, pairs = load(run)
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
-                f"({len(s['tasks'])} task{'s' if len(s['tasks']) > 1 else ''}), {'chat template' if s.get('chat_template') else 'no chat template'}")
+                f"({tasks_said(s)}), {'chat template' if s.get('chat_template') else 'no chat template'}")
         if a.readme:
             print(f"{head}\n\n{readme_table(s, pairs)}\n")
             continue

@@ -193,6 +193,9 @@ def test_merge_adds_up_examples_across_runs_and_merged_folders(tmp_path, capsys)
                            {"run": "b", "tasks": [], "examples": {}, "skipped": {"t1": "10-19", "t2": "10-19"}}]
     acc = {(r["task"], r["policy"]): r["accuracy"] for r in s["results"]}
     assert acc[("t1", "contribution")] == 0.5 and acc[("t2", "contribution")] == 0.75
+    tables = _tool("kvtasks_tables")
+    assert tables.tasks_said(s) == "2 tasks: t1 30, the others 20"          # the tables' heading
+    assert tables.tasks_said(json.loads((m20 / "summary.json").read_text())) == "2 tasks"
 
     # first wins: a run of 0..9 scored otherwise (contribution always right) before the merged folder
     a2 = _run(tmp_path / "a2", ["t1"], _rows("t1", r0, _scores(r0, lambda e: True)), finished=True, examples=10)

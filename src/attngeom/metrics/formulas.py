@@ -294,8 +294,11 @@ def entropy_from_logits(a: torch.Tensor, scores: torch.Tensor, reference: torch.
     reference is given or the best candidate holds less than :data:`LSE_REFERENCE_MIN`. Masked sources
     hold ``a = 0`` and a finite (very negative) logit. Clamped to ``[0, log S]``, the range of an
     entropy over ``S`` sources (a row with no visible source has no meaning)."""
+    def lse_from_maxima():
+        return scores.amax(-1) - torch.log(a.amax(-1))
+
     if reference is None:
-        lse = scores.amax(-1) - torch.log(a.amax(-1))
+        lse = lse_from_maxima()
     else:
         a_ref, s_ref = a.gather(-1, reference), scores.gather(-1, reference)
         best = a_ref.argmax(-1, keepdim=True)
@@ -303,7 +306,7 @@ def entropy_from_logits(a: torch.Tensor, scores: torch.Tensor, reference: torch.
         lse = s_ref.gather(-1, best).squeeze(-1) - torch.log(a_best)
         low = a_best < LSE_REFERENCE_MIN
         if a.device.type != "cpu" or bool(low.any()):   # rare on the CPU; no host sync on an accelerator
-            lse = torch.where(low, scores.amax(-1) - torch.log(a.amax(-1)), lse)
+            lse = torch.where(low, lse_from_maxima(), lse)
     h = lse * a.sum(-1) - torch.einsum("...j,...j->...", a, scores)  # einsum: no [..., S] product formed
     return h.clamp(0.0, math.log(a.shape[-1]))
 
