@@ -439,6 +439,30 @@ def test_summaries_on_hand_scores():
     assert [x["verdict"] for x in v] == ["beats"] and v[0]["policy"] == "contribution"
 
 
+def test_over_all_tasks_each_task_weighs_the_same():
+    """A sample gathered in parts holds more examples of some tasks: over all tasks the accuracy and
+    the paired difference are means over tasks, not over examples (RULER's average). Task ``a``
+    (10 examples, contribution always right, H2O never) and task ``b`` (30 examples, both never
+    right): 0.5 over all tasks, not 0.25; with as many examples per task the two means agree."""
+    rows = []
+    for task, n, right in (("a", 10, 1.0), ("b", 30, 0.0)):
+        for ex in range(n):
+            rows += [{"task": task, "example": ex, "policy": "full", "ratio": 0.0, "score": 1.0},
+                     {"task": task, "example": ex, "policy": "h2o", "ratio": 0.5, "score": 0.0},
+                     {"task": task, "example": ex, "policy": "contribution", "ratio": 0.5, "score": right}]
+    df = pd.DataFrame(rows).assign(kept_share=1.0, bytes=1.0, seconds=1.0)
+    summ = tasks.summarize(df, n_resamples=200).set_index(["task", "policy", "ratio"])
+    every = summ.loc[(tasks.ALL_TASKS, "contribution", 0.5)]
+    assert every["accuracy"] == pytest.approx(0.5) and every["examples"] == 40
+    assert every["low"] < 0.5 < every["high"]
+    assert summ.loc[("a", "contribution", 0.5), "accuracy"] == 1.0
+    pairs = tasks.paired(df, n_resamples=200).set_index(["task", "policy"])
+    assert pairs.loc[(tasks.ALL_TASKS, "contribution"), "delta"] == pytest.approx(0.5)
+    even = df[df["example"] < 10]                                       # 10 and 10: the plain mean
+    s2 = tasks.summarize(even, n_resamples=1).set_index(["task", "policy", "ratio"])
+    assert s2.loc[(tasks.ALL_TASKS, "contribution", 0.5), "accuracy"] == 0.5
+
+
 def test_bad_grids_are_refused_in_one_line():
     from attngeom.errors import InputError
 

@@ -223,21 +223,32 @@ def _with_all(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(t, df[df["task"] == t]) for t in tasks] + ([(ALL_TASKS, df)] if len(tasks) > 1 else [])
 
 
+def _task_weights(units: list[str]) -> np.ndarray:
+    """One weight per unit (``task/example``), inversely proportional to the examples of its task,
+    so that over all tasks each task weighs the same whatever its number of examples (RULER's
+    average over tasks). With as many examples per task every weight is exactly 1: the plain mean."""
+    tasks = [u.rsplit("/", 1)[0] for u in units]
+    n = pd.Series(tasks).value_counts()
+    return np.array([n.max() / n[t] for t in tasks], dtype=float)
+
+
 def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Per (task, policy, ratio), and over all tasks: ``accuracy`` (mean score, 0–1) with its 95 %
     bootstrap interval over examples (NaN below :data:`~attngeom.stats.resampling.MIN_UNITS`),
-    ``examples``, the mean ``kept_share`` and ``bytes``, and ``seconds`` per variant."""
+    ``examples``, the mean ``kept_share`` and ``bytes``, and ``seconds`` per variant. Over all tasks
+    the accuracy is the mean over tasks (:func:`_task_weights`: a sample gathered in parts may hold
+    more examples of some tasks), resampled over examples."""
     from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
 
     rows = []
     for task, g in _with_all(df):
         units = sorted(_units(g).unique())
-        counts = resample_counts(len(units), n_resamples, seed)
+        counts, w = resample_counts(len(units), n_resamples, seed), _task_weights(units)
         for (policy, ratio), h in g.groupby(["policy", "ratio"], sort=True):
             x = h.assign(u=_units(h)).set_index("u").loc[units, "score"].to_numpy(float)
-            lo, hi = percentile_interval(ratio_of_sums(counts, x, np.ones_like(x)), units=len(units))
+            lo, hi = percentile_interval(ratio_of_sums(counts, w * x, w), units=len(units))
             rows.append({"task": task, "policy": policy, "ratio": float(ratio), "examples": len(units),
-                         "accuracy": float(x.mean()), "low": float(lo), "high": float(hi),
+                         "accuracy": float((w * x).sum() / w.sum()), "low": float(lo), "high": float(hi),
                          "kept_share": float(h["kept_share"].mean()), "bytes": float(h["bytes"].mean()),
                          "seconds": float(h["seconds"].mean())})
     return pd.DataFrame(rows)
@@ -257,7 +268,8 @@ def best_baselines(summary: pd.DataFrame) -> dict[float, str]:
 
 def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Every policy against the best baseline at each ratio (:func:`best_baselines`), per task and
-    over all tasks, on the same resamples of the examples: the accuracy difference ``delta`` with its
+    over all tasks (each task weighing the same, as in :func:`summarize`), on the same resamples of
+    the examples: the accuracy difference ``delta`` with its
     95 % interval and ``better_share``, the share of resamples where the policy is ahead."""
     from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
 
@@ -265,17 +277,17 @@ def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataF
     rows = []
     for task, g in _with_all(df):
         units = sorted(_units(g).unique())
-        counts = resample_counts(len(units), n_resamples, seed)
+        counts, w = resample_counts(len(units), n_resamples, seed), _task_weights(units)
         for ratio, ref in best.items():
             h = g[g["ratio"] == ratio].assign(u=lambda x: _units(x))
             wide = h.pivot(index="u", columns="policy", values="score").loc[units]
             for policy in wide.columns:
                 d = (wide[policy] - wide[ref]).to_numpy(float)
-                boot = ratio_of_sums(counts, d, np.ones_like(d))
+                boot = ratio_of_sums(counts, w * d, w)
                 lo, hi = percentile_interval(boot, units=len(units))
                 rows.append({"task": task, "ratio": ratio, "policy": policy, "baseline": ref,
                              "geometry": get_policy(policy).geometry, "examples": len(units),
-                             "delta": float(d.mean()), "low": float(lo), "high": float(hi),
+                             "delta": float((w * d).sum() / w.sum()), "low": float(lo), "high": float(hi),
                              "better_share": float(np.mean(boot > 0))})
     return pd.DataFrame(rows)
 
