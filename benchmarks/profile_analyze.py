@@ -11,11 +11,15 @@ operators grow when the kernels change::
 
     ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/profile_analyze.py --T 2048 --threads 0
     ATEN_CPU_CAPABILITY=default python benchmarks/profile_analyze.py --T 2048
+
+Two versions of attngeom side by side (times only, medians): run it alternately with
+``PYTHONPATH=OTHER_CHECKOUT/src`` and without, ``--repeats 3 --median --top 0``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -73,11 +77,14 @@ def main(argv=None) -> None:
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--top", type=int, default=18, help="operators listed per profile (0: time only, no profiles)")
+    ap.add_argument("--median", action="store_true", help="the median of the repeats (default: the fastest)")
     args = ap.parse_args(argv)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    import attngeom
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,11 +98,12 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             methods[k]()
             times[k].append(time.perf_counter() - t0)
-    best = {k: min(v) for k, v in times.items()}
-    print(f"T={args.T} threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()}")
+    best = {k: (statistics.median(v) if args.median else min(v)) for k, v in times.items()}
+    print(f"T={args.T} threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()} "
+          f"({'median' if args.median else 'fastest'} of {args.repeats}; attngeom from {Path(attngeom.__file__).parent})")
     for k, t in best.items():
         print(f"  {k:16s} {t:7.3f} s  {t / best['sdpa']:5.2f}x SDPA")
-    for name in ("sdpa", "analyze"):
+    for name in ("sdpa", "analyze") if args.top > 0 else ():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             methods[name]()
         print(f"\n== {name}: operators by self CPU time")
