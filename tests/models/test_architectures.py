@@ -42,7 +42,7 @@ from checks import RebuiltOutputs, o_proj_inputs as _o_proj_inputs
 
 T = 12
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architectures.md"
-MIN_SUPPORTED = 105
+MIN_SUPPORTED = 108
 REQUIRED = ("gpt2", "gpt_neox", "gptj", "opt", "olmo", "olmo2", "phi", "phi3", "stablelm", "starcoder2", "cohere",
             "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "smollm3")
 """Types the project promises to support (docs/architectures.md)."""

@@ -751,16 +751,16 @@ class ArchitectureAdapter:
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bamba", "biogpt", "codegen", "cohere", "cohere2",
     "cohere2_moe", "cohere_compass_text", "ctrl", "cwm", "dbrx", "deepseek_v2", "deepseek_v3", "dots1", "emu3",
-    "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon_h1", "flex_olmo", "flint", "gemma", "gemma2",
-    "gemma3_text", "gemma3n_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode",
-    "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared",
-    "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
-    "jamba", "kimi_linear", "kolibri1", "lara_mini", "lfm2", "lfm2_moe", "llama", "llama4_text", "longcat_flash",
-    "mellum", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
-    "mixtral", "mllama", "modernbert-decoder", "moshi", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3",
-    "olmo_hybrid", "olmoe", "opt", "persimmon", "phi", "phi3", "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe",
-    "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
-    "vaultgemma", "youtu", "zamba", "zamba2", "zaya",
+    "ergo", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "flex_olmo",
+    "flint", "gemma", "gemma2", "gemma3_text", "gemma3n_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt-sw3",
+    "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
+    "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3",
+    "iquestcoder", "jais2", "jamba", "kimi_linear", "kolibri1", "lara_mini", "lfm2", "lfm2_moe", "llama",
+    "llama4_text", "longcat_flash", "mellum", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
+    "ministral3", "mistral", "mixtral", "mllama", "modernbert-decoder", "moshi", "nanochat", "nemotron", "nemotron_h",
+    "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "opt", "param2moe", "persimmon", "phi", "phi3",
+    "phi4_multimodal", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss",
+    "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu", "zamba", "zamba2", "zaya",
 )
 """``config.model_type`` values that tests/models/test_architectures.py verifies (docs/architectures.md; the
 test fails when this list and its own result differ). Any other decoder-only model whose attention
