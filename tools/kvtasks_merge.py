@@ -43,9 +43,10 @@ def identity(settings: dict) -> dict:
     return {k: settings.get(k, DEFAULTS.get(k)) for k in IDENTITY}
 
 
-def settings_of(run: Path) -> tuple[dict, bool]:
-    """The input's settings and whether it is a folder this tool wrote: from ``run.json`` when a
-    finished run, else from its checkpoint, else from a merged folder's ``summary.json``."""
+def settings_of(run: Path) -> tuple[dict, list | None]:
+    """The input's settings, and, for a folder this tool wrote, its ``"merged"`` record (where its
+    examples came from; None for a run): from ``run.json`` when a finished run, else from its
+    checkpoint, else from a merged folder's ``summary.json``."""
     from attngeom.runs.storage import parse_json
 
     for path in (run / "run.json", run / "checkpoint" / "settings.json", run / "summary.json"):
@@ -60,13 +61,13 @@ def settings_of(run: Path) -> tuple[dict, bool]:
                 if not isinstance(doc.get("settings"), dict):
                     raise Refused(f"{path} has no \"settings\" (written before kvtasks_merge recorded them): add "
                                   f"\"settings\" with the runs' {', '.join(IDENTITY)}, as their run.json has them")
-                return doc["settings"], True
+                return doc["settings"], doc["merged"]
             if not isinstance(doc, dict) or doc.get("command") != "kvtasks" or not isinstance(doc.get("settings"), dict):
                 raise Refused(f"{path} is not the record of an attngeom kvtasks run")
             settings = doc["settings"]
             if not isinstance(settings.get("tasks"), list) or not isinstance(settings.get("examples"), int):
                 raise Refused(f"{run} was made from an examples file (no task list): merge its tasks by running them again")
-            return settings, False
+            return settings, None
     raise Refused(f"{run} holds neither run.json nor checkpoint/settings.json (not an attngeom kvtasks run) "
                   "nor the summary.json and answers.parquet of a merged folder")
 
@@ -104,23 +105,11 @@ def whole_examples(settings: dict, merged: bool, df) -> dict[str, list[int]]:
     return {t: list(want) for t in settings["tasks"] if set(want) <= got.get(t, set())}
 
 
-def inputs_of(folder: Path) -> list:
-    """The ``"merged"`` record of a folder this tool wrote: where its examples came from, kept in the
-    new folder's record so that a sample gathered over sessions names every run behind it."""
-    from attngeom.runs.storage import parse_json
-
-    return parse_json((folder / "summary.json").read_text(encoding="utf-8"))["merged"]
-
-
 def spans(numbers) -> str:
     """Example numbers as ranges: 0..9 and 20 are ``"0-9, 20"``."""
-    out = []
-    for n in sorted(numbers):
-        if out and n == out[-1][1] + 1:
-            out[-1][1] = n
-        else:
-            out.append([n, n])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in out)
+    from attngeom.reports.markdown import ranges
+
+    return ranges(numbers, dash="-")
 
 
 def collect(runs: list[Path]):
@@ -131,7 +120,8 @@ def collect(runs: list[Path]):
 
     frames, merged, first, taken, dropped = [], [], None, set(), 0
     for run in runs:
-        settings, is_merged = settings_of(run)
+        settings, inputs = settings_of(run)
+        is_merged = inputs is not None
         ident = identity(settings)
         if first is None:
             first = ident
@@ -151,7 +141,7 @@ def collect(runs: list[Path]):
         if keep or skipped:
             merged.append({"run": run.name, "tasks": list(new), "examples": {t: spans(es) for t, es in new.items()},
                            **({"skipped": {t: spans(es) for t, es in skipped.items()}} if skipped else {}),
-                           **({"from": inputs_of(run)} if is_merged else {})})
+                           **({"from": inputs} if is_merged else {})})
     if not frames:
         raise Refused("no whole task in these runs (a task is merged once every one of its examples is answered)")
     return pd.concat(frames, ignore_index=True), merged, first, dropped

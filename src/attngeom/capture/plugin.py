@@ -207,6 +207,11 @@ class Block:
         return self.state.group_values[:, :, self.k_start : self.k_start + self.a.shape[3]]
 
     @property
+    def group_values_t(self) -> torch.Tensor:
+        """The block's sources in :attr:`LayerState.group_values_t`: ``[B, Hg, d, S]``."""
+        return self.state.group_values_t[..., self.k_start : self.k_start + self.a.shape[3]]
+
+    @property
     def value_norm(self) -> torch.Tensor:
         """``‖ṽ_j^h‖`` of the block's sources: ``[B, H, S]``."""
         return self.state.value_norm[:, :, self.k_start : self.k_start + self.a.shape[3]]
@@ -276,8 +281,9 @@ class Block:
         share ``a_i∅`` is one more outcome of the row (``− a_i∅ log a_i∅`` is added)."""
         if self.learned_sink is not None:
             return self._memo("entropy", lambda: metrics.entropy(self.a) + metrics.entropy(self.learned_sink.unsqueeze(-1)))
-        if self.scores is not None:
-            return self._memo("entropy", lambda: metrics.entropy_from_logits(self.a, self.scores, self._lse_reference()))
+        if self.scores is not None:   # on an accelerator the row maxima cost little and need no host check
+            reference = self._lse_reference() if self.a.device.type == "cpu" else None
+            return self._memo("entropy", lambda: metrics.entropy_from_logits(self.a, self.scores, reference))
         return self._memo("entropy", lambda: metrics.entropy(self.a))
 
     def _lse_reference(self) -> torch.Tensor:
@@ -340,12 +346,13 @@ class Block:
         out: dict[str, torch.Tensor] = {}
         if fast:
             need_norm = "value_weighted" in fast or "output_normalized" in fast
+            v = self.group_values
             grouped_product = "contribution" in fast and not metrics.contribution_by_map(
-                self.state.n_rep, self.shape[2], self.state.value.shape[-1])
+                self.shape[1] // v.shape[1], self.shape[2], v.shape[-1])   # the rule received applies
             out.update(metrics.received(
                 self.a, weight, fast,
-                v=self.group_values if "contribution" in fast else None,
-                v_t=self.state.group_values_t[..., self.k_start:self.k_start + self.shape[3]] if grouped_product else None,
+                v=v if "contribution" in fast else None,
+                v_t=self.group_values_t if grouped_product else None,
                 value_norm=self.value_norm if need_norm else None,
                 head_out_norm=self.head_output_norm if "output_normalized" in fast else None,
                 p=self.pulled_back if "contribution" in fast else None,

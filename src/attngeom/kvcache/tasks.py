@@ -236,8 +236,8 @@ def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.Da
     """Per (task, policy, ratio), and over all tasks: ``accuracy`` (mean score, 0–1) with its 95 %
     bootstrap interval over examples (NaN below :data:`~attngeom.stats.resampling.MIN_UNITS`),
     ``examples``, the mean ``kept_share`` and ``bytes``, and ``seconds`` per variant. Over all tasks
-    the accuracy is the mean over tasks (:func:`_task_weights`: a sample gathered in parts may hold
-    more examples of some tasks), resampled over examples."""
+    every mean is the mean over tasks (:func:`_task_weights`: a sample gathered in parts may hold
+    more examples of some tasks); the interval resamples the examples."""
     from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
 
     rows = []
@@ -245,12 +245,16 @@ def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.Da
         units = sorted(_units(g).unique())
         counts, w = resample_counts(len(units), n_resamples, seed), _task_weights(units)
         for (policy, ratio), h in g.groupby(["policy", "ratio"], sort=True):
-            x = h.assign(u=_units(h)).set_index("u").loc[units, "score"].to_numpy(float)
+            by_unit = h.assign(u=_units(h)).set_index("u").loc[units]
+
+            def mean(col):
+                return float((w * by_unit[col].to_numpy(float)).sum() / w.sum())
+
+            x = by_unit["score"].to_numpy(float)
             lo, hi = percentile_interval(ratio_of_sums(counts, w * x, w), units=len(units))
             rows.append({"task": task, "policy": policy, "ratio": float(ratio), "examples": len(units),
-                         "accuracy": float((w * x).sum() / w.sum()), "low": float(lo), "high": float(hi),
-                         "kept_share": float(h["kept_share"].mean()), "bytes": float(h["bytes"].mean()),
-                         "seconds": float(h["seconds"].mean())})
+                         "accuracy": mean("score"), "low": float(lo), "high": float(hi),
+                         "kept_share": mean("kept_share"), "bytes": mean("bytes"), "seconds": mean("seconds")})
     return pd.DataFrame(rows)
 
 

@@ -408,7 +408,7 @@ def report_markdown(summary: dict) -> str:
     win = (f", in {inp['windows']} windows of {inp['window']} tokens (stride {inp['stride'] or inp['window'] - 1})"
            if inp["windows"] > 1 or inp["window"] else "")
     lines.append(f"- input: {t(inp['source'])} — {inp['tokens']} tokens{win}")
-    lines.append(f"- layers analysed: {_ranges(summary['layers'])}; maps: {t(summary['maps'])}")
+    lines.append(f"- layers analysed: {md.ranges(summary['layers'])}; maps: {t(summary['maps'])}")
     lines.append(f"- attngeom {t(summary['attngeom_version'])}, {summary['runtime_s']['total']:.1f} s in all")
     lines += ["", "## Headline numbers", ""]
     lines.append(f"Mean over layers and heads: sink attention **{summary['mean_sink_attention']:.3f}**, "
@@ -480,16 +480,3 @@ def _answer_heads_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _ranges(xs: list[int]) -> str:
-    xs = sorted(xs)
-    if not xs:
-        return "none"
-    parts, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}–{prev}")
-        if x is not None:
-            start = prev = x
-    return ", ".join(parts)

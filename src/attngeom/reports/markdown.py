@@ -85,3 +85,19 @@ def _cell(c: object) -> str:
     if isinstance(c, Raw):
         return str(c).replace("\r", " ").replace("\n", " ")   # never let a cell break its row
     return text(c)
+
+
+def ranges(numbers: Iterable[int], dash: str = "–") -> str:
+    """Whole numbers as ranges: ``[0, 1, 2, 5]`` -> ``"0–2, 5"`` (``"none"`` when empty)."""
+    xs = sorted(numbers)
+    if not xs:
+        return "none"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
