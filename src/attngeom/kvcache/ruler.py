@@ -497,9 +497,9 @@ def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, option
 
 def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, haystack="noise", first: int = 0,
                   **task_options) -> list[Example]:
-    """``n`` examples of ``task``, numbered ``first .. first + n - 1``, (a key of :data:`TASKS`) whose prompt (context + question + answer
-    prefix, plain text, BOS included, no chat template) has at most ``length`` tokens of
-    ``tokenizer`` and at least ``length - tolerance(length)``.
+    """``n`` examples of ``task`` (a key of :data:`TASKS`), numbered ``first .. first + n - 1``,
+    whose prompt (context + question + answer prefix, plain text, BOS included, no chat template)
+    has at most ``length`` tokens of ``tokenizer`` and at least ``length - tolerance(length)``.
 
     ``haystack`` is ``"noise"`` or a list of prose texts (e.g. ``attngeom.data.corpora.read_texts``;
     used by the niah tasks and variable_tracking). ``task_options`` go to the task's generator
