@@ -6,6 +6,12 @@ and the accuracy per task (the tables of docs/kvcache.md).
 
     python tools/kvtasks_tables.py docs/kvtasks-runs/smollm2-135m-2k-question-agnostic
     python tools/kvtasks_tables.py --readme RUN       # the README's short table
+    python tools/kvtasks_tables.py RUN --pair contribution kvzip --tasks frequent_words
+                                                      # one policy against another, paired
+
+``--pair`` answers the findings' other questions from ``answers.parquet``: a policy against any
+other (``full``, the full cache, included) at each ratio, over the chosen tasks, each task
+weighing the same, as the run's own tables.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ def iv(r: dict) -> str:
 
 
 def signed(x: float) -> str:
-    return "—" if missing(x) else f"{100 * x:+.0f}"
+    """Points with their sign; a difference that rounds to 0 is ``+0``, never ``-0``."""
+    return "—" if missing(x) else f"{round(100 * x):+d}"
 
 
 def difference(v: dict) -> str:
@@ -133,11 +140,62 @@ def tasks_said(s: dict) -> str:
     return f"{said}: {odd}, the others {common}"
 
 
+def pair_table(run: Path, policy: str, baseline: str, tasks: list[str] | None = None) -> str:
+    """``policy`` against ``baseline`` at each ratio over ``tasks`` (all the run's by default):
+    both accuracies with intervals, the paired difference with its interval, and the example cells
+    where their scores differ (policy ahead / behind)."""
+    import pandas as pd
+
+    from attngeom.kvcache.tasks import overall as over_tasks, paired, summarize
+
+    df = pd.read_parquet(run / "answers.parquet")
+    chosen = tasks or sorted(df["task"].unique())
+    unknown = sorted(set(chosen) - set(df["task"])) + sorted({policy, baseline} - set(df["policy"]))
+    if unknown:
+        raise ValueError(f"{run} has no {', '.join(unknown)}")
+    df = df[df["task"].isin(chosen)]
+    ratios = sorted(r for r in df["ratio"].unique() if r > 0)
+    full = df[df["policy"] == "full"]                        # the full cache stands at every ratio
+    df = pd.concat([df[df["policy"] != "full"]] + [full.assign(ratio=r) for r in ratios])
+    acc = {(r["policy"], r["ratio"]): r for r in over_tasks(summarize(df)).to_dict(orient="records")}
+    rows = over_tasks(paired(df, baselines={float(r): baseline for r in ratios}))
+    wide = df.pivot_table(index=["task", "example", "ratio"], columns="policy", values="score")
+    said = ", ".join(chosen) if tasks else "all tasks"
+    out = [f"{policy} against {baseline}, {said} ({df[['task', 'example']].drop_duplicates().shape[0]} examples, "
+           "each task weighing the same), paired over examples:", "",
+           f"| ratio | {policy} | {baseline} | difference (points) [95 %] | cells differing (ahead / behind) |",
+           "|---:|---:|---:|---:|---|"]
+    for r in ratios:
+        v = rows[(rows["ratio"] == r) & (rows["policy"] == policy)].iloc[0].to_dict()
+        d = wide.xs(r, level="ratio")
+        ahead, behind = int((d[policy] > d[baseline]).sum()), int((d[policy] < d[baseline]).sum())
+        out.append(f"| {r:g} | {iv(acc[(policy, r)])} | {iv(acc[(baseline, r)])} | {difference(v)} | "
+                   f"{ahead + behind} of {len(d)} ({ahead} / {behind}) |")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="folders written by attngeom kvtasks (or tools/kvtasks_merge.py)")
     ap.add_argument("--readme", action="store_true", help="only the README's short table")
+    ap.add_argument("--pair", nargs=2, metavar=("POLICY", "BASELINE"),
+                    help="only POLICY against BASELINE (full: the full cache), paired over examples")
+    ap.add_argument("--tasks", help="with --pair: these tasks only, comma-separated (default: all)")
     a = ap.parse_args(argv)
+    if a.tasks and not a.pair:
+        print("kvtasks_tables: --tasks goes with --pair", file=sys.stderr)
+        return 2
+    if a.pair:
+        for run in a.runs:
+            if not (run / "answers.parquet").is_file():
+                print(f"kvtasks_tables: {run} holds no answers.parquet", file=sys.stderr)
+                return 2
+            try:
+                print(pair_table(run, *a.pair, a.tasks.split(",") if a.tasks else None) + "\n")
+            except ValueError as e:
+                print(f"kvtasks_tables: {e}", file=sys.stderr)
+                return 2
+        return 0
     for run in a.runs:
         if not (run / "summary.json").is_file():
             print(f"kvtasks_tables: {run} holds no summary.json (not a finished kvtasks run)", file=sys.stderr)

@@ -96,6 +96,30 @@ def test_tables_show_the_summary(tmp_path):
     assert tables.task_table(s, 0.5).splitlines()[0] == "| policy | t1 |"
 
 
+def test_pair_compares_any_two_policies_the_full_cache_included(tmp_path, capsys):
+    """--pair on hand-made scores: contribution right on examples 0-7, random on 0-2, the full cache
+    on all; t2's 10 examples weigh as much as t1's 20 over both tasks."""
+    tables = _tool("kvtasks_tables")
+    full = {e: 1.0 for e in range(20)}
+    rows = pd.concat([
+        _rows("t1", range(10), {"full": full, "random": {e: float(e < 3) for e in range(10)},
+                                "contribution": {e: float(e < 8) for e in range(10)}}),
+        _rows("t2", range(20), {"full": full, "random": {e: 0.0 for e in range(20)},
+                                "contribution": {e: 0.0 for e in range(20)}})])
+    run = _run(tmp_path / "a", ["t1", "t2"], rows, finished=True)
+    one = tables.pair_table(run, "contribution", "random", ["t1"]).splitlines()
+    assert "t1 (10 examples" in one[0]
+    assert one[-1].startswith("| 0.5 | 80 [") and "| 30 [" in one[-1] and "| +50 [" in one[-1]
+    assert one[-1].endswith("| 5 of 10 (5 / 0) |")
+    both = tables.pair_table(run, "contribution", "full").splitlines()[-1]
+    assert both.startswith("| 0.5 | 40 [") and "| 100 [100, 100] | -60 [" in both   # (0.8 + 0) / 2 - 1
+    assert both.endswith("| 22 of 30 (0 / 22) |")
+    assert tables.main([str(run), "--pair", "contribution", "h2o"]) == 2
+    assert capsys.readouterr().err.strip() == f"kvtasks_tables: {run} has no h2o"
+    assert tables.main([str(run), "--tasks", "t1"]) == 2
+    assert tables.signed(-0.003) == "+0" and tables.signed(-0.006) == "-1"
+
+
 def test_merge_reads_finished_runs_writes_strict_json_and_refuses_in_one_line(tmp_path, capsys):
     """A finished run kept without its checkpoint is read from run.json; intervals missing below 10
     examples are ``null`` (strict JSON, as the command writes them) and the tables print without them;

@@ -270,14 +270,15 @@ def best_baselines(summary: pd.DataFrame) -> dict[float, str]:
     return out
 
 
-def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Every policy against the best baseline at each ratio (:func:`best_baselines`), per task and
-    over all tasks (each task weighing the same, as in :func:`summarize`), on the same resamples of
-    the examples: the accuracy difference ``delta`` with its
-    95 % interval and ``better_share``, the share of resamples where the policy is ahead."""
+def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0,
+           baselines: dict[float, str] | None = None) -> pd.DataFrame:
+    """Every policy against the best baseline at each ratio (:func:`best_baselines`, or the policy
+    ``baselines`` names at each ratio), per task and over all tasks (each task weighing the same, as
+    in :func:`summarize`), on the same resamples of the examples: the accuracy difference ``delta``
+    with its 95 % interval and ``better_share``, the share of resamples where the policy is ahead."""
     from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
 
-    best = best_baselines(summarize(df, n_resamples=1, seed=seed))
+    best = best_baselines(summarize(df, n_resamples=1, seed=seed)) if baselines is None else baselines
     rows = []
     for task, g in _with_all(df):
         units = sorted(_units(g).unique())
