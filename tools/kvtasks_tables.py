@@ -111,7 +111,9 @@ def task_table(s: dict, ratio: float) -> str:
 
 
 def readme_table(s: dict, pairs: list[dict]) -> str:
-    """Per ratio: the full cache, the best baseline, the best geometry policy and its paired difference."""
+    """Per ratio: the full cache, the best baseline, the best geometry policy (the highest accuracy,
+    then the highest paired difference; every policy tied on both is named) and its paired
+    difference."""
     geo = _geometry(pairs)
     allrows = {(r["policy"], r["ratio"]): r for r in s["results"] if r["task"] == overall(s)}
     full = allrows[("full", 0.0)]
@@ -120,9 +122,11 @@ def readme_table(s: dict, pairs: list[dict]) -> str:
         cands = [v for v in s.get("verdicts", []) if v["ratio"] == ratio and v["policy"] in geo]
         if not cands:
             continue
-        top = max(cands, key=lambda v: (allrows[(v["policy"], ratio)]["accuracy"], v["policy"]))
+        rank = {v["policy"]: (-allrows[(v["policy"], ratio)]["accuracy"], -v["delta"]) for v in cands}
+        top = min(cands, key=lambda v: (rank[v["policy"]], v["policy"]))
+        tied = sorted(p for p in rank if rank[p] == rank[top["policy"]])   # the same accuracy and difference
         out.append(f"| {ratio:g} | {pct(full['accuracy'])} | {base} {iv(allrows[(base, ratio)])} | "
-                   f"{top['policy']} {iv(allrows[(top['policy'], ratio)])} | {difference(top)} ({top['verdict']}) |")
+                   f"{' / '.join(tied)} {iv(allrows[(top['policy'], ratio)])} | {difference(top)} ({top['verdict']}) |")
     return "\n".join(out)
 
 

@@ -96,6 +96,22 @@ def test_tables_show_the_summary(tmp_path):
     assert tables.task_table(s, 0.5).splitlines()[0] == "| policy | t1 |"
 
 
+def test_readme_table_names_every_geometry_policy_tied_for_best():
+    tables = _tool("kvtasks_tables")
+    acc = {"full": 0.5, "random": 0.6, "a": 0.4, "b": 0.4, "c": 0.4, "d": 0.3}
+    delta = {"a": -0.2, "b": -0.2, "c": -0.1, "d": -0.3}            # c: as accurate, but a larger difference
+    s = {"results": [{"task": "all", "policy": p, "ratio": 0.0 if p == "full" else 0.5, "accuracy": x}
+                     for p, x in acc.items()],
+         "best_baselines": {"0.5": "random"},
+         "verdicts": [{"ratio": 0.5, "policy": p, "baseline": "random", "delta": d, "verdict": "loses"}
+                      for p, d in delta.items()]}
+    pairs = [{"policy": p, "geometry": True} for p in delta]
+    assert tables.readme_table(s, pairs).splitlines()[-1] == "| 0.5 | 50 | random 60 | c 40 | -10 (loses) |"
+    delta["c"] = -0.2
+    s["verdicts"] = [{**v, "delta": delta[v["policy"]]} for v in s["verdicts"]]
+    assert tables.readme_table(s, pairs).splitlines()[-1] == "| 0.5 | 50 | random 60 | a / b / c 40 | -20 (loses) |"
+
+
 def test_pair_compares_any_two_policies_the_full_cache_included(tmp_path, capsys):
     """--pair on hand-made scores: contribution right on examples 0-7, random on 0-2, the full cache
     on all; t2's 10 examples weigh as much as t1's 20 over both tasks."""
