@@ -157,8 +157,8 @@ def pair_table(run: Path, policy: str, baseline: str, tasks: list[str] | None = 
     unknown = sorted(set(chosen) - set(df["task"])) + sorted({policy, baseline} - set(df["policy"]))
     if unknown:
         raise ValueError(f"{run} has no {', '.join(unknown)}")
-    df = df[df["task"].isin(chosen)]
     ratios = sorted(r for r in df["ratio"].unique() if r > 0)
+    df = df[df["task"].isin(chosen) & df["policy"].isin([policy, baseline])]   # the two compared, nothing else
     full = df[df["policy"] == "full"]                        # the full cache stands at every ratio
     df = pd.concat([df[df["policy"] != "full"]] + [full.assign(ratio=r) for r in ratios])
     acc = {(r["policy"], r["ratio"]): r for r in over_tasks(summarize(df)).to_dict(orient="records")}
@@ -194,6 +194,7 @@ def main(argv: list[str]) -> int:
             if not (run / "answers.parquet").is_file():
                 print(f"kvtasks_tables: {run} holds no answers.parquet", file=sys.stderr)
                 return 2
+        for run in a.runs:
             try:
                 print(pair_table(run, *a.pair, a.tasks.split(",") if a.tasks else None) + "\n")
             except ValueError as e:
