@@ -81,3 +81,13 @@ def test_figure_cost_relative_to_a_single_image(tmp_path, T):
     maps = _cpu(lambda: rep.draw_token_maps(lt, tokens, tmp_path / "m.png"))
     assert grid < 12 * base, (grid, base)
     assert maps < 18 * base, (maps, base)
+
+
+def test_kvtasks_figure_gives_every_policy_of_a_panel_its_own_colour():
+    """matplotlib's default cycle of 10 drew four of the 13 baselines in a colour already used."""
+    from attngeom.reports.kvtasks import MARKERS, styles
+
+    s = styles(20)
+    assert len({c for c, _ in s}) == 20
+    assert [m for _, m in s[:len(MARKERS)]] == list(MARKERS)
+    assert s[:13] == styles(13)

@@ -4,7 +4,8 @@
 - ``kvtasks-accuracy`` — accuracy over all tasks against the compression ratio, two panels: the
   baselines (left) and the policies from the papers' geometry (right, with the best baseline at
   each ratio drawn again in black for reference); 95 % bootstrap intervals over examples (none
-  below 10 examples); the full cache's accuracy as a dashed line at ratio 0 in both.
+  below 10 examples); the full cache's accuracy as a dashed line in both. Every policy of a panel
+  has its own colour and marker; the legends sit below the panels, off the data.
 
 Rerun on an existing directory with ``python -m attngeom.reports.kvtasks DIR [FORMAT]``.
 """
@@ -21,11 +22,22 @@ import numpy as np
 import pandas as pd
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+"""One more cue than colour, so that neighbouring lines differ in print too."""
+
+
+def styles(n: int) -> list[tuple[tuple, str]]:
+    """``n`` (colour, marker) pairs, no colour twice up to 20 (tab20's dark shades first, then its
+    light ones), the markers cycling beside them."""
+    colours = plt.get_cmap("tab20").colors
+    return [(colours[2 * i % 20 + (i % 20 >= 10)], MARKERS[i % len(MARKERS)]) for i in range(n)]
+
+
 def _line(ax, g: pd.DataFrame, **kw) -> None:
     g = g.sort_values("ratio")
     v, lo, hi = (g[c].to_numpy(float) for c in ("accuracy", "low", "high"))
     yerr = None if np.isnan(lo).all() else [v - lo, hi - v]
-    ax.errorbar(g["ratio"], v, yerr=yerr, marker="o", ms=2.5, capsize=1.5, lw=1, **kw)
+    ax.errorbar(g["ratio"], v, yerr=yerr, ms=3, capsize=1.5, lw=1, **{"marker": "o", **kw})
 
 
 def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
@@ -35,11 +47,11 @@ def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
     s = overall(summary)
     full = s.loc[s["policy"] == "full", "accuracy"]
     best = best_baselines(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(2 * COLUMN_WIDTH_IN, 3.0), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(2 * COLUMN_WIDTH_IN, 4.2), sharey=True)
     for ax, geometry in zip(axes, (False, True)):
-        for policy, g in s[s["policy"] != "full"].groupby("policy"):
-            if get_policy(policy).geometry == geometry:
-                _line(ax, g, label=policy)
+        panel = [(p, g) for p, g in s[s["policy"] != "full"].groupby("policy") if get_policy(p).geometry == geometry]
+        for (policy, g), (colour, marker) in zip(panel, styles(len(panel))):
+            _line(ax, g, label=policy, color=colour, marker=marker)
         if geometry and best:
             ref = pd.concat([s[(s["policy"] == p) & (s["ratio"] == r)] for r, p in best.items()])
             _line(ax, ref, label="best baseline", color="black")
@@ -50,7 +62,7 @@ def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
         ax.tick_params(labelsize=7)
         ax.set_title("geometry policies" if geometry else "baselines", fontsize=9)
         ax.set_ylim(-0.03, 1.03)
-        ax.legend(fontsize=7, ncol=2, loc="lower left", frameon=False)
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)  # off the data
     axes[0].set_ylabel("accuracy (string match), all tasks", fontsize=8)
     n = int(s["examples"].max()) if len(s) else 0
     fig.suptitle(f"Compression ratio: share of the cache removed after the prefill. {n} examples; "
