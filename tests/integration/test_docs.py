@@ -1,7 +1,9 @@
 """The documentation: docs/index.md links every page of docs/; every name SPEC.md gives as
 implementing a section exists in ``src/attngeom`` (read statically); every name the README and the
 pages import or cite (``from attngeom.x import y``, ``attngeom.x.y``) imports; every cross-reference
-in a docstring (``:func:`...```) resolves; and the site (``mkdocs.yml``:
+in a docstring (``:func:`...```) resolves; the published kvtasks tables, and the verdict rows
+the README and docs/kvcache.md copy from them, are what ``tools/kvtasks_tables.py`` prints from the
+published data; and the site (``mkdocs.yml``:
 the pages in ``docs/`` and an API reference generated from the docstrings by ``mkdocs_hooks.py``)
 builds with ``mkdocs build --strict`` and prints no warning. The site test is skipped, with the install command as the reason, where the
 ``docs`` extra is not installed (``pip install -e '.[docs]'``; ``make`` installs it)."""
@@ -187,3 +189,55 @@ def test_site_builds_without_warnings(tmp_path):
     sinks = (site / "api" / "attngeom.sinks" / "index.html").read_text(encoding="utf-8")
     assert "Public names" in sinks
     assert 'href="../attngeom.sinks.corpus/#attngeom.sinks.corpus.experiment"' in sinks
+
+
+def _verdict_rows(md: str) -> list[list[str]]:
+    """The body rows (cells) of every table of ``md`` whose header names the best geometry policy,
+    written as the tool writes them: ASCII minus, names in lower case, the verdict without a gloss."""
+    rows, inside = [], False
+    for line in md.splitlines():
+        if not line.startswith("|"):
+            inside = False
+            continue
+        if "best geometry policy" in line:
+            inside = True
+            continue
+        if inside and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.append([re.sub(r"\((tie|loses|wins)[^)]*\)", r"(\1)", c.replace("−", "-").lower()) for c in cells])
+    return rows
+
+
+def test_the_published_kvtasks_tables_are_their_runs_tables():
+    """Each folder of docs/kvtasks-runs holds the tables ``tools/kvtasks_tables.py`` prints from its
+    data, and every row of the verdict tables in the README and docs/kvcache.md is a row that tool
+    prints (``--readme``) for a published run: a number in the prose tables cannot go stale when a
+    sample grows. The README's rows are checked against the run their first cell names."""
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from checks import load_script
+
+    tables = load_script(ROOT / "tools" / "kvtasks_tables.py")
+    printed: dict[tuple, set[tuple]] = {}
+    for run in sorted((ROOT / "docs" / "kvtasks-runs").glob("*/summary.json")):
+        out = StringIO()
+        with redirect_stdout(out):
+            assert tables.main([str(run.parent)]) == 0
+        assert (run.parent / "tables.md").read_text(encoding="utf-8") == out.getvalue(), \
+            f"{run.parent.name}/tables.md is not tools/kvtasks_tables.py {run.parent.name}"
+        s, pairs = tables.load(run.parent)
+        key = (s["model"], s["length"], s["mode"])
+        rows = {tuple(r) for r in _verdict_rows(tables.readme_table(s, pairs))}
+        printed[key] = printed.get(key, set()) | rows
+    anywhere = set().union(*printed.values())
+    readme = _verdict_rows((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(readme) >= 8
+    for row in readme:
+        size, mode = (c.strip() for c in row[0].split(","))
+        key = ("SmolLM2-135M-Instruct", int(size.rstrip("k")) * 1024, mode)
+        assert tuple(row[1:]) in printed.get(key, ()), f"README row {row} is not in the tables of {key}"
+    kvcache = _verdict_rows((ROOT / "docs" / "kvcache.md").read_text(encoding="utf-8"))
+    assert len(kvcache) >= 12
+    for row in kvcache:
+        assert tuple(row[-5:]) in anywhere, f"docs/kvcache.md row {row} is not in any published run's tables"
