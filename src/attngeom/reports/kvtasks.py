@@ -22,6 +22,9 @@ import numpy as np
 import pandas as pd
 
 
+LEGEND_ROW_IN = 0.16
+"""The height of one legend row at 7 pt, in inches: the strip below the panels grows with the rows."""
+
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 """One more cue than colour, so that neighbouring lines differ in print too."""
 
@@ -47,9 +50,12 @@ def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
     s = overall(summary)
     full = s.loc[s["policy"] == "full", "accuracy"]
     best = best_baselines(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(2 * COLUMN_WIDTH_IN, 4.2), sharey=True)
-    for ax, geometry in zip(axes, (False, True)):
-        panel = [(p, g) for p, g in s[s["policy"] != "full"].groupby("policy") if get_policy(p).geometry == geometry]
+    panels = [[(p, g) for p, g in s[s["policy"] != "full"].groupby("policy") if get_policy(p).geometry == geometry]
+              for geometry in (False, True)]
+    rows = max((len(panel) + 3) // 2 for panel in panels)    # two legend columns: the policies, full cache, best baseline
+    legend_in = LEGEND_ROW_IN * rows + 0.08
+    fig, axes = plt.subplots(1, 2, figsize=(2 * COLUMN_WIDTH_IN, 2.9 + legend_in), sharey=True)
+    for ax, geometry, panel in zip(axes, (False, True), panels):
         for (policy, g), (colour, marker) in zip(panel, styles(len(panel))):
             _line(ax, g, label=policy, color=colour, marker=marker)
         if geometry and best:
@@ -62,13 +68,18 @@ def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
         ax.tick_params(labelsize=7)
         ax.set_title("geometry policies" if geometry else "baselines", fontsize=9)
         ax.set_ylim(-0.03, 1.03)
-        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)  # off the data
     axes[0].set_ylabel("accuracy (string match), all tasks", fontsize=8)
     n = int(s["examples"].max()) if len(s) else 0
     fig.suptitle(f"Compression ratio: share of the cache removed after the prefill. {n} examples; "
                  + ("95 % bootstrap intervals" if not s["low"].isna().all() else "too few examples for intervals"),
                  fontsize=7)
-    return save_figure(fig, path)
+    bottom = legend_in / fig.get_figheight()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    for ax in axes:                                          # each panel's legend in the strip below it, off the data
+        box = ax.get_position()
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=((box.x0 + box.x1) / 2, bottom),
+                  bbox_transform=fig.transFigure, frameon=False)
+    return save_figure(fig, path, layout=False)
 
 
 def render(out_dir, fmt: str = "png") -> list[Path]:
