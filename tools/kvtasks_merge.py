@@ -2,9 +2,11 @@
 """One summary from several ``attngeom kvtasks`` runs of the same model, length, seed, mode,
 policies and ratios, finished or stopped, or folders this tool wrote: the whole tasks of each
 merged and summarised as the command summarises one run (:func:`attngeom.kvcache.tasks.summarize`,
-``paired``, ``verdicts``). Writes ``answers.parquet``, ``summary.parquet``, ``pairs.parquet`` and
+``paired``, ``verdicts``). Writes ``answers.parquet``, ``summary.parquet``, ``pairs.parquet``,
 ``summary.json`` (with ``"settings"``, the inputs' common identity, and ``"merged"``: the example
-numbers taken from each input, and those skipped) to ``--out``, which must not exist.
+numbers taken from each input, and those skipped) and the command's figure ``kvtasks-accuracy.png``
+(``--figure-format pdf`` or any format matplotlib writes; ``--no-figures`` leaves it out) to
+``--out``, which must not exist.
 
     python tools/kvtasks_merge.py --out docs/kvtasks-runs/NAME INPUT [INPUT ...]
 
@@ -151,9 +153,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("runs", nargs="+", help="kvtasks runs (finished or stopped) or folders this tool wrote")
+    ap.add_argument("--figure-format", default="png", help="the figure's format (png; pdf, svg or any format matplotlib writes)")
+    ap.add_argument("--no-figures", action="store_true", help="write the tables only")
     a = ap.parse_args(argv)
+    from attngeom.errors import InputError
     from attngeom.kvcache import tasks
+    from attngeom.reports.common import check_format
+    from attngeom.reports.kvtasks import render
     from attngeom.runs.storage import write_json
+
+    try:
+        fmt = check_format(a.figure_format)
+    except InputError as e:
+        print(f"kvtasks_merge: {e}", file=sys.stderr)
+        return 2
 
     out = Path(a.out)
     if out.exists():
@@ -183,6 +196,8 @@ def main(argv=None) -> int:
            "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs), "settings": first,
            "merged": merged}
     write_json(out / "summary.json", doc)
+    if not a.no_figures:
+        render(out, fmt)                                     # the figure the command draws, from the merged summary
     print(f"kvtasks_merge: {doc['examples']} examples of {', '.join(doc['tasks'])} written to {out}"
           + (f" ({skipped} examples given again skipped: the first input wins)" if skipped else ""), file=sys.stderr)
     return 0

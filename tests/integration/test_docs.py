@@ -210,7 +210,7 @@ def _verdict_rows(md: str) -> list[list[str]]:
 
 def test_the_published_kvtasks_tables_are_their_runs_tables():
     """Each folder of docs/kvtasks-runs holds the tables ``tools/kvtasks_tables.py`` prints from its
-    data, and every row of the verdict tables in the README and docs/kvcache.md is a row that tool
+    data and the accuracy figure, and every row of the verdict tables in the README and docs/kvcache.md is a row that tool
     prints (``--readme``) for a published run: a number in the prose tables cannot go stale when a
     sample grows. The README's rows are checked against the run their first cell names (of the
     runs of that model, length and mode, the largest: the merged sample)."""
@@ -228,6 +228,8 @@ def test_the_published_kvtasks_tables_are_their_runs_tables():
             assert tables.main([str(run.parent)]) == 0
         assert (run.parent / "tables.md").read_text(encoding="utf-8") == out.getvalue(), \
             f"{run.parent.name}/tables.md is not tools/kvtasks_tables.py {run.parent.name}"
+        assert (run.parent / "kvtasks-accuracy.png").is_file(), \
+            f"{run.parent.name} has no figure (the command and tools/kvtasks_merge.py draw kvtasks-accuracy.png)"
         s, pairs = tables.load(run.parent)
         key = (s["model"], s["length"], s["mode"])
         rows = {tuple(r) for r in _verdict_rows(tables.readme_table(s, pairs))}

@@ -71,6 +71,15 @@ def test_merge_takes_whole_tasks_first_run_first_and_refuses_other_settings(tmp_
     assert acc[("t1", "contribution")] == 0.5 and acc[("t1", "random")] == 0.0      # t1 from run a, not b
     assert acc[("t2", "contribution")] == 0.5 and acc[("all", "random")] == 0.5
     assert s["best_baselines"] == {"0.5": "random"}
+    assert (out / "kvtasks-accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the command's figure
+
+    assert merge.main(["--out", str(tmp_path / "pdf"), "--figure-format", "PDF", str(a), str(b)]) == 0
+    assert (tmp_path / "pdf" / "kvtasks-accuracy.pdf").read_bytes()[:5] == b"%PDF-"
+    assert merge.main(["--out", str(tmp_path / "bare"), "--no-figures", str(a), str(b)]) == 0
+    assert not list((tmp_path / "bare").glob("kvtasks-accuracy.*"))
+    capsys.readouterr()
+    assert merge.main(["--out", str(tmp_path / "bad"), "--figure-format", "nope", str(a), str(b)]) == 2
+    assert "unknown figure format" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
     assert merge.main(["--out", str(out), str(a)]) == 2                              # never over a folder
     c = _run(tmp_path / "c", ["t1"], _rows("t1", [0, 1], {"full": full, "random": full, "contribution": full}),
