@@ -153,17 +153,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("runs", nargs="+", help="kvtasks runs (finished or stopped) or folders this tool wrote")
-    ap.add_argument("--figure-format", default="png", help="the figure's format (png; pdf, svg or any format matplotlib writes)")
-    ap.add_argument("--no-figures", action="store_true", help="write the tables only")
+    from attngeom.commands.common import add_figure_args, figure_format
+
+    add_figure_args(ap)                                      # the command's --figure-format and --no-figures
     a = ap.parse_args(argv)
     from attngeom.errors import InputError
     from attngeom.kvcache import tasks
-    from attngeom.reports.common import check_format
     from attngeom.reports.kvtasks import render
     from attngeom.runs.storage import write_json
 
     try:
-        fmt = check_format(a.figure_format)
+        fmt = figure_format(a)
     except InputError as e:
         print(f"kvtasks_merge: {e}", file=sys.stderr)
         return 2
