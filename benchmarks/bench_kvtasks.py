@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark of the long-context task grid (:mod:`attngeom.kvcache.tasks`) against one full-cache
-``model.generate`` of the same example, on the bundled model (float32, CPU).
+``model.generate`` of the same example, on the bundled model (float32, CPU unless ``--device``).
 
 For ``--examples`` RULER examples of ``--task`` at ``--length`` tokens, per example and side by side:
 
@@ -17,12 +17,14 @@ For ``--examples`` RULER examples of ``--task`` at ``--length`` tokens, per exam
 
 Printed: seconds per example of each and the ratios to ``generate`` (the issue's target: a grid of
 12 policies x 4 ratios within 3x ``generate``). Medians over the examples; one process, the methods
-alternating per example.
+alternating per example. On a GPU the first example is run once unmeasured first (kernel warm-up)
+and every time ends with a synchronisation.
 
 Usage::
 
     python benchmarks/bench_kvtasks.py                                  # niah_single, 4096 tokens, 2 examples
     python benchmarks/bench_kvtasks.py --length 1024 --examples 1        # smoke run
+    python benchmarks/bench_kvtasks.py --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
                     help="comma-separated (default: 12 policies, the issue's grid)")
     ap.add_argument("--ratios", default="0.25,0.5,0.75,0.875")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default: load_model's, float32 on CPU)")
     a = ap.parse_args(argv)
 
     import torch
@@ -58,26 +62,45 @@ def main(argv=None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    h = load_model(a.model)
+    h = load_model(a.model, device=a.device, dtype=a.dtype)
+    cuda = h.device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(h.device)
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
     policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
     settings = KVTaskSettings(policies=policies, ratios=tuple(float(r) for r in a.ratios.split(",")))
     examples = ruler.make_examples(h.tokenizer, a.task, a.length, a.examples, seed=0)
     times: dict[str, list[float]] = {k: [] for k in ("generate", "prefill", "prefill-scores", "grid")}
-    for ex in examples:
+
+    def run(ex, record: bool) -> None:
         c, q, _ = ruler.encode(ex, h.tokenizer)
-        ids = torch.tensor([c + q])
+        ids = torch.tensor([c + q], device=h.device)
         with torch.no_grad():
-            t0 = time.perf_counter()
-            h.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.max_new_tokens, do_sample=False)
-            times["generate"].append(time.perf_counter() - t0)
-        times["prefill"].append(P.prefill(h, c, [get_policy("window")]).seconds)
-        times["prefill-scores"].append(P.prefill(h, c, [get_policy(p) for p in policies]).seconds)
-        t0 = time.perf_counter()
-        tasks.answer_example(h, ex, settings)
-        times["grid"].append(time.perf_counter() - t0)
+            t = {"generate": timed(lambda: h.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                             max_new_tokens=ex.max_new_tokens, do_sample=False)),
+                 "prefill": timed(lambda: P.prefill(h, c, [get_policy("window")])),
+                 "prefill-scores": timed(lambda: P.prefill(h, c, [get_policy(p) for p in policies])),
+                 "grid": timed(lambda: tasks.answer_example(h, ex, settings))}
+        if record:
+            for k, v in t.items():
+                times[k].append(v)
+
+    if cuda:
+        run(examples[0], record=False)      # warm-up: the kernels' first launches
+    for ex in examples:
+        run(ex, record=True)
     gen = statistics.median(times["generate"])
-    print(f"{a.model}, {a.task} at {a.length} tokens, {len(examples)} examples, {len(policies)} policies x "
-          f"{len(settings.ratios)} ratios, torch threads {torch.get_num_threads()}")
+    print(f"{h.name}, {a.task} at {a.length} tokens, {len(examples)} examples, {len(policies)} policies x "
+          f"{len(settings.ratios)} ratios, {h.device}, {h.model.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'method':<16}{'seconds':>10}{'x generate':>12}")
     for k, v in times.items():
         m = statistics.median(v)

@@ -75,6 +75,11 @@ def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
     bench = [x for x in lines if x.startswith("P=    8 N=   2")]
     assert len(bench) == 1 and "generate" in bench[0] and "analyze" in bench[0] and "TOKENS DIFFER" not in bench[0]
     assert any(x.strip().startswith("resident MB after step 1") for x in lines)
+    grid = [x.split() for x in lines if x.split()[:1] in (["generate"], ["grid"])]
+    assert [g[0] for g in grid] == ["generate", "grid"] and grid[0][2] == "1.00" and float(grid[1][2]) > 0
+    assert not any("FAILED" in x for x in lines)
+    assert [x.split("'")[1] for x in lines if x.startswith("gpu_check: step '")] == [
+        "analysis / SDPA ratios", "generation benchmark", "task grid benchmark"]
     assert lines[-1].startswith("gpu_check: done in ")
 
 
@@ -116,3 +121,35 @@ def test_device_capture_exact(arch, dtype, test_device):
     ltol = 1e-4 if dtype == torch.float32 else 0.05
     assert float((got - eager).norm() / eager.norm()) < ltol
     assert collect.max_sum_c < 1e-4 and collect.max_sum_C < 1e-4
+
+
+def test_stand_in_has_the_models_architecture_and_tokenizer_and_random_weights(tmp_path):
+    """benchmarks/stand_in.py: ``write`` keeps a model's config and tokenizer (no weights), ``build``
+    makes a loadable folder of the same architecture with random weights (what gpu_check.sh times
+    where the bundled model's package is not installed)."""
+    from attngeom import load_model
+
+    src = tiny_model("llama")
+    saved = tmp_path / "model"
+    src.model.save_pretrained(saved)
+    src.tokenizer.save_pretrained(saved)
+    script = str(ROOT / "benchmarks" / "stand_in.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for args in (["write", str(tmp_path / "cfg"), "--model", str(saved)],
+                 ["build", str(tmp_path / "cfg"), str(tmp_path / "out"), "--seed", "1"]):
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert not any(p.suffix == ".safetensors" for p in (tmp_path / "cfg").iterdir())
+    stand_in = load_model(str(tmp_path / "out"))
+    def public(config) -> dict:
+        return {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "dtype"}
+
+    assert public(stand_in.model.config) == public(src.model.config)
+    assert stand_in.tokenizer.encode("The cat") == src.tokenizer.encode("The cat")
+    a = dict(src.model.named_parameters())
+    b = dict(stand_in.model.named_parameters())
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], b["model.layers.0.self_attn.q_proj.weight"])
+    out = subprocess.run([sys.executable, script, "build", str(tmp_path / "none"), str(tmp_path / "x")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "holds no config.json" in out.stderr and not (tmp_path / "x").exists()
