@@ -163,20 +163,21 @@ from seed_configs import random_ids, seed_model
 dev = os.environ["GPU_CHECK_DEVICE"]
 dry = bool(os.environ.get("GPU_CHECK_DRY"))
 model_spec = os.environ.get("GPU_CHECK_MODEL", "")
-BLOCK = 1 << 26   # larger query blocks than the CPU default (fewer kernel launches)
 cuda = dev == "cuda"
 
 def sync():
     if cuda:
         torch.cuda.synchronize()
 
-def measure(handle, T, repeats=3):
+def measure(handle, T, repeats=3, block=None):
+    """One row: the SDPA forward against the analysis with the block budget ``block`` (None: the
+    library's default for the device, capture.default_block_elements)."""
     model = handle.model
     ids = random_ids(min(model.config.vocab_size, 8192), T).to(dev)
     def sdpa():
         model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
     def analyze():
-        stream(handle, [ids.cpu()], [HeadStats(), TokenStats()], progress=False, block_elements=BLOCK)
+        stream(handle, [ids.cpu()], [HeadStats(), TokenStats()], progress=False, block_elements=block)
     times = {"sdpa": [], "analyze": []}
     peaks = {"sdpa": 0, "analyze": 0}
     sdpa(); analyze(); sync()          # warm-up at this length (the first launch of a kernel at a new size is slow)
@@ -190,23 +191,31 @@ def measure(handle, T, repeats=3):
             if cuda:
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - base)
     s, a = statistics.median(times["sdpa"]), statistics.median(times["analyze"])
-    print(f"  {handle.name:28s} T={T:6d}  sdpa {s * 1e3:9.1f} ms  analyze {a * 1e3:9.1f} ms  "
+    budget = "default" if block is None else f"2^{block.bit_length() - 1}"
+    print(f"  {handle.name:28s} T={T:6d}  blocks {budget:7s}  sdpa {s * 1e3:9.1f} ms  analyze {a * 1e3:9.1f} ms  "
           f"time x{a / s:5.2f}   peak above weights: sdpa {peaks['sdpa'] / 2**30:6.2f} GiB  "
           f"analyze {peaks['analyze'] / 2**30:6.2f} GiB  x{peaks['analyze'] / max(1, peaks['sdpa']):5.2f}", flush=True)
 
-print("gpu_check: analysis (HeadStats + TokenStats, all layers) / SDPA forward, bf16, medians of 3 after a warm-up")
+print("gpu_check: analysis (HeadStats + TokenStats, all layers) / SDPA forward, bf16, medians of 3 after a warm-up; "
+      "blocks: the budget of B*H*Q*S per block of queries (default: the library's for the device)")
 if dry:
     from tiny_models import tiny_model
     h = tiny_model("llama")
     h.model.to(torch.bfloat16)
     for T in (64, 128):
         measure(h, T, repeats=1)
+    for block in (1 << 12, 1 << 14):              # the budget sweep's code path
+        measure(h, 128, repeats=1, block=block)
 else:
     if model_spec:
         h = load_model(model_spec, dtype="bfloat16", device=dev, attn_implementation="sdpa")
         h.model.config.max_position_embeddings = 32768   # timing only: past the trained context
         for T in (2048, 8192, 32768):
             measure(h, T)
+        # the default's neighbours (capture.ACCELERATOR_BLOCK_ELEMENTS = 2^26): fewer, larger blocks
+        # or more, smaller ones, to set the constant from this GPU's figures
+        for block in (1 << 24, 1 << 28):
+            measure(h, 8192, block=block)
         del h
         torch.cuda.empty_cache()
     h = seed_model("llama3.1-8b", dtype=torch.bfloat16, device=dev, attn_implementation="sdpa")

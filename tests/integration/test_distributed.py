@@ -57,6 +57,51 @@ def test_two_processes_equal_one(cmd, tiny_llama_dir, tmp_path):
     _same(_tables(one), _tables(two), rtol)
 
 
+CACHE_RACE = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from attngeom.model import gguf_cache
+from tiny_models import tiny_model
+
+dist.init_process_group("gloo")
+rank, target, source = dist.get_rank(), Path({target!r}), Path({source!r})
+handle = tiny_model("llama")
+seen = {{}}
+for turn in (1, 0):                     # rank 1 writes first, alone; then rank 0
+    if rank == turn:
+        seen["returned"] = str(gguf_cache.save_cache(handle.model, handle.tokenizer, target, source))
+        seen["complete_after"] = gguf_cache.cache_complete(target)
+        seen["exists_after"] = target.exists()
+    dist.barrier()
+print("RESULT", json.dumps(seen), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_only_the_saving_rank_writes_the_float_cache(tmp_path):
+    """Under torchrun, transformers' ``save_pretrained`` writes weights from rank 0 only: the float
+    cache of a GGUF model written by rank 1 held a tokenizer and no weights, was renamed into place
+    and broke both ranks' loads of a bundled model on a fresh machine. Rank 1 now writes nothing
+    (and keeps its model in memory); rank 0's cache is complete; no temp folder is left."""
+    source = tmp_path / "src.gguf"
+    source.write_bytes(b"GGUF")
+    target = tmp_path / "cache" / "m"
+    script = tmp_path / "race.py"
+    script.write_text(CACHE_RACE.format(tests=str(Path(__file__).resolve().parents[1]), target=str(target),
+                                        source=str(source)))
+    r = _torchrun(script=str(script), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    by_rank = sorted(results, key=lambda x: x["returned"] == "None")
+    assert len(results) == 2
+    assert by_rank[1] == {"returned": "None", "complete_after": False, "exists_after": False}   # rank 1
+    assert by_rank[0] == {"returned": str(target), "complete_after": True, "exists_after": True}  # rank 0
+    assert (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m"]
+
+
 def test_more_ranks_than_units(tiny_llama_dir, tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT)

@@ -71,7 +71,9 @@ def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
     assert lines[0].startswith("gpu_check: dry run on the CPU")
     assert "gpu_check: device tests collected (run on cuda by the real check)" in lines
     ratios = [x for x in lines if x.strip().startswith("tiny-llama") and "time x" in x and "peak above weights" in x]
-    assert [x.split()[1] for x in ratios] == ["T=", "T="] and len(ratios) == 2
+    # two lengths with the device's default budget, then the budget sweep at one length
+    assert [x.split()[1:5] for x in ratios] == [["T=", "64", "blocks", "default"], ["T=", "128", "blocks", "default"],
+                                                ["T=", "128", "blocks", "2^12"], ["T=", "128", "blocks", "2^14"]]
     bench = [x for x in lines if x.startswith("P=    8 N=   2")]
     assert len(bench) == 1 and "generate" in bench[0] and "analyze" in bench[0] and "TOKENS DIFFER" not in bench[0]
     assert any(x.strip().startswith("resident MB after step 1") for x in lines)

@@ -130,6 +130,43 @@ def test_capture_and_reducers_stay_on_the_device(fake):
 
 
 @pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
+def test_a_session_without_a_budget_takes_each_layers_device_budget(fake, monkeypatch):
+    """The default block budget follows the device of each layer's call: the accelerator's on fake
+    ``cuda`` devices (both halves of a split model), the CPU's for the same model on the host."""
+    from attngeom.capture import plugin
+
+    handle, want = fake
+    seen = []
+    real = plugin._query_blocks
+
+    def spy(B, H, Tq, S, budget, min_queries=1):
+        seen.append((budget, min_queries))
+        return real(B, H, Tq, S, budget, min_queries)
+
+    monkeypatch.setattr(plugin, "_query_blocks", spy)
+    _forward(handle, Session(), torch.randint(3, 100, (1, T)))
+    assert seen == [(plugin.ACCELERATOR_BLOCK_ELEMENTS, plugin.MIN_BLOCK_QUERIES)] * len(want)
+    seen.clear()
+    _forward(handle, Session(block_elements=40), torch.randint(3, 100, (1, T)))
+    assert seen == [(40, 1)] * len(want)                  # an explicit budget is used as given
+
+
+def test_the_default_budgets_give_the_measured_block_counts():
+    """Hand-computed: SmolLM2-135M's 9 heads at T = 8192 make 128 blocks of 64 queries per layer with
+    the CPU's 2^21 elements (the element budget alone would give 28 queries: the floor of 64 holds),
+    and 10 with the accelerator's 2^26 (2^26 // (9 * 8192) = 910 queries: nine blocks and the last 2)."""
+    from attngeom.capture import plugin
+
+    assert Session().budget("cpu") == plugin.DEFAULT_BLOCK_ELEMENTS == 1 << 21
+    assert Session().budget("cuda:1") == Session().budget(torch.device("cuda")) == plugin.ACCELERATOR_BLOCK_ELEMENTS
+    assert Session(block_elements=500).budget("cuda") == 500
+    cpu = plugin._query_blocks(1, 9, 8192, 8192, Session().budget("cpu"), plugin.MIN_BLOCK_QUERIES)
+    gpu = plugin._query_blocks(1, 9, 8192, 8192, Session().budget("cuda"), plugin.MIN_BLOCK_QUERIES)
+    assert len(cpu) == 128 and cpu[0] == (0, 64)
+    assert len(gpu) == 10 and gpu[0] == (0, 910) and gpu[-1] == (8190, 8192)
+
+
+@pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
 def test_interventions_stay_on_the_device(fake):
     handle, want = fake
     ids = torch.randint(3, 100, (1, T))

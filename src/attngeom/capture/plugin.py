@@ -47,6 +47,21 @@ DEFAULT_BLOCK_ELEMENTS = 1 << 21
 amortise the per-block Python overhead, small enough that the element-wise passes over a block stay
 in the cache (the sizes compared are in docs/benchmark-analyze.md, "Measurements behind constants")."""
 
+ACCELERATOR_BLOCK_ELEMENTS = 1 << 26
+"""The default budget on an accelerator (``cuda`` and any other non-CPU device): 256 MiB per float32
+map. A GPU runs each of a block's operators (about 250: docs/benchmark-analyze.md, "The work
+itself") as its own kernel launch, so blocks of the CPU's size leave it waiting on the host: at
+T = 8192 with 9 heads the CPU's budget makes 128 blocks per layer, this one 10. It is the budget the H200 figures
+of docs/testing.md ("On a real GPU") were measured with; ``benchmarks/gpu_check.sh`` times it
+beside 2^24 and 2^28 on every GPU it runs on."""
+
+
+def default_block_elements(device: torch.device | str) -> int:
+    """The block budget a :class:`Session` without one uses for a layer on ``device``:
+    :data:`DEFAULT_BLOCK_ELEMENTS` on the CPU, :data:`ACCELERATOR_BLOCK_ELEMENTS` elsewhere."""
+    return DEFAULT_BLOCK_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
+
+
 MIN_BLOCK_QUERIES = 64
 """With the default budget, a block holds at least this many queries: at long inputs the element
 budget alone would give blocks of a few dozen queries, hundreds per layer, whose per-block overhead
@@ -492,7 +507,8 @@ class Session:
 
     ``layers``: the attention layers (``attngeom.model.adapter.attention_layer``) observed and intervened on;
     None means all. Layers outside it still run through the exact blocked path, unobserved.
-    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :data:`DEFAULT_BLOCK_ELEMENTS`).
+    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :func:`default_block_elements`
+    of each layer's device, so a model split over devices gets each device's own).
     ``prepared``: ``{layer: {metric: map}}`` of the measures computed before this forward
     (:func:`attngeom.capture.prepared.prepare`), read by :meth:`Block.prepared`."""
 
@@ -511,13 +527,18 @@ class Session:
         self.intervention = intervention
         layers = check_layers(layers)       # whole numbers from 0; the model's range: check
         self.layers = None if layers is None else set(layers)
-        self.block_elements = DEFAULT_BLOCK_ELEMENTS if block_elements is None else int(block_elements)
+        self.block_elements = None if block_elements is None else int(block_elements)
         # the default budget keeps at least MIN_BLOCK_QUERIES queries per block: at long inputs a
         # fixed budget would leave a handful of queries per block and per-block overhead would dominate
         self.min_queries = MIN_BLOCK_QUERIES if block_elements is None else 1
         self.lengths: torch.Tensor | None = None
         self.layers_seen: list[int] = []
         self.workspace = Workspace()
+
+    def budget(self, device: torch.device | str) -> int:
+        """``B*H*Q*S`` per block for a layer on ``device``: the session's ``block_elements``, or
+        :func:`default_block_elements`."""
+        return default_block_elements(device) if self.block_elements is None else self.block_elements
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -666,7 +687,7 @@ def exact_attention(
         state.__dict__["grouped"] = True     # repeat_kv's layout by construction: no comparison of kv_head's data
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])
-    budget = session.block_elements if session else DEFAULT_BLOCK_ELEMENTS
+    budget = session.budget(query.device) if session else default_block_elements(query.device)
     for i0, i1 in _query_blocks(B, H, Tq, S, budget, session.min_queries if session else MIN_BLOCK_QUERIES):
         allowed = _block_allowed(attention_mask, i0, i1)
         k0, k1 = _source_range(allowed, i1, S, Tq)

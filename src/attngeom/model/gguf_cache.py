@@ -182,12 +182,16 @@ def cleanup_stale_temps(root: pathlib.Path, max_age_s: float = 6 * 3600) -> None
             pass
 
 
-def save_cache(model, tokenizer, target: pathlib.Path, source: pathlib.Path, marker: dict | None = None) -> pathlib.Path:
+def save_cache(model, tokenizer, target: pathlib.Path, source: pathlib.Path,
+               marker: dict | None = None) -> pathlib.Path | None:
     """Write the float model and tokenizer to ``target`` atomically (temp folder + rename).
 
     An interrupted write leaves only a hidden temp folder, never a half cache; when another
     process finished first, its cache is kept. ``marker`` adds fields to the source marker file.
-    Returns ``target``.
+    Returns ``target``, or None when transformers wrote no weights from this process: with
+    ``torch.distributed`` initialised it saves checkpoints from rank 0 only, so the other ranks of a
+    ``torchrun`` leave the cache to rank 0 (nothing renamed: a folder without weights must never
+    become the cache) and use the model they hold, which that cache equals.
     """
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -196,6 +200,8 @@ def save_cache(model, tokenizer, target: pathlib.Path, source: pathlib.Path, mar
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         model.save_pretrained(tmp, safe_serialization=True)
+        if not any(tmp.glob("*.safetensors")):
+            return None                   # not transformers' saving rank (the temp folder is removed below)
         tokenizer.save_pretrained(tmp)
         st = source.stat()
         info = {"source": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, **(marker or {})}

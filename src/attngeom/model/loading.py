@@ -464,7 +464,8 @@ def _load_cached_gguf(open_gguf, target: pathlib.Path, opts: _Options, marker: d
         del model
         config = AutoConfig.from_pretrained(saved, trust_remote_code=opts.trust_remote_code)
         return _from_pretrained(saved, config, opts, where=str(saved))
-    # No cache: use the float32 model in memory.
+    # No cache written by this process (unwritable, or another rank of torchrun writes it): use the
+    # float32 model in memory.
     if opts.dtype != "auto":
         model = model.to(opts.dtype)
     if opts.device_map is not None:
