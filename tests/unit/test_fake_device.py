@@ -166,6 +166,25 @@ def test_the_default_budgets_give_the_measured_block_counts():
     assert len(gpu) == 10 and gpu[0] == (0, 910) and gpu[-1] == (8190, 8192)
 
 
+@pytest.mark.parametrize("memory, budget", [
+    (150_109_880_320, 1 << 26),      # H200 (139.8 GiB, as torch reports it): the largest default
+    (85_899_345_920, 1 << 26),       # 80 GiB
+    (42_949_672_960, 1 << 25),       # 40 GiB
+    (25_393_692_672, 1 << 24),       # 24 GiB card
+    (15_843_721_216, 1 << 23),       # T4
+    (1 << 30, 1 << 21),              # 1 GiB: never below the CPU's budget
+    (None, 1 << 26),                 # torch cannot say: the accelerator default
+])
+def test_the_accelerator_budget_fits_the_devices_memory(monkeypatch, memory, budget):
+    """Hand-computed: the largest power of two at most ``memory / 1024`` elements, between the CPU's
+    2^21 and 2^26 (a float32 map at most 1/256 of the device)."""
+    from attngeom.capture import plugin
+
+    monkeypatch.setattr(plugin, "_device_memory", lambda device: memory)
+    assert plugin.default_block_elements("cuda:0") == Session().budget("cuda") == budget
+    assert plugin.default_block_elements("cpu") == 1 << 21         # the CPU's is never the device's
+
+
 @pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
 def test_interventions_stay_on_the_device(fake):
     handle, want = fake

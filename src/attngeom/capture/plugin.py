@@ -48,18 +48,42 @@ amortise the per-block Python overhead, small enough that the element-wise passe
 in the cache (the sizes compared are in docs/benchmark-analyze.md, "Measurements behind constants")."""
 
 ACCELERATOR_BLOCK_ELEMENTS = 1 << 26
-"""The default budget on an accelerator (``cuda`` and any other non-CPU device): 256 MiB per float32
-map. A GPU runs each of a block's operators (about 250: docs/benchmark-analyze.md, "The work
-itself") as its own kernel launch, so blocks of the CPU's size leave it waiting on the host: at
-T = 8192 with 9 heads the CPU's budget makes 128 blocks per layer, this one 10. It is the budget the H200 figures
-of docs/testing.md ("On a real GPU") were measured with; ``benchmarks/gpu_check.sh`` times it
-beside 2^24 and 2^28 on every GPU it runs on."""
+"""The largest default budget on an accelerator (``cuda`` and any other non-CPU device): 256 MiB
+per float32 map. A GPU runs each of a block's operators (about 250: docs/benchmark-analyze.md, "The
+work itself") as its own kernel launch, so blocks of the CPU's size leave it waiting on the host: at
+T = 8192 with 9 heads the CPU's budget makes 128 blocks per layer, this one 10. It is the budget the
+H200 figures of docs/testing.md ("On a real GPU") were measured with; ``benchmarks/gpu_check.sh``
+times it beside 2^24 and 2^28 on every GPU it runs on."""
+
+DEVICE_MEMORY_PER_ELEMENT = 1024
+"""On a device with less memory, the default budget is at most its memory divided by this (a float32
+map at most 1/256 of it; the analysis holds about eight maps at its peak, 3 % of the device): 2^26
+on GPUs of 64 GiB and more (the H200's 139 GiB, 80 GiB), 2^25 on 40 GiB, 2^24 on 24 GiB, 2^23 on a
+T4's 15 GiB; never below the CPU's budget."""
+
+
+@functools.lru_cache(maxsize=16)
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of an accelerator in bytes, or None where torch cannot say."""
+    try:
+        return int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+    except Exception:   # noqa: BLE001 - no driver (fake devices in tests), or another kind of device
+        return None
 
 
 def default_block_elements(device: torch.device | str) -> int:
     """The block budget a :class:`Session` without one uses for a layer on ``device``:
-    :data:`DEFAULT_BLOCK_ELEMENTS` on the CPU, :data:`ACCELERATOR_BLOCK_ELEMENTS` elsewhere."""
-    return DEFAULT_BLOCK_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_BLOCK_ELEMENTS
+    :data:`DEFAULT_BLOCK_ELEMENTS` on the CPU; on an accelerator :data:`ACCELERATOR_BLOCK_ELEMENTS`,
+    or less on a device with little memory (:data:`DEVICE_MEMORY_PER_ELEMENT`; a power of two, the
+    same on every device of one kind, so a run's blocks do not depend on what else holds memory)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return DEFAULT_BLOCK_ELEMENTS
+    total = _device_memory(device)
+    if total is None:
+        return ACCELERATOR_BLOCK_ELEMENTS
+    fits = 1 << max(0, (total // DEVICE_MEMORY_PER_ELEMENT).bit_length() - 1)
+    return max(DEFAULT_BLOCK_ELEMENTS, min(ACCELERATOR_BLOCK_ELEMENTS, fits))
 
 
 MIN_BLOCK_QUERIES = 64
