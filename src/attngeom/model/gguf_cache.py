@@ -107,13 +107,17 @@ def check_gguf_magic(path: pathlib.Path) -> None:
         )
 
 
+def has_weights(folder: pathlib.Path) -> bool:
+    """Whether ``folder`` holds safetensors weights (one file or shards)."""
+    return any(folder.glob("*.safetensors"))
+
+
 def cache_complete(target: pathlib.Path) -> bool:
     """A cache folder is complete when it has config, weights and a tokenizer."""
     if not (target / "config.json").is_file():
         return False
-    has_weights = any(target.glob("*.safetensors"))
     has_tok = (target / "tokenizer.json").is_file() or (target / "tokenizer_config.json").is_file()
-    return has_weights and has_tok
+    return has_weights(target) and has_tok
 
 
 def dequantise_gguf(gguf: pathlib.Path, attn_implementation: str | None = None):
@@ -200,7 +204,7 @@ def save_cache(model, tokenizer, target: pathlib.Path, source: pathlib.Path,
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         model.save_pretrained(tmp, safe_serialization=True)
-        if not any(tmp.glob("*.safetensors")):
+        if not has_weights(tmp):
             return None                   # not transformers' saving rank (the temp folder is removed below)
         tokenizer.save_pretrained(tmp)
         st = source.stat()
