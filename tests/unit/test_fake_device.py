@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attngeom
 from attngeom.capture.interventions import HeadRemoval, SourceMask
@@ -123,10 +124,50 @@ def test_capture_and_reducers_stay_on_the_device(fake):
     logits = _forward(handle, Session(observers=[check, heads, tokens, full], block_elements=40), ids)
     assert {l: s for l, s in check.seen.items()} == {l: {d} for l, d in want.items()}
     assert logits.shape == (1, T, handle.model.config.vocab_size) and logits.dtype == torch.float32
-    for layer in want:                                   # the reducers' host state, reached by explicit copies
-        assert heads.sums[layer]["sink_rate"].device.type == "cpu"
-        assert tokens._acc[layer]["_source"].device.type == "cpu"
+    for layer, device in want.items():                   # the sums stay on each layer's device until end / result
+        assert str(heads.sums[layer]["sink_rate"].device) == device and str(heads.counts[layer].device) == device
+        assert str(tokens._acc[layer]["_source"].device) == device
+        assert str(tokens._acc[layer]["value_norm"].device) == device
+        # a trace's full maps are its host state, reached by explicit copies
         assert full.layers[layer]["a"].device.type == "cpu" and full.layers[layer]["v"].device.type == "cpu"
+
+
+class HostCopies(TorchDispatchMode):
+    """Counts the copies from an accelerator to the host (``_to_copy`` or ``copy_`` into a ``cpu``
+    tensor from a ``cuda`` one) while it is active, inside the fake mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        src = args[1] if name == "copy_" else args[0]
+        dst = args[0] if name == "copy_" else out
+        if (name in ("_to_copy", "copy_") and isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+                and src.device.type == "cuda" and dst.device.type == "cpu"):
+            self.copies += 1
+        return out
+
+
+@pytest.mark.parametrize("fake", CASES, ids=IDS, indirect=True)
+def test_the_summaries_copy_nothing_to_the_host_per_block(fake):
+    """``HeadStats`` and ``TokenStats`` (what ``attngeom analyze`` streams) add each block into sums
+    on the layer's device: the forward makes no copy to the host (on a GPU each would wait for the
+    device); the copies come at ``end`` (once per layer), ``result`` and ``state``, whose numpy
+    tables fake tensors cannot make (a host boundary)."""
+    handle, want = fake
+    ids = torch.randint(3, 100, (1, T))
+    batch = InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    heads, tokens = HeadStats(), TokenStats()
+    for r in (heads, tokens):
+        r.begin(batch)
+    with HostCopies() as counter:
+        _forward(handle, Session(observers=[heads, tokens], block_elements=40), ids)
+    assert counter.copies == 0
+    assert len(heads.sums) == len(tokens._acc) == len(want)
 
 
 @pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)

@@ -59,7 +59,7 @@ class TaxonomyStats(HeadStats):
 
         def align_sink():
             if self.sink >= st.v.shape[2]:
-                return torch.zeros(block.shape[:3])
+                return torch.zeros(block.shape[:3], device=block.a.device)
             v0 = st.v[:, :, self.sink]                                     # [B, H, d]
             return _safe_cos((block.uG * v0[:, :, None]).sum(-1), block.head_output_norm,
                              st.value_norm[:, :, self.sink][..., None])

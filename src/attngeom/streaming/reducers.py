@@ -102,6 +102,19 @@ def _import(x):
     return x
 
 
+def sums_device(device: torch.device) -> torch.device:
+    """Where a reducer keeps its float64 sums for blocks on ``device``: that device, so that a block
+    adds into them without a copy to the host (one synchronisation per block on a GPU); the host
+    for a device without float64 (Apple's ``mps``). They come to the host once per batch
+    (``end``) or at ``result`` / ``state``."""
+    return torch.device("cpu") if device.type == "mps" else device
+
+
+def _as_sums(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` in float64 on ``device`` (:func:`sums_device`), moved before the cast (``mps`` has no float64)."""
+    return x.to(device).double()
+
+
 def _query_weights(block: Block, skip_first: bool = True) -> torch.Tensor:
     """``[B, Q]`` float: 1 for real queries (query 0 skipped: it can only attend to itself)."""
     w = block.query_valid.float()
@@ -205,18 +218,22 @@ class HeadStats(Reducer):
         w = _query_weights(block)                                  # [B, Q]
         H = block.shape[1]
         per_query = self.per_query(block)
-        acc = self._accumulator(block.layer, H)
+        device = sums_device(block.a.device)
+        acc = self._accumulator(block.layer, H, device)
         values = torch.stack([per_query[k]() for k in self.fields])             # [fields, B, H, Q]
-        acc += (values * w[None, :, None, :]).sum((1, 3)).double().cpu()
-        self.counts[block.layer] = self.counts.get(block.layer, torch.zeros((), dtype=torch.float64)) + w.sum().double().cpu()
+        acc += _as_sums((values * w[None, :, None, :]).sum((1, 3)), device)
+        count = self.counts.get(block.layer)
+        self.counts[block.layer] = _as_sums(w.sum(), device) + (0.0 if count is None else count.to(device))
 
-    def _accumulator(self, layer: int, H: int) -> torch.Tensor:
-        """The layer's ``[fields, H]`` float64 sums, one tensor (one addition per block), whose rows
-        ``sums[layer][field]`` are views; rebuilt from ``sums`` if those were replaced (``load_state``)."""
+    def _accumulator(self, layer: int, H: int, device: torch.device) -> torch.Tensor:
+        """The layer's ``[fields, H]`` float64 sums on ``device`` (:func:`sums_device`), one tensor
+        (one addition per block), whose rows ``sums[layer][field]`` are views; rebuilt from ``sums``
+        if those were replaced (``load_state``) or live elsewhere."""
         acc, sums = self._acc.get(layer), self.sums.get(layer)
-        if acc is None or sums is None or sums[self.fields[0]].data_ptr() != acc.data_ptr():
-            acc = (torch.stack([sums[k] for k in self.fields]) if sums
-                   else torch.zeros(len(self.fields), H, dtype=torch.float64))
+        if (acc is None or sums is None or sums[self.fields[0]].data_ptr() != acc.data_ptr()
+                or acc.device != device):
+            acc = (torch.stack([sums[k] for k in self.fields]).to(device) if sums
+                   else torch.zeros(len(self.fields), H, dtype=torch.float64, device=device))
             self._acc[layer] = acc
             self.sums[layer] = {k: acc[i] for i, k in enumerate(self.fields)}
         return acc
@@ -256,11 +273,11 @@ class HeadStats(Reducer):
         rows = []
         for layer in sorted(self.sums):
             n = float(self.counts[layer])
-            H = len(next(iter(self.sums[layer].values())))
-            for h in range(H):
+            sums = torch.stack([self.sums[layer][k] for k in self.fields]).cpu()    # one copy per layer
+            for h in range(sums.shape[1]):
                 row = {"layer": layer, "head": h, "queries": int(n)}
-                for k in self.fields:
-                    row[k] = float(self.sums[layer][k][h]) / n if n else float("nan")
+                for i, k in enumerate(self.fields):
+                    row[k] = float(sums[i, h]) / n if n else float("nan")
                 rows.append(row)
         return pd.DataFrame(rows)
 
@@ -306,14 +323,15 @@ class TokenStats(Reducer):
         acc = self._acc.get(block.layer)
         if acc is None:
             acc = self._acc[block.layer] = self._accumulators(block)
+        device = acc["_source"].device
         if "value_norm" in acc and acc["_norms_known"] < block.state.num_sources:   # first block, or sources grew
             known, S_all = acc["_norms_known"], block.state.num_sources
-            acc["value_norm"][:, known:S_all] = block.state.value_norm[:, :, known:].mean(1).double().cpu()
+            acc["value_norm"][:, known:S_all] = _as_sums(block.state.value_norm[:, :, known:].mean(1), device)
             acc["_norms_known"] = S_all
         w = block.query_valid.float()                              # [B, Q]
         received = block.received(w, self.metrics) if self.metrics else {}
         ks = slice(block.k_start, block.k_start + S)
-        acc["_source"][:, :, ks] += torch.stack([_seen_by(block, w), *received.values()]).double().cpu()
+        acc["_source"][:, :, ks] += _as_sums(torch.stack([_seen_by(block, w), *received.values()]), device)
         per_query = []                                             # [B, Q] each, in the order of _query
         sink_col = self.sink - block.k_start
         for c in self._query:
@@ -324,28 +342,38 @@ class TokenStats(Reducer):
             else:
                 per_query.append(block.output_norm)
         if per_query:
-            acc["_query"][:, :, block.q_start:block.q_start + Q] = torch.stack(per_query).double().cpu()
+            acc["_query"][:, :, block.q_start:block.q_start + Q] = _as_sums(torch.stack(per_query), device)
 
     @property
     def _query(self) -> tuple[str, ...]:
         return tuple(c for c in self.columns if c != "value_norm")
 
     def _accumulators(self, block: Block) -> dict[str, torch.Tensor]:
-        """A layer's float64 ``[B, T]`` sums and values by name, as views of two tensors (one
-        addition and one copy per block): ``_source`` (``seen_by`` and each ``<metric>_received``)
-        and ``_query`` (the query-side columns)."""
+        """A layer's float64 ``[B, T]`` sums and values by name on the layer's device
+        (:func:`sums_device`), as views of two tensors (one addition and one copy per block):
+        ``_source`` (``seen_by`` and each ``<metric>_received``) and ``_query`` (the query-side
+        columns); brought to the host at :meth:`end` (:meth:`_views`)."""
         B, T = self.batch.ids.shape
-        source = torch.zeros(1 + len(self.metrics), B, T, dtype=torch.float64)
-        query = torch.zeros(len(self._query), B, T, dtype=torch.float64)
-        acc = {"_source": source, "_query": query, "seen_by": source[0],
-               **{f"{m}_received": source[1 + i] for i, m in enumerate(self.metrics)},
-               **{c: query[i] for i, c in enumerate(self._query)}}
+        device = sums_device(block.a.device)
+        source = torch.zeros(1 + len(self.metrics), B, T, dtype=torch.float64, device=device)
+        query = torch.zeros(len(self._query), B, T, dtype=torch.float64, device=device)
+        acc = self._views(source, query)
         if "value_norm" in self.columns:        # filled as the sources come (a generation's grow step by step)
-            acc["value_norm"], acc["_norms_known"] = torch.zeros(B, max(T, block.state.num_sources), dtype=torch.float64), 0
+            acc["value_norm"] = torch.zeros(B, max(T, block.state.num_sources), dtype=torch.float64, device=device)
+            acc["_norms_known"] = 0
         return acc
 
+    def _views(self, source: torch.Tensor, query: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The columns by name, as views of ``source`` and ``query``."""
+        return {"_source": source, "_query": query, "seen_by": source[0],
+                **{f"{m}_received": source[1 + i] for i, m in enumerate(self.metrics)},
+                **{c: query[i] for i, c in enumerate(self._query)}}
+
     def end(self, batch: InputBatch) -> None:
-        for layer, acc in sorted(self._acc.items()):
+        for layer, on_device in sorted(self._acc.items()):
+            acc = self._views(on_device["_source"].cpu(), on_device["_query"].cpu())    # one copy each per layer
+            if "value_norm" in on_device:
+                acc["value_norm"] = on_device["value_norm"].cpu()
             seen = acc["seen_by"].clamp_min(1)
             for b, text in enumerate(batch.index):
                 L = int(batch.lengths[b])
