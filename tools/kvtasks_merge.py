@@ -4,7 +4,9 @@ policies and ratios, finished or stopped, or folders this tool wrote: the whole 
 merged and summarised as the command summarises one run (:func:`attngeom.kvcache.tasks.summarize`,
 ``paired``, ``verdicts``). Writes ``answers.parquet``, ``summary.parquet``, ``pairs.parquet``,
 ``summary.json`` (with ``"settings"``, the inputs' common identity, and ``"merged"``: the example
-numbers taken from each input, and those skipped) and the command's figure ``kvtasks-accuracy.png``
+numbers taken from each input, and those skipped), ``examples.jsonl`` (the merged examples, as the
+command writes them, when every input that gives examples holds its ``examples.jsonl``; a stopped
+run has none) and the command's figure ``kvtasks-accuracy.png``
 (``--figure-format pdf`` or any format matplotlib writes; ``--no-figures`` leaves it out) to
 ``--out``, which must not exist.
 
@@ -96,6 +98,21 @@ def rows_of(run: Path):
     return pd.concat(units.values(), ignore_index=True) if units else pd.DataFrame()
 
 
+def examples_of(run: Path) -> dict | None:
+    """``{(task, example number): Example}`` from the input's ``examples.jsonl`` (a finished run's, or
+    a folder this tool wrote with one); None when it has none."""
+    from attngeom.errors import InputError
+    from attngeom.kvcache import ruler
+
+    path = run / "examples.jsonl"
+    if not path.is_file():
+        return None
+    try:
+        return {(ex.task, ex.index): ex for ex in ruler.read_jsonl(path)}
+    except InputError as e:
+        raise Refused(str(e)) from None
+
+
 def whole_examples(settings: dict, merged: bool, df) -> dict[str, list[int]]:
     """The example numbers of each whole task: every one a merged folder holds; of a run, its tasks
     whose examples ``first_example .. first_example + examples - 1`` are all answered."""
@@ -116,11 +133,14 @@ def spans(numbers) -> str:
 
 def collect(runs: list[Path]):
     """The rows of every whole task's examples (each (task, example) taken from the first input that
-    has it), each input's contribution, their common identity and the number of examples skipped as
-    taken already; :class:`Refused` when inputs differ or nothing is whole."""
+    has it), each input's contribution, their common identity, the number of examples skipped as
+    taken already, and the examples taken (``(examples, None)``; ``(None, name)`` when the input
+    ``name`` gives examples without an ``examples.jsonl`` holding them); :class:`Refused` when
+    inputs differ or nothing is whole."""
     import pandas as pd
 
     frames, merged, first, taken, dropped = [], [], None, set(), 0
+    chosen_examples, without = [], None
     for run in runs:
         settings, inputs = settings_of(run)
         is_merged = inputs is not None
@@ -137,6 +157,12 @@ def collect(runs: list[Path]):
                 (skipped if (t, e) in taken else new).setdefault(t, []).append(e)
         keep = {(t, e) for t, es in new.items() for e in es}
         taken |= keep
+        if keep and without is None:
+            held = examples_of(run) or {}
+            if keep <= set(held):
+                chosen_examples += [held[k] for k in sorted(keep)]
+            else:
+                without = run.name
         dropped += sum(map(len, skipped.values()))
         if keep:
             frames.append(df[pd.MultiIndex.from_frame(df[["task", "example"]]).isin(list(keep))])
@@ -146,7 +172,8 @@ def collect(runs: list[Path]):
                            **({"from": inputs} if is_merged else {})})
     if not frames:
         raise Refused("no whole task in these runs (a task is merged once every one of its examples is answered)")
-    return pd.concat(frames, ignore_index=True), merged, first, dropped
+    chosen = (None, without) if without else (sorted(chosen_examples, key=lambda ex: (ex.task, ex.index)), None)
+    return pd.concat(frames, ignore_index=True), merged, first, dropped, chosen
 
 
 def main(argv=None) -> int:
@@ -173,7 +200,7 @@ def main(argv=None) -> int:
         print(f"kvtasks_merge: {out} exists; give a new folder", file=sys.stderr)
         return 2
     try:
-        df, merged, first, skipped = collect([Path(r) for r in a.runs])
+        df, merged, first, skipped, (examples, without) = collect([Path(r) for r in a.runs])
     except Refused as e:
         print(f"kvtasks_merge: {e}", file=sys.stderr)
         return 2
@@ -196,10 +223,15 @@ def main(argv=None) -> int:
            "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs), "settings": first,
            "merged": merged}
     write_json(out / "summary.json", doc)
+    if examples is not None:
+        from attngeom.kvcache import ruler
+
+        ruler.write_jsonl(examples, out / "examples.jsonl")
     if not a.no_figures:
         render(out, fmt)                                     # the figure the command draws, from the merged summary
     print(f"kvtasks_merge: {doc['examples']} examples of {', '.join(doc['tasks'])} written to {out}"
-          + (f" ({skipped} examples given again skipped: the first input wins)" if skipped else ""), file=sys.stderr)
+          + (f" ({skipped} examples given again skipped: the first input wins)" if skipped else "")
+          + (f"; no examples.jsonl ({without} holds none)" if without else ""), file=sys.stderr)
     return 0
 
 

@@ -283,3 +283,53 @@ def test_merge_refuses_other_settings_and_a_merged_folder_without_them(tmp_path,
         assert merge.main(["--out", str(tmp_path / "m2"), *map(str, runs)]) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "m2").exists()
+
+
+def _examples(path: Path, tasks, numbers, context: str = "c") -> None:
+    """An ``examples.jsonl`` in ``path`` as the command writes it: ``numbers`` of each of ``tasks``."""
+    from attngeom.kvcache import ruler
+
+    ruler.write_jsonl([ruler.Example(task=t, index=e, seed=0, context=f"{context} {t} {e}", question="q?",
+                                     answer_prefix="A:", answers=(str(e),), max_new_tokens=4, length=64)
+                       for t in tasks for e in numbers], path / "examples.jsonl")
+
+
+def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path, capsys):
+    """The merged folder's ``examples.jsonl`` holds exactly the examples whose rows it took (the
+    first input's, as for the rows), sorted by task and number; a merged folder passes them on; an
+    input without ``examples.jsonl`` (a stopped run) leaves the file out, and the tool says why."""
+    from attngeom.kvcache import ruler
+
+    merge = _tool("kvtasks_merge")
+    r0, r10, r20 = range(0, 10), range(10, 20), range(20, 30)
+    both = ["t1", "t2"]
+    a2 = _run(tmp_path / "a2", ["t1"], _rows("t1", r0, _scores(r0, lambda e: True)), finished=True, examples=10)
+    _examples(a2, ["t1"], r0, context="first")
+    a = _run(tmp_path / "a", both, pd.concat([_rows(t, r0, _scores(r0, lambda e: e < 5)) for t in both]),
+             finished=True, examples=10)
+    _examples(a, both, r0)
+    c = _run(tmp_path / "c", both, pd.concat([_rows(t, r10, _scores(r10, lambda e: True)) for t in both]),
+             finished=True, examples=10, first_example=10)
+    _examples(c, both, r10)
+    m = tmp_path / "m"
+    assert merge.main(["--out", str(m), str(a2), str(a), str(c)]) == 0
+    assert "no examples.jsonl" not in capsys.readouterr().err
+    got = ruler.read_jsonl(m / "examples.jsonl")
+    assert [(ex.task, ex.index) for ex in got] == [(t, e) for t in both for e in range(20)]
+    assert {ex.context.split()[0] for ex in got if ex.task == "t1" and ex.index < 10} == {"first"}   # a2 came first
+    assert {ex.context.split()[0] for ex in got if ex.task == "t2" or ex.index >= 10} == {"c"}
+
+    d = _run(tmp_path / "d", both, pd.concat([_rows(t, r20, _scores(r20, lambda e: False)) for t in both]),
+             finished=True, examples=10, first_example=20)
+    _examples(d, both, r20)
+    m30 = tmp_path / "m30"
+    assert merge.main(["--out", str(m30), str(m), str(d)]) == 0                # a merged folder passes its examples on
+    assert [(ex.task, ex.index) for ex in ruler.read_jsonl(m30 / "examples.jsonl")] == \
+        [(t, e) for t in both for e in range(30)]
+
+    b = _run(tmp_path / "b", both, pd.concat([_rows(t, r20, _scores(r20, lambda e: True)) for t in both]),
+             finished=False, examples=10, first_example=20)                   # stopped: no examples.jsonl
+    mb = tmp_path / "mb"
+    assert merge.main(["--out", str(mb), str(m), str(b)]) == 0
+    assert "no examples.jsonl (b holds none)" in capsys.readouterr().err
+    assert not (mb / "examples.jsonl").exists() and (mb / "summary.json").is_file()
