@@ -75,7 +75,7 @@ for turn in (1, 0):                     # rank 1 writes first, alone; then rank 
         seen["complete_after"] = gguf_cache.cache_complete(target)
         seen["exists_after"] = target.exists()
     dist.barrier()
-print("RESULT", json.dumps(seen), flush=True)
+Path({results!r}, f"rank{{rank}}.json").write_text(json.dumps(seen))   # a file: nothing lost in torchrun's pipes
 dist.destroy_process_group()
 """
 
@@ -89,15 +89,17 @@ def test_only_the_saving_rank_writes_the_float_cache(tmp_path):
     source.write_bytes(b"GGUF")
     target = tmp_path / "cache" / "m"
     script = tmp_path / "race.py"
+    results = tmp_path / "results"
+    results.mkdir()
     script.write_text(CACHE_RACE.format(tests=str(Path(__file__).resolve().parents[1]), target=str(target),
-                                        source=str(source)))
+                                        source=str(source), results=str(results)))
     r = _torchrun(script=str(script), timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    by_rank = sorted(results, key=lambda x: x["returned"] == "None")
-    assert len(results) == 2
-    assert by_rank[1] == {"returned": "None", "complete_after": False, "exists_after": False}   # rank 1
-    assert by_rank[0] == {"returned": str(target), "complete_after": True, "exists_after": True}  # rank 0
+    said = f"stdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
+    assert r.returncode == 0, said
+    assert sorted(p.name for p in results.iterdir()) == ["rank0.json", "rank1.json"], said
+    rank0, rank1 = (json.loads((results / f"rank{k}.json").read_text()) for k in (0, 1))
+    assert rank1 == {"returned": "None", "complete_after": False, "exists_after": False}
+    assert rank0 == {"returned": str(target), "complete_after": True, "exists_after": True}
     assert (target / "model.safetensors").is_file() and (target / "config.json").is_file()
     assert sorted(p.name for p in target.parent.iterdir()) == ["m"]
 
