@@ -134,8 +134,8 @@ def spans(numbers) -> str:
 def collect(runs: list[Path]):
     """The rows of every whole task's examples (each (task, example) taken from the first input that
     has it), each input's contribution, their common identity, the number of examples skipped as
-    taken already, and the examples taken (``(examples, None)``; ``(None, name)`` when the input
-    ``name`` gives examples without an ``examples.jsonl`` holding them); :class:`Refused` when
+    taken already, and the examples taken (``(examples, None)``; ``(None, why)`` when an input gives
+    examples without an ``examples.jsonl`` holding them); :class:`Refused` when
     inputs differ or nothing is whole."""
     import pandas as pd
 
@@ -158,11 +158,13 @@ def collect(runs: list[Path]):
         keep = {(t, e) for t, es in new.items() for e in es}
         taken |= keep
         if keep and without is None:
-            held = examples_of(run) or {}
-            if keep <= set(held):
-                chosen_examples += [held[k] for k in sorted(keep)]
+            held = examples_of(run)
+            if held is None:
+                without = f"{run} has no examples.jsonl"
+            elif not keep <= set(held):
+                without = f"the examples.jsonl of {run} lacks {len(keep - set(held))} of the examples taken from it"
             else:
-                without = run.name
+                chosen_examples += [held[k] for k in sorted(keep)]
         dropped += sum(map(len, skipped.values()))
         if keep:
             frames.append(df[pd.MultiIndex.from_frame(df[["task", "example"]]).isin(list(keep))])
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
         render(out, fmt)                                     # the figure the command draws, from the merged summary
     print(f"kvtasks_merge: {doc['examples']} examples of {', '.join(doc['tasks'])} written to {out}"
           + (f" ({skipped} examples given again skipped: the first input wins)" if skipped else "")
-          + (f"; no examples.jsonl ({without} holds none)" if without else ""), file=sys.stderr)
+          + (f"; no examples.jsonl ({without})" if without else ""), file=sys.stderr)
     return 0
 
 

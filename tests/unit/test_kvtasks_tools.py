@@ -310,14 +310,15 @@ def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path
     _examples(a, both, r0)
     c = _run(tmp_path / "c", both, pd.concat([_rows(t, r10, _scores(r10, lambda e: True)) for t in both]),
              finished=True, examples=10, first_example=10)
-    _examples(c, both, r10)
+    _examples(c, both, r10, context="third")
     m = tmp_path / "m"
     assert merge.main(["--out", str(m), str(a2), str(a), str(c)]) == 0
     assert "no examples.jsonl" not in capsys.readouterr().err
     got = ruler.read_jsonl(m / "examples.jsonl")
     assert [(ex.task, ex.index) for ex in got] == [(t, e) for t in both for e in range(20)]
     assert {ex.context.split()[0] for ex in got if ex.task == "t1" and ex.index < 10} == {"first"}   # a2 came first
-    assert {ex.context.split()[0] for ex in got if ex.task == "t2" or ex.index >= 10} == {"c"}
+    assert {ex.context.split()[0] for ex in got if ex.task == "t2" and ex.index < 10} == {"c"}
+    assert {ex.context.split()[0] for ex in got if ex.index >= 10} == {"third"}
 
     d = _run(tmp_path / "d", both, pd.concat([_rows(t, r20, _scores(r20, lambda e: False)) for t in both]),
              finished=True, examples=10, first_example=20)
@@ -331,5 +332,15 @@ def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path
              finished=False, examples=10, first_example=20)                   # stopped: no examples.jsonl
     mb = tmp_path / "mb"
     assert merge.main(["--out", str(mb), str(m), str(b)]) == 0
-    assert "no examples.jsonl (b holds none)" in capsys.readouterr().err
+    assert f"no examples.jsonl ({b} has no examples.jsonl)" in capsys.readouterr().err
     assert not (mb / "examples.jsonl").exists() and (mb / "summary.json").is_file()
+
+    (c / "examples.jsonl").write_text((c / "examples.jsonl").read_text().splitlines()[0] + "\n")   # one example left
+    mc = tmp_path / "mc"
+    assert merge.main(["--out", str(mc), str(a), str(c)]) == 0
+    assert f"the examples.jsonl of {c} lacks 19 of the examples taken from it" in capsys.readouterr().err
+    assert not (mc / "examples.jsonl").exists()
+    (c / "examples.jsonl").write_text("not json\n")
+    assert merge.main(["--out", str(tmp_path / "bad"), str(a), str(c)]) == 2           # one line, nothing written
+    err = capsys.readouterr().err
+    assert err.startswith("kvtasks_merge: ") and err.count("\n") == 1 and not (tmp_path / "bad").exists()

@@ -167,3 +167,32 @@ def test_received_sums_equal_the_score_maps_on_every_architecture(arch):
                 Session(observers=[Check()], block_elements=budget))
     assert sorted(set(seen)) == list(range(cfg.num_hidden_layers))
     assert by_map == {True, False}, by_map
+
+
+def test_a_loaded_merged_state_keeps_observing():
+    """A reducer loaded with merged records (``merge_sums``: its counts come back as numpy scalars)
+    observes more texts; its sums then equal one reducer that saw every text."""
+    from attngeom.heads.taxonomy import TaxonomyStats
+    from attngeom.runs.run import merge_sums
+
+    handle = tiny_model("llama")
+    texts = [_ids(handle, n, seed=n) for n in (9, 13)]
+
+    def seen(reducer, t):
+        batch = InputBatch(ids=t[None], lengths=torch.tensor([len(t)]), index=[0])
+        reducer.begin(batch)
+        forward(handle, batch, Session(observers=[reducer]))
+        return reducer
+
+    for make in (HeadStats, TaxonomyStats):
+        first = seen(make(), texts[0])
+        loaded = seen(make().load_state(merge_sums([first.state()])), texts[1])
+        both = seen(seen(make(), texts[0]), texts[1])
+        assert float(loaded.counts[0]) == float(both.counts[0]) > 0
+        for layer, sums in both.sums.items():
+            for k, s in sums.items():
+                assert torch.allclose(loaded.sums[layer][k], s, atol=1e-12), (make.__name__, layer, k)
+        merged = make().merge(first) if make is TaxonomyStats else None      # merge: sums on either side's device
+        if merged is not None:
+            merged.merge(seen(make(), texts[1]))
+            assert float(merged.counts[0]) == float(both.counts[0])

@@ -69,11 +69,14 @@ class TaxonomyStats(HeadStats):
 
     def merge(self, other: "HeadStats") -> "TaxonomyStats":
         """Add another reducer's sums (e.g. a calibration and a held-out pass of one corpus)."""
-        for layer, sums in other.sums.items():
+        for layer, sums in other.sums.items():     # each side's sums may be on its own device: added on ours
             mine = self.sums.setdefault(layer, {k: torch.zeros_like(x) for k, x in sums.items()})
             for k, x in sums.items():
-                mine[k] = mine[k] + x
-            self.counts[layer] = self.counts.get(layer, torch.zeros((), dtype=torch.float64)) + other.counts[layer]
+                mine[k] = mine[k] + x.to(mine[k].device)
+            count = torch.as_tensor(other.counts[layer], dtype=torch.float64)
+            ours = self.counts.get(layer)
+            self.counts[layer] = count if ours is None else torch.as_tensor(ours, dtype=torch.float64) + count.to(
+                torch.as_tensor(ours).device)
         return self
 
     def result(self) -> pd.DataFrame:

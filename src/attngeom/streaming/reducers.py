@@ -223,7 +223,8 @@ class HeadStats(Reducer):
         values = torch.stack([per_query[k]() for k in self.fields])             # [fields, B, H, Q]
         acc += _as_sums((values * w[None, :, None, :]).sum((1, 3)), device)
         count = self.counts.get(block.layer)
-        self.counts[block.layer] = _as_sums(w.sum(), device) + (0.0 if count is None else count.to(device))
+        self.counts[block.layer] = _as_sums(w.sum(), device) + (
+            0.0 if count is None else torch.as_tensor(count, dtype=torch.float64).to(device))   # merged states: numpy
 
     def _accumulator(self, layer: int, H: int, device: torch.device) -> torch.Tensor:
         """The layer's ``[fields, H]`` float64 sums on ``device`` (:func:`sums_device`), one tensor
