@@ -26,7 +26,7 @@ import torch
 
 from attngeom.capture.plugin import Block
 from attngeom.metrics.formulas import safe_div
-from attngeom.streaming.reducers import HeadStats, _query_weights
+from attngeom.streaming.reducers import HeadStats, _as_sums, _query_weights
 
 REGIMES = ("Retriever", "Mixer", "Reset")
 LABELS = ("self", "sink", "other")
@@ -73,10 +73,8 @@ class TaxonomyStats(HeadStats):
             mine = self.sums.setdefault(layer, {k: torch.zeros_like(x) for k, x in sums.items()})
             for k, x in sums.items():
                 mine[k] = mine[k] + x.to(mine[k].device)
-            count = torch.as_tensor(other.counts[layer], dtype=torch.float64)
-            ours = self.counts.get(layer)
-            self.counts[layer] = count if ours is None else torch.as_tensor(ours, dtype=torch.float64) + count.to(
-                torch.as_tensor(ours).device)
+            device = next(iter(mine.values())).device
+            self.counts[layer] = _as_sums(self.counts.get(layer, 0.0), device) + _as_sums(other.counts[layer], device)
         return self
 
     def result(self) -> pd.DataFrame:

@@ -110,9 +110,10 @@ def sums_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type == "mps" else device
 
 
-def _as_sums(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` in float64 on ``device`` (:func:`sums_device`), moved before the cast (``mps`` has no float64)."""
-    return x.to(device).double()
+def _as_sums(x, device: torch.device) -> torch.Tensor:
+    """``x`` (a tensor, or a number: a merged state's counts are numpy scalars) in float64 on
+    ``device`` (:func:`sums_device`), moved before the cast (``mps`` has no float64)."""
+    return torch.as_tensor(x).to(device).double()
 
 
 def _query_weights(block: Block, skip_first: bool = True) -> torch.Tensor:
@@ -222,9 +223,7 @@ class HeadStats(Reducer):
         acc = self._accumulator(block.layer, H, device)
         values = torch.stack([per_query[k]() for k in self.fields])             # [fields, B, H, Q]
         acc += _as_sums((values * w[None, :, None, :]).sum((1, 3)), device)
-        count = self.counts.get(block.layer)
-        self.counts[block.layer] = _as_sums(w.sum(), device) + (
-            0.0 if count is None else torch.as_tensor(count, dtype=torch.float64).to(device))   # merged states: numpy
+        self.counts[block.layer] = _as_sums(self.counts.get(block.layer, 0.0), device) + _as_sums(w.sum(), device)
 
     def _accumulator(self, layer: int, H: int, device: torch.device) -> torch.Tensor:
         """The layer's ``[fields, H]`` float64 sums on ``device`` (:func:`sums_device`), one tensor
