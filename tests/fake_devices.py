@@ -4,10 +4,10 @@ Under ``torch._subclasses.fake_tensor.FakeTensorMode`` a tensor can live on ``cu
 ``cuda:1`` without a GPU: every operation computes shapes, dtypes and devices only, and an
 operation mixing a ``cuda`` tensor with a ``cpu`` one raises ``FakeTensorDeviceMismatchError``,
 as the GPU would. A CPU build cannot enter a CUDA device guard, which Python indexing
-(``x[...]``, ``x[...] = y``) and a few tensor methods (``contiguous``, ``copy_``) do;
+(``x[...]``, ``x[...] = y``) and a few tensor methods (``contiguous``, ``copy_``, ``~x``) do;
 :func:`fake_cuda` routes them, for fake tensors, through the equivalent aten operations
-(``select``, ``slice``, ``unsqueeze``, ``index``, ``index_put_``, ``clone``, ``copy_``) while it
-is active.
+(``select``, ``slice``, ``unsqueeze``, ``index``, ``index_put_``, ``clone``, ``copy_``,
+``bitwise_not``) while it is active.
 
 - :func:`fake_cuda` — the mode (a context manager), with indexing routed.
 - :func:`to_fake` — a model's parameters and buffers as fake tensors on a device (bf16 or any
@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
-_ORIGINAL = {name: getattr(torch.Tensor, name) for name in ("__getitem__", "__setitem__", "contiguous", "copy_")}
+_ORIGINAL = {name: getattr(torch.Tensor, name) for name in ("__getitem__", "__setitem__", "contiguous", "copy_",
+                                                             "__invert__")}
 _GETITEM, _SETITEM = _ORIGINAL["__getitem__"], _ORIGINAL["__setitem__"]
 
 
@@ -102,7 +103,14 @@ def _copy_(self, src, non_blocking=False):
     return torch.ops.aten.copy_(self, src, non_blocking)
 
 
-_ROUTED = {"__getitem__": _getitem, "__setitem__": _setitem, "contiguous": _contiguous, "copy_": _copy_}
+def _invert(self):
+    if not isinstance(self, FakeTensor):
+        return _ORIGINAL["__invert__"](self)
+    return torch.ops.aten.bitwise_not(self)
+
+
+_ROUTED = {"__getitem__": _getitem, "__setitem__": _setitem, "contiguous": _contiguous, "copy_": _copy_,
+           "__invert__": _invert}
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import ast
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
@@ -28,7 +29,12 @@ from attngeom.capture.plugin import Session, attngeom_attention_implementation
 from attngeom.generation.decoding import Decoding, GrowingCache, GrowingNorms, generate
 from attngeom.kvcache.cache import CacheScorer, CompressedCache, cached_forward, compressing
 from attngeom.metrics import registry
+from attngeom.heads.taxonomy import TaxonomyStats
 from attngeom.model.adapter import adapter_for
+from attngeom.selection import reducer as selection_reducer
+from attngeom.selection.reducer import COLUMNS, QueryResult, SelectionStats
+from attngeom.sinks.reducer import SinkStats
+from attngeom.sinks.removal import SourceRemoval
 from attngeom.streaming.reducers import FullCapture, HeadStats, InputBatch, TokenStats
 from fake_devices import CUDA0, CUDA1, fake_cuda, to_fake
 from tiny_models import tiny_model
@@ -172,6 +178,76 @@ def test_the_summaries_copy_nothing_to_the_host_per_block(fake):
     assert len(heads.sums) == len(tokens._acc) == len(want)
 
 
+@pytest.mark.parametrize("fake", CASES, ids=IDS, indirect=True)
+def test_the_sink_and_head_statistics_copy_nothing_to_the_host_per_block(fake):
+    """``SinkStats`` (``attngeom sinks``: values, queries, drift, decomposition, with their
+    histograms and bins), the sink removal ``SourceRemoval`` (an intervention that records the
+    outputs it leaves) and ``TaxonomyStats`` (``attngeom heads``) add each block into sums on the
+    layer's device: no copy to the host during the forward; the copies come at ``result`` / ``state``
+    (host boundaries). Blocks of one query each: the first (no query after the sink) is skipped
+    from its position alone."""
+    handle, want = fake
+    ids = torch.randint(3, 100, (1, T))
+    batch = InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0])
+    stats, taxonomy, removal = SinkStats(), TaxonomyStats(), SourceRemoval("sink")
+    for r in (stats, taxonomy, removal):
+        r.begin(batch)
+    with HostCopies() as counter:
+        logits = _forward(handle, Session(observers=[stats, taxonomy], intervention=removal, block_elements=40), ids)
+    assert counter.copies == 0 and logits.shape[:2] == (1, T)
+    for layer, device in want.items():
+        for part in stats.parts:
+            assert {str(x.device) for x in part.acc[layer].values()} == {device}, type(part).__name__
+        assert {str(x.device) for x in removal.acc[layer].values()} == {device}
+        assert str(taxonomy.sums[layer]["align_sink"].device) == device
+
+
+@pytest.mark.parametrize("fake", CASES, ids=IDS, indirect=True)
+def test_the_selection_geometry_runs_on_the_device_up_to_one_host_copy_per_query(fake, monkeypatch):
+    """``SelectionStats`` (``attngeom selection``) at every query: the candidates of a causal query
+    are known from its position, the random orders are drawn on the host (the same on every device)
+    and moved to the device, and the geometry, the bounds, the regime, the prediction and the best
+    sizes are computed there (``query_geometry``); ``on_host`` (a boundary) copies them once."""
+    handle, want = fake
+    seen = []
+
+    def on_host(g):
+        seen.append(g)
+        empty = {k: np.array([]) for k in ("kind", "distance", "head", "N", *COLUMNS)}
+        return QueryResult(rows=empty, regime={"head": np.arange(g.heads)}, violations=0, selections=0)
+
+    monkeypatch.setattr(selection_reducer, "on_host", on_host)
+    ids = torch.randint(3, 100, (1, T))
+    sel = SelectionStats(repeats=2, queries="all", ns=[1, 2, 4])
+    sel.begin(InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0]))
+    with HostCopies() as counter:
+        _forward(handle, Session(observers=[sel], block_elements=40), ids)
+    assert counter.copies == 0
+    assert len(seen) == len(want) * (T - 1)                  # every layer, queries 1 .. T-1
+    for g in seen:
+        tensors = [g.violations, *g.regime.values(), *g.best_n.values(),
+                   *(x for *_, cols in g.groups for x in cols.values())]
+        assert len({str(x.device) for x in tensors}) == 1
+    assert {str(g.violations.device) for g in seen} == set(want.values())
+    assert {kind for g in seen for kind, *_ in g.groups} == {"topn", "random", "topn_nosink", "random_nosink"}
+    assert any("best_n_pred_euclidean" in g.best_n for g in seen)
+
+
+@pytest.mark.parametrize("has_sink", [True, False], ids=["sink", "no-sink"])
+def test_one_querys_selection_geometry_stays_on_its_device(has_sink):
+    """``query_geometry`` with and without the sink among the candidates (a sliding window hides
+    it), in bf16 on ``cuda:1``: before, the random orders, the regime's constants, the model's
+    positions and the bound check were host tensors, and the first product mixing them failed."""
+    with fake_cuda():
+        a, v = torch.rand(3, 40, device=CUDA1, dtype=torch.bfloat16), torch.rand(3, 40, 8, device=CUDA1, dtype=torch.bfloat16)
+        g = selection_reducer.query_geometry(a, v, has_sink, ns=[1, 2, 4, 16], repeats=3, dtype=torch.float32)
+        tensors = [g.violations, *g.regime.values(), *g.best_n.values(), *(x for *_, cols in g.groups for x in cols.values())]
+        assert {x.device for x in tensors} == {CUDA1}
+        kinds = ("topn", "random", "topn_nosink") + (("random_nosink",) if has_sink else ())
+        assert {(kind, dist) for kind, dist, *_ in g.groups} == {(k, d) for k in kinds for d in ("euclidean", "cosine")}
+        assert g.groups[0][3]["F"].shape == (3, 4) and g.regime["lam"].shape == (3,)
+
+
 @pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
 def test_a_session_without_a_budget_takes_each_layers_device_budget(fake, monkeypatch):
     """The default block budget follows the device of each layer's call: the accelerator's on fake
@@ -290,7 +366,8 @@ def test_compressed_cache_scores_stay_on_the_device(fake):
 GPU_PATH = ("capture/plugin.py", "capture/interventions.py", "streaming/reducers.py", "generation/decoding.py",
             "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies.py", "kvcache/prefill.py", "kvcache/tasks.py",
             "metrics/formulas.py", "metrics/registry.py", "metrics/leave_one_out.py", "metrics/value_zeroing.py",
-            "metrics/alti.py")
+            "metrics/alti.py", "sinks/reducer.py", "sinks/removal.py", "sinks/geometry.py", "selection/reducer.py",
+            "selection/separation.py", "selection/prediction.py", "heads/taxonomy.py")
 HOST_METHODS = ("cpu", "numpy", "item", "tolist", "nonzero", "equal")
 """Calls that bring a tensor's values to the host (``torch.equal`` and ``nonzero`` decide on them)."""
 HOST_BUILTINS = ("int", "float", "bool")

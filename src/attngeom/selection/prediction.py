@@ -39,10 +39,11 @@ LAMBDA_GRID = torch.logspace(-4, 1.5, 600, dtype=torch.float64)
 def fit_exp_decay(lags: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares ``λ`` of ``c(δ) ≈ exp(−λδ)`` for ``c [H, L]`` at ``lags [L]`` over a log grid
     (1e-4 .. 10^1.5, ~1 % steps), and the mean absolute error at that ``λ``: ``([H], [H])``."""
-    model = torch.exp(-LAMBDA_GRID[:, None] * lags[None, :].double())    # [grid, L]
+    grid = LAMBDA_GRID.to(c.device)
+    model = torch.exp(-grid[:, None] * lags[None, :].double())           # [grid, L]
     err = ((c.double()[:, None, :] - model[None]) ** 2).sum(-1)          # [H, grid]
     best = err.argmin(-1)
-    lam = LAMBDA_GRID[best]
+    lam = grid[best]
     mae = (c.double() - model[best]).abs().mean(-1)
     return lam, mae
 
@@ -54,17 +55,17 @@ def attention_profile(a: torch.Tensor, has_sink: bool = True, max_window: int | 
     ``n == 1``). Returns ``[H]`` tensors and ``profile_r2`` (1 − SSE/SST over the non-sink sources)."""
     H, S = a.shape
     a = a.double()
-    sink = a[:, 0] if has_sink else torch.zeros(H, dtype=a.dtype)
+    sink = a[:, 0] if has_sink else a.new_zeros(H)
     b = a[:, 1:] if has_sink else a
     n = b.shape[1]
     if n <= 1:
-        level = b.mean(-1) if n else torch.zeros(H, dtype=a.dtype)
-        return {"sink_mass": sink, "middle_level": torch.zeros(H, dtype=a.dtype), "recent_level": level,
-                "recent_window": torch.full((H,), n), "profile_r2": torch.ones(H, dtype=a.dtype)}
-    c1 = torch.cat([torch.zeros(H, 1, dtype=a.dtype), b.cumsum(-1)], -1)       # [H, n+1]
-    c2 = torch.cat([torch.zeros(H, 1, dtype=a.dtype), (b * b).cumsum(-1)], -1)
+        level = b.mean(-1) if n else a.new_zeros(H)
+        return {"sink_mass": sink, "middle_level": a.new_zeros(H), "recent_level": level,
+                "recent_window": torch.full((H,), n, device=a.device), "profile_r2": a.new_ones(H)}
+    c1 = torch.cat([a.new_zeros(H, 1), b.cumsum(-1)], -1)                    # [H, n+1]
+    c2 = torch.cat([a.new_zeros(H, 1), (b * b).cumsum(-1)], -1)
     wmax = n - 1 if max_window is None else max(1, min(n - 1, max_window))
-    w = torch.arange(1, wmax + 1)
+    w = torch.arange(1, wmax + 1, device=a.device)
     split = n - w                                                         # middle = [0, split)
     s_mid, q_mid = c1[:, split], c2[:, split]
     s_rec, q_rec = c1[:, n:n + 1] - s_mid, c2[:, n:n + 1] - q_mid
@@ -84,7 +85,7 @@ def lag_cosines(unit: torch.Tensor, lags: Sequence[int]) -> torch.Tensor:
     ``[H, L]`` (one product of the two shifted copies per lag; never the ``n × n`` matrix)."""
     H, n, d = unit.shape
     flat = unit.reshape(H, -1)
-    out = torch.empty(H, len(lags), dtype=unit.dtype)
+    out = unit.new_empty(H, len(lags))
     for k, lag in enumerate(lags):
         out[:, k] = (flat[:, lag * d:] * flat[:, : (n - lag) * d]).sum(-1) / (n - lag)
     return out
@@ -100,7 +101,7 @@ def sink_regime(a: torch.Tensor, v: torch.Tensor, has_sink: bool = True, max_lag
     out: dict[str, torch.Tensor] = {}
     rest = norms[:, 1:] if has_sink else norms
     vr = v[:, 1:] if has_sink else v
-    nan = torch.full((H,), float("nan"), dtype=torch.float64)
+    nan = torch.full((H,), float("nan"), dtype=torch.float64, device=v.device)
     if has_sink and S > 1:
         n0 = norms[:, 0].double()
         out["norm_ratio"] = torch.where(n0 > 0, rest.double().mean(-1) / n0.clamp_min(1e-300),
@@ -117,7 +118,7 @@ def sink_regime(a: torch.Tensor, v: torch.Tensor, has_sink: bool = True, max_lag
     if lags:
         unit = vr / vr.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         c = lag_cosines(unit, lags)                                                  # [H, L]
-        lt = torch.tensor(lags, dtype=torch.float64)
+        lt = torch.tensor(lags, dtype=torch.float64, device=v.device)
         lam, mae = fit_exp_decay(lt, c)
         out["lam"], out["lam_mae"] = lam, mae
         out["cos_lag1"] = c[:, 0].double()
@@ -134,7 +135,7 @@ def model_parts(params: dict[str, torch.Tensor], n: int, has_sink: bool = True,
     sources (plus the sink first when ``has_sink``), so that ``K_jk = scale_j scale_k cos_jk``."""
     H = params["lam"].shape[0]
     w = params["recent_window"].long().clamp(0, n)
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=w.device)
     recent = pos[None, :] >= (n - w)[:, None]                                 # [H, n]
     a_rest = torch.where(recent, params["recent_level"].to(dtype)[:, None], params["middle_level"].to(dtype)[:, None])
     if not has_sink:
@@ -142,7 +143,7 @@ def model_parts(params: dict[str, torch.Tensor], n: int, has_sink: bool = True,
     ratio = params["norm_ratio"].to(dtype)
     nu0 = torch.where(torch.isfinite(ratio) & (ratio > 0), 1 / ratio, torch.zeros_like(ratio))
     a_hat = torch.cat([params["sink_mass"].to(dtype)[:, None], a_rest], 1)     # [H, n+1]
-    nu = torch.cat([nu0[:, None], torch.ones(H, n, dtype=dtype)], 1)
+    nu = torch.cat([nu0[:, None], nu0.new_ones(H, n)], 1)
     return a_hat, a_hat * nu
 
 
@@ -153,8 +154,8 @@ def model_rows(params: dict[str, torch.Tensor], scale: torch.Tensor, idx: torch.
     others); ``drop_sink`` means the candidates are the non-sink sources only (positions 1..n)."""
     H, S = scale.shape
     lam = params["lam"].to(scale.dtype).nan_to_num(1.0)
-    e = torch.exp(-lam[:, None] * torch.arange(S, dtype=scale.dtype)[None, :])       # [H, S] by lag
-    j = torch.arange(S)
+    e = torch.exp(-lam[:, None] * torch.arange(S, dtype=scale.dtype, device=scale.device)[None, :])   # [H, S] by lag
+    j = torch.arange(S, device=scale.device)
     lag = (idx[:, :, None] - j[None, None, :]).abs()                                  # [H, r, S]
     C = e.gather(1, lag.reshape(H, -1)).reshape(lag.shape)
     if has_sink and not drop_sink:
@@ -168,7 +169,7 @@ def model_gram(params: dict[str, torch.Tensor], n: int, has_sink: bool = True) -
     """The whole model Gram matrix ``K [H, S, S]`` and attention ``â [H, S]`` (for tests and plots)."""
     a_hat, scale = model_parts(params, n, has_sink)
     H, S = scale.shape
-    idx = torch.arange(S).expand(H, S)
+    idx = torch.arange(S, device=scale.device).expand(H, S)
     return a_hat, model_rows(params, scale, idx, has_sink)
 
 
@@ -199,7 +200,7 @@ def best_small_n(F: torch.Tensor, ns: Sequence[int], small_n_max: int = 16, smal
     ``F [H, K]`` -> ``[H]`` (0 when no size is in range)."""
     keep = [k for k, n in enumerate(ns) if small_n_min <= n <= small_n_max]
     if not keep:
-        return torch.zeros(F.shape[0], dtype=torch.long)
+        return torch.zeros(F.shape[0], dtype=torch.long, device=F.device)
     sub = F[:, keep]
     idx = sub.argmax(-1)  # first maximum
-    return torch.as_tensor([ns[k] for k in keep])[idx]
+    return torch.as_tensor([ns[k] for k in keep], device=F.device)[idx]

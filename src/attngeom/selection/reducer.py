@@ -15,7 +15,7 @@ from attngeom.errors import InputError
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.selection.settings import DISTANCES, POWERS, SelectionSettings
 from attngeom.selection.prediction import best_small_n, predict_curves, sink_regime
-from attngeom.selection.separation import bound_violations, default_ns, geometry, random_orders, topn_order
+from attngeom.selection.separation import default_ns, geometry, random_orders, topn_order, violated_bounds
 
 # --------------------------------------------------------------------------------------------
 # One query, every head: measured + predicted
@@ -32,6 +32,24 @@ class QueryResult:
     selections: int
 
 
+@dataclass
+class QueryGeometry:
+    """:func:`query_geometry`'s results, on the device of the query's attention: ``groups`` of rows,
+    one per (kind, distance) with its sizes and ``[H, K]`` float64 columns (:data:`COLUMNS`); the
+    regime's ``[H]`` parameters and best small ``N``; the bound violations (a 0-d tensor)."""
+
+    groups: list[tuple[str, str, list[int], dict[str, torch.Tensor]]]
+    regime: dict[str, torch.Tensor]
+    best_n: dict[str, torch.Tensor]
+    violations: torch.Tensor
+    selections: int
+    heads: int
+
+
+COLUMNS = ("P", "R", "F", "ginv", "rho_max", "rho_min", "F_std", "P_pred", "R_pred", "F_pred")
+"""The numeric columns of a query's rows."""
+
+
 def analyse_query(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence[int] = POWERS,
                   distances: Sequence[str] = DISTANCES, repeats: int = 8, generator: torch.Generator | None = None,
                   predict: bool = True, max_lag: int = 256, small_n_max: int = 16,
@@ -41,7 +59,18 @@ def analyse_query(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence
 
     Rows: one per (kind, distance, head, N) with P, R, F, GInv, ρ_max, ρ_min (random kinds: means over
     ``repeats``, plus ``F_std``), and the predicted P, R, F for the top-N kinds (NaN elsewhere).
-    ``random_without_sink=False`` skips the random control drawn from the non-sink candidates."""
+    ``random_without_sink=False`` skips the random control drawn from the non-sink candidates.
+    Computed on ``a``'s device (:func:`query_geometry`), then copied to the host once."""
+    return on_host(query_geometry(a, v, has_sink, ns, distances, repeats, generator, predict, max_lag,
+                                  small_n_max, dtype, random_without_sink))
+
+
+def query_geometry(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence[int] = POWERS,
+                   distances: Sequence[str] = DISTANCES, repeats: int = 8, generator: torch.Generator | None = None,
+                   predict: bool = True, max_lag: int = 256, small_n_max: int = 16,
+                   dtype: torch.dtype = torch.float64, random_without_sink: bool = True) -> QueryGeometry:
+    """:func:`analyse_query`'s results as tensors on ``a``'s device. The random orders are drawn on
+    the host from ``generator`` (the same selections on every device) and moved to the device."""
     H, S, d = v.shape
     if generator is None:
         generator = torch.Generator().manual_seed(0)
@@ -54,23 +83,17 @@ def analyse_query(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence
     ns_of = {suffix: default_ns(count, ns) for suffix, (_, _, count) in sets.items()}
     if not has_sink:
         ns_of["_nosink"] = ns_of[""]
-    rows: dict[str, list] = {k: [] for k in ("kind", "distance", "head", "N", "P", "R", "F", "ginv",
-                                             "rho_max", "rho_min", "F_std", "P_pred", "R_pred", "F_pred")}
-    violations = selections = 0
+    groups: list = []
+    violations, selections = a.new_zeros((), dtype=torch.long), 0
     measured_topn: dict[str, dict] = {}
 
     def emit(kind, dist, res, ns_k, std=None, pred=None):
-        K = len(ns_k)
-        rows["kind"].append(np.full(H * K, kind, dtype=object))
-        rows["distance"].append(np.full(H * K, dist, dtype=object))
-        rows["head"].append(np.repeat(np.arange(H), K))
-        rows["N"].append(np.tile(np.asarray(ns_k), H))
-        for key in ("P", "R", "F", "ginv", "rho_max", "rho_min"):
-            rows[key].append(res[key].double().reshape(-1).cpu().numpy())
-        nanv = np.full(H * K, np.nan)
-        rows["F_std"].append(nanv if std is None else std.reshape(-1).cpu().numpy())
+        nan = torch.full((H, len(ns_k)), float("nan"), dtype=torch.float64, device=a.device)
+        cols = {key: res[key].double() for key in ("P", "R", "F", "ginv", "rho_max", "rho_min")}
+        cols["F_std"] = nan if std is None else std.double()
         for key in ("P", "R", "F"):
-            rows[f"{key}_pred"].append(nanv if pred is None else pred[key].double().reshape(-1).cpu().numpy())
+            cols[f"{key}_pred"] = nan if pred is None else pred[key].double()
+        groups.append((kind, dist, ns_k, cols))
 
     for suffix, (ys, aa, count) in sets.items():
         ns_k = ns_of[suffix]
@@ -80,11 +103,11 @@ def analyse_query(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence
         order_top = topn_order(aa)                                       # [H, S']
         orders = [order_top]
         if reps:
-            orders.append(random_orders((reps * H,), count, generator))
+            orders.append(random_orders((reps * H,), count, generator).to(a.device))
         res = geometry(ys, torch.cat(orders, 0), ns_k, distances)
         for dist in distances:
             r = res[dist]
-            violations += bound_violations(r, ns_k)
+            violations = violations + violated_bounds(r, ns_k)
             selections += r["P"].numel()
             top = {k: x[:H] for k, x in r.items()}
             measured_topn[f"topn{suffix}/{dist}"] = top
@@ -111,8 +134,7 @@ def analyse_query(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence
         for dist in distances:
             pred = preds.get(kind, {}).get(dist) if predict else None
             emit(kind, dist, measured_topn[f"topn{src}/{dist}"], ns_k, pred=pred)
-    regime = {k: x.double().cpu().numpy() for k, x in params.items()}
-    regime["head"] = np.arange(H)
+    best_n: dict[str, torch.Tensor] = {}
     for suffix in ("", "_nosink"):
         src = suffix if has_sink else ""
         ns_k = ns_of.get(src, [])
@@ -122,12 +144,33 @@ def analyse_query(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequence
             key = f"topn{src}/{dist}"
             if key not in measured_topn:
                 continue
-            regime[f"best_n_{dist}{suffix}"] = best_small_n(measured_topn[key]["F"], ns_k, small_n_max).numpy()
+            best_n[f"best_n_{dist}{suffix}"] = best_small_n(measured_topn[key]["F"], ns_k, small_n_max)
             if predict and f"topn{suffix}" in preds:
-                regime[f"best_n_pred_{dist}{suffix}"] = best_small_n(
-                    preds[f"topn{suffix}"][dist]["F"], ns_k, small_n_max).numpy()
-    cat = {k: np.concatenate(x) if x else np.array([]) for k, x in rows.items()}
-    return QueryResult(rows=cat, regime=regime, violations=violations, selections=selections)
+                best_n[f"best_n_pred_{dist}{suffix}"] = best_small_n(
+                    preds[f"topn{suffix}"][dist]["F"], ns_k, small_n_max)
+    return QueryGeometry(groups, params, best_n, violations, selections, H)
+
+
+def on_host(g: QueryGeometry) -> QueryResult:
+    """The rows and regime of :class:`QueryGeometry` as numpy, in three copies from the device (the
+    numeric columns, the regime, the best sizes), whatever the number of groups."""
+    H = g.heads
+    rows: dict[str, np.ndarray] = {}
+    if g.groups:
+        K = [len(ns_k) for _, _, ns_k, _ in g.groups]
+        rows["kind"] = np.concatenate([np.full(H * k, kind, dtype=object) for (kind, _, _, _), k in zip(g.groups, K)])
+        rows["distance"] = np.concatenate([np.full(H * k, dist, dtype=object) for (_, dist, _, _), k in zip(g.groups, K)])
+        rows["head"] = np.concatenate([np.repeat(np.arange(H), k) for k in K])
+        rows["N"] = np.concatenate([np.tile(np.asarray(ns_k), H) for _, _, ns_k, _ in g.groups])
+        values = torch.cat([torch.stack([cols[c].reshape(-1) for c in COLUMNS]) for *_, cols in g.groups], 1)
+        rows.update(zip(COLUMNS, values.cpu().numpy()))                # one copy
+    else:
+        rows = {k: np.array([]) for k in ("kind", "distance", "head", "N", *COLUMNS)}
+    regime = dict(zip(g.regime, torch.stack([x.double() for x in g.regime.values()]).cpu().numpy()))
+    regime["head"] = np.arange(H)
+    if g.best_n:
+        regime.update(zip(g.best_n, torch.stack(list(g.best_n.values())).cpu().numpy()))
+    return QueryResult(rows=rows, regime=regime, violations=int(g.violations.cpu()), selections=g.selections)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,20 +247,14 @@ class SelectionStats(Reducer):
 
     def observe(self, block: Block) -> None:
         B, H, Q, S = block.shape
-        kpos = block.k_positions
         for b in range(B):
             ts = [t for t in self._targets[b] if block.q_start <= t < block.q_start + Q]
             for t in sorted(ts):
                 qi = t - block.q_start
-                if block.allowed is None:
-                    vis = kpos <= t
-                else:
-                    vis = block.allowed[min(b, block.allowed.shape[0] - 1), 0, qi]
-                idx = vis.nonzero().squeeze(-1)
+                idx, first = self._candidates(block, b, qi, t)
                 if idx.numel() < 2:
                     continue
-                pos = kpos[idx]
-                has_sink = bool(pos[0] == self.sink)
+                has_sink = first == self.sink
                 a = block.a[b, :, qi, idx]
                 v = block.v[b][:, idx]
                 text = self.batch.index[b]
@@ -240,6 +277,17 @@ class SelectionStats(Reducer):
                 rg.insert(0, "layer", np.full(H, block.layer))
                 rg.insert(0, "window", np.full(H, text))
                 self.regime_frames.append(rg)
+
+    @staticmethod
+    def _candidates(block: Block, b: int, qi: int, t: int) -> tuple[torch.Tensor, int]:
+        """The block's columns query ``t`` (row ``qi`` of text ``b``) sees, and the first one's
+        position. Causal (no mask): the columns up to ``t``, known without reading the device; under
+        a mask (padding, a sliding window), read from it on the host."""
+        kpos = block.k_positions
+        if block.allowed is None:
+            return torch.arange(min(t - block.k_start + 1, kpos.shape[0]), device=kpos.device), block.k_start
+        idx = block.allowed[min(b, block.allowed.shape[0] - 1), 0, qi].nonzero().squeeze(-1)
+        return idx, (block.k_start + int(idx[0].cpu()) if idx.numel() else -1)
 
     def result(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """``(selection rows, regime rows)``."""

@@ -84,9 +84,10 @@ def _distances(dots: torch.Tensor, ss: torch.Tensor, yy: torch.Tensor, distance:
     raise InputError(f"unknown distance {distance!r}; choose from {', '.join(DISTANCES)}")
 
 
-def scores(D: torch.Tensor, order: torch.Tensor, ns: torch.Tensor) -> dict[str, torch.Tensor]:
+def scores(D: torch.Tensor, order: torch.Tensor, ns: Sequence[int]) -> dict[str, torch.Tensor]:
     """P, R, F, GInv, ρ_max, ρ_min for distances ``D [M, K, S]``; the selection of size ``ns[k]`` is
-    the first ``ns[k]`` sources of ``order [M, S]``. Every result is ``[M, K]``.
+    the first ``ns[k]`` sources of ``order [M, S]``. Every result is ``[M, K]``, on ``D``'s device
+    (the sizes are Python integers: nothing is read back from the device).
 
     Counting, not sorting all sources: with ``U`` the unselected distances, ``ρ_min = min U``,
     ``|{j∉S : D_j <= ρ_max}|`` is a comparison over ``U`` and ``R_N`` counts the selected ``i`` with
@@ -95,11 +96,13 @@ def scores(D: torch.Tensor, order: torch.Tensor, ns: torch.Tensor) -> dict[str, 
     distances (a comparison with each of them, for ``N <=`` :data:`COMPARE_MAX_N`), so only ``max(N)``
     values per row are sorted."""
     M, K, S = D.shape
-    top = int(ns.max())
-    N = ns.to(D.dtype)[None, :]
+    ns = [int(n) for n in ns]
+    top = max(ns)
+    nt = torch.as_tensor(ns, device=D.device)
+    N = nt.to(D.dtype)[None, :]
     idx = order[:, None, :top].expand(M, K, top)
     d_sel = D.gather(-1, idx)                                               # [M, K, top]
-    valid = torch.arange(top, device=D.device)[None, None, :] < ns[None, :, None]
+    valid = torch.arange(top, device=D.device)[None, None, :] < nt[None, :, None]
     unsel = D.scatter(-1, idx, torch.where(valid, torch.full_like(d_sel, math.inf), d_sel))  # selected -> +inf
     rho_min = unsel.amin(-1)
     sel_sorted = d_sel.masked_fill(~valid, -math.inf).sort(-1).values      # padding -> -inf, first
@@ -107,7 +110,7 @@ def scores(D: torch.Tensor, order: torch.Tensor, ns: torch.Tensor) -> dict[str, 
     false_pos = (unsel <= rho_max[..., None]).sum(-1)
     true_pos = ((d_sel < rho_min[..., None]) & valid).sum(-1)
     ginv = torch.stack([_pairs_at_or_above(unsel[:, k], sel_sorted[:, k, top - n:])   # 0 at +inf
-                        for k, n in enumerate(ns.tolist())], 1)
+                        for k, n in enumerate(ns)], 1)
     P = N / (N + false_pos.to(D.dtype))
     R = true_pos.to(D.dtype) / N
     F = 2 * P * R / (P + R)  # P > 0 always
@@ -134,9 +137,9 @@ def _pairs_at_or_above(u: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
                       for r in range(0, M, step)])
 
 
-def _selection_masks(order: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
+def _selection_masks(order: torch.Tensor, ns: Sequence[int]) -> torch.Tensor:
     """``sel [M, K, S]``: source ``j`` is among the first ``N_k`` of ``order``."""
-    return ranks_of(order)[:, None, :] < ns[None, :, None]
+    return ranks_of(order)[:, None, :] < torch.as_tensor(ns, device=order.device)[None, :, None]
 
 
 GEOMETRY_ELEMENTS = 1 << 16
@@ -162,50 +165,50 @@ def geometry(y: torch.Tensor, order: torch.Tensor, ns: Sequence[int],
     M = order.shape[0]
     if M % n_sets:
         raise ValueError(f"{M} orders for {n_sets} value sets: not a multiple")
-    nt = torch.as_tensor(list(ns), dtype=torch.long, device=y.device)
+    ns = [int(n) for n in ns]
     yy = (y * y).sum(-1)
-    step = n_sets * max(1, GEOMETRY_ELEMENTS // (n_sets * len(nt) * S))
-    parts = [_geometry_rows(y, yy, order[m0:m0 + step], nt, distances) for m0 in range(0, M, step)]
+    step = n_sets * max(1, GEOMETRY_ELEMENTS // (n_sets * len(ns) * S))
+    parts = [_geometry_rows(y, yy, order[m0:m0 + step], ns, distances) for m0 in range(0, M, step)]
     if len(parts) == 1:
         return parts[0]
     return {dist: {k: torch.cat([p[dist][k] for p in parts]) for k in parts[0][dist]} for dist in distances}
 
 
-def _geometry_rows(y: torch.Tensor, yy: torch.Tensor, order: torch.Tensor, nt: torch.Tensor,
+def _geometry_rows(y: torch.Tensor, yy: torch.Tensor, order: torch.Tensor, ns: list[int],
                    distances: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
     """:func:`geometry` of ``order [C·n_sets, S]`` (whole sets of ``n_sets`` rows);
     ``yy [n_sets, S] = ‖y_j‖²``."""
     n_sets, S, d = y.shape
     M = order.shape[0]
     C = M // n_sets
-    K, top = len(nt), int(nt.max())
+    K, top = len(ns), max(ns)
     src = torch.arange(M, device=y.device) % n_sets
     ys = y[src[:, None], order[:, :top]]                          # only the first max(N) are ever summed
-    s = ys.cumsum(1)[:, nt - 1]                                   # s_N: [M, K, d]
+    s = ys.cumsum(1)[:, [n - 1 for n in ns]]                      # s_N: [M, K, d]
     dots = torch.matmul(s.reshape(C, n_sets, K, d), y.transpose(1, 2)).reshape(M, K, S)
     ss = (s * s).sum(-1)
-    return _scores_per_distance(dots, ss, yy.repeat(C, 1), order, nt, distances)
+    return _scores_per_distance(dots, ss, yy.repeat(C, 1), order, ns, distances)
 
 
 def geometry_from_rows(rows: torch.Tensor, diag: torch.Tensor, order: torch.Tensor, ns: Sequence[int],
                        distances: Sequence[str] = DISTANCES) -> dict[str, dict[str, torch.Tensor]]:
     """Selection geometry from Gram rows in selection order: ``rows [M, n, S]`` with
     ``rows[m, r] = K[m, order[m, r]]`` for ``r < n`` (``n >= max(ns)``), ``diag [M, S] = K_jj``."""
-    nt = torch.as_tensor(list(ns), dtype=torch.long, device=rows.device)
+    ns = [int(n) for n in ns]
     # Σ_{i∈S_N} K_ij: [M, K, S], as running sums of the segments between consecutive sizes (the
     # prefix sums at the K sizes only, never all max(N) of them)
     prefix, total, start = {}, torch.zeros_like(rows[:, 0]), 0
-    for n in sorted(set(nt.tolist())):
+    for n in sorted(set(ns)):
         total = total + rows[:, start:n].sum(1)
         prefix[n], start = total, n
-    dots = torch.stack([prefix[n] for n in nt.tolist()], 1)
-    sel = _selection_masks(order, nt)
+    dots = torch.stack([prefix[n] for n in ns], 1)
+    sel = _selection_masks(order, ns)
     ss = (dots * sel).sum(-1)
-    return _scores_per_distance(dots, ss, diag, order, nt, distances)
+    return _scores_per_distance(dots, ss, diag, order, ns, distances)
 
 
 def _scores_per_distance(dots: torch.Tensor, ss: torch.Tensor, yy: torch.Tensor, order: torch.Tensor,
-                         nt: torch.Tensor, distances: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
+                         ns: list[int], distances: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
     """:func:`scores` for every distance from one ``(dots, ss, yy)`` (shapes of :func:`_distances`),
     in ONE call: the distances' ``D`` stacked along the rows (every score is per row, so the results
     are those of one call per distance, with half the small operations)."""
@@ -213,7 +216,7 @@ def _scores_per_distance(dots: torch.Tensor, ss: torch.Tensor, yy: torch.Tensor,
     if not distances:
         return {}
     D = torch.cat([_distances(dots, ss, yy, dist) for dist in distances])
-    r = scores(D, order.repeat(len(distances), 1), nt)
+    r = scores(D, order.repeat(len(distances), 1), ns)
     return {dist: {k: x[i * M:(i + 1) * M] for k, x in r.items()} for i, dist in enumerate(distances)}
 
 
@@ -229,10 +232,15 @@ def geometry_from_gram(K: torch.Tensor, order: torch.Tensor, ns: Sequence[int],
 
 def bound_violations(r: dict[str, torch.Tensor], ns: Sequence[int], tol: float = 1e-9) -> int:
     """How many selections break a bound of SPEC §5 (must be 0)."""
-    N = torch.as_tensor(list(ns), dtype=r["P"].dtype)[None, :]
+    return int(violated_bounds(r, ns, tol))
+
+
+def violated_bounds(r: dict[str, torch.Tensor], ns: Sequence[int], tol: float = 1e-9) -> torch.Tensor:
+    """:func:`bound_violations` as a 0-d tensor on the results' device (nothing read back)."""
+    N = torch.as_tensor(list(ns), dtype=r["P"].dtype, device=r["P"].device)[None, :]
     g = r["ginv"].to(r["P"].dtype)
     bad_p = r["P"] < N / (N + g) - tol
     bad_r = r["R"] < (1 - g / N).clamp_min(0) - tol
     perfect = (r["P"] == 1) & (r["R"] == 1)
     bad_eq = (g == 0) != perfect
-    return int((bad_p | bad_r | bad_eq).sum())
+    return (bad_p | bad_r | bad_eq).sum()

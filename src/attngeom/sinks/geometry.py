@@ -177,7 +177,9 @@ def variance_shares(s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def histogram_counts(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
     """Per-head histogram: ``x, w [B, H, N]`` -> ``[H, bins + 2]`` float64 counts (first/last column:
-    below ``lo`` / at or above ``hi``). NaN entries are left out."""
+    below ``lo`` / at or above ``hi``), on ``x``'s device. NaN entries are left out. ``w`` holds
+    whole numbers (0/1 query weights): the counts are exact in any order of addition, so a GPU's
+    ``index_add_`` gives the CPU's counts."""
     H = x.shape[1]
     ok = torch.isfinite(x) & (w > 0)
     width = (hi - lo) / bins
@@ -186,7 +188,8 @@ def histogram_counts(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float, bin
     head = torch.arange(H, device=x.device).view(1, H, 1).expand_as(idx)
     flat = (head * (bins + 2) + idx).reshape(-1)
     wt = torch.where(ok, w, torch.zeros_like(w)).reshape(-1).double()
-    return torch.bincount(flat.cpu(), weights=wt.cpu(), minlength=H * (bins + 2)).view(H, bins + 2)
+    out = torch.zeros(H * (bins + 2), dtype=torch.float64, device=x.device)
+    return out.index_add_(0, flat, wt).view(H, bins + 2)
 
 
 def histogram_quantile(counts: np.ndarray, lo: float, hi: float, q: float):

@@ -12,7 +12,7 @@ from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
 from attngeom.sinks.geometry import (_pearson, histogram_counts, histogram_quantile, log_share_sums, pair_factors,
                                      quadratic_fit, sink_terms, variance_shares)
-from attngeom.streaming.reducers import InputBatch, Reducer
+from attngeom.streaming.reducers import InputBatch, Reducer, add_into
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
 # a median read from the histogram (and whether it is inside (0, 1)) is exact.
@@ -46,29 +46,29 @@ class _SinkPart(Reducer):
         self.acc: dict[int, dict[str, torch.Tensor]] = {}
 
     def _add(self, layer: int, key: str, x: torch.Tensor) -> None:
-        x = x.detach().double().cpu()
-        d = self.acc.setdefault(layer, {})
-        if key not in d:
-            d[key] = torch.zeros(x.shape, dtype=torch.float64)
-        d[key].add_(x)
+        add_into(self.acc.setdefault(layer, {}), key, x)
 
     def _binned(self, layer: int, name: str, bins: torch.Tensor, nb: int, w: torch.Tensor,
                 values: dict[str, torch.Tensor]) -> None:
-        """Per head, sums and counts of ``values`` over the queries in each of ``nb`` bins."""
+        """Per head, sums and counts of ``values`` over the queries in each of ``nb`` bins
+        (``bins [B, H, Q]``), on the block's device, in one ``index_add_``: on the CPU in the
+        queries' order; on a GPU in the order the device schedules (the counts are exact whatever
+        the order; the sums vary in their last bits unless ``torch.use_deterministic_algorithms``)."""
         B, H, Q = bins.shape
-        head = torch.arange(H).view(1, H, 1).expand(B, H, Q)
-        flat = (head * nb + bins.cpu()).reshape(-1)
-        wc = w.cpu().reshape(-1)
-        self._add(layer, f"{name}_n", torch.bincount(flat, weights=wc, minlength=H * nb).view(H, nb))
+        flat = (torch.arange(H, device=bins.device).view(1, H, 1) * nb + bins).reshape(-1)
+        keys, weights = [f"{name}_n"], [w]
         for k, x in values.items():
-            x = x.cpu()
-            ok = torch.isfinite(x).reshape(-1) & (wc > 0)
-            xv = torch.where(ok, x.reshape(-1), torch.zeros_like(wc)) * wc
-            self._add(layer, f"{name}_{k}_n", torch.bincount(flat, weights=ok.double() * wc, minlength=H * nb).view(H, nb))
-            self._add(layer, f"{name}_{k}_sum", torch.bincount(flat, weights=xv, minlength=H * nb).view(H, nb))
+            ok = torch.isfinite(x) & (w > 0)
+            xv = torch.where(ok, x, torch.zeros_like(w)) * w
+            keys += [f"{name}_{k}_n", f"{name}_{k}_sum"]
+            weights += [ok.double() * w, xv]
             if k == "output_norm":
-                self._add(layer, f"{name}_{k}_sq", torch.bincount(flat, weights=xv * x.reshape(-1).nan_to_num(),
-                                                                  minlength=H * nb).view(H, nb))
+                keys.append(f"{name}_{k}_sq")
+                weights.append(xv * x.nan_to_num())
+        stacked = torch.stack([x.double() for x in weights]).reshape(len(weights), -1)
+        sums = stacked.new_zeros(len(weights), H * nb).index_add_(1, flat, stacked).view(len(weights), H, nb)
+        for key, x in zip(keys, sums):
+            self._add(layer, key, x)
 
     def observe(self, block: Block) -> None:
         if self.layers is not None and block.layer not in self.layers:
@@ -101,7 +101,7 @@ def block_terms(block: Block, sink: int) -> dict | None:
     B, H, Q, S = block.shape
     st = block.state
     qw = (block.query_valid & (block.q_positions[None, :] > sink)).float()   # [B,Q]
-    if qw.sum() == 0:
+    if block.q_start + Q <= sink + 1:           # no query after the sink (decided without reading the block)
         memo[sink] = None
         return None
     sink_col = sink - block.k_start
@@ -364,8 +364,8 @@ class SinkStats(Reducer):
         tables: dict[str, list[dict]] = {"heads": [], "curve": [], "drift": [], "hist": []}
         queries = self.parts[1]
         for layer in sorted(queries.acc):
-            A = [{k: x.numpy() for k, x in p.acc.get(layer, {}).items()} for p in self.parts]
-            if "n" not in A[1]:
+            A = [{k: x.cpu().numpy() for k, x in p.acc.get(layer, {}).items()} for p in self.parts]
+            if "n" not in A[1] or not A[1]["n"].any():      # no query after the sink in this layer
                 continue
             for h in range(len(A[1]["n"])):
                 row = {"layer": layer, "head": h}

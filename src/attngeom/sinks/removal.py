@@ -17,7 +17,7 @@ from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
 from attngeom.capture.interventions import SOURCE_REMOVALS, remove_source
 from attngeom.sinks.geometry import _intra_dot
-from attngeom.streaming.reducers import Reducer
+from attngeom.streaming.reducers import Reducer, add_into
 
 # --------------------------------------------------------------------------------------------
 # Removal
@@ -55,11 +55,7 @@ class SourceRemoval(Reducer):
         return self.mode != "none" and (self.layers is None or layer in self.layers)
 
     def _add(self, layer: int, key: str, x: torch.Tensor) -> None:
-        d = self.acc.setdefault(layer, {})
-        x = x.detach().double().cpu()
-        if key not in d:
-            d[key] = torch.zeros_like(x)
-        d[key] += x
+        add_into(self.acc.setdefault(layer, {}), key, x)
 
     def __call__(self, block: Block) -> torch.Tensor | None:
         self.calls += 1
@@ -75,7 +71,7 @@ class SourceRemoval(Reducer):
             edited, removed = remove_source(a, block.visible, sink_col, qsel, self.mode, removed)
         # statistics of the outputs actually used (queries i > sink)
         w = (block.query_valid & (block.q_positions[None, :] > self.sink)).double()     # [B,Q]
-        if w.sum() > 0:
+        if block.q_start + Q > self.sink + 1:       # a query after the sink (decided without reading the block)
             mix = a if edited is None else edited
             G = st.G
             u = mix @ block.v                                                        # [B,H,Q,d]
@@ -116,7 +112,9 @@ class SourceRemoval(Reducer):
         ``layer_output_norm``."""
         rows = []
         for layer in sorted(self.acc):
-            A = {k: x.numpy() for k, x in self.acc[layer].items()}
+            A = {k: x.cpu().numpy() for k, x in self.acc[layer].items()}
+            if not A["n"].any():                  # no query after the sink in this layer
+                continue
             H = len(A["n"])
             lo = A["layer_output_norm"][0] / A["layer_n"][0] if A["layer_n"][0] else np.nan
             for h in range(H):

@@ -116,6 +116,18 @@ def _as_sums(x, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(x).to(device).double()
 
 
+def add_into(sums: dict, key, x: torch.Tensor) -> None:
+    """Add ``x`` into ``sums[key]``, a float64 sum (zero when new) kept on :func:`sums_device` of
+    ``x``'s device (moved there once when a loaded state put it on the host): no copy per block."""
+    device = sums_device(x.device)
+    s = sums.get(key)
+    if s is None:
+        s = sums[key] = torch.zeros(x.shape, dtype=torch.float64, device=device)
+    elif s.device != device:
+        s = sums[key] = s.to(device)
+    s.add_(_as_sums(x.detach(), device))
+
+
 def _query_weights(block: Block, skip_first: bool = True) -> torch.Tensor:
     """``[B, Q]`` float: 1 for real queries (query 0 skipped: it can only attend to itself)."""
     w = block.query_valid.float()
