@@ -144,19 +144,22 @@ def _sinks_selection_heads(handle, windows):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_device_sinks_selection_and_heads_match_the_cpu(arch, test_device):
-    """The sink statistics and removal, the selection geometry and the head taxonomy computed on
-    ``test_device`` (float32) equal the CPU's (gpu_check.sh runs this on cuda; tests/unit/
+    """The sink statistics and removal, the selection geometry, the head taxonomy and the heads'
+    weight norms computed on ``test_device`` (float32) equal the CPU's (gpu_check.sh runs this on cuda; tests/unit/
     test_fake_device.py checks their devices without a GPU). Gemma 2's sliding window of 8 makes
     the selection read its candidates through the mask; the sink leaves the window."""
     handle = tiny_model(arch)
     g = torch.Generator().manual_seed(5)
     windows = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 27, 33)]
-    cpu = _sinks_selection_heads(handle, windows)
+    from attngeom.heads.removal import weight_norms
+
+    cpu, cpu_weights = _sinks_selection_heads(handle, windows), weight_norms(handle)
     handle.model.to(test_device)
     try:
-        dev = _sinks_selection_heads(handle, windows)
+        dev, dev_weights = _sinks_selection_heads(handle, windows), weight_norms(handle)
     finally:
         handle.model.to("cpu")
+    np.testing.assert_allclose(dev_weights, cpu_weights, rtol=1e-5)    # the heads' removal order (attngeom heads)
     assert cpu.keys() == dev.keys()
     # a value within rounding of a bin's edge may fall in the next bin on the device: per bin and
     # for what is read from the histograms (quantiles, extreme bins), most must agree, and every total

@@ -84,7 +84,7 @@ def weight_norms(handle: ModelHandleLike) -> np.ndarray:
     for l in adapter.attention_modules:
         wo_h = adapter.w_o_heads(l).flatten(1).norm(dim=1)              # [H]
         wv_g = adapter.w_v_heads(l).flatten(1).norm(dim=1)              # [Hkv]
-        out[l] = (wo_h * wv_g[kv_head]).numpy()
+        out[l] = (wo_h * wv_g[kv_head.to(wv_g.device)]).cpu().numpy()        # one copy per layer (a GPU's weights)
     return out
 
 
