@@ -9,6 +9,7 @@ them into the model's Gram matrix and predicts ``P_N, R_N, F_N`` with the scorin
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -36,10 +37,16 @@ def default_lags(n: int, max_lag: int = 256) -> list[int]:
 LAMBDA_GRID = torch.logspace(-4, 1.5, 600, dtype=torch.float64)
 
 
+@functools.lru_cache(maxsize=None)
+def _grid_on(device: torch.device) -> torch.Tensor:
+    """:data:`LAMBDA_GRID` on ``device``, copied there once."""
+    return LAMBDA_GRID.to(device)
+
+
 def fit_exp_decay(lags: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares ``λ`` of ``c(δ) ≈ exp(−λδ)`` for ``c [H, L]`` at ``lags [L]`` over a log grid
     (1e-4 .. 10^1.5, ~1 % steps), and the mean absolute error at that ``λ``: ``([H], [H])``."""
-    grid = LAMBDA_GRID.to(c.device)
+    grid = _grid_on(c.device)
     model = torch.exp(-grid[:, None] * lags[None, :].double())           # [grid, L]
     err = ((c.double()[:, None, :] - model[None]) ** 2).sum(-1)          # [H, grid]
     best = err.argmin(-1)

@@ -153,24 +153,28 @@ def query_geometry(a: torch.Tensor, v: torch.Tensor, has_sink: bool, ns: Sequenc
 
 def on_host(g: QueryGeometry) -> QueryResult:
     """The rows and regime of :class:`QueryGeometry` as numpy, in three copies from the device (the
-    numeric columns, the regime, the best sizes), whatever the number of groups."""
+    numeric columns with the bound violations, the regime, the best sizes), whatever the number of
+    groups."""
     H = g.heads
     rows: dict[str, np.ndarray] = {}
+    values = [torch.stack([cols[c].reshape(-1) for c in COLUMNS]) for *_, cols in g.groups]
+    flat = torch.cat(([torch.cat(values, 1).reshape(-1)] if values else []) + [g.violations.double().reshape(1)])
+    flat = flat.cpu().numpy()                                                      # one copy
+    violations = int(flat[-1])
     if g.groups:
         K = [len(ns_k) for _, _, ns_k, _ in g.groups]
         rows["kind"] = np.concatenate([np.full(H * k, kind, dtype=object) for (kind, _, _, _), k in zip(g.groups, K)])
         rows["distance"] = np.concatenate([np.full(H * k, dist, dtype=object) for (_, dist, _, _), k in zip(g.groups, K)])
         rows["head"] = np.concatenate([np.repeat(np.arange(H), k) for k in K])
         rows["N"] = np.concatenate([np.tile(np.asarray(ns_k), H) for _, _, ns_k, _ in g.groups])
-        values = torch.cat([torch.stack([cols[c].reshape(-1) for c in COLUMNS]) for *_, cols in g.groups], 1)
-        rows.update(zip(COLUMNS, values.cpu().numpy()))                # one copy
+        rows.update(zip(COLUMNS, flat[:-1].reshape(len(COLUMNS), -1)))
     else:
         rows = {k: np.array([]) for k in ("kind", "distance", "head", "N", *COLUMNS)}
     regime = dict(zip(g.regime, torch.stack([x.double() for x in g.regime.values()]).cpu().numpy()))
     regime["head"] = np.arange(H)
     if g.best_n:
         regime.update(zip(g.best_n, torch.stack(list(g.best_n.values())).cpu().numpy()))
-    return QueryResult(rows=rows, regime=regime, violations=int(g.violations.cpu()), selections=g.selections)
+    return QueryResult(rows=rows, regime=regime, violations=violations, selections=g.selections)
 
 
 # --------------------------------------------------------------------------------------------
