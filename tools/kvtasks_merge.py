@@ -159,10 +159,9 @@ def collect(runs: list[Path]):
         taken |= keep
         if keep and without is None:
             held = examples_of(run)
-            missing = None if held is None else keep - held.keys()
             if held is None:
                 without = f"{run} has no examples.jsonl"
-            elif missing:
+            elif missing := keep - held.keys():
                 without = f"the examples.jsonl of {run} lacks {len(missing)} of the examples taken from it"
             else:
                 chosen_examples += [held[k] for k in sorted(keep)]

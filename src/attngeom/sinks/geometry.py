@@ -185,11 +185,21 @@ def histogram_counts(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float, bin
     width = (hi - lo) / bins
     idx = torch.floor((torch.where(ok, x, torch.zeros_like(x)) - lo) / width).long()
     idx = idx.clamp(-1, bins) + 1                            # 0 = underflow, bins+1 = overflow
-    head = torch.arange(H, device=x.device).view(1, H, 1).expand_as(idx)
-    flat = (head * (bins + 2) + idx).reshape(-1)
-    wt = torch.where(ok, w, torch.zeros_like(w)).reshape(-1).double()
-    out = torch.zeros(H * (bins + 2), dtype=torch.float64, device=x.device)
-    return out.index_add_(0, flat, wt).view(H, bins + 2)
+    wt = torch.where(ok, w, torch.zeros_like(w))
+    return bin_sums(idx, bins + 2, wt[None])[0]
+
+
+def bin_sums(bins: torch.Tensor, nb: int, weights: torch.Tensor) -> torch.Tensor:
+    """Per head, the sum of each row of ``weights [V, B, H, N]`` over the entries in each of ``nb``
+    bins (``bins [B, H, N]``, long, in ``[0, nb)``): ``[V, H, nb]`` float64 on their device, in one
+    ``index_add_`` (on the CPU in the entries' order; on a GPU in the order the device schedules:
+    whole-number weights give exact counts in any order, other sums vary in their last bits unless
+    ``torch.use_deterministic_algorithms``)."""
+    V = weights.shape[0]
+    H = bins.shape[1]
+    flat = (torch.arange(H, device=bins.device).view(1, H, 1) * nb + bins).reshape(-1)
+    w = weights.double().reshape(V, -1)
+    return w.new_zeros(V, H * nb).index_add_(1, flat, w).view(V, H, nb)
 
 
 def histogram_quantile(counts: np.ndarray, lo: float, hi: float, q: float):

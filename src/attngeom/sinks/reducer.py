@@ -10,8 +10,8 @@ import torch
 
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.plugin import Block
-from attngeom.sinks.geometry import (_pearson, histogram_counts, histogram_quantile, log_share_sums, pair_factors,
-                                     quadratic_fit, sink_terms, variance_shares)
+from attngeom.sinks.geometry import (_pearson, bin_sums, histogram_counts, histogram_quantile, log_share_sums,
+                                     pair_factors, quadratic_fit, sink_terms, variance_shares)
 from attngeom.streaming.reducers import InputBatch, Reducer, add_into
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
@@ -51,11 +51,7 @@ class _SinkPart(Reducer):
     def _binned(self, layer: int, name: str, bins: torch.Tensor, nb: int, w: torch.Tensor,
                 values: dict[str, torch.Tensor]) -> None:
         """Per head, sums and counts of ``values`` over the queries in each of ``nb`` bins
-        (``bins [B, H, Q]``), on the block's device, in one ``index_add_``: on the CPU in the
-        queries' order; on a GPU in the order the device schedules (the counts are exact whatever
-        the order; the sums vary in their last bits unless ``torch.use_deterministic_algorithms``)."""
-        B, H, Q = bins.shape
-        flat = (torch.arange(H, device=bins.device).view(1, H, 1) * nb + bins).reshape(-1)
+        (``bins [B, H, Q]``), on the block's device (:func:`bin_sums`)."""
         keys, weights = [f"{name}_n"], [w]
         for k, x in values.items():
             ok = torch.isfinite(x) & (w > 0)
@@ -65,9 +61,7 @@ class _SinkPart(Reducer):
             if k == "output_norm":
                 keys.append(f"{name}_{k}_sq")
                 weights.append(xv * x.nan_to_num())
-        stacked = torch.stack([x.double() for x in weights]).reshape(len(weights), -1)
-        sums = stacked.new_zeros(len(weights), H * nb).index_add_(1, flat, stacked).view(len(weights), H, nb)
-        for key, x in zip(keys, sums):
+        for key, x in zip(keys, bin_sums(bins, nb, torch.stack([x.double() for x in weights]))):
             self._add(layer, key, x)
 
     def observe(self, block: Block) -> None:
