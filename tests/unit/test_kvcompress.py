@@ -367,6 +367,24 @@ def test_leave_one_out_equals_dropping_the_source_and_renormalising(head_space):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (l, (got - want).abs().max(), ((got - want).abs() / want.abs().clamp_min(1e-9)).max(), (got - want).abs().argmax())
 
 
+@pytest.mark.parametrize("name", ["snap_contribution", "suppressor"])
+def test_window_contribution_scores_are_the_last_queries_contributions_summed(name):
+    """snap_contribution sums |c_ij^h| over the last ``window`` queries, suppressor the signed
+    c_ij^h: against the contributions of a full trace (SPEC §2), summed directly."""
+    from attngeom import analyze
+
+    h = tiny_model("llama")
+    ids = _ids(48)
+    policy = get_policy(name)
+    assert policy.last < len(ids)                        # the window is a proper part of the context
+    pre = P.prefill(h, ids, [policy])
+    trace = analyze(h, torch.tensor(ids))
+    for l in range(len(trace.layers)):
+        c = torch.as_tensor(np.asarray(trace.layers[l].contribution)).float()[:, -policy.last:]  # [H, window, T]
+        want = (c if policy.signed else c.abs()).sum(1)
+        assert torch.allclose(pre.scores[name][l][0], want, atol=1e-5), (name, l)
+
+
 def test_kvzip_scores_are_the_max_attention_while_the_context_is_repeated():
     from attngeom.kvcache.policies import KVZIP_PROMPT
 
