@@ -46,6 +46,16 @@ def test_weights_that_do_not_fit_the_config_are_refused(tiny_llama_dir, tmp_path
     assert not out.exists()
 
 
+def test_a_config_transformers_refuses_is_refused_with_its_reason(tiny_llama_dir, tmp_path, capfd):
+    # transformers' message opens with a line that only introduces the reason on its next line
+    bad = _model_dir(tiny_llama_dir, tmp_path / "bad", hidden_size=65)
+    capfd.readouterr()
+    rc = main(["analyze", "--model", str(bad), "--text", "The cat sat.", "--out", str(tmp_path / "o"), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and "config.json is not a usable model config" in line, line
+    assert "hidden size (65) is not a multiple of the number of attention heads (4)" in line, line
+
+
 def test_allow_missing_weights_loads_and_is_recorded(tiny_llama_dir, tmp_path, capfd):
     bad = _model_dir(tiny_llama_dir, tmp_path / "bad", num_hidden_layers=4)
     out = tmp_path / "o"

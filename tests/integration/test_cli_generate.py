@@ -187,6 +187,22 @@ def test_bad_input_after_load(tiny_llama_dir, chat_dir, capsys, tmp_path, comman
         assert not (tmp_path / d / "summary.json").exists() and not (tmp_path / d / "explore.html").exists()
 
 
+@pytest.mark.parametrize("command", ["analyze", "explore"])
+def test_a_messages_file_is_a_chat_only_with_generate(tiny_llama_dir, capsys, tmp_path, command):
+    """Without --generate a .json file is text, analysed as written, and no chat template is said to
+    apply; with --generate its messages go through the (fallback) template, and that is said."""
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps([{"role": "user", "content": "The cat sat on the mat."}]))
+    m = ["--model", str(tiny_llama_dir), "--file", str(f), "--no-progress"]
+    assert main([command, *m, "--out", str(tmp_path / "text")]) == 0
+    assert "chat template" not in capsys.readouterr().err
+    if command == "analyze":
+        summary = json.loads((tmp_path / "text" / "summary.json").read_text())
+        assert "generation" not in summary
+    assert main([command, *m, "--generate", "2", "--out", str(tmp_path / "chat")]) == 0
+    assert "has no chat template; the prompt uses attngeom's plain fallback template" in capsys.readouterr().err
+
+
 def test_corpus_mode(tiny_llama_dir, tmp_path, capsys):
     """--data: every prompt answered and analysed (the same answers as the Python API), one table
     row set per prompt; the same command again finds the run complete."""

@@ -258,14 +258,21 @@ def test_deeply_nested_jsonl_line_is_one_line(tmp_path):
     assert read_texts(f)[0].startswith("[[[[")
 
 
-def _depth_check_seconds(n: int) -> float:
-    """The fastest of three depth checks of an ``n``-character malformed line: an unterminated
-    string followed by brackets."""
+# Malformed lines of ``n`` characters whose depth check a scan that restarts at each quote makes
+# quadratic: an unterminated string followed by brackets, and a string of escaped quotes and
+# brackets that never ends (the input that took 6.8 s at 40 KB before the check was one pass).
+MALFORMED_LINES = {
+    "unterminated string, then brackets": lambda n: '{"text": "' + "[{" * (n // 2),
+    "escaped quotes and brackets": lambda n: '["' + '\\"[' * (n // 3),
+}
+
+
+def _depth_check_seconds(line: str) -> float:
+    """The fastest of three depth checks of ``line``."""
     import time
 
     from attngeom.data.corpora import json_depth_exceeds
 
-    line = '{"text": "' + "[{" * (n // 2)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
@@ -274,12 +281,14 @@ def _depth_check_seconds(n: int) -> float:
     return best
 
 
-def test_depth_check_is_linear_on_a_malformed_line(tmp_path):
+@pytest.mark.parametrize("shape", sorted(MALFORMED_LINES))
+def test_depth_check_is_linear_on_a_malformed_line(shape, tmp_path):
     # ten times the text costs about ten times the time (a quadratic check: a hundred times)
-    ratio = _depth_check_seconds(1_000_000) / _depth_check_seconds(100_000)
+    make = MALFORMED_LINES[shape]
+    ratio = _depth_check_seconds(make(1_000_000)) / _depth_check_seconds(make(100_000))
     assert ratio < 35, ratio
     f = tmp_path / "bad.jsonl"
-    f.write_text('{"text": "' + "[{" * 500_000 + "\n")    # 1 MB, refused as invalid JSON
+    f.write_text(make(1_000_000) + "\n")                   # 1 MB, refused as invalid JSON
     with pytest.raises(InputError, match=r"bad\.jsonl:1: not valid JSON at column"):
         read_texts(f)
 

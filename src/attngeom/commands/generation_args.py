@@ -24,8 +24,8 @@ def add_generation_args(p) -> None:
                                                              "up to this probability (default 1: all)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default 0: runs are reproducible)")
     g.add_argument("--chat", action="store_true",
-                   help="the text is a user message: put it through the tokenizer's chat template (a --file "
-                        "ending in .json holds a list of chat messages and always goes through it)")
+                   help="the text is a user message: put it through the tokenizer's chat template (with --generate "
+                        "a --file ending in .json holds a list of chat messages and always goes through it)")
     g.add_argument("--system", default=None, help="a system message (with --chat)")
 
 
@@ -91,6 +91,8 @@ def note_chat_template(args, handle, command: str, prompt=None) -> None:
 
     from attngeom.generation.decoding import chat_template_of
 
+    if args.generate is None:          # without generation no template applies: a .json file is text
+        return
     chat = args.chat or messages_file(args) or isinstance(prompt, list)
     if chat and chat_template_of(handle) == "fallback":
         print(f"attngeom {command}: {handle.name}'s tokenizer has no chat template; the prompt uses attngeom's "

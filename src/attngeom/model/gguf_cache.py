@@ -39,9 +39,14 @@ def cache_dir() -> pathlib.Path:
 
 
 def first_line(e: BaseException) -> str:
-    """First line of an exception's message, for a one-line error."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+    """First line of an exception's message, for a one-line error; where that line only introduces
+    the reason on the next ("... validation error for validator 'x':"), the two lines joined."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    if not lines:
+        return type(e).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 @contextlib.contextmanager
