@@ -51,8 +51,10 @@ def decoding_of(args):
 
 
 def messages_file(args) -> bool:
-    """Whether ``--file`` names a ``.json`` file of chat messages."""
-    return bool(getattr(args, "file", None)) and Path(args.file).suffix.lower() == ".json"
+    """Whether ``--file`` names a ``.json`` file of chat messages: with ``--generate`` only (without
+    it no chat template applies, and the file is a text like any other)."""
+    return (args.generate is not None and bool(getattr(args, "file", None))
+            and Path(args.file).suffix.lower() == ".json")
 
 
 def prompt_of(args, text: str):
@@ -91,8 +93,6 @@ def note_chat_template(args, handle, command: str, prompt=None) -> None:
 
     from attngeom.generation.decoding import chat_template_of
 
-    if args.generate is None:          # without generation no template applies: a .json file is text
-        return
     chat = args.chat or messages_file(args) or isinstance(prompt, list)
     if chat and chat_template_of(handle) == "fallback":
         print(f"attngeom {command}: {handle.name}'s tokenizer has no chat template; the prompt uses attngeom's "
