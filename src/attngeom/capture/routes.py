@@ -1,0 +1,438 @@
+"""Fused routes: the statistics of the streaming summaries without any ``[B, H, Q, S]`` block
+(SPEC §10).
+
+The block path (:func:`attngeom.capture.kernel.exact_attention`) writes every block of attention
+weights and passes over it. Most of what :class:`~attngeom.streaming.reducers.HeadStats` and
+:class:`~attngeom.streaming.reducers.TokenStats` need is already computed by fused attention kernels
+that never form ``T x T``:
+
+- a *per-query* quantity is read from the attention's output ``Σ_j a_ij x_j`` with the right values
+  ``x`` and from the row's log-sum-exp ``lse_i``: head outputs (``x = v``), the entropy
+  (``x = k``: ``H_i = lse_i − scale·q_i·Σ_j a_ij k_j``), one column ``a_is = exp(s_is − lse_i)``
+  (sink rate, sink contributions), the diagonal ``a_ii`` (self-attention);
+- a *per-source* total ``Σ_i a_ij ⟨f_i, g_j⟩`` is ``⟨g_j, (PᵀF)_j⟩``, and ``PᵀF`` is the gradient
+  of the values that the attention's backward computes for the output gradient ``F``: what a token
+  receives by attention, value-weighted, output-normalised and by contribution, several signals as
+  the columns of one ``F``;
+- the row-wise source winner ``argmax_j a_ij n_j`` (SPEC §6) does not depend on ``lse_i``: it is
+  ``argmax_j (s_ij + log n_j)``, a fused kernel's or :func:`source_winner_reference`'s.
+
+:func:`unsupported` says why a layer's attention cannot be reproduced by the fused kernels (the
+layer then takes the block path, and the run records why); :class:`FusedLayer` is one layer's
+statistics on that route, computed on first use like a block's. Learned sink logits (gpt-oss) are
+exact here: the sink rescales each row by ``γ_i = 1 − a_i∅``, so outputs and ``PᵀF`` of the real
+tokens are those of the sink-free attention times ``γ_i``.
+
+Kernels: on the CPU ATen's fused flash attention for the CPU (forward with ``lse``, and its
+backward); on CUDA the memory-efficient kernel (float32, bf16, fp16). Shapes: ``B`` batch, ``H``
+query heads, ``T`` queries (= sources: the route serves calls without cached keys), ``d`` widths.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Iterable
+
+import torch
+
+from attngeom.metrics import formulas as metrics
+
+ROUTES = ("auto", "fused", "block")
+"""The routes a user may ask for: ``auto`` (per device, :func:`auto_fused`), ``fused`` (the fused
+route wherever it is exact, the block path elsewhere, said in the record), ``block`` (always blocks)."""
+
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def check_route(route: str) -> str:
+    """``route`` if it is one of :data:`ROUTES`; a ``ValueError`` naming them otherwise."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    return route
+
+
+def auto_fused(device: torch.device) -> bool:
+    """Whether ``route="auto"`` takes the fused route on ``device``: on accelerators (where the block
+    path costs 18-115x the SDPA forward, docs/benchmark-analyze.md); on the CPU the block path stays
+    the default (it costs 1.3-2.3x the forward there, and the fused backward is not measured faster
+    at 2k)."""
+    return torch.device(device).type == "cuda"
+
+
+def unsupported(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                softcap: float | None) -> str | None:
+    """Why the fused kernels cannot reproduce this attention call exactly (None: they can).
+
+    ``query [B, H, Tq, dk]``, ``key [B, Hkv, S, dk]``, ``mask`` the call's boolean SDPA mask or None
+    (causal). Grouped queries, padding and sliding windows (both in the boolean mask), learned sinks
+    and a value width other than the query's (multi-head latent attention) are served."""
+    if softcap is not None:
+        return "soft-capping (the fused kernels have no score_mod)"
+    if query.shape[2] != key.shape[2]:
+        return "a call with cached keys (a decoding step)"
+    if mask is not None and mask.dtype != torch.bool:
+        return "an additive float mask"
+    device = query.device.type
+    if device not in FUSED_DEVICES:
+        return f"no fused attention kernel with log-sum-exp on {device}"
+    if device == "cuda" and query.dtype == torch.float64:
+        return "float64 on CUDA (the fused kernels take float32, bf16, fp16)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The two kernel calls: attention with its log-sum-exp, and the values' gradient PᵀF
+# --------------------------------------------------------------------------------------------
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` padded with zeros to ``width`` along the last dimension (zeros add nothing to ``q·k``)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The boolean mask as the kernels take it (0 visible, −inf hidden, ``dtype``), every row with
+    at least one visible source: a row that sees nothing (a padded query) is let see everything, so
+    that no kernel divides by zero (its weight in every statistic is 0)."""
+    if mask is None:
+        return None
+    empty = ~mask.any(-1, keepdim=True)
+    seen = mask | empty
+    return torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill_(~seen, float("-inf"))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, scale: float,
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_j a_ij x_j [B, H, T, m], lse_i [B, H, T])`` of ``a = softmax(scale·q kᵀ + mask)``, one
+    fused call. ``q, k [B, H, T, dk]`` (one key per query head), ``x [B, H, T, m]``, ``mask``
+    additive (:func:`additive_mask`) or None (causal)."""
+    width = max(q.shape[-1], x.shape[-1])
+    q, k, xp = _pad_last(q, width), _pad_last(k, width), _pad_last(x, width)
+    causal = mask is None
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, xp, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, xp, None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1), True, 0.0, causal,
+            scale=scale)[:2]
+        lse = lse[..., :q.shape[2]]
+    return out[..., :x.shape[-1]], lse
+
+
+def transpose(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, F: torch.Tensor, scale: float,
+              mask: torch.Tensor | None) -> torch.Tensor:
+    """``PᵀF`` per head, ``[B, H, T, m]``: the gradient of the values that the attention's backward
+    computes for the output gradient ``F [B, H, T, m]`` (``dV = Pᵀ dO`` does not depend on the
+    values, so zeros are passed; the gradients of ``q`` and ``k`` are not used)."""
+    width = max(q.shape[-1], F.shape[-1])
+    q, k, Fp = _pad_last(q, width), _pad_last(k, width), _pad_last(F, width).contiguous()
+    zeros = torch.zeros_like(Fp)
+    causal = mask is None
+    if q.device.type == "cpu":
+        dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            Fp, q, k, zeros, zeros, lse, 0.0, causal, attn_mask=mask, scale=scale)[2]
+    else:
+        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1)
+        T = q.shape[2]
+        lse_p = torch.zeros(*lse.shape[:-1], -(-T // 32) * 32, dtype=torch.float32, device=lse.device)
+        lse_p[..., :T] = lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            Fp, q, k, zeros, bias, zeros, lse_p, seed, seed, 0.0, [False, False, True, False], causal,
+            scale=scale)[2]
+    return dv[..., :F.shape[-1]]
+
+
+# --------------------------------------------------------------------------------------------
+# The source winner (SPEC §6), row-wise: argmax_j a_ij n_j = argmax_j (s_ij + log n_j)
+# --------------------------------------------------------------------------------------------
+
+
+def source_winner_reference(q: torch.Tensor, k: torch.Tensor, v_norm: torch.Tensor, *, scale: float,
+                            causal: bool = True, window: int | None = None, softcap: float | None = None,
+                            mask: torch.Tensor | None = None, block_queries: int = 256,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source winner of every query, in pure torch: ``(index [B, H, Q] long, value [B, H, Q])``,
+    ``value = max_j exp(s_ij − m_i) n_j`` with ``m_i`` the row's maximum logit (the winner does not
+    depend on the row's normaliser); ties to the earliest source, as ``argmax`` breaks them.
+
+    ``q [B, H, Q, d]``, ``k [B, H|Hkv, S, d]``, ``v_norm [B, H, S]`` (the value norms ``n_j``);
+    queries are the last ``Q`` of the ``S`` sources. ``causal``/``window``: a query ``i`` sees
+    ``i − window < j <= i``; ``mask`` (boolean ``[B|1, 1, Q, S]``, True = visible) replaces them.
+    The signature of the fused kernel's (``attngeom.capture.fused_winner.source_winner``) plus
+    ``mask``; it forms blocks of ``block_queries`` queries."""
+    B, H, Q, _ = q.shape
+    S = k.shape[2]
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+    index = torch.empty(B, H, Q, dtype=torch.long, device=q.device)
+    value = torch.empty(B, H, Q, dtype=q.dtype, device=q.device)
+    cols = torch.arange(S, device=q.device)
+    for i0 in range(0, Q, block_queries):
+        i1 = min(Q, i0 + block_queries)
+        s = (q[:, :, i0:i1] @ k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if mask is not None:
+            seen = mask[:, :, i0:i1]
+        else:
+            rows = torch.arange(S - Q + i0, S - Q + i1, device=q.device)[:, None]
+            seen = (cols[None, :] <= rows) if causal else torch.ones(i1 - i0, S, dtype=torch.bool, device=q.device)
+            if window is not None:
+                seen = seen & (cols[None, :] > rows - window)
+        s = s.masked_fill(~seen, float("-inf"))
+        x = torch.exp(s - s.amax(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)) * v_norm[:, :, None, :]
+        value[:, :, i0:i1], index[:, :, i0:i1] = x.max(-1)
+    return index, value
+
+
+def source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, mask=None):
+    """The fused source-winner kernel where it serves the call (helper D2's
+    ``attngeom.capture.fused_winner.source_winner``: causal and sliding-window masks), else
+    :func:`source_winner_reference`."""
+    if mask is None:
+        try:
+            from attngeom.capture.fused_winner import source_winner as fused
+        except ImportError:   # TODO(issue 49): D2's Triton kernel; until it lands the reference serves
+            fused = None
+        if fused is not None:
+            return fused(q, k, v_norm, scale=scale, causal=causal, window=window, softcap=softcap)
+    return source_winner_reference(q, k, v_norm, scale=scale, causal=causal, window=window, softcap=softcap,
+                                   mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# One layer's statistics on the fused route
+# --------------------------------------------------------------------------------------------
+
+
+class FusedLayer:
+    """One attention layer's statistics without blocks: each computed on first use and kept.
+
+    ``q [B, H, T, dk]``, ``k [B, Hkv, T, dk]``, ``value [B, Hkv, T, dv]`` as the call received them
+    (upcast to float32, or kept in float64); ``mask``: the call's boolean mask or None (causal);
+    ``sinks [H]``: learned sink logits or None; ``G [H, dv, dv]``, ``G_full [H*dv, H*dv]``: the output
+    projection's Gram matrices (SPEC §2); ``lengths [B]``: real tokens per row (right padding).
+    Every per-query quantity is ``[B, H, T]`` (``[B, T]`` on the layer), every per-source total
+    ``[B, T]``: the same numbers the block path's :class:`~attngeom.capture.blocks.Block` gives for
+    all its queries at once."""
+
+    k_start = 0
+    q_start = 0
+
+    def __init__(self, q, k, value, scale: float, mask: torch.Tensor | None, G: torch.Tensor,
+                 G_full: torch.Tensor, lengths: torch.Tensor, sinks: torch.Tensor | None = None,
+                 layer: int = 0, state=None):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        H, Hkv = q.shape[1], k.shape[1]
+        self.layer, self.state = layer, state
+        self.n_rep = H // Hkv
+        self.q = q.to(dtype)
+        self.k = k.to(dtype).repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else k.to(dtype)
+        self.value = value.to(dtype)                                                # [B, Hkv, T, dv]
+        self.scale = float(scale)
+        self.allowed = mask                                                        # boolean or None
+        self.mask = additive_mask(mask, dtype)
+        self.sinks = None if sinks is None else sinks.to(dtype)
+        self.G, self.G_full = G.to(dtype), G_full.to(dtype)
+        self.lengths = lengths.to(q.device)
+
+    # ---- geometry -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        B, H, T, _ = self.q.shape
+        return B, H, T, T
+
+    @cached_property
+    def q_positions(self) -> torch.Tensor:
+        return torch.arange(self.q.shape[2], device=self.q.device)
+
+    @property
+    def k_positions(self) -> torch.Tensor:
+        return self.q_positions
+
+    @cached_property
+    def query_valid(self) -> torch.Tensor:
+        """``[B, T]`` bool: the query is a real token (not right padding)."""
+        return self.q_positions[None, :] < self.lengths[:, None]
+
+    @cached_property
+    def v(self) -> torch.Tensor:
+        """Values per query head ``[B, H, T, dv]``."""
+        return self.value.repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else self.value
+
+    def visible_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``[B|1, 1, T]`` bool: whether query ``rows[i]`` sees source ``cols[i]``."""
+        if self.allowed is None:
+            return (cols <= rows)[None, None]
+        T = rows.shape[0]
+        idx = cols.view(1, 1, T, 1).expand(self.allowed.shape[0], 1, T, 1)
+        return self.allowed.gather(-1, idx).squeeze(-1)
+
+    # ---- the forward: head outputs, Σ_j a_ij k_j and lse ------------------------------------------
+    @cached_property
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(u, Σ_j a_ij k_j, lse)`` of the real tokens' softmax (without the learned sink),
+        one fused call with ``[v | k]`` as values."""
+        x = torch.cat([self.v, self.k], dim=-1)
+        out, lse = attend(self.q, self.k, x, self.scale, self.mask)
+        dv = self.v.shape[-1]
+        return out[..., :dv], out[..., dv:], lse
+
+    @cached_property
+    def lse(self) -> torch.Tensor:
+        """``lse_i`` of the whole row, the learned sink included: ``[B, H, T]``."""
+        lse = self._forward[2].to(self.q.dtype)
+        if self.sinks is None:
+            return lse
+        return torch.logaddexp(lse, self.sinks.view(1, -1, 1))
+
+    @cached_property
+    def gamma(self) -> torch.Tensor | None:
+        """``γ_i = 1 − a_i∅`` (the real tokens' share of the row), None without learned sinks."""
+        if self.sinks is None:
+            return None
+        return torch.exp(self._forward[2].to(self.q.dtype) - self.lse)
+
+    @cached_property
+    def learned_sink(self) -> torch.Tensor | None:
+        """``a_i∅ = exp(s_∅ − lse_i)``: ``[B, H, T]``, None without learned sinks."""
+        return None if self.sinks is None else torch.exp(self.sinks.view(1, -1, 1) - self.lse)
+
+    def _rescaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.gamma is None else x * self.gamma.unsqueeze(-1)
+
+    @cached_property
+    def head_output(self) -> torch.Tensor:
+        """``u_i^h = Σ_j a_ij v_j`` (head space): ``[B, H, T, dv]``."""
+        return self._rescaled(self._forward[0])
+
+    # ---- per query ---------------------------------------------------------------------------------
+    def attention_column(self, col: int) -> torch.Tensor:
+        """``a_ij`` for one source ``j = col`` and every query: ``[B, H, T]`` (0 where hidden)."""
+        T = self.q.shape[2]
+        s = (self.q @ self.k[:, :, col].unsqueeze(-1)).squeeze(-1) * self.scale          # [B, H, T]
+        a = torch.exp(s - self.lse)
+        return torch.where(self.visible_at(self.q_positions, torch.full((T,), col, device=s.device)), a, 0.0)
+
+    @cached_property
+    def self_attention(self) -> torch.Tensor:
+        """``a_ii``: ``[B, H, T]``."""
+        s = (self.q * self.k).sum(-1) * self.scale
+        return torch.where(self.visible_at(self.q_positions, self.q_positions), torch.exp(s - self.lse), 0.0)
+
+    @cached_property
+    def entropy(self) -> torch.Tensor:
+        """``H_i = lse_i − Σ_j a_ij s_ij`` (``− a_i∅ s_∅`` too with a learned sink), with
+        ``Σ_j a_ij s_ij = scale·q_i·Σ_j a_ij k_j``: ``[B, H, T]``."""
+        mean_score = self.scale * (self.q * self._rescaled(self._forward[1])).sum(-1)
+        h = self.lse - mean_score
+        if self.sinks is not None:
+            h = h - self.learned_sink * self.sinks.view(1, -1, 1)
+        return h.clamp_min(0.0)
+
+    @cached_property
+    def uG(self) -> torch.Tensor:
+        return self.head_output @ self.G
+
+    @cached_property
+    def head_output_sq(self) -> torch.Tensor:
+        return (self.uG * self.head_output).sum(-1).clamp_min(0.0)
+
+    @cached_property
+    def head_output_norm(self) -> torch.Tensor:
+        return self.head_output_sq.sqrt()
+
+    @cached_property
+    def pulled_back(self) -> torch.Tensor:
+        return metrics.pulled_back(self.head_output, self.G_full)
+
+    @cached_property
+    def head_dot_output(self) -> torch.Tensor:
+        return (self.pulled_back * self.head_output).sum(-1)
+
+    @cached_property
+    def output_sq(self) -> torch.Tensor:
+        return self.head_dot_output.sum(1).clamp_min(0.0)
+
+    @property
+    def output_norm(self) -> torch.Tensor:
+        """``‖o_i‖``: ``[B, T]``."""
+        return self.output_sq.sqrt()
+
+    @cached_property
+    def head_share(self) -> torch.Tensor:
+        return metrics.safe_div(self.head_dot_output, self.output_sq.unsqueeze(1))
+
+    def contribution_column(self, col: int) -> torch.Tensor:
+        """``c_ij^h`` for source ``col``: ``[B, H, T]``."""
+        return metrics.contribution_column(self.attention_column(col), self.uG, self.v[:, :, col],
+                                           self.head_output_sq)
+
+    def contribution_inter_column(self, col: int) -> torch.Tensor:
+        """``C_ij^h`` for source ``col``: ``[B, H, T]``."""
+        return metrics.contribution_inter_column(self.attention_column(col), self.pulled_back, self.v[:, :, col],
+                                                 self.output_sq)
+
+    def winner(self, norms: torch.Tensor) -> torch.Tensor:
+        """The source winner ``argmax_j a_ij n_j`` of every query (SPEC §6): ``[B, H, T]`` long;
+        ``norms [B, H, T]``."""
+        return source_winner(self.q, self.k, norms.to(self.q.dtype), scale=self.scale, causal=True,
+                             mask=self.allowed)[0]
+
+    # ---- per source ---------------------------------------------------------------------------------
+    def transposed(self, F: torch.Tensor) -> torch.Tensor:
+        """``PᵀF`` with the layer's attention ``P`` (learned sink included): ``[B, H, T, m]``."""
+        return transpose(self.q, self.k, self._forward[2], self._rescaled(F), self.scale, self.mask)
+
+    def seen_by(self, w: torch.Tensor) -> torch.Tensor:
+        """``Σ_i w_i [query i sees source j]``: ``[B, T]``."""
+        if self.allowed is None:
+            return w.flip(-1).cumsum(-1).flip(-1)
+        B, T = w.shape
+        seen = self.allowed.expand(B, 1, T, T)[:, 0]
+        out = w.new_zeros(B, T)
+        step = max(1, (1 << 22) // max(1, B * T))
+        for i0 in range(0, T, step):
+            out += (w[:, None, i0:i0 + step] @ seen[:, i0:i0 + step].to(w.dtype)).squeeze(1)
+        return out
+
+    def received(self, weight: torch.Tensor, names: Iterable[str], value_norm: torch.Tensor | None = None,
+                 ) -> dict[str, torch.Tensor]:
+        """What each source receives, ``Σ_i w_i s_ij`` for the token-level scores of SPEC §2
+        (``attention``, ``value_weighted``, ``output_normalized``, ``contribution``; as
+        :func:`attngeom.metrics.formulas.received`): ``{name: [B, T]}`` from one ``PᵀF`` whose
+        columns are ``w`` (attention, value-weighted), ``w/‖o_i^h‖`` (output-normalised) and
+        ``w p_i^h/‖o_i‖²`` (contribution: ``Σ_i w_i C_ij^h = v_j^h·(Pᵀ X^h)_j``).
+        ``value_norm [B, H, T]``: ``‖ṽ_j^h‖`` (the value-weighted and output-normalised ones)."""
+        names = tuple(names)
+        w = weight.to(self.q.dtype)
+        B, H, T, _ = self.q.shape
+        cols, at = [], {}
+        if "attention" in names or "value_weighted" in names:
+            at["plain"] = len(cols)
+            cols.append(w[:, None, :, None].expand(B, H, T, 1))
+        if "output_normalized" in names:
+            at["normalized"] = len(cols)
+            cols.append((w[:, None, :] * metrics.safe_div(torch.ones_like(self.head_output_norm),
+                                                          self.head_output_norm)).unsqueeze(-1))
+        if "contribution" in names:
+            at["contribution"] = len(cols)
+            cols.append(self.pulled_back * metrics.safe_div(w, self.output_sq)[:, None, :, None])
+        out: dict[str, torch.Tensor] = {}
+        if not cols:
+            return out
+        R = self.transposed(torch.cat(cols, dim=-1))                                  # [B, H, T, m]
+        if "plain" in at:
+            att = R[..., at["plain"]]
+            if "attention" in names:
+                out["attention"] = att.mean(1)
+            if "value_weighted" in names:
+                out["value_weighted"] = (att * value_norm).sum(1)
+        if "normalized" in at:
+            out["output_normalized"] = (R[..., at["normalized"]] * value_norm).sum(1)
+        if "contribution" in at:
+            c = at["contribution"]
+            out["contribution"] = (R[..., c:c + self.v.shape[-1]] * self.v).sum((1, 3))
+        return {n: out[n] for n in names}
