@@ -1,15 +1,21 @@
-"""What the API takes as a model: the handle :func:`attngeom.load_model` returns.
+"""What the API takes: a model (the handle :func:`attngeom.load_model` returns) and whole numbers
+(positions in a sequence, counts); the one check of each for every public function.
 
 Every public function with a ``handle`` parameter is decorated with :func:`takes_handle` (anything
 else is refused in one line, saying what to pass); every one with a ``model`` parameter (a
 transformers model) with :func:`takes_model` (a handle stands for its model). tests/unit/test_structure.py
 checks that no public function is left undecorated. Imports nothing heavy (torch only when a value is checked),
-so a module that decorates its functions stays light to import."""
+so a module that decorates its functions stays light to import.
+
+Positions and counts (:func:`check_position`, :func:`check_count`) are Python or numpy integers:
+``True``, ``2.7``, ``"3"`` or ``None`` are refused in one line (:class:`InputError`), never taken as
+the whole numbers they convert to."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import operator
 
 from attngeom.errors import InputError
 
@@ -18,6 +24,36 @@ def _is_module(obj) -> bool:
     import torch
 
     return isinstance(obj, torch.nn.Module)
+
+
+def whole_number(value, name: str) -> int:
+    """``value`` as an ``int`` if it is a whole number (a Python or numpy integer, not a bool), else a
+    one-line :class:`InputError` naming ``name``."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InputError(f"{name} must be a whole number, not {value!r}"[:200])
+
+
+def check_count(value, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """A count (rows, tokens, ...): a whole number from ``minimum`` to ``maximum`` (None: no upper
+    bound), else a one-line :class:`InputError`."""
+    n = whole_number(value, name)
+    if n < minimum or (maximum is not None and n > maximum):
+        span = f"at least {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise InputError(f"{name} must be a whole number {span}, not {n}")
+    return n
+
+
+def check_position(value, name: str, length: int, what: str = "the trace") -> int:
+    """A position in a sequence of ``length`` items (negative counts from the end) as ``0..length-1``,
+    else a one-line :class:`InputError` (``what``: the sequence, as the message names it)."""
+    p = whole_number(value, name)
+    if not -length <= p < length:
+        raise InputError(f"{name} {p} is outside {what} ({length} tokens)")
+    return p % length
 
 
 HANDLE_HINT = "the ModelHandle that attngeom.load_model returns"
