@@ -19,13 +19,14 @@ NAMES = ("attention", "value_weighted", "output_normalized", "contribution")
 
 
 def _dense(q, k, v, scale, mask, sinks, G, G_full):
-    """The attention map and every statistic from it, as the block path defines them (float64)."""
+    """The attention map and every statistic from it, as the block path defines them (float64;
+    hidden sources get the dtype's minimum, as in eager attention and the block path)."""
     B, H, T, _ = q.shape
     n_rep = H // k.shape[1]
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     seen = torch.ones(T, T, dtype=torch.bool).tril()[None, None] if mask is None else mask
-    s = s.masked_fill(~seen, float("-inf"))
+    s = s.masked_fill(~seen, torch.finfo(s.dtype).min)    # eager's: a row that sees nothing is uniform
     if sinks is not None:
         s = torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
     full = torch.softmax(s, dim=-1)
@@ -127,3 +128,105 @@ def test_the_winner_reference_breaks_ties_to_the_earliest_source_and_honours_win
     assert idx.tolist() == [[[0, 1, 1, 1]]]
     idx, _ = routes.source_winner_reference(q, k, n, scale=1.0, window=2)
     assert idx.tolist() == [[[0, 1, 1, 2]]]
+
+
+# --------------------------------------------------------------------------------------------
+# The attention calls of tiny models of every family, recorded in float64
+# --------------------------------------------------------------------------------------------
+
+RECORDER = "attngeom_test_routes"
+
+
+def _family(name):
+    """A float32 tiny model of the family ``name``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiny_models import tiny_model
+
+    small = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if name == "gpt_oss":       # learned sinks, sliding and full layers
+        cfg = AutoConfig.for_model("gpt_oss", **small, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                   layer_types=["sliding_attention", "full_attention"])
+    elif name == "deepseek_v3":  # multi-head latent attention: value width 24, query/key width 16
+        cfg = AutoConfig.for_model("deepseek_v3", **{**small, "num_key_value_heads": 4, "head_dim": 8},
+                                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                   v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+    else:
+        return tiny_model(name).model
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _recorded_calls(model, lengths, T=20):
+    """Every attention call of one forward of a right-padded batch: ``[(module, kwargs)]``, q, k, v
+    and sinks in float64 (the calls go on to attngeom's function, outside any session: SDPA, or the
+    exact blocked attention)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from attngeom.capture import Session    # noqa: F401 - registers attngeom's attention function
+    from attngeom.model.adapter import adapter_for, attention_implementation
+
+    adapter_for(model)          # discovery: the output projection of every attention module
+    calls = []
+
+    def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kw):
+        up = lambda x: None if x is None else x.detach().double()      # noqa: E731
+        calls.append((module, dict(q=up(query), k=up(key), v=up(value), mask=attention_mask, scaling=scaling,
+                                   softcap=softcap, sinks=up(kw.get("s_aux")))))
+        return ALL_ATTENTION_FUNCTIONS["attngeom"](module, query, key, value, attention_mask, dropout=dropout,
+                                                   scaling=scaling, softcap=softcap, **kw)
+
+    AttentionInterface.register(RECORDER, record)
+    AttentionMaskInterface.register(RECORDER, sdpa_mask)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 128, (len(lengths), T), generator=g)
+    ids[:, 0] = 1
+    keep = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    with attention_implementation(model, RECORDER), torch.no_grad():
+        model(input_ids=ids * keep, attention_mask=keep.long(), use_cache=False)
+    return calls
+
+
+FAMILIES = {   # family: (model, rows' lengths)
+    "llama (GQA)": ("llama", [20]),
+    "mistral (MQA, sliding window)": ("mistral", [20]),
+    "gemma3 (sliding and full, q/k norms)": ("gemma3_text", [20]),
+    "qwen3 (head size != hidden / heads)": ("qwen3", [20]),
+    "gemma2 (soft-capping)": ("gemma2", [20]),
+    "gpt-oss (learned sinks)": ("gpt_oss", [20]),
+    "deepseek-v3 (MLA)": ("deepseek_v3", [20]),
+    "padded batch": ("llama", [20, 13, 7]),
+    "padded batch, sliding window": ("mistral", [20, 11]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_fused_quantity_equals_the_definition_on_every_family(family):
+    """float64: each layer's recorded q, k, v, mask, scaling and sinks (upcast), through the fused route and
+    through the definitions; a layer the route cannot reproduce (Gemma 2's soft-capping) says why."""
+    from attngeom.model.adapter import attention_w_o
+
+    arch, lengths = FAMILIES[family]
+    calls = _recorded_calls(_family(arch), lengths)
+    assert calls
+    for module, c in calls:
+        reason = routes.unsupported(c["q"], c["k"], c["mask"], c["softcap"])
+        if arch == "gemma2":
+            assert reason is not None and "soft-capping" in reason
+            continue
+        assert reason is None, reason
+        H = c["q"].shape[1]
+        w_o = attention_w_o(module).detach().double()
+        scale = c["scaling"] if c["scaling"] is not None else c["q"].shape[-1] ** -0.5
+        mask = c["mask"]
+        if mask is not None:
+            mask = mask.expand(c["q"].shape[0], 1, -1, -1)
+        _check_layer(dict(q=c["q"], k=c["k"], v=c["v"], scale=scale, mask=mask, lengths=torch.tensor(lengths),
+                          G=F.gram(w_o, H), G_full=F.full_gram(w_o),
+                          sinks=None if c["sinks"] is None else c["sinks"].detach().double()))
