@@ -1,0 +1,308 @@
+"""The source winner of SPEC §6 without a ``[Q, S]`` map: one fused pass over the keys.
+
+For D1 (the route selection) -- the interface, identical for both implementations::
+
+    source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None,
+                  lengths=None, sinks=None, return_lse=False, block_elements=DEFAULT)
+        -> (index LongTensor[B, H, Q], value Tensor[B, H, Q])        (+ lse [B, H, Q] with return_lse)
+
+``q [B, H, Q, d]``, ``k [B, Hkv, S, d]`` as the attention call receives them (``H`` a multiple of
+``Hkv``: query head ``h`` reads key head ``h // (H / Hkv)``, ``repeat_kv``'s layout); ``v_norm
+[B, Hn, S]`` the norms ``n_j`` the winner weighs by, per key/value head (``Hn = Hkv``: ``‖v_j‖``) or
+per query head (``Hn = H``: ``‖ṽ_j^h‖``, ``winner_norm="projected"``). The queries are the last
+``Q`` of the ``S`` sources (query row ``r`` is position ``S - Q + r``: the plug-in's ``q_start``).
+Query ``i`` sees source ``j`` iff ``j <= i`` (``causal``), ``j > i - window`` (``window``:
+transformers' ``sliding_window_overlay``) and ``j < lengths[b]`` (``lengths``: right padding). Logits
+are ``scale · q_i·k_j``, soft-capped as ``softcap · tanh(x / softcap)``; ``sinks [H]`` are learned sink
+logits (gpt-oss: SPEC §1), which change every ``a_ij`` but not which source wins.
+
+``index[b, h, i] = j* = argmax_j a_ij n_j``, the first maximum (``argmax``'s tie rule, as
+``attngeom.streaming.reducers._winner_is_self_or_sink``); ``0`` where every product is 0 (all
+visible norms 0; or a padded query that sees no source), the first of the equal zeros over all ``j``.
+``value = a_ij* n_j*`` (0 there). ``lse`` is the
+row's log-sum-exp over the real sources (the learned sink left out).
+
+Why no ``[Q, S]`` map is needed: ``a_ij = exp(s_ij − lse_i)``, so ``argmax_j a_ij n_j = argmax_j
+(s_ij + log n_j)`` (``exp`` is increasing and ``lse_i`` is the same for the whole row). A running
+maximum of ``s_ij + log n_j`` with its first index, and the running ``(max, sum of exp)`` of the
+logits (online softmax), go over the keys block by block; then ``value = exp(best − lse)``.
+
+Two implementations of that one pass:
+
+- :func:`source_winner_triton`: a Triton kernel (one program per block of queries and head, the
+  keys in blocks, flash-attention style). Used for CUDA tensors when triton is installed, and for
+  CPU tensors when ``TRITON_INTERPRET=1`` is set (triton's interpreter runs it with numpy: how it is
+  tested on machines without a GPU, tests/unit/test_fused_winner.py).
+- :func:`source_winner_torch`: the same pass in torch, over blocks of queries with at most
+  ``block_elements`` elements of ``B·H·Q·S`` each (one logit block, never the ``[Q, S]`` map of a
+  whole layer at once). Used everywhere else.
+
+:func:`source_winner` picks between them (:func:`uses_triton`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+triton = tl = None     # imported on first use (:func:`_triton`): optional, and slow to import
+
+
+def _triton():
+    """triton, imported once (the kernel reads ``tl`` from this module's globals)."""
+    global triton, tl
+    if triton is None:
+        import triton as _t
+        import triton.language as _tl
+        triton, tl = _t, _tl
+    return triton
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether triton can be imported here (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+BLOCK_ELEMENTS = 1 << 21
+"""Default bound on ``B·H·Q·S`` of one logit block of :func:`source_winner_torch` (the capture's
+default block budget on the CPU; the route passes its session's budget)."""
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v_norm: torch.Tensor, window, softcap, lengths, sinks) -> None:
+    B, H, Q, d = q.shape
+    if k.dim() != 4 or k.shape[0] != B or k.shape[3] != d or H % k.shape[1]:
+        raise ValueError(f"k must be [B, Hkv, S, d] with H a multiple of Hkv; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    S, Hkv = k.shape[2], k.shape[1]
+    if v_norm.dim() != 3 or v_norm.shape[0] != B or v_norm.shape[2] != S or v_norm.shape[1] not in (H, Hkv):
+        raise ValueError(f"v_norm must be [B, H or Hkv, S]; got {tuple(v_norm.shape)} for H={H}, Hkv={Hkv}, S={S}")
+    if Q > S:
+        raise ValueError(f"more queries ({Q}) than sources ({S}): the queries are the last Q sources")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if lengths is not None and tuple(lengths.shape) != (B,):
+        raise ValueError(f"lengths must be [B]; got {tuple(lengths.shape)}")
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must be [H]; got {tuple(sinks.shape)}")
+
+
+def _finish(index, best, lse, sinks, return_lse):
+    """``value = exp(best − lse)`` (with learned sinks, ``lse`` over the sources and the sink)."""
+    lse_all = lse if sinks is None else torch.logaddexp(lse, sinks.to(lse).view(1, -1, 1))
+    value = torch.where(best == float("-inf"), 0.0, torch.exp(best - lse_all))   # no source seen, or all n_j = 0
+    return (index, value, lse) if return_lse else (index, value)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# The torch pass
+# --------------------------------------------------------------------------------------------
+
+
+def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
+                        return_lse=False, block_elements=BLOCK_ELEMENTS):
+    """:func:`source_winner` in torch: blocks of queries, each with the sources it can see."""
+    _check(q, k, v_norm, window, softcap, lengths, sinks)
+    B, H, Q, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    n_rep = H // Hkv
+    acc = _acc_dtype(q.dtype)
+    log_n = v_norm.to(acc).log()
+    if v_norm.shape[1] != H:                                   # one norm per key head: its group's
+        log_n = log_n.repeat_interleave(n_rep, dim=1)
+    offset = S - Q
+    index = torch.zeros(B, H, Q, dtype=torch.long, device=q.device)
+    best = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    lse = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    step = max(1, min(Q, block_elements // max(1, B * H * S)))
+    for i0 in range(0, Q, step):
+        i1 = min(Q, i0 + step)
+        p0, p1 = offset + i0, offset + i1                       # positions of the block's queries
+        k0 = 0 if window is None else max(0, p0 - window + 1)
+        k1 = min(S, p1) if causal else S
+        qb = q[:, :, i0:i1].to(acc).reshape(B, Hkv, n_rep * (i1 - i0), d)
+        s = (qb @ k[:, :, k0:k1].to(acc).transpose(-1, -2)).view(B, H, i1 - i0, k1 - k0) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        qpos = torch.arange(p0, p1, device=q.device)[:, None]
+        kpos = torch.arange(k0, k1, device=q.device)[None, :]
+        hidden = torch.zeros(i1 - i0, k1 - k0, dtype=torch.bool, device=q.device)
+        if causal:
+            hidden |= kpos > qpos
+        if window is not None:
+            hidden |= kpos <= qpos - window
+        hidden = hidden[None, None]
+        if lengths is not None:
+            hidden = hidden | (kpos >= lengths.to(q.device).view(B, 1, 1, 1))
+        s = s.masked_fill(hidden, float("-inf"))
+        lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
+        b, j = (s + log_n[:, :, None, k0:k1]).max(dim=-1)     # the first maximum
+        best[:, :, i0:i1] = b
+        index[:, :, i0:i1] = torch.where(b == float("-inf"), 0, j + k0)
+    return _finish(index, best, lse, sinks, return_lse)
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, slb, slh, sln,
+                   H, N_REP, LN_DIV, Q_LEN, S_LEN, OFFSET, D, WINDOW, scale, softcap,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: ``BLOCK_M`` queries of one (text, head); the keys in blocks of ``BLOCK_N``.
+
+    Builtins only, and ``tl.reduce`` with triton's own combine functions (what ``tl.max``/``tl.sum``
+    call): ``tl.max`` and ``tl.zeros`` are themselves jit functions, compiled for the device or for
+    the interpreter when triton is *imported* (``TRITON_INTERPRET`` then), and torch imports triton
+    early (``torch._dynamo``); the interpreter recognises these combine functions either way."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)           # 64-bit offsets: a long input's q and k pass 2^31 elements
+    h = (bh % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = OFFSET + offs_m                                                   # query positions
+    q = tl.load(Q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < D), other=0.0)
+    k_base = K_ptr + b * skb + (h // N_REP) * skh
+    ln_base = LN_ptr + b * slb + (h // LN_DIV) * slh
+
+    acc_ty = tl.float64 if Q_ptr.dtype.element_ty == tl.float64 else tl.float32
+    m_i = tl.full([BLOCK_M], float("-inf"), acc_ty)                        # running max of the logits
+    l_i = tl.full([BLOCK_M], 0.0, acc_ty)                                   # running sum of exp(s - m_i)
+    best = tl.full([BLOCK_M], float("-inf"), acc_ty)                       # running max of s + log n
+    idx = tl.full([BLOCK_M], 0, tl.int64)
+    cols = tl.broadcast_to(tl.arange(0, BLOCK_N)[None, :], (BLOCK_M, BLOCK_N))
+
+    hi = S_LEN
+    if CAUSAL:
+        hi = tl.minimum(hi, OFFSET + (start_m + 1) * BLOCK_M)
+    if HAS_LENGTHS:
+        length = tl.load(LEN_ptr + b)
+        hi = tl.minimum(hi, length)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, OFFSET + start_m * BLOCK_M - WINDOW + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                    mask=(offs_n[:, None] < S_LEN) & (offs_d[None, :] < D), other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_ty)
+        else:
+            s = tl.dot(q, tl.trans(k), out_dtype=acc_ty)
+        s = s * scale
+        if SOFTCAP:                     # softcap * tanh(s / softcap), tanh from exp (no libdevice in the interpreter)
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -t, t)
+        visible = (offs_n[None, :] < S_LEN) & (offs_m[:, None] < Q_LEN)
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - WINDOW)
+        if HAS_LENGTHS:
+            visible = visible & (offs_n[None, :] < length)
+        s = tl.where(visible, s, float("-inf"))
+        # online log-sum-exp
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.reduce(tl.exp(s - m_safe[:, None]), 1, tl.standard._sum_combine)
+        m_i = m_new
+        # running first maximum of s + log n: a later block wins only when strictly above
+        ln = tl.load(ln_base + offs_n * sln, mask=offs_n < S_LEN, other=float("-inf"))
+        key = s + ln[None, :]
+        blk_best, blk_idx = tl.reduce((key, cols), 1, tl.standard._argmax_combine_tie_break_left)
+        better = blk_best > best
+        best = tl.where(better, blk_best, best)
+        idx = tl.where(better, start_n + blk_idx.to(tl.int64), idx)
+
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))   # -inf: no source seen
+    out = (b * H + h) * Q_LEN + offs_m
+    keep = offs_m < Q_LEN
+    tl.store(IDX_ptr + out, idx, mask=keep)
+    tl.store(BEST_ptr + out, best, mask=keep)
+    tl.store(LSE_ptr + out, lse, mask=keep)
+
+
+@functools.cache
+def _compiled(interpret: bool):
+    """The kernel for the device (``triton.jit``'s ``JITFunction``) or for triton's interpreter.
+    Chosen per call rather than when this module is imported (``triton.jit`` reads
+    ``TRITON_INTERPRET`` when it decorates), so the variable may be set or unset at any time."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(_winner_kernel)
+    from triton.runtime.jit import JITFunction
+    return JITFunction(_winner_kernel)
+
+
+def uses_triton(device: torch.device | str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`source_winner` runs the Triton kernel for tensors on ``device``: on CUDA (not
+    float64, which tensor cores do not multiply) when triton is installed; on the CPU only under
+    ``TRITON_INTERPRET=1``."""
+    if not triton_installed():
+        return False
+    device = torch.device(device)
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return device.type == "cuda" and dtype != torch.float64
+
+
+def source_winner_triton(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
+                         return_lse=False, block_m=None, block_n=None):
+    """:func:`source_winner` by the Triton kernel (``block_m``/``block_n``: the tile, powers of two of
+    at least 16; default 64, and 16 under the interpreter)."""
+    if not triton_installed():
+        raise RuntimeError("triton is not installed: use source_winner_torch (or source_winner, which picks)")
+    _check(q, k, v_norm, window, softcap, lengths, sinks)
+    B, H, Q, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    interpret = q.device.type == "cpu"
+    triton = _triton()
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"q must be a floating tensor, got {q.dtype}")
+    k = k.to(q.dtype)
+    acc = _acc_dtype(q.dtype)
+    log_n = v_norm.to(acc).log().contiguous()
+    block_m = block_m or (16 if interpret else 64)
+    block_n = block_n or (16 if interpret else 64)
+    index = torch.empty(B, H, Q, dtype=torch.long, device=q.device)
+    best = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    lse = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    lens = (lengths.to(device=q.device, dtype=torch.int64).contiguous() if lengths is not None
+            else torch.zeros(1, dtype=torch.int64, device=q.device))
+    grid = (triton.cdiv(Q, block_m), B * H)
+    _compiled(interpret)[grid](
+        q, k, log_n, lens, index, best, lse,
+        *q.stride(), *k.stride(), *log_n.stride(),
+        H, H // Hkv, H // log_n.shape[1], Q, S, S - Q, d, window or 0, float(scale), float(softcap or 1.0),
+        CAUSAL=bool(causal), HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+        HAS_LENGTHS=lengths is not None, IEEE=q.dtype in (torch.float32, torch.float64),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return _finish(index, best, lse, sinks, return_lse)
+
+
+def source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
+                  return_lse=False, block_elements=BLOCK_ELEMENTS):
+    """The source winner ``argmax_j a_ij n_j`` of every query and head, and ``a_ij* n_j*`` (see the
+    module's docstring for the arguments): the Triton kernel where :func:`uses_triton`, else the torch
+    pass; both equal ``argmax`` over the exact attention map up to rounding of near ties."""
+    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lengths=lengths, sinks=sinks,
+              return_lse=return_lse)
+    if uses_triton(q.device, q.dtype):
+        return source_winner_triton(q, k, v_norm, **kw)
+    return source_winner_torch(q, k, v_norm, **kw, block_elements=block_elements)

@@ -1,0 +1,220 @@
+"""The fused source winner (attngeom.capture.fused_winner) against a float64 slow computation.
+
+The slow reference forms the whole ``[Q, S]`` attention map in float64 (softmax of the masked,
+soft-capped logits, a learned sink as one more logit), multiplies by the norms and takes
+``argmax`` (its first maximum): the definition of SPEC §6, not the kernel's ``s + log n``. The
+Triton kernel runs under triton's interpreter (``TRITON_INTERPRET=1``, set per test: the module
+reads it at each call, so nothing depends on import order) on CPU tensors; the torch pass runs as it
+does on a CPU. Indices must be equal, values equal to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attngeom.capture import fused_winner as fw
+
+triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it on Linux)")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def slow_winner(q, k, n, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None):
+    """``argmax_j a_ij n_j`` and its value from the full float64 map (``repeat_kv`` for GQA)."""
+    q, k, n = q.double(), k.double(), n.double()
+    B, H, Q, _ = q.shape
+    S = k.shape[2]
+    k = k.repeat_interleave(H // k.shape[1], dim=1)
+    n = n.repeat_interleave(H // n.shape[1], dim=1)
+    s = torch.einsum("bhqd,bhsd->bhqs", q, k) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    i = torch.arange(S - Q, S)[:, None]
+    j = torch.arange(S)[None, :]
+    visible = torch.ones(B, 1, Q, S, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= j > i - window
+    if lengths is not None:
+        visible &= (j < lengths.view(B, 1, 1, 1))
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(B, H, Q, 1)], dim=-1)
+    a = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :S]         # a row that sees nothing: all 0
+    x = a * n[:, :, None, :]
+    return x.argmax(-1), x.amax(-1)
+
+
+def both(q, k, n, **kw):
+    """The kernel (small tiles: several key blocks even at short lengths) and the torch pass (small
+    query blocks), each with its result."""
+    return {"triton": fw.source_winner_triton(q, k, n, block_m=16, block_n=16, **kw),
+            "torch": fw.source_winner_torch(q, k, n, block_elements=4 * 16 * k.shape[2], **kw)}
+
+
+def inputs(B, H, Hkv, S, d, Q=None, seed=0, norms_per="kv", dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    Q = S if Q is None else Q
+    q = torch.randn(B, H, Q, d, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, S, d, generator=g, dtype=dtype)
+    n = torch.rand(B, H if norms_per == "query" else Hkv, S, generator=g, dtype=dtype) * 2 + 0.05
+    return q, k, n
+
+
+CASES = {
+    "causal": dict(),
+    "gqa-per-query-norms": dict(norms_per="query"),
+    "window": dict(window=7),
+    "window-1": dict(window=1),
+    "softcap": dict(softcap=1.5),
+    "window-softcap": dict(window=20, softcap=3.0),
+    "padded": dict(lengths=(53, 29)),
+    "learned-sinks": dict(sinks=True),
+    "not-causal-padded": dict(causal=False, lengths=(40, 53)),
+    "decode-last-queries": dict(Q=5),
+    "one-query": dict(Q=1, window=9),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_winner_equals_the_float64_map(case, interpret):
+    """Odd lengths (53: not a multiple of the 16-wide tiles), GQA (6 query heads on 2 key heads),
+    every mask option; head size 24 (the tile pads it to 32)."""
+    opt = dict(CASES[case])
+    B, H, Hkv, S, d = 2, 6, 2, 53, 24
+    q, k, n = inputs(B, H, Hkv, S, d, Q=opt.pop("Q", None), norms_per=opt.pop("norms_per", "kv"),
+                     seed=len(case))
+    if "lengths" in opt:
+        opt["lengths"] = torch.tensor(opt["lengths"])
+    if opt.pop("sinks", False):
+        opt["sinks"] = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)
+    want_i, want_v = slow_winner(q, k, n, scale=0.4, **opt)
+    for name, (idx, val) in both(q, k, n, scale=0.4, **opt).items():
+        assert idx.dtype == torch.long and idx.shape == (B, H, q.shape[2]), name
+        assert torch.equal(idx, want_i), (name, (idx != want_i).sum())
+        torch.testing.assert_close(val, want_v, rtol=1e-12, atol=1e-15, msg=name)
+    if "lengths" in opt and opt.get("causal", True) and "window" not in opt:
+        assert bool((want_v[1, :, 29:] > 0).all())     # a padded query still sees its real sources
+
+
+def test_ties_go_to_the_first_source_also_across_key_blocks(interpret):
+    """Integer q and k (exact logits): source 3 repeated at 5 (same key block) and at 20 and 37 (later
+    blocks), with the same norm; and the query that sees all its sources with norm 0 in the second
+    text (every product 0: index 0, value 0). ``argmax``'s rule: the first maximum."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, S, d = 2, 4, 2, 45, 16
+    q = torch.randint(-2, 3, (B, H, S, d), generator=g).double()
+    k = torch.randint(-2, 3, (B, Hkv, S, d), generator=g).double()
+    n = torch.randint(1, 4, (B, Hkv, S), generator=g).double()
+    for j in (5, 20, 37):
+        k[:, :, j] = k[:, :, 3]
+        n[:, :, j] = n[:, :, 3]
+    q[:, :, 40:] = 3 * k[:, :, 3:4].repeat_interleave(2, dim=1)    # queries 40.. prefer source 3 strongly
+    n[1] = 0.0
+    want_i, want_v = slow_winner(q, k, n, scale=0.25)
+    assert bool((want_i[0, :, 40:] == 3).all())                       # the tie exists and the first copy wins
+    assert bool((want_i[1] == 0).all()) and bool((want_v[1] == 0).all())
+    for name, (idx, val) in both(q, k, n, scale=0.25).items():
+        assert torch.equal(idx, want_i), name
+        torch.testing.assert_close(val, want_v, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_float32_agrees_except_within_rounding_of_a_tie(interpret):
+    """In float32 every row whose top two products differ by more than 1e-4 (relative) picks the
+    float64 winner, and values agree to float32 rounding."""
+    B, H, Hkv, S, d = 1, 4, 4, 70, 32
+    q, k, n = inputs(B, H, Hkv, S, d, seed=7, dtype=torch.float32)
+    want_i, want_v = slow_winner(q, k, n, scale=d ** -0.5, softcap=5.0)
+    top2 = torch.sort(_products(q, k, n, d ** -0.5, 5.0), dim=-1, descending=True).values[..., :2]
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-4 * top2[..., 0]
+    assert clear.float().mean() > 0.9
+    for name, (idx, val) in both(q, k, n, scale=d ** -0.5, softcap=5.0).items():
+        assert val.dtype == torch.float32
+        assert torch.equal(idx[clear], want_i[clear]), name
+        torch.testing.assert_close(val.double(), want_v, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _products(q, k, n, scale, softcap):
+    s = torch.tanh(torch.einsum("bhqd,bhsd->bhqs", q.double(), k.double()) * scale / softcap) * softcap
+    S = k.shape[2]
+    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) * n.double()[:, :, None, :]
+
+
+def test_strided_inputs_and_lse(interpret):
+    """q and k as transformers hands them (``[B, T, H, d]`` transposed: not contiguous); ``lse`` is
+    the row's log-sum-exp."""
+    g = torch.Generator().manual_seed(3)
+    B, H, S, d = 1, 3, 33, 16
+    q = torch.randn(B, S, H, d, generator=g, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(B, S, H, d, generator=g, dtype=torch.float64).transpose(1, 2)
+    n = torch.rand(B, H, S, generator=g, dtype=torch.float64) + 0.1
+    s = (q @ k.transpose(-1, -2)) * 0.5
+    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    want_i, _ = slow_winner(q, k, n, scale=0.5)
+    for name, (idx, _, lse) in {"triton": fw.source_winner_triton(q, k, n, scale=0.5, return_lse=True),
+                                "torch": fw.source_winner_torch(q, k, n, scale=0.5, return_lse=True)}.items():
+        assert torch.equal(idx, want_i), name
+        torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-13, atol=1e-13, msg=name)
+
+
+def test_source_winner_runs_the_kernel_only_where_it_can(monkeypatch):
+    """On the CPU the kernel runs only under TRITON_INTERPRET=1; elsewhere the torch pass (same result)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fw.uses_triton("cpu")
+    assert fw.uses_triton("cuda", torch.bfloat16) and not fw.uses_triton("cuda", torch.float64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fw.uses_triton("cpu")
+    calls = []
+    monkeypatch.setattr(fw, "source_winner_triton", lambda *a, **kw: calls.append("triton") or ("t", "t"))
+    monkeypatch.setattr(fw, "source_winner_torch", lambda *a, **kw: calls.append("torch") or ("c", "c"))
+    q, k, n = inputs(1, 2, 2, 8, 4)
+    fw.source_winner(q, k, n, scale=1.0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fw.source_winner(q, k, n, scale=1.0)
+    assert calls == ["triton", "torch"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(k=torch.zeros(1, 3, 8, 4)), "multiple of Hkv"),
+    (dict(n=torch.zeros(1, 3, 8)), "v_norm must be"),
+    (dict(q=torch.zeros(1, 2, 9, 4)), "more queries"),
+    (dict(window=0), "window must be"),
+    (dict(softcap=0.0), "softcap must be"),
+    (dict(lengths=torch.tensor([3, 4])), "lengths must be"),
+    (dict(sinks=torch.zeros(3)), "sinks must be"),
+])
+def test_bad_arguments_are_refused_before_any_work(bad, message):
+    q, k, n = inputs(1, 2, 2, 8, 4)
+    q, k, n = bad.pop("q", q), bad.pop("k", k), bad.pop("n", n)
+    for fn in (fw.source_winner_torch, fw.source_winner_triton):
+        with pytest.raises(ValueError, match=message):
+            fn(q, k, n, scale=1.0, **bad)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernel_compiles_for_an_h100(dtype, tmp_path, monkeypatch):
+    """The device path, without a device: triton's compiler (its bundled ptxas) turns the kernel into
+    an sm_90 cubin with every option on (a GPU run, gpu_check.sh, is what shows it right there; the
+    interpreter tests above show the same code right on the CPU). The cache goes to ``tmp_path``."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")      # triton 3.9's default, said (it warns when unset)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fw._triton()
+    fn = fw._compiled(False)
+    pointers = dict(Q_ptr=dtype, K_ptr=dtype, LN_ptr="fp32", LEN_ptr="i64", IDX_ptr="i64", BEST_ptr="fp32", LSE_ptr="fp32")
+    consts = dict(CAUSAL=True, HAS_WINDOW=True, SOFTCAP=True, HAS_LENGTHS=True, IEEE=dtype == "fp32",
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
+    sig = {a: ("*" + pointers[a] if a in pointers else "constexpr" if a in consts
+               else "fp32" if a in ("scale", "softcap") else "i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    assert kernel.asm["cubin"].startswith(b"\x7fELF")
+    assert ("mma" in kernel.asm["ptx"]) == (dtype == "bf16")    # bf16 on tensor cores; float32 exact (ieee: FMA)
