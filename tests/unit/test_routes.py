@@ -15,7 +15,7 @@ from attngeom.capture import routes
 from attngeom.metrics import formulas as F
 
 TOL = dict(rtol=1e-10, atol=1e-10)
-NAMES = ("attention", "value_weighted", "output_normalized", "contribution")
+NAMES = routes.FUSED_RECEIVED
 
 
 def _dense(q, k, v, scale, mask, sinks, G, G_full):
@@ -56,14 +56,16 @@ def _random_case(seed, *, B=2, H=4, Hkv=2, T=13, dk=8, dv=8, lengths=None, windo
         if window is not None:
             m = m & (pos[None, :] > pos[:, None] - window)
         mask = (m[None] & (pos[None, None, :] < lengths[:, None, None]))[:, None]    # [B, 1, T, T]
-    return dict(q=q, k=k, v=v, scale=0.37, mask=mask, lengths=lengths, G=F.gram(w_o, H), G_full=F.full_gram(w_o),
+    return dict(q=q, k=k, v=v, scale=0.37, mask=mask, lengths=lengths, window=window, G=F.gram(w_o, H), G_full=F.full_gram(w_o),
                 sinks=rnd(H) if sinks else None)
 
 
 def _check_layer(case, sink_col=0):
     q, k, v, mask, sinks = case["q"], case["k"], case["v"], case["mask"], case["sinks"]
     ref = _dense(q, k, v, case["scale"], mask, sinks, case["G"], case["G_full"])
-    fused = routes.FusedLayer(q, k, v, case["scale"], mask, case["G"], case["G_full"], case["lengths"], sinks=sinks)
+    fused = routes.FusedLayer(q, k, v, case["scale"], mask, case["G"], case["G_full"], case["lengths"], sinks=sinks,
+                              window=case["window"])
+    masked = routes.FusedLayer(q, k, v, case["scale"], mask, case["G"], case["G_full"], case["lengths"], window=-1)
     valid = fused.query_valid[:, None, :].expand(ref["hsq"].shape)                  # [B, H, T]
     T = q.shape[2]
 
@@ -80,9 +82,12 @@ def _check_layer(case, sink_col=0):
     close(fused.contribution_inter_column(sink_col), ref["contribution_inter"][..., sink_col], "inter")
     if sinks is not None:
         close(fused.learned_sink, ref["sink"], "learned sink")
+    assert mask is None or routes.describes(mask, case["window"], case["lengths"])   # the winner's kernel serves all
     for norms in (ref["v"].norm(dim=-1), ref["value_norm"]):
         want = (ref["a"] * norms[:, :, None, :]).argmax(-1)
-        assert torch.equal(fused.winner(norms)[valid], want[valid])
+        assert torch.equal(fused.winner(norms)[valid], want[valid])              # the fused kernel's pass
+        if mask is not None:
+            assert torch.equal(masked.winner(norms)[valid], want[valid])         # any mask
     w = fused.query_valid.double()
     got = fused.received(w, NAMES, value_norm=ref["value_norm"])
     want = F.received(ref["a"], w, NAMES, v=ref["v"], value_norm=ref["value_norm"],
@@ -120,15 +125,26 @@ def test_a_route_that_cannot_reproduce_the_attention_says_why():
         routes.check_route("fast")
 
 
-def test_the_winner_reference_breaks_ties_to_the_earliest_source_and_honours_windows():
-    q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)          # every logit 0: a row is uniform
-    k = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
-    n = torch.tensor([[[1.0, 2.0, 2.0, 1.0]]], dtype=torch.float64)
-    idx, _ = routes.source_winner_reference(q, k, n, scale=1.0)
-    assert idx.tolist() == [[[0, 1, 1, 1]]]
-    idx, _ = routes.source_winner_reference(q, k, n, scale=1.0, window=2)
-    assert idx.tolist() == [[[0, 1, 1, 2]]]
+def test_the_winner_takes_the_fused_kernel_exactly_when_the_mask_is_causal_with_window_and_padding():
+    T, lengths = 9, torch.tensor([9, 6])
+    pos = torch.arange(T)
+    causal = pos[None, :] <= pos[:, None]
+    window = causal & (pos[None, :] > pos[:, None] - 3)
+    padded = lambda m: (m[None] & (pos[None, None, :] < lengths[:, None, None]))[:, None]   # noqa: E731
+    assert routes.describes(padded(window), 3, lengths) and routes.describes(padded(causal), None, lengths)
+    assert not routes.describes(padded(window), None, lengths) and not routes.describes(padded(window), 4, lengths)
+    other = padded(causal).clone()
+    other[1, 0, 4, 2] = False                    # one hidden source the three rules do not hide
+    assert not routes.describes(other, None, lengths)
 
+
+def test_the_masked_winner_breaks_ties_to_the_earliest_source():
+    q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)          # every logit 0: a row is uniform
+    n = torch.tensor([[[1.0, 2.0, 2.0, 1.0]]], dtype=torch.float64)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    assert routes.source_winner_masked(q, q, n, scale=1.0, mask=mask).tolist() == [[[0, 1, 1, 1]]]
+    mask[..., 3, 1:3] = False
+    assert routes.source_winner_masked(q, q, n, scale=1.0, mask=mask).tolist() == [[[0, 1, 1, 0]]]
 
 # --------------------------------------------------------------------------------------------
 # The attention calls of tiny models of every family, recorded in float64
@@ -178,7 +194,7 @@ def _recorded_calls(model, lengths, T=20):
     def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kw):
         up = lambda x: None if x is None else x.detach().double()      # noqa: E731
         calls.append((module, dict(q=up(query), k=up(key), v=up(value), mask=attention_mask, scaling=scaling,
-                                   softcap=softcap, sinks=up(kw.get("s_aux")))))
+                                   softcap=softcap, sinks=up(kw.get("s_aux")), window=kw.get("sliding_window"))))
         return ALL_ATTENTION_FUNCTIONS["attngeom"](module, query, key, value, attention_mask, dropout=dropout,
                                                    scaling=scaling, softcap=softcap, **kw)
 
@@ -228,5 +244,6 @@ def test_every_fused_quantity_equals_the_definition_on_every_family(family):
         if mask is not None:
             mask = mask.expand(c["q"].shape[0], 1, -1, -1)
         _check_layer(dict(q=c["q"], k=c["k"], v=c["v"], scale=scale, mask=mask, lengths=torch.tensor(lengths),
+                          window=c["window"],
                           G=F.gram(w_o, H), G_full=F.full_gram(w_o),
                           sinks=None if c["sinks"] is None else c["sinks"].detach().double()))

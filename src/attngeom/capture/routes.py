@@ -15,7 +15,8 @@ that never form ``T x T``:
   receives by attention, value-weighted, output-normalised and by contribution, several signals as
   the columns of one ``F``;
 - the row-wise source winner ``argmax_j a_ij n_j`` (SPEC §6) does not depend on ``lse_i``: it is
-  ``argmax_j (s_ij + log n_j)``, a fused kernel's or :func:`source_winner_reference`'s.
+  ``argmax_j (s_ij + log n_j)``, one pass over the keys in
+  :func:`attngeom.capture.fused_winner.source_winner` (a Triton kernel on CUDA).
 
 :func:`unsupported` says why a layer's attention cannot be reproduced by the fused kernels (the
 layer then takes the block path, and the run records why); :class:`FusedLayer` is one layer's
@@ -42,6 +43,9 @@ ROUTES = ("auto", "fused", "block")
 route wherever it is exact, the block path elsewhere, said in the record), ``block`` (always blocks)."""
 
 FUSED_DEVICES = ("cpu", "cuda")
+
+FUSED_RECEIVED = ("attention", "value_weighted", "output_normalized", "contribution")
+"""The token-level scores whose sums over queries :meth:`FusedLayer.received` computes (SPEC §2's)."""
 
 
 def check_route(route: str) -> str:
@@ -149,57 +153,40 @@ def transpose(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, F: torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
-def source_winner_reference(q: torch.Tensor, k: torch.Tensor, v_norm: torch.Tensor, *, scale: float,
-                            causal: bool = True, window: int | None = None, softcap: float | None = None,
-                            mask: torch.Tensor | None = None, block_queries: int = 256,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The source winner of every query, in pure torch: ``(index [B, H, Q] long, value [B, H, Q])``,
-    ``value = max_j exp(s_ij − m_i) n_j`` with ``m_i`` the row's maximum logit (the winner does not
-    depend on the row's normaliser); ties to the earliest source, as ``argmax`` breaks them.
-
-    ``q [B, H, Q, d]``, ``k [B, H|Hkv, S, d]``, ``v_norm [B, H, S]`` (the value norms ``n_j``);
-    queries are the last ``Q`` of the ``S`` sources. ``causal``/``window``: a query ``i`` sees
-    ``i − window < j <= i``; ``mask`` (boolean ``[B|1, 1, Q, S]``, True = visible) replaces them.
-    The signature of the fused kernel's (``attngeom.capture.fused_winner.source_winner``) plus
-    ``mask``; it forms blocks of ``block_queries`` queries."""
+def source_winner_masked(q: torch.Tensor, k: torch.Tensor, v_norm: torch.Tensor, *, scale: float,
+                         mask: torch.Tensor, block_queries: int = 256) -> torch.Tensor:
+    """The source winner ``argmax_j a_ij n_j`` of every query under any boolean ``mask``
+    (``[B|1, 1, Q, S]``, True = visible): ``[B, H, Q]`` long, ties to the earliest source as
+    ``argmax`` breaks them. ``q [B, H, Q, d]``, ``k [B, H, S, d]``, ``v_norm [B, H, S]``. In blocks of
+    ``block_queries`` queries: the fallback of :func:`attngeom.capture.fused_winner.source_winner`
+    (causal, windows and right padding only) for masks it cannot describe."""
     B, H, Q, _ = q.shape
-    S = k.shape[2]
-    if k.shape[1] != H:
-        k = k.repeat_interleave(H // k.shape[1], dim=1)
     index = torch.empty(B, H, Q, dtype=torch.long, device=q.device)
-    value = torch.empty(B, H, Q, dtype=q.dtype, device=q.device)
-    cols = torch.arange(S, device=q.device)
+    log_n = v_norm.log()[:, :, None, :]
     for i0 in range(0, Q, block_queries):
         i1 = min(Q, i0 + block_queries)
         s = (q[:, :, i0:i1] @ k.transpose(-1, -2)) * scale
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        if mask is not None:
-            seen = mask[:, :, i0:i1]
-        else:
-            rows = torch.arange(S - Q + i0, S - Q + i1, device=q.device)[:, None]
-            seen = (cols[None, :] <= rows) if causal else torch.ones(i1 - i0, S, dtype=torch.bool, device=q.device)
-            if window is not None:
-                seen = seen & (cols[None, :] > rows - window)
-        s = s.masked_fill(~seen, float("-inf"))
-        x = torch.exp(s - s.amax(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)) * v_norm[:, :, None, :]
-        value[:, :, i0:i1], index[:, :, i0:i1] = x.max(-1)
-    return index, value
+        index[:, :, i0:i1] = (s + log_n).masked_fill(~mask[:, :, i0:i1], float("-inf")).argmax(-1)
+    return index
 
 
-def source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, mask=None):
-    """The fused source-winner kernel where it serves the call (helper D2's
-    ``attngeom.capture.fused_winner.source_winner``: causal and sliding-window masks), else
-    :func:`source_winner_reference`."""
-    if mask is None:
-        try:
-            from attngeom.capture.fused_winner import source_winner as fused
-        except ImportError:   # TODO(issue 49): D2's Triton kernel; until it lands the reference serves
-            fused = None
-        if fused is not None:
-            return fused(q, k, v_norm, scale=scale, causal=causal, window=window, softcap=softcap)
-    return source_winner_reference(q, k, v_norm, scale=scale, causal=causal, window=window, softcap=softcap,
-                                   mask=mask)
+def describes(mask: torch.Tensor, window: int | None, lengths: torch.Tensor,
+              block_queries: int = 1024) -> bool:
+    """Whether the boolean ``mask [B|1, 1, T, T]`` is exactly causal, with the sliding ``window``
+    (``j > i − window``) and the right padding of ``lengths`` (``j < lengths[b]``): what the fused
+    winner kernel takes."""
+    B, T = mask.shape[0], mask.shape[-1]
+    cols = torch.arange(T, device=mask.device)
+    real = cols[None, :] < lengths.to(mask.device)[:, None]                           # [B', T]
+    for i0 in range(0, T, block_queries):
+        rows = torch.arange(i0, min(T, i0 + block_queries), device=mask.device)[:, None]
+        want = cols[None, :] <= rows
+        if window is not None:
+            want = want & (cols[None, :] > rows - window)
+        want = want[None] & real[:, None, :]
+        if not torch.equal(mask[:, 0, i0:i0 + block_queries].expand_as(want), want):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +199,8 @@ class FusedLayer:
 
     ``q [B, H, T, dk]``, ``k [B, Hkv, T, dk]``, ``value [B, Hkv, T, dv]`` as the call received them
     (upcast to float32, or kept in float64); ``mask``: the call's boolean mask or None (causal);
-    ``sinks [H]``: learned sink logits or None; ``G [H, dv, dv]``, ``G_full [H*dv, H*dv]``: the output
+    ``sinks [H]``: learned sink logits or None; ``window``: the call's sliding window (the source
+    winner's kernel takes it when the mask is exactly causal with it); ``G [H, dv, dv]``, ``G_full [H*dv, H*dv]``: the output
     projection's Gram matrices (SPEC §2); ``lengths [B]``: real tokens per row (right padding).
     Every per-query quantity is ``[B, H, T]`` (``[B, T]`` on the layer), every per-source total
     ``[B, T]``: the same numbers the block path's :class:`~attngeom.capture.blocks.Block` gives for
@@ -223,10 +211,10 @@ class FusedLayer:
 
     def __init__(self, q, k, value, scale: float, mask: torch.Tensor | None, G: torch.Tensor,
                  G_full: torch.Tensor, lengths: torch.Tensor, sinks: torch.Tensor | None = None,
-                 layer: int = 0, state=None):
+                 layer: int = 0, window: int | None = None):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         H, Hkv = q.shape[1], k.shape[1]
-        self.layer, self.state = layer, state
+        self.layer, self.window = layer, window
         self.n_rep = H // Hkv
         self.q = q.to(dtype)
         self.k = k.to(dtype).repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else k.to(dtype)
@@ -261,6 +249,16 @@ class FusedLayer:
     def v(self) -> torch.Tensor:
         """Values per query head ``[B, H, T, dv]``."""
         return self.value.repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else self.value
+
+    @cached_property
+    def value_norm(self) -> torch.Tensor:
+        """``‖ṽ_j^h‖``: ``[B, H, T]``."""
+        return metrics.projected_value_norm(self.v, self.G)
+
+    @cached_property
+    def raw_value_norm(self) -> torch.Tensor:
+        """``‖v_j^h‖`` in head space: ``[B, H, T]``."""
+        return self.v.norm(dim=-1)
 
     def visible_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """``[B|1, 1, T]`` bool: whether query ``rows[i]`` sees source ``cols[i]``."""
@@ -377,9 +375,18 @@ class FusedLayer:
 
     def winner(self, norms: torch.Tensor) -> torch.Tensor:
         """The source winner ``argmax_j a_ij n_j`` of every query (SPEC §6): ``[B, H, T]`` long;
-        ``norms [B, H, T]``."""
-        return source_winner(self.q, self.k, norms.to(self.q.dtype), scale=self.scale, causal=True,
-                             mask=self.allowed)[0]
+        ``norms [B, H, T]``. The fused kernel (:func:`attngeom.capture.fused_winner.source_winner`)
+        when the mask is causal with the call's sliding window and right padding, else
+        :func:`source_winner_masked`."""
+        from attngeom.capture.fused_winner import source_winner
+
+        norms = norms.to(self.q.dtype)
+        if self.allowed is None:            # the call is causal (its window, if any, reaches every source)
+            return source_winner(self.q, self.k, norms, scale=self.scale, causal=True)[0]
+        if describes(self.allowed, self.window, self.lengths):
+            return source_winner(self.q, self.k, norms, scale=self.scale, causal=True, window=self.window,
+                                 lengths=self.lengths)[0]
+        return source_winner_masked(self.q, self.k, norms, scale=self.scale, mask=self.allowed)
 
     # ---- per source ---------------------------------------------------------------------------------
     def transposed(self, F: torch.Tensor) -> torch.Tensor:
