@@ -127,10 +127,11 @@ def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softca
         p0, p1 = offset + i0, offset + i1                       # positions of the block's queries
         k0 = 0 if window is None else max(0, p0 - window + 1)
         k1 = min(S, p1) if causal else S
-        qb = q[:, :, i0:i1].to(acc).reshape(B, Hkv, n_rep * (i1 - i0), d)
-        s = (qb @ k[:, :, k0:k1].to(acc).transpose(-1, -2)).view(B, H, i1 - i0, k1 - k0) * scale
+        qb = q[:, :, i0:i1].to(acc).reshape(B * Hkv, n_rep * (i1 - i0), d)
+        kt = k[:, :, k0:k1].to(acc).reshape(B * Hkv, k1 - k0, d).transpose(1, 2)
+        s = torch.baddbmm(qb.new_empty(()), qb, kt, beta=0, alpha=scale).view(B, H, i1 - i0, k1 - k0)
         if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
+            s = s.div_(softcap).tanh_().mul_(softcap)
         qpos = torch.arange(p0, p1, device=q.device)[:, None]
         kpos = torch.arange(k0, k1, device=q.device)[None, :]
         hidden = torch.zeros(i1 - i0, k1 - k0, dtype=torch.bool, device=q.device)
@@ -141,9 +142,9 @@ def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softca
         hidden = hidden[None, None]
         if lengths is not None:
             hidden = hidden | (kpos >= lengths.to(q.device).view(B, 1, 1, 1))
-        s = s.masked_fill(hidden, float("-inf"))
+        s.masked_fill_(hidden, float("-inf"))
         lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
-        b, j = (s + log_n[:, :, None, k0:k1]).max(dim=-1)     # the first maximum
+        b, j = s.add_(log_n[:, :, None, k0:k1]).max(dim=-1)     # the first maximum
         best[:, :, i0:i1] = b
         index[:, :, i0:i1] = torch.where(b == float("-inf"), 0, j + k0)
     return _finish(index, best, lse, sinks, return_lse)
