@@ -122,8 +122,8 @@ def test_policy_registry_is_complete():
     assert set(READING_POLICIES) == {"full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp",
                                      "contribution", "contribution_signed", "taxonomy"}
     assert set(POLICIES) == set(READING_POLICIES) | {
-        "random", "knorm", "pyramidkv", "criticalkv", "dropkv", "kvzip", "adakv", "loo_head", "snap_contribution",
-        "adakv_contribution", "suppressor"}
+        "random", "knorm", "pyramidkv", "criticalkv", "dropkv", "kvzip", "kvzip_plus", "adakv", "loo_head",
+        "snap_contribution", "adakv_contribution", "suppressor", "kvzip_contribution"}
     assert all(not get_policy(n).prefill_only for n in READING_POLICIES)
     for name in POLICIES:
         assert get_policy(name).name == name and get_policy(name).__class__.__name__ == "Policy"
@@ -166,9 +166,15 @@ def test_tova_layer_mean_of_heads():
 def test_snapkv_pools_neighbours_and_keeps_the_observation_window():
     from attngeom.kvcache.policies import snapkv
 
-    s = [0, 0, 0, 9, 0, 0, 0, 0, 1, 0]
-    # max-pool k=3 -> [0,0,9,9,9,0,0,1,1,1]; window 2 keeps 8, 9; then 2, 3, 4
+    s = [0, 0, 6, 9, 0, 0, 3, 0, 9, 9]
+    # the window (8, 9) kept; the others average-pooled with kernel 3, the window and the ends as zeros
+    # (kvpress's SnapKVPress): [0, 2, 5, 5, 3, 1, 1, 1, -, -]: then 2, 3 (5, 5), 4 (3)
     assert _kept(snapkv(window=2, kernel=3), _ctx(s)) == [[2, 3, 4, 8, 9]]
+    from attngeom.kvcache.policies import _avg_pool
+
+    ctx = _ctx(s)
+    pooled = _avg_pool(ctx.score, ctx.valid, 3, ctx.recent(2))[0, 0, :8]
+    assert torch.allclose(pooled, torch.tensor([0, 6, 15, 15, 9, 3, 3, 3]) / 3.0)        # max-pooling: 6, 9, 9, 9
 
 
 def test_vatp_weights_attention_by_value_l1_norm():

@@ -274,17 +274,17 @@ def test_random_is_seeded_per_layer():
     assert a == b and _kept("random", ctx, 10) != a
 
 
-def test_pyramid_budgets_fall_linearly_with_the_uniform_mean():
+def test_pyramid_budgets_are_kvpress_with_its_fallback_to_uniform():
     cs = {l: _ctx([0] * 1000, 0) for l in range(5)}
-    b = pyramid_budgets(cs, 0.5, beta=20, window=32)
-    got = [int(b[l][0]) for l in range(5)]
-    lo, hi = (500 - 32) / 20, 2 * (500 - 32) - (500 - 32) / 20
-    assert got == [round(hi - m * (hi - lo) / 4) + 32 for m in range(5)]
-    assert got == sorted(got, reverse=True) and sum(got) == pytest.approx(5 * 500, abs=3)
-    # a budget the first layer cannot hold: the slope is lowered, the mean kept
-    b = pyramid_budgets(cs, 0.25, beta=20, window=32)
-    got = [int(b[l][0]) for l in range(5)]
-    assert max(got) <= 1000 and sum(got) == pytest.approx(5 * 750, abs=3)
+    # k = 500, beta 20: from 2k - k/20 = 975 down to k/20 = 25 (kvpress's get_layer_budget), mean 500
+    b = pyramid_budgets(cs, 0.5, beta=20, window=8)
+    assert [int(b[l][0]) for l in range(5)] == [975, 738, 500, 262, 25]     # round(975 - m * 237.5), half to even
+    # k = 125, k/beta = 6.25 < window 32: every layer keeps round(k) (uniform SnapKV, kvpress's fallback)
+    b = pyramid_budgets(cs, 0.875, beta=20, window=32)
+    assert [int(b[l][0]) for l in range(5)] == [125] * 5
+    # k = 750: the first layer would keep 1462.5 > n - w = 992, so 992 down to 2k - 992 = 508
+    b = pyramid_budgets(cs, 0.25, beta=20, window=8)
+    assert [int(b[l][0]) for l in range(5)] == [992, 871, 750, 629, 508]
 
 
 def test_adakv_shares_the_layer_budget_across_heads_with_a_floor():
@@ -305,12 +305,9 @@ def test_criticalkv_first_stage_by_attention_then_by_projected_values():
     values[0, 0, 6:] = 10.0
     ctx = _ctx(score, 4)
     ctx.values, ctx.w_o = values, torch.eye(2)
-    pol = POLICIES["criticalkv"]().__class__(**{**POLICIES["criticalkv"]().__dict__,
-                                                "priority": get_policy("criticalkv").priority})
     from attngeom.kvcache.policies import criticalkv
 
     assert _kept(criticalkv(window=0, kernel=1), ctx, 4) == [[0, 1, 6, 7]]
-    assert pol.name == "criticalkv"
 
 
 def test_suppressor_keeps_the_most_negative_contributions_first():
@@ -362,7 +359,7 @@ def test_leave_one_out_equals_dropping_the_source_and_renormalising(head_space):
                     # drop j, renormalise (nothing left: the output is gone)
                     o_drop = (keep / keep.sum()) @ v[hd] if keep.sum() > 0 else torch.zeros_like(o)
                     diff = o_drop - o
-                    want[hd, j] += (W @ diff).norm() if head_space else diff.norm()
+                    want[hd, j] += ((W @ diff).norm() if head_space else diff.norm()) ** 2    # squared (DropKV)
         got = pre.scores[name][l][0]
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (l, (got - want).abs().max(), ((got - want).abs() / want.abs().clamp_min(1e-9)).max(), (got - want).abs().argmax())
 
@@ -374,7 +371,7 @@ def test_window_contribution_scores_are_the_last_queries_contributions_summed(na
     from attngeom import analyze
 
     h = tiny_model("llama")
-    ids = _ids(48)
+    ids = _ids(80)
     policy = get_policy(name)
     assert policy.last < len(ids)                        # the window is a proper part of the context
     pre = P.prefill(h, ids, [policy])
@@ -385,17 +382,89 @@ def test_window_contribution_scores_are_the_last_queries_contributions_summed(na
         assert torch.allclose(pre.scores[name][l][0], want, atol=1e-5), (name, l)
 
 
-def test_kvzip_scores_are_the_max_attention_while_the_context_is_repeated():
+@pytest.mark.parametrize("name", ["kvzip", "kvzip_plus", "kvzip_contribution"])
+def test_kvzip_scores_are_kvpress_reconstruction_chunk_by_chunk(name, monkeypatch):
+    """KVzip as kvpress's KVzipPress scores it, recomputed from an eager forward of the context and
+    each chunk's request: the chat prefix found, chunks of KVZIP_CHUNK tokens (3 here), each
+    request = prompt (+ the last 8 tokens of the chunk before) + the template's turn suffix + the
+    chunk; the attention renormalised over the 4 sinks, the chunk and the request; the maximum over
+    the request's queries (KVzip+: times |W_O^h v_j| / |h_i|; kvzip_contribution: |c_ij| of the
+    renormalised output); the sinks 1, the prefix's other entries 0."""
+    from attngeom.kvcache import policies as POL
+    from tiny_models import tiny_chat_tokenizer
+
+    monkeypatch.setattr(POL, "KVZIP_CHUNK", 12)
+    h = tiny_model("llama")
+    tok = tiny_chat_tokenizer()
+    h.tokenizer = tok
+    prefix = tok.encode("<s>user: ", add_special_tokens=False)
+    ids = prefix + _ids(30)
+    n = len(ids)
+    pre = P.prefill(h, ids, [get_policy(name)])
+    enc = lambda t: tok.encode(t, add_special_tokens=False)                      # noqa: E731
+    suffix = enc("</s>\n<s>assistant:")
+    cfg = h.model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    want = torch.zeros(h.num_layers, h.num_heads, n)
+    want[..., :4] = 1.0
+    for start in range(len(prefix), n, 12):
+        end = min(start + 12, n)
+        ask = enc("\n\nRepeat the previous context exactly.") if start == len(prefix) else \
+            enc("\n\nRepeat the part of the previous context exactly, starting with") + ids[start - 8:start]
+        whole = ids + ask + suffix + ids[start:end]
+        values, normed = {}, {}
+        hooks = [(layer.self_attn.v_proj, lambda m, a, o, l=l: values.__setitem__(l, o))
+                 for l, layer in enumerate(h.model.model.layers)]
+        hooks += [(layer.input_layernorm, lambda m, a, o, l=l: normed.__setitem__(l, o))
+                  for l, layer in enumerate(h.model.model.layers)]
+        att = eager_attentions(h, whole, hooks)
+        inside = torch.zeros(len(whole), dtype=torch.bool)
+        inside[:4] = True
+        inside[start:end] = True
+        inside[n:] = True
+        for l in range(h.num_layers):
+            a = att[l][0, :, n:].float() * inside                                   # [H, Q, T]
+            a = a / a.sum(-1, keepdim=True)
+            v = values[l][0].reshape(len(whole), h.num_kv_heads, d).transpose(0, 1)
+            v = v.repeat_interleave(h.num_heads // h.num_kv_heads, dim=0).float()   # [H, T, d]
+            w_o = h.model.model.layers[l].self_attn.o_proj.weight.detach().float()
+            wv = torch.stack([v[hd] @ w_o[:, hd * d:(hd + 1) * d].T for hd in range(h.num_heads)])  # [H, T, D]
+            if name == "kvzip":
+                m = a
+            elif name == "kvzip_plus":
+                m = a * wv.norm(dim=-1)[:, None, :] / normed[l][0, n:].float().norm(dim=-1)[None, :, None]
+            else:
+                o = a @ wv                                                         # [H, Q, D]
+                m = (a * (wv @ o.transpose(1, 2)).transpose(1, 2)).abs() / (o * o).sum(-1, keepdim=True)
+            want[l, :, start:end] = m[..., start:end].amax(1)
+    for l in range(h.num_layers):
+        assert torch.allclose(pre.scores[name][l][0], want[l], rtol=1e-4, atol=1e-6), (name, l)
+
+
+def test_kvzip_without_a_chat_prefix_repeats_from_the_first_token():
     from attngeom.kvcache.policies import KVZIP_PROMPT
 
     h = tiny_model("llama")
     ids = _ids(16)
     pre = P.prefill(h, ids, [get_policy("kvzip")])
-    whole = ids + h.encode(KVZIP_PROMPT, add_bos=False) + ids
+    whole = ids + h.tokenizer.encode(KVZIP_PROMPT + "\n", add_special_tokens=False) + ids
     att = eager_attentions(h, whole)
     for l in range(h.num_layers):
-        want = att[l][0, :, len(ids):, :len(ids)].float().amax(1)                     # [H, n]
+        want = att[l][0, :, len(ids):, :len(ids)].float().amax(1)                     # [H, n]: sinks scored too
         assert torch.allclose(pre.scores["kvzip"][l][0], want, atol=1e-5), l
+
+
+def test_global_cut_keeps_the_highest_scores_of_all_layers_and_heads():
+    from attngeom.kvcache.policies import global_budgets
+
+    # 2 layers x 2 heads x 4 entries; ratio 0.5 keeps the 8 highest of 16: 9 8 7 6 5 4 3.5 3
+    cs = {0: _ctx([[9, 8, 1, 0], [7, 0.5, 0.2, 0.1]], 0, n_kv=2), 1: _ctx([[6, 5, 4, 3.5], [3, 2, 1.5, 0]], 0, n_kv=2)}
+    b = global_budgets(cs, 0.5, lambda ctx: (torch.zeros_like(ctx.pos), ctx.score))
+    assert b[0].tolist() == [2, 1] and b[1].tolist() == [4, 1]
+    # 16 - int(16 * 0.3) = 12 kept
+    b = global_budgets(cs, 0.3, lambda ctx: (torch.zeros_like(ctx.pos), ctx.score))
+    assert b[0].tolist() == [3, 2] and b[1].tolist() == [4, 3]
+    assert _kept("kvzip", cs[0], b[0]) == [[0, 1, 2], [0, 1]]
 
 
 def test_criticalkv_value_term_is_the_projected_value_l1_norm():

@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
     common.add_model_args(p)
     d = KVCacheInputs()
     common.add_data_args(p, window=d.window, max_windows=d.max_windows)
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policies, or module:Class for a policy of your own (default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS,
                    help=f"entries per key/value head, e.g. 64,256 (default {DEFAULT_BUDGETS})")
     p.add_argument("--chunk", type=int, default=KVCacheSettings().chunk,
@@ -76,9 +76,7 @@ def _policies(spec: str) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise InputError("--policies names no policy")
-    for n in names:
-        get_policy(n)
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(get_policy(n).name for n in names))     # module:Class: the name it registers
 
 
 def run(args) -> int:

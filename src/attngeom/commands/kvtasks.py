@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
                         f"real prose (.txt/.jsonl/.csv/.parquet; default {d.haystack})")
     p.add_argument("--examples-file", default=None,
                    help="read the examples from this JSONL file (as written in examples.jsonl) instead of making them")
-    p.add_argument("--policies", default=",".join(s.policies), help=f"comma-separated policies (default {','.join(s.policies)})")
+    p.add_argument("--policies", default=",".join(s.policies), help=f"comma-separated policies, or module:Class for a policy of your own (default {','.join(s.policies)})")
     p.add_argument("--ratios", default=",".join(map(str, s.ratios)),
                    help=f"compression ratios, shares of the cache removed (default {','.join(map(str, s.ratios))})")
     p.add_argument("--mode", choices=("question-agnostic", "query-aware"), default=s.mode,

@@ -27,7 +27,7 @@ evaluation (:mod:`attngeom.kvcache.evaluation`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from attngeom.errors import InputError
@@ -44,8 +44,11 @@ RECENT = 0.5
 heavy hitters and recent tokens); the same split is used for VATP and the contribution policies
 so that they differ from H2O only in the score."""
 
-SNAP_WINDOW = 32
-SNAP_KERNEL = 7
+SNAP_WINDOW = 64
+"""SnapKV's observation window: kvpress's ``SnapKVPress.window_size`` (the last 64 queries)."""
+
+SNAP_KERNEL = 5
+"""SnapKV's pooling kernel: kvpress's ``SnapKVPress.kernel_size`` (average pooling over 5 entries)."""
 
 
 @dataclass
@@ -79,30 +82,84 @@ class EvictionContext:
         return self.pos < count
 
 
-@dataclass
-class Policy:
-    """One eviction policy (module docstring). ``needs``: None, ``"attention"`` or
-    ``"contribution"`` (what ``step`` reads from a block); ``last``: ``step`` reads only the last
-    ``last`` queries of the forward pass (None: all)."""
+POLICY_OPTIONS = ("needs", "accumulate", "pool", "last", "signed", "per_head_budgets", "prefill_only", "geometry")
+"""What a policy may set besides its name, its ranking and its budget rule (class attributes of :class:`Policy`)."""
 
-    name: str
-    doc: str
-    priority: Callable[[EvictionContext], tuple[torch.Tensor, torch.Tensor]]
+
+class Policy:
+    """One eviction policy: its scores, its ranking and its budget rule (module docstring).
+
+    A policy is a small class (kvpress's presses are): subclass it, give it a ``name``, say what
+    :meth:`step` reads from a block (``needs``: ``"attention"``, ``"contribution"``, or your own
+    word when you override :meth:`step`), and rank the entries in :meth:`priority`; override
+    :meth:`allocate` for budgets other than the same ``n − ⌊n·ratio⌋`` in every head::
+
+        class LastQueries(Policy):
+            name, needs, last, accumulate = "last16", "attention", 16, False
+            def priority(self, ctx):
+                return ctx.sinks(4).long(), ctx.score
+
+    ``attngeom kvtasks --policies mymodule:LastQueries`` and
+    :func:`~attngeom.kvcache.tasks.compressed_generate` take it as it is (:func:`get_policy`).
+    The toolkit's own policies are instances of this class made by the factories of
+    :data:`POLICIES` (``Policy(name, doc, priority, allocator=..., params=..., **options)``).
+
+    Attributes: ``needs`` None (no scores: plain SDPA), ``"attention"``, ``"contribution"``,
+    ``"leave_one_out[_head]"`` or ``"reconstruction"`` (KVzip's pass); ``last``: :meth:`step`
+    reads only the last ``last`` queries of the forward pass (None: all); ``accumulate``: scores
+    summed over forward passes (H2O) or replaced by the latest (SnapKV); ``pool``: query heads of a
+    key/value head pooled by ``"mean"``, ``"max"`` or ``"layer"``; ``signed``: contributions with
+    their sign; ``per_head_budgets``: budgets from a head taxonomy; ``prefill_only``: defined only
+    for compression once after a prefill; ``geometry``: derived from the papers' geometry."""
+
+    name: str = ""
+    doc: str = ""
     needs: str | None = None
     accumulate: bool = True
     pool: str = "mean"
     last: int | None = None
     signed: bool = False
     per_head_budgets: bool = False
-    params: dict = field(default_factory=dict)
+    prefill_only: bool = False
+    geometry: bool = False
     allocator: Callable[[dict, float], dict] | None = None
-    prefill_only: bool = False  # scores or budgets defined only for compression once after a prefill
-    geometry: bool = False      # derived from the papers' geometry (contribution, head space, sinks)
+
+    def __init__(self, name: str | None = None, doc: str | None = None,
+                 priority: Callable[[EvictionContext], tuple] | None = None, *,
+                 allocator: Callable[[dict, float], dict] | None = None, params: dict | None = None, **options):
+        if name is not None:
+            self.name = name
+        if doc is not None:
+            self.doc = doc
+        elif not self.doc:
+            self.doc = (type(self).__doc__ or "").strip().split("\n")[0]
+        if priority is not None:
+            self._priority = priority
+        if allocator is not None:
+            self.allocator = allocator
+        self.params = dict(params or {})
+        for key, value in options.items():
+            if key not in POLICY_OPTIONS:
+                raise TypeError(f"unknown policy option {key!r}; a policy sets {', '.join(POLICY_OPTIONS)}")
+            setattr(self, key, value)
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"{type(self).__name__}: a policy needs a name (a non-empty string)")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    def priority(self, ctx: EvictionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tier, score)``, both ``[B, Hkv, n]``: each head keeps its entries of highest tier first,
+        then of highest score (ties: the earlier entry)."""
+        fn = getattr(self, "_priority", None)
+        if fn is None:
+            raise NotImplementedError(f"{type(self).__name__} ranks no entries: define priority(self, ctx)")
+        return fn(ctx)
 
     def allocate(self, contexts: dict[int, EvictionContext], ratio: float) -> dict:
         """Entries each key/value head keeps at compression ratio ``ratio``, per layer:
         ``{layer: [Hkv] long}``. Default: ``n − ⌊n·ratio⌋`` in every head (kvpress's rule);
-        ``allocator`` (PyramidKV's layers, AdaKV's heads) shares the same total otherwise."""
+        ``allocator`` (PyramidKV's layers, AdaKV's heads, KVzip's global cut) shares the same total otherwise."""
         if self.allocator is not None:
             return self.allocator(contexts, ratio)
         return {l: uniform_keep(ctx, ratio) for l, ctx in contexts.items()}
@@ -121,9 +178,11 @@ class Policy:
         elif self.needs in ("leave_one_out", "leave_one_out_head"):
             from attngeom.metrics.leave_one_out import leave_one_out
 
-            m = leave_one_out(block, head_space=self.needs == "leave_one_out_head", first=first)
-        else:
+            m = leave_one_out(block, head_space=self.needs == "leave_one_out_head", first=first) ** 2
+        elif self.needs == "attention":
             m = block.a[:, :, first:]
+        else:
+            raise NotImplementedError(f"{type(self).__name__} needs {self.needs!r}: define step(self, block, n_queries)")
         return m.sum(2)
 
 
@@ -195,24 +254,30 @@ def tova() -> Policy:
                   needs="attention", accumulate=False, pool="layer", last=1)
 
 
-def _max_pool(score: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
-    """1-D max pooling over the entries (kept in position order), padding excluded."""
+def _avg_pool(score: torch.Tensor, valid: torch.Tensor, kernel: int, window: torch.Tensor | None = None) -> torch.Tensor:
+    """1-D average pooling over the entries (kept in position order), as SnapKV's code and kvpress's
+    ``SnapKVPress`` pool: each entry gets the mean of the ``kernel`` scores centred on it, the
+    observation ``window`` (bool ``[B, H, n]``), padding and the ends counted as zeros (the
+    window's own entries are kept whatever their score; kvpress pools the scores with the window
+    cut off and zero padding, ``avg_pool1d`` counting the padding)."""
     import torch
 
-    x = score.masked_fill(~valid, float("-inf"))
+    drop = ~valid if window is None else ~valid | window
+    x = score.float().masked_fill(drop, 0.0)
     B, H, n = x.shape
-    y = torch.nn.functional.max_pool1d(x.reshape(B * H, 1, n), kernel, stride=1, padding=kernel // 2)
-    return y.reshape(B, H, n)
+    y = torch.nn.functional.avg_pool1d(x.reshape(B * H, 1, n), kernel, stride=1, padding=kernel // 2,
+                                       count_include_pad=True)
+    return y.reshape(B, H, -1)[..., :n]
 
 
 def snapkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL) -> Policy:
     """SnapKV (Li et al., *SnapKV: LLM Knows What You are Looking for Before Generation*, NeurIPS
-    2024): the attention of the last ``window`` queries (the observation window) summed, max-pooled
-    over neighbouring entries (kernel ``kernel``), plus the observation window itself. Made for the
-    prompt; when reading token by token the observation window is the last forward pass's queries
-    (at most ``window``)."""
-    return Policy("snapkv", f"observation window {window}, max-pool {kernel}",
-                  lambda ctx: (_tiers(ctx.recent(window)), _max_pool(ctx.score, ctx.valid, kernel)),
+    2024), as kvpress's ``SnapKVPress``: the attention of the last ``window`` queries (the
+    observation window) summed, average-pooled over neighbouring entries (kernel ``kernel``,
+    :func:`_avg_pool`), plus the observation window itself. Made for the prompt; when reading token
+    by token the observation window is the last forward pass's queries (at most ``window``)."""
+    return Policy("snapkv", f"observation window {window}, average pool {kernel}",
+                  lambda ctx: _snap_priority(ctx, window, kernel),
                   needs="attention", accumulate=False, last=window, params={"window": window, "kernel": kernel})
 
 
@@ -271,7 +336,7 @@ def taxonomy(recent: float = RECENT, sinks: int = SINKS) -> Policy:
 
 RANDOM_SEED = 0
 PYRAMID_BETA = 20
-"""PyramidKV's ratio of the largest to the smallest layer budget (its paper's β)."""
+"""PyramidKV's β (kvpress's ``beta``): the last compressed layer keeps ``1/β`` of the mean budget."""
 CRITICAL_FIRST_STAGE = 0.5
 """CriticalKV's share of the budget chosen by the attention score alone (its first stage)."""
 ADAKV_FLOOR = 0.2
@@ -298,31 +363,36 @@ def knorm() -> Policy:
     return Policy("knorm", "smallest key norm", lambda ctx: (torch.zeros_like(ctx.pos), -ctx.keys.float().norm(dim=-1)))
 
 
-def _snap_priority(ctx, window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL):
-    return _tiers(ctx.recent(window)), _max_pool(ctx.score, ctx.valid, kernel)
+def _snap_priority(ctx, window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, score=None):
+    """SnapKV's ranking: the observation window first, then the average-pooled ``score`` (default ``ctx.score``)."""
+    recent = ctx.recent(window)
+    return _tiers(recent), _avg_pool(ctx.score if score is None else score, ctx.valid, kernel, recent)
 
 
 def pyramid_budgets(contexts: dict, ratio: float, beta: float = PYRAMID_BETA, window: int = SNAP_WINDOW) -> dict:
     """PyramidKV's layer budgets (Cai et al., *PyramidKV: Dynamic KV Cache Compression based on
-    Pyramidal Information Funneling*, 2024): with ``k`` the uniform budget and ``w`` the observation
-    window, the compressed layers' budgets fall linearly from ``2(k − w) − (k − w)/β + w`` (first)
-    to ``(k − w)/β + w`` (last), so their mean is ``k``; where the first would exceed the ``n``
-    entries, it is ``n`` and the slope is lowered to keep the mean (the paper's own rule)."""
+    Pyramidal Information Funneling*, 2024), as kvpress's ``PyramidKVPress.get_layer_budget``
+    computes them: with ``k = n·(1 − ratio)`` (a float), the budgets fall linearly from
+    ``2k − k/β`` (the first compressed layer) to ``k/β`` (the last), so their mean is ``k``, each
+    rounded; where the first would exceed ``n − w`` (``w`` the observation window), it is
+    ``n − w`` and the last ``2k − (n − w)``. When the budgets would not satisfy
+    ``n ≥ first ≥ last ≥ w`` (a budget smaller than the window: ``k/β < w``), every layer keeps
+    ``round(k)``: uniform SnapKV (kvpress's fallback)."""
     import torch
 
     layers = sorted(contexts)
     ctx0 = contexts[layers[0]]
     n = int(ctx0.valid.sum(-1).max())
-    k = n - int(n * ratio)
-    if len(layers) == 1 or k <= window or k >= n:
-        return {l: torch.full((ctx0.valid.shape[1],), k, dtype=torch.long) for l in layers}
-    lo = (k - window) / beta
-    hi = 2 * (k - window) - lo
-    if hi > n - window:
+    k = n * (1 - ratio)
+    lo = k / beta
+    hi = 2 * k - lo
+    if hi >= n - window:
         hi = n - window
-        lo = 2 * (k - window) - hi
+        lo = 2 * k - hi
+    if len(layers) == 1 or not n >= hi >= lo >= window:
+        return {l: torch.full((contexts[l].valid.shape[1],), round(k), dtype=torch.long) for l in layers}
     step = (hi - lo) / (len(layers) - 1)
-    return {l: torch.full((contexts[l].valid.shape[1],), int(round(hi - m * step)) + window, dtype=torch.long)
+    return {l: torch.full((contexts[l].valid.shape[1],), round(hi - m * step), dtype=torch.long)
             for m, l in enumerate(layers)}
 
 
@@ -380,32 +450,102 @@ def criticalkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, first: floa
 
 def dropkv(window: int = SNAP_WINDOW, head_space: bool = False) -> Policy:
     """Leave-one-out (DropKV; the closed form of CAOTE, Goel et al., 2025): for each query of the
-    observation window, how far its head output moves when the entry alone is dropped and the rest
-    renormalised (:func:`attngeom.metrics.leave_one_out.leave_one_out`), summed over the window; the window is kept. ``head_space``
+    observation window, the squared distance its head output moves when the entry alone is dropped
+    and the rest renormalised (:func:`attngeom.metrics.leave_one_out.leave_one_out`, squared as the
+    method's output error is), summed over the window; the window is kept. ``head_space``
     (``loo_head``, this toolkit's geometry): the change measured through ``W_O^h``, the norm the
     head's output has in the residual stream (SPEC §2), instead of in value space."""
     name = "loo_head" if head_space else "dropkv"
-    return Policy(name, "leave-one-out change of the head output" + (" (head space)" if head_space else ""),
+    return Policy(name, "squared leave-one-out change of the head output" + (" (head space)" if head_space else ""),
                   lambda ctx: (_tiers(ctx.recent(window)), ctx.score),
                   needs="leave_one_out_head" if head_space else "leave_one_out", accumulate=False, last=window,
                   params={"window": window}, geometry=head_space)
 
 
-def kvzip() -> Policy:
-    """KVzip (Kim et al., *KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction*,
-    2025): after the prefill, the model is asked to repeat its context (:data:`KVZIP_PROMPT`, then
-    the context's own tokens, read with the full cache); an entry's score is the largest attention
-    any reconstruction query pays it, the maximum also over the query heads of a key/value head.
-    Costs one more forward pass over the whole context, attending to twice its length
-    (:func:`attngeom.kvcache.prefill.prefill`)."""
+KVZIP_SINKS = 4
+"""Entries at the start of the context KVzip keeps whatever their score (kvpress's ``n_sink``): their score is 1."""
+
+KVZIP_CHUNK = 2048
+"""Context tokens repeated per reconstruction pass (kvpress's ``chunk_size``)."""
+
+KVZIP_OVERLAP = 8
+"""Tokens of the previous chunk quoted in the request of the next (kvpress's ``prev_postfix_size``)."""
+
+KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
+"""The request before the first chunk is repeated (kvpress's, in plain text)."""
+
+KVZIP_PROMPT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+"""The request before every later chunk, followed by the last :data:`KVZIP_OVERLAP` tokens of the chunk before."""
+
+RECONSTRUCTION_SCORES = ("attention", "kvzip_plus", "contribution")
+"""What a reconstruction pass scores (``Policy.params["score"]``): attention (KVzip), attention
+normalised by ``‖W_O^h v_j‖ / ‖h_i‖`` (KVzip+), or the intra-head contribution ``|c_ij^h|``."""
+
+
+def global_budgets(contexts: dict, ratio: float, priority) -> dict:
+    """One cut over every compressed layer and head together, as kvpress's ``KVzipPress`` makes
+    it (``layerwise=False``): of the ``N`` entries of all of them, the ``N − ⌊N·ratio⌋`` with the
+    highest ``priority`` (tier, then score; ties: the earlier layer, head and entry) are kept;
+    each head's budget is the number of them it holds (a head may keep none). Scores must be
+    comparable across heads and layers."""
     import torch
 
-    return Policy("kvzip", "max attention while the model repeats its context", lambda ctx: (torch.zeros_like(ctx.pos), ctx.score),
-                  needs="reconstruction", accumulate=False, pool="max", prefill_only=True)
+    tiers, scores, shapes = [], [], {}
+    for l, ctx in contexts.items():
+        if ctx.pos.shape[0] != 1:
+            raise ValueError("a global cut is made for one sequence (a prefill of batch 1)")
+        ctx.budget = ctx.valid.sum(-1).max(0).values
+        tier, score = priority(ctx)
+        tiers.append(torch.where(ctx.valid, tier.long(), -1)[0].reshape(-1).cpu())
+        scores.append(torch.nan_to_num(score.float(), nan=float("-inf")).masked_fill(~ctx.valid, float("-inf"))[0].reshape(-1).cpu())
+        shapes[l] = ctx.pos.shape[1:]
+    tier, score = torch.cat(tiers), torch.cat(scores)
+    total = int(sum(int(c.valid.sum()) for c in contexts.values()))
+    keep = total - int(total * ratio)
+    order = torch.sort(score, descending=True, stable=True).indices
+    order = order[torch.sort(tier[order], descending=True, stable=True).indices]
+    won = torch.zeros(score.numel(), dtype=torch.long)
+    won[order[:keep]] = 1
+    out, start = {}, 0
+    for l, (h, n) in shapes.items():
+        out[l] = won[start : start + h * n].reshape(h, n).sum(-1)
+        start += h * n
+    return out
 
 
-KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
-"""The request read before the context is repeated (KVzip's reconstruction prompt, in plain text)."""
+def _reconstruction(name: str, doc: str, score: str, geometry: bool = False) -> Policy:
+    """A policy scored by KVzip's reconstruction pass (:func:`attngeom.kvcache.prefill.reconstruction_scores`):
+    the largest ``score`` any query of the pass gives an entry, the maximum also over the query
+    heads of a key/value head, the first :data:`KVZIP_SINKS` entries scored 1, one global cut
+    (:func:`global_budgets`)."""
+    import torch
+
+    def priority(ctx):
+        return torch.zeros_like(ctx.pos), ctx.score
+
+    return Policy(name, doc, priority, needs="reconstruction", accumulate=False, pool="max", prefill_only=True,
+                  params={"score": score, "sinks": KVZIP_SINKS, "chunk": KVZIP_CHUNK}, geometry=geometry,
+                  allocator=lambda cs, r: global_budgets(cs, r, priority))
+
+
+def kvzip() -> Policy:
+    """KVzip (Kim et al., *KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction*,
+    NeurIPS 2025), as kvpress's ``KVzipPress`` by default: after the prefill the model is asked to
+    repeat its context, chunk by chunk (:data:`KVZIP_PROMPT`, the chat template's assistant turn,
+    then the chunk's own tokens, read with the full cache); an entry's score is the largest
+    attention any query of its chunk's pass pays it (the softmax over the sinks, the chunk and the
+    pass's own tokens, as kvpress computes it), the maximum also over the query heads of a
+    key/value head; the first :data:`KVZIP_SINKS` entries score 1; one cut over all layers and
+    heads (:func:`global_budgets`). Costs one more forward pass over the whole context."""
+    return _reconstruction("kvzip", "max attention while the model repeats its context, one global cut", "attention")
+
+
+def kvzip_plus() -> Policy:
+    """KVzip+ (kvpress's ``KVzipPress(kvzip_plus_normalization=True)``; Kim et al., KVzip, and its
+    maintainers' normalisation): KVzip with each attention weight ``a_ij^h`` of the reconstruction
+    pass multiplied by ``‖W_O^h v_j‖₂ / ‖h_i‖₂`` (``h_i`` the attention's input at the query: what
+    the entry adds to the residual stream, relative to the stream), then the maximum; one global cut."""
+    return _reconstruction("kvzip_plus", "KVzip's max of a_ij |W_O v_j| / |h_i|, one global cut", "kvzip_plus")
 
 
 def adakv_budgets(contexts: dict, ratio: float, priority, floor: float = ADAKV_FLOOR) -> dict:
@@ -458,11 +598,22 @@ SUPPRESSORS = 4
 """Entries per head kept as suppressors by the ``suppressor`` policy (the most negative contributions)."""
 
 
+def kvzip_contribution() -> Policy:
+    """KVzip's reconstruction pass scored by contribution (this toolkit; SPEC §2): the pass of
+    :func:`kvzip` (chunks, sinks, its renormalised attention), each entry scored by the largest
+    ``|c_ij^h| = |⟨ã_ij^h W_O^h v_j, õ_i^h⟩| / ‖õ_i^h‖²`` any query of the pass gives it (``õ_i^h``
+    the head output over the entries the pass attends to), one global cut over all layers and
+    heads. A contribution is a share of the head's output, comparable across heads and layers
+    as attention is."""
+    return _reconstruction("kvzip_contribution", "KVzip's pass scored by max |contribution|, one global cut",
+                           "contribution", geometry=True)
+
+
 def snap_contribution(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL) -> Policy:
     """SnapKV's setting with contribution instead of attention: what the last ``window`` queries
-    take from each entry by ``|c_ij^h|`` (SPEC §2), summed, max-pooled over neighbouring entries
+    take from each entry by ``|c_ij^h|`` (SPEC §2), summed, average-pooled over neighbouring entries
     (kernel ``kernel``), the window kept."""
-    return Policy("snap_contribution", f"last {window} queries' |contribution|, max-pool {kernel}",
+    return Policy("snap_contribution", f"last {window} queries' |contribution|, average pool {kernel}",
                   lambda ctx: _snap_priority(ctx, window, kernel), needs="contribution", accumulate=False,
                   last=window, params={"window": window, "kernel": kernel}, prefill_only=True, geometry=True)
 
@@ -471,7 +622,7 @@ def suppressor(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, count: int 
     """Sinks as suppressors (SPEC §4): the last ``window`` queries' *signed* contributions summed;
     the ``count`` entries of each head with the most negative sums (suppressors, such as an
     attention sink anti-aligned with the output) are kept first, then the window, then the entries
-    by ``|Σ_i c_ij^h|`` (max-pooled): dropping a suppressor moves the output as far as dropping an
+    by ``|Σ_i c_ij^h|`` (average-pooled): dropping a suppressor moves the output as far as dropping an
     adder of the same size."""
     import torch
 
@@ -480,7 +631,7 @@ def suppressor(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, count: int 
         rank = neg.argsort(dim=-1, stable=True).argsort(dim=-1)
         suppress = (rank < count) & (ctx.score < 0)
         tier = 2 * suppress.long() + ctx.recent(window).long()
-        return tier, _max_pool(ctx.score.abs(), ctx.valid, kernel)
+        return tier, _snap_priority(ctx, window, kernel, ctx.score.abs())[1]
 
     return Policy("suppressor", f"{count} most negative contributions kept, then |signed contribution|", priority,
                   needs="contribution", signed=True, accumulate=False, last=window,
@@ -511,7 +662,9 @@ POLICIES.update({
     "adakv": adakv,
     "loo_head": lambda: dropkv(head_space=True),
     "kvzip": kvzip,
+    "kvzip_plus": kvzip_plus,
     "snap_contribution": snap_contribution,
+    "kvzip_contribution": kvzip_contribution,
     "adakv_contribution": lambda: adakv("snap_contribution", "adakv_contribution"),
     "suppressor": suppressor,
 })
@@ -521,10 +674,68 @@ READING_POLICIES = ("full", "window", "streamingllm", "h2o", "tova", "snapkv", "
 """The policies of ``attngeom kvcache``'s reading with eviction (its default)."""
 
 
-def get_policy(name: str) -> Policy:
+def get_policy(name: "str | Policy") -> Policy:
+    """The policy ``name``: a name of :data:`POLICIES`, a :class:`Policy` itself, or
+    ``"module:Class"`` (``"path/file.py:Class"``): a policy class (or a function returning a
+    policy) of your own module, imported and registered under its ``name`` (so that the tables'
+    rows find it again)."""
+    if isinstance(name, Policy):
+        return name
+    if isinstance(name, str) and ":" in name:
+        return register(load_policy(name))
     if name not in POLICIES:
-        raise InputError(f"unknown KV-cache policy {name!r}; choose from {', '.join(POLICIES)}")
+        raise InputError(f"unknown KV-cache policy {name!r}; choose from {', '.join(POLICIES)}, or give module:Class")
     return POLICIES[name]()
+
+
+def load_policy(spec: str) -> Policy:
+    """The policy of ``"module:Class"`` or ``"path/file.py:Class"``: ``Class()`` (a class) or
+    ``Class()``'s result (a function), checked to be a :class:`Policy`; refused in one line otherwise."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise InputError(f"a policy of your own is module:Class, got {spec!r}")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise InputError(f"{spec}: no file {where}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except InputError:
+        raise
+    except Exception as e:                      # the user's module: its own error, in one line
+        raise InputError(f"{spec}: cannot import {where}: {type(e).__name__}: {e}") from None
+    made = getattr(module, attr, None)
+    if made is None:
+        raise InputError(f"{spec}: {where} has no {attr}")
+    try:
+        policy = made() if callable(made) else made
+    except Exception as e:
+        raise InputError(f"{spec}: {attr}() failed: {type(e).__name__}: {e}") from None
+    if not isinstance(policy, Policy):
+        raise InputError(f"{spec}: {attr} is not a KV-cache policy (subclass attngeom.kvcache.policies.Policy)")
+    return policy
+
+
+def register(policy: Policy) -> Policy:
+    """Add ``policy`` to :data:`POLICIES` under its name (a name of the toolkit's own is refused)."""
+    known = POLICIES.get(policy.name)
+    if known is not None and getattr(known, "registered", None) is None:
+        raise InputError(f"a policy of your own is named {policy.name!r}, a name the toolkit's own policy has")
+
+    def again() -> Policy:
+        return policy
+
+    again.registered = policy
+    POLICIES[policy.name] = again
+    return policy
 
 
 def needs_regimes(names) -> bool:

@@ -33,6 +33,7 @@ the experiment over examples (:mod:`attngeom.kvcache.tasks`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -94,7 +95,9 @@ class PrefillScores:
 
     @staticmethod
     def reads(p: Policy) -> tuple:
-        """What ``p.step`` reads from a block."""
+        """What ``p.step`` reads from a block (a policy with a ``step`` of its own: its own sum)."""
+        if type(p).step is not Policy.step:
+            return "own", p.name
         return p.needs, p.signed, p.last
 
     @property
@@ -114,39 +117,169 @@ class PrefillScores:
 
 
 class ReconstructionScores:
-    """Observer of KVzip's reconstruction pass: ``scores[layer] [B, H, n]``, the largest attention
-    any query of the pass pays each of the first ``n`` entries (the context's)."""
+    """Observer of one pass of KVzip's reconstruction (:func:`reconstruction_scores`): the pass's
+    queries read the cache of the ``n`` context entries, then their own tokens; the attention of
+    each query is renormalised over the entries kvpress's ``KVzipPress`` computes it over (the
+    ``sink`` first entries, the chunk ``[start, end)`` being repeated and the pass's own tokens),
+    and ``scores[kind][layer] [B, H, end − start]`` keeps, per entry of the chunk, the largest
+    score any query gives it: for each ``kind`` of :data:`~attngeom.kvcache.policies.RECONSTRUCTION_SCORES`,
+    the renormalised attention ``ã_ij^h``, ``ã_ij^h ‖W_O^h v_j‖₂ / ‖h_i‖₂`` (KVzip+; ``h_norms[layer]
+    [B, T]`` the attention input's norms, from :func:`attention_input_norms`), or the contribution
+    ``|⟨ã_ij^h W_O^h v_j, õ_i^h⟩| / ‖õ_i^h‖²`` of the renormalised head output
+    ``õ_i^h = Σ_j ã_ij^h W_O^h v_j`` (SPEC §2)."""
 
-    def __init__(self, n: int):
-        self.n = int(n)
-        self.scores: dict[int, torch.Tensor] = {}
+    def __init__(self, n: int, start: int, end: int, sink: int, kinds: Sequence[str], h_norms: dict | None = None):
+        self.n, self.start, self.end, self.sink = int(n), int(start), int(end), int(sink)
+        self.kinds = tuple(kinds)
+        self.h_norms = h_norms if h_norms is not None else {}
+        self.scores: dict[str, dict[int, torch.Tensor]] = {k: {} for k in self.kinds}
 
     def observe(self, block) -> None:
-        S = min(block.a.shape[-1], self.n - block.k_start)
-        if S <= 0:
+        a = block.a.float()                                               # [B, H, Q, S] over keys k_start..
+        pos = block.k_positions
+        inside = (pos < self.sink) | ((pos >= self.start) & (pos < self.end)) | (pos >= self.n)
+        a = a * inside
+        a = a / a.sum(-1, keepdim=True).clamp_min(1e-38)                  # the softmax over those entries
+        lo, hi = self.start - block.k_start, self.end - block.k_start
+        if hi <= 0 or lo >= a.shape[-1]:
             return
-        m = block.a[..., :S].float().amax(2)
-        if block.layer not in self.scores:
-            self.scores[block.layer] = torch.zeros(m.shape[0], m.shape[1], self.n, device=m.device)
-        seg = self.scores[block.layer][..., block.k_start : block.k_start + S]
-        torch.maximum(seg, m, out=seg)
+        lo, hi = max(lo, 0), min(hi, a.shape[-1])
+        for kind in self.kinds:
+            if kind == "attention":
+                m = a[..., lo:hi]
+            elif kind == "kvzip_plus":
+                wov = self._projected_norms(block)[..., lo:hi]                # [B, H, S']
+                q0 = block.q_start - self.n                                   # the pass's queries follow the context
+                h = self.h_norms[block.layer][:, q0 : q0 + a.shape[2]]                    # [B, Q]
+                m = a[..., lo:hi] * wov[:, :, None, :] / h[:, None, :, None]
+            else:                                                         # the renormalised head output
+                m = self._contributions(block, a)[..., lo:hi]
+            m = m.amax(2)
+            per_layer = self.scores[kind]
+            if block.layer not in per_layer:
+                per_layer[block.layer] = torch.zeros(m.shape[0], m.shape[1], self.end - self.start, device=m.device)
+            seg = per_layer[block.layer][..., block.k_start + lo - self.start : block.k_start + hi - self.start]
+            torch.maximum(seg, m, out=seg)
+
+    @staticmethod
+    def _head_values(block) -> torch.Tensor:
+        """``W_O^h v_j`` of the block's sources, ``[B, H, S, D]``."""
+        w_o = block.state.w_o                                             # [D, H*d]
+        v = block.v                                                       # [B, H, S, d]
+        H, d = v.shape[1], v.shape[-1]
+        return torch.einsum("bhsd,ehd->bhse", v.float(), w_o.reshape(-1, H, d).float())
+
+    def _projected_norms(self, block) -> torch.Tensor:
+        return block._memo("kvzip_wov", lambda: torch.linalg.vector_norm(self._head_values(block), dim=-1))
+
+    def _contributions(self, block, a: torch.Tensor) -> torch.Tensor:
+        wv = block._memo("kvzip_headvalues", lambda: self._head_values(block))    # [B, H, S, D]
+        o = torch.einsum("bhqs,bhse->bhqe", a, wv)                        # renormalised head outputs
+        c = torch.einsum("bhqs,bhse,bhqe->bhqs", a, wv, o)
+        return (c / (o * o).sum(-1)[..., None].clamp_min(1e-38)).abs()
+
+
+def attention_input_norms(handle: ModelHandleLike):
+    """A context manager recording ``‖h_i‖₂`` of every attention module's input (the normalised
+    residual stream it reads, kvpress's ``hidden_states``): yields ``{layer: [B, T]}``, filled by the
+    forward passes run inside."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def recording():
+        norms: dict[int, torch.Tensor] = {}
+        hooks = []
+
+        def pre(layer):
+            def hook(module, args, kwargs):
+                h = kwargs.get("hidden_states", args[0] if args else None)
+                norms[layer] = torch.linalg.vector_norm(h.float(), dim=-1)
+            return hook
+
+        try:
+            for layer, module in handle.adapter.attention_modules.items():
+                hooks.append(module.register_forward_pre_hook(pre(layer), with_kwargs=True))
+            yield norms
+        finally:
+            for hk in hooks:
+                hk.remove()
+
+    return recording()
+
+
+def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """``(prefix_ids, suffix_ids)``: what the chat template writes before a user message and after it
+    up to the assistant's turn, found as kvpress's ``KVzipPress`` finds them (a dummy message);
+    ``([], ids of "\\n")`` for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [], tokenizer.encode("\n", add_special_tokens=False)
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    kwargs = {"enable_thinking": False}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
+                                             tokenize=False, **kwargs)
+    context, suffix = rendered.split(separator)
+    prefix = context.split(dummy)[0]
+    return tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(suffix, add_special_tokens=False)
+
+
+def reconstruction_requests(tokenizer, ids: Sequence[int], encode=None) -> tuple[int, list[tuple[int, int, list[int]]]]:
+    """KVzip's reconstruction passes over the context ``ids``, as kvpress's ``KVzipPress.prepare``
+    makes them: ``(prefix, [(start, end, request), ...])``. ``prefix``: the chat template's tokens
+    before the user message when ``ids`` begins with them (else 0); the rest is cut into chunks of
+    :data:`~attngeom.kvcache.policies.KVZIP_CHUNK` tokens; chunk ``[start, end)``'s request is
+    :data:`~attngeom.kvcache.policies.KVZIP_PROMPT` (later chunks: :data:`~attngeom.kvcache.policies.KVZIP_PROMPT_NEXT`
+    and the last :data:`~attngeom.kvcache.policies.KVZIP_OVERLAP` tokens of the chunk before), the
+    template's turn suffix (``"\\n"`` without a template), then the chunk's tokens."""
+    from attngeom.kvcache.policies import KVZIP_CHUNK, KVZIP_OVERLAP, KVZIP_PROMPT, KVZIP_PROMPT_NEXT
+
+    ids = list(ids)
+    prefix_ids, suffix_ids = chat_frame(tokenizer)
+    prefix = len(prefix_ids) if prefix_ids and ids[: len(prefix_ids)] == prefix_ids else 0
+    if not prefix:
+        suffix_ids = tokenizer.encode("\n", add_special_tokens=False)
+    first = tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False)
+    later = tokenizer.encode(KVZIP_PROMPT_NEXT, add_special_tokens=False)
+    out = []
+    for start in range(prefix, len(ids), KVZIP_CHUNK):
+        end = min(start + KVZIP_CHUNK, len(ids))
+        ask = first if start == prefix else later + ids[max(prefix, start - KVZIP_OVERLAP) : start]
+        out.append((start, end, ask + suffix_ids + ids[start:end]))
+    return prefix, out
 
 
 @takes_handle
-def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Sequence[int]) -> dict[int, torch.Tensor]:
-    """KVzip's scores (:func:`~attngeom.kvcache.policies.kvzip`): :data:`~attngeom.kvcache.policies.KVZIP_PROMPT`
-    and ``ids`` again, read with (a copy of) the prefill's full ``cache``."""
+def reconstruction_scores(handle: ModelHandleLike, cache: DynamicCache, ids: Sequence[int],
+                          kinds: Sequence[str] = ("attention",)) -> dict[str, dict[int, torch.Tensor]]:
+    """KVzip's scores (:func:`~attngeom.kvcache.policies.kvzip`), per kind of
+    :data:`~attngeom.kvcache.policies.RECONSTRUCTION_SCORES`: ``{kind: {layer: [B, H, n]}}``. Each
+    request of :func:`reconstruction_requests` is read with (a copy of) the prefill's full
+    ``cache`` of the context ``ids`` (:class:`ReconstructionScores`); the first
+    :data:`~attngeom.kvcache.policies.KVZIP_SINKS` entries score 1 (kvpress's ``n_sink``; a
+    context without a chat prefix repeats them with the first chunk, which scores them), the
+    template's other prefix entries 0."""
     import copy
 
-    from attngeom.kvcache.policies import KVZIP_PROMPT
+    from attngeom.kvcache.policies import KVZIP_SINKS
 
-    scorer = ReconstructionScores(len(ids))
-    again = DynamicCache(config=handle.model.config)
-    again.layers = [copy.copy(lay) for lay in cache.layers]
-    request = handle.encode(KVZIP_PROMPT, add_bos=False) + list(ids)
-    with compressing(handle.model, again, session=Session(observers=[scorer])):
-        cached_forward(handle, again, torch.as_tensor([request]), last=1)     # the scores are read, not the logits
-    return scorer.scores
+    n = len(ids)
+    prefix, requests = reconstruction_requests(handle.tokenizer, ids)
+    out = {k: {} for k in kinds}
+    for start, end, request in requests:
+        scorer = ReconstructionScores(n, start, end, min(KVZIP_SINKS, start), kinds)
+        again = DynamicCache(config=handle.model.config)
+        again.layers = [copy.copy(lay) for lay in cache.layers]
+        norms = attention_input_norms(handle) if "kvzip_plus" in kinds else contextlib.nullcontext({})
+        with norms as h_norms, compressing(handle.model, again, session=Session(observers=[scorer])):
+            scorer.h_norms = h_norms
+            cached_forward(handle, again, torch.as_tensor([request]), last=1)   # the scores are read, not the logits
+        for kind, per_layer in scorer.scores.items():
+            for layer, m in per_layer.items():
+                if layer not in out[kind]:
+                    out[kind][layer] = torch.zeros(m.shape[0], m.shape[1], n, device=m.device)
+                    out[kind][layer][..., :KVZIP_SINKS] = 1.0
+                out[kind][layer][..., start:end] = m
+    return out
 
 
 @dataclass
@@ -179,9 +312,10 @@ def prefill(handle: ModelHandleLike, ids: Sequence[int], policies: Sequence[Poli
     with compressing(handle.model, cache, session=session):
         logits = cached_forward(handle, cache, torch.as_tensor([list(ids)]), last=LOGIT_ROWS)[0, -1]
     scores = scorer.scores
-    for p in policies:
-        if p.needs == "reconstruction":
-            scores[p.name] = reconstruction_scores(handle, cache, ids)
+    kinds = {p.params["score"] for p in policies if p.needs == "reconstruction"}
+    if kinds:
+        again = reconstruction_scores(handle, cache, ids, sorted(kinds))
+        scores.update({p.name: again[p.params["score"]] for p in policies if p.needs == "reconstruction"})
     return Prefill(cache, logits, scores, scorer.w_o, len(ids), time.perf_counter() - t0)
 
 
