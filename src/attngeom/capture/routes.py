@@ -94,56 +94,65 @@ def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
+def _width(*xs: torch.Tensor) -> int:
+    """The common head width the kernels are given: the widest, rounded up to a multiple of 8
+    (the memory-efficient kernel's alignment)."""
+    return -(-max(x.shape[-1] for x in xs) // 8) * 8
+
+
 def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """The boolean mask as the kernels take it (0 visible, −inf hidden, ``dtype``), every row with
     at least one visible source: a row that sees nothing (a padded query) is let see everything, so
-    that no kernel divides by zero (its weight in every statistic is 0)."""
+    that no kernel divides by zero (its weight in every statistic is 0). On CUDA the last dimension's
+    stride is a multiple of 16 (the memory-efficient kernel's alignment of its bias)."""
     if mask is None:
         return None
     empty = ~mask.any(-1, keepdim=True)
     seen = mask | empty
-    return torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill_(~seen, float("-inf"))
+    T = seen.shape[-1]
+    pad = 0 if mask.device.type == "cpu" else -T % 16
+    out = torch.zeros(*seen.shape[:-1], T + pad, dtype=dtype, device=mask.device)[..., :T]
+    return out.masked_fill_(~seen, float("-inf"))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, scale: float,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Σ_j a_ij x_j [B, H, T, m], lse_i [B, H, T])`` of ``a = softmax(scale·q kᵀ + mask)``, one
-    fused call. ``q, k [B, H, T, dk]`` (one key per query head), ``x [B, H, T, m]``, ``mask``
-    additive (:func:`additive_mask`) or None (causal)."""
-    width = max(q.shape[-1], x.shape[-1])
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``(Σ_j a_ij x_j [B, H, T, m], lse_i [B, H, T], saved)`` of ``a = softmax(scale·q kᵀ + mask)``,
+    one fused call; ``saved``: what :func:`transpose` hands the backward. ``q, k [B, H, T, dk]`` (one
+    key per query head), ``x [B, H, T, m]``, ``mask`` additive (:func:`additive_mask`) or None (causal)."""
+    width = _width(q, x)
     q, k, xp = _pad_last(q, width), _pad_last(k, width), _pad_last(x, width)
     causal = mask is None
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, xp, 0.0, causal, attn_mask=mask, scale=scale)
+        saved = (lse,)
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, xp, None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1), True, 0.0, causal,
-            scale=scale)[:2]
-        lse = lse[..., :q.shape[2]]
-    return out[..., :x.shape[-1]], lse
+        bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1)
+        out, lse_p, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, xp, bias, True, 0.0, causal, scale=scale)
+        lse, saved = lse_p[..., :q.shape[2]], (lse_p, seed, offset)
+    return out[..., :x.shape[-1]], lse, saved
 
 
-def transpose(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, F: torch.Tensor, scale: float,
+def transpose(q: torch.Tensor, k: torch.Tensor, saved: tuple, F: torch.Tensor, scale: float,
               mask: torch.Tensor | None) -> torch.Tensor:
     """``PᵀF`` per head, ``[B, H, T, m]``: the gradient of the values that the attention's backward
     computes for the output gradient ``F [B, H, T, m]`` (``dV = Pᵀ dO`` does not depend on the
-    values, so zeros are passed; the gradients of ``q`` and ``k`` are not used)."""
-    width = max(q.shape[-1], F.shape[-1])
+    values, so zeros are passed; the gradients of ``q`` and ``k`` are not used). ``saved``: from
+    :func:`attend` of the same ``q``, ``k`` and ``mask``."""
+    width = _width(q, F)
     q, k, Fp = _pad_last(q, width), _pad_last(k, width), _pad_last(F, width).contiguous()
     zeros = torch.zeros_like(Fp)
     causal = mask is None
     if q.device.type == "cpu":
         dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            Fp, q, k, zeros, zeros, lse, 0.0, causal, attn_mask=mask, scale=scale)[2]
+            Fp, q, k, zeros, zeros, saved[0], 0.0, causal, attn_mask=mask, scale=scale)[2]
     else:
         bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1)
-        T = q.shape[2]
-        lse_p = torch.zeros(*lse.shape[:-1], -(-T // 32) * 32, dtype=torch.float32, device=lse.device)
-        lse_p[..., :T] = lse
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        lse_p, seed, offset = saved
         dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            Fp, q, k, zeros, bias, zeros, lse_p, seed, seed, 0.0, [False, False, True, False], causal,
+            Fp, q, k, zeros, bias, zeros, lse_p, seed, offset, 0.0, [False, False, True, False], causal,
             scale=scale)[2]
     return dv[..., :F.shape[-1]]
 
@@ -270,13 +279,13 @@ class FusedLayer:
 
     # ---- the forward: head outputs, Σ_j a_ij k_j and lse ------------------------------------------
     @cached_property
-    def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(u, Σ_j a_ij k_j, lse)`` of the real tokens' softmax (without the learned sink),
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """``(u, Σ_j a_ij k_j, lse, saved)`` of the real tokens' softmax (without the learned sink),
         one fused call with ``[v | k]`` as values."""
         x = torch.cat([self.v, self.k], dim=-1)
-        out, lse = attend(self.q, self.k, x, self.scale, self.mask)
+        out, lse, saved = attend(self.q, self.k, x, self.scale, self.mask)
         dv = self.v.shape[-1]
-        return out[..., :dv], out[..., dv:], lse
+        return out[..., :dv], out[..., dv:], lse, saved
 
     @cached_property
     def lse(self) -> torch.Tensor:
@@ -391,7 +400,7 @@ class FusedLayer:
     # ---- per source ---------------------------------------------------------------------------------
     def transposed(self, F: torch.Tensor) -> torch.Tensor:
         """``PᵀF`` with the layer's attention ``P`` (learned sink included): ``[B, H, T, m]``."""
-        return transpose(self.q, self.k, self._forward[2], self._rescaled(F), self.scale, self.mask)
+        return transpose(self.q, self.k, self._forward[3], self._rescaled(F), self.scale, self.mask)
 
     def seen_by(self, w: torch.Tensor) -> torch.Tensor:
         """``Σ_i w_i [query i sees source j]``: ``[B, T]``."""
@@ -443,3 +452,40 @@ class FusedLayer:
             c = at["contribution"]
             out["contribution"] = (R[..., c:c + self.v.shape[-1]] * self.v).sum((1, 3))
         return {n: out[n] for n in names}
+
+
+# --------------------------------------------------------------------------------------------
+# The capture's choice, per layer, and the layer on the fused route
+# --------------------------------------------------------------------------------------------
+
+
+def layer_route(session, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                softcap: float | None) -> str:
+    """The route an observed attention call takes under ``session`` (its ``route``, observers,
+    intervention and prepared maps): ``"fused"``, or ``"block"`` followed by why when the session
+    asked for the fused one (``"block: soft-capping ..."``) -- what the run records per layer."""
+    if session.route == "block" or (session.route == "auto" and not auto_fused(query.device)):
+        return "block"
+    if session.intervention is not None:
+        return "block: an intervention edits the blocks"
+    if session.prepared:
+        return "block: measures prepared before the forward are read block by block"
+    for obs in session.observers:
+        if not getattr(obs, "fused", False):
+            return f"block: {type(obs).__name__} reads blocks"
+    reason = unsupported(query, key, mask, softcap)
+    return "fused" if reason is None else f"block: {reason}"
+
+
+def fused_attention(observers, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    mask: torch.Tensor | None, scaling: float, G: torch.Tensor, G_full: torch.Tensor,
+                    lengths: torch.Tensor, sinks: torch.Tensor | None = None, window: int | None = None,
+                    ) -> torch.Tensor:
+    """One attention call on the fused route: the layer's :class:`FusedLayer` handed to every
+    observer's ``observe_layer``, and the attention output ``[B, T, H, dv]`` in the call's dtype (the
+    fused kernel's, computed in float32 for bf16 and fp16 models)."""
+    fused = FusedLayer(query.detach(), key.detach(), value.detach(), scaling, mask, G, G_full, lengths,
+                       sinks=None if sinks is None else sinks.detach(), layer=layer, window=window)
+    for obs in observers:
+        obs.observe_layer(fused)
+    return fused.head_output.transpose(1, 2).to(query.dtype).contiguous()
