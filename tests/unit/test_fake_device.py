@@ -364,7 +364,8 @@ def test_compressed_cache_scores_stay_on_the_device(fake):
 # --------------------------------------------------------------------------------------------
 
 GPU_PATH = ("capture/plugin.py", "capture/interventions.py", "streaming/reducers.py", "generation/decoding.py",
-            "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies.py", "kvcache/prefill.py", "kvcache/tasks.py",
+            "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies/base.py", "kvcache/policies/budgets.py",
+            "kvcache/policies/kvzip.py", "kvcache/prefill.py", "kvcache/tasks.py",
             "metrics/formulas.py", "metrics/registry.py", "metrics/leave_one_out.py", "metrics/value_zeroing.py",
             "metrics/alti.py", "sinks/reducer.py", "sinks/removal.py", "sinks/geometry.py", "selection/reducer.py",
             "selection/separation.py", "selection/prediction.py", "heads/taxonomy.py")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from attngeom.capture.plugin import Session
+from attngeom.capture import Session
 from attngeom.kvcache.cache import CacheScorer, CompressedCache, cache_bytes, cached_forward, compressing, kept_entries, new_cache, pool_heads
 from attngeom.kvcache.evaluation import read_under_budget
 from attngeom.kvcache.policies import taxonomy_budgets
@@ -123,7 +123,7 @@ def test_policy_registry_is_complete():
                                      "contribution", "contribution_signed", "taxonomy"}
     assert set(POLICIES) == set(READING_POLICIES) | {
         "random", "knorm", "pyramidkv", "criticalkv", "dropkv", "kvzip", "kvzip_plus", "adakv", "loo_head",
-        "snap_contribution", "adakv_contribution", "suppressor", "kvzip_contribution"}
+        "snap_contribution", "adakv_contribution", "suppressor", "kvzip_contribution", "global_contribution"}
     assert all(not get_policy(n).prefill_only for n in READING_POLICIES)
     for name in POLICIES:
         assert get_policy(name).name == name and get_policy(name).__class__.__name__ == "Policy"

@@ -297,6 +297,23 @@ def test_adakv_shares_the_layer_budget_across_heads_with_a_floor():
     assert b[0].tolist() == [5, 5]
 
 
+def test_global_contribution_keeps_every_window_then_the_highest_of_all_layers():
+    from attngeom.kvcache.policies import global_contribution
+
+    pol = global_contribution(window=1, kernel=1)
+    # 2 layers x 1 head x 4 entries, ratio 0.5: 4 kept; both windows (entry 3) first, then 5 and 4
+    cs = {0: _ctx([5, 1, 0, 9], 0), 1: _ctx([4, 3, 2, 0.1], 0)}
+    b = pol.allocate(cs, 0.5)
+    assert b[0].tolist() == [2] and b[1].tolist() == [2]
+    assert _kept(pol, cs[0], b[0]) == [[0, 3]] and _kept(pol, cs[1], b[1]) == [[0, 3]]
+    cs = {0: _ctx([5, 1, 0, 9], 0), 1: _ctx([0.5, 3, 2, 0.1], 0)}                   # now 5 and 3
+    b = pol.allocate(cs, 0.5)
+    assert _kept(pol, cs[0], b[0]) == [[0, 3]] and _kept(pol, cs[1], b[1]) == [[1, 3]]
+    cs = {0: _ctx([5, 4.5, 0, 9], 0), 1: _ctx([0.5, 3, 2, 0.1], 0)}                 # 5 and 4.5: layer 0 takes both
+    b = pol.allocate(cs, 0.5)
+    assert b[0].tolist() == [3] and b[1].tolist() == [1]
+
+
 def test_criticalkv_first_stage_by_attention_then_by_projected_values():
     # 8 entries, window 0, budget 4: stage one keeps the 2 highest scores (entries 0, 1); the rest
     # goes by score x |W_O v|_1, which favours entries 6 and 7 (large values) over 2 and 3

@@ -10,7 +10,7 @@ the answer's first token then comes from the prefill itself. That mode favours s
 last queries (SnapKV's observation window sees the question) and is reported separately.
 
 **One captured prefill serves every policy.** Policies differ in their scores, not in the forward
-pass: the prefill runs once inside a :class:`~attngeom.capture.plugin.Session` whose observer
+pass: the prefill runs once inside a :class:`~attngeom.capture.Session` whose observer
 :class:`PrefillScores` sums every policy's scores (:meth:`~attngeom.kvcache.policies.Policy.step`)
 from the same blocks; each (policy, ratio) then costs only its selection
 (:func:`~attngeom.kvcache.cache.kept_entries`), the question and the answer. Each variant gets a
@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from attngeom.capture.plugin import Session
+from attngeom.capture import Session
 from attngeom.generation.decoding import model_stop_ids
 from attngeom.kvcache.cache import (CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads,
                                     stacked)
@@ -400,11 +400,11 @@ class PrefilledLayer(CompressedLayer):
     """A full-attention layer after the compression: the kept entries at positions ``pos [B, Hkv, K]``
     (``valid`` False on padding), their keys and values the first ``K`` entries of the storages
     ``keys, values [B, Hkv, K + room, d]`` (:func:`_gathered`), then every later token appended in
-    place (room for ``room`` more, doubling past it: :class:`~attngeom.capture.plugin.GrowingTensor`),
+    place (room for ``room`` more, doubling past it: :class:`~attngeom.capture.GrowingTensor`),
     nothing evicted. ``seen``: tokens read before (the next token's position)."""
 
     def __init__(self, keys, values, pos, valid, seen: int, num_heads: int, room: int = 0):
-        from attngeom.capture.plugin import GrowingTensor
+        from attngeom.capture import GrowingTensor
 
         K = pos.shape[2]
         if keys.shape[2] != K + int(room) or values.shape[2] != K + int(room):
