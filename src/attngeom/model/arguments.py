@@ -128,3 +128,14 @@ def takes_model(fn):
 
     unwrapped.takes_model = True
     return unwrapped
+
+
+def check_positions(handle, n: int, what: str, hint: str = "") -> None:
+    """Refuse, in one line, ``n`` positions (tokens read plus tokens generated) beyond the model's
+    ``max_positions`` (when its config says): ``"<what> needs n positions but <model> handles at
+    most <limit> positions"``, then ``hint``. Before any compute: a model reads no further than it
+    was made for."""
+    limit = getattr(handle, "max_positions", None)
+    if limit and n > limit:
+        raise InputError(f"{what} needs {n} positions but {getattr(handle, 'name', 'the model')} handles at most "
+                         f"{limit} positions" + (f"; {hint}" if hint else ""))
