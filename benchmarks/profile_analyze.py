@@ -27,11 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def analysis_methods(T: int) -> dict:
-    """``{name: () -> None}``: one forward of ``T`` tokens of the bundled model (float32, CPU) by the
+def analysis_methods(T: int, dtype: str = "float32", block_elements: int | None = None,
+                     routes: tuple[str, ...] = ()) -> dict:
+    """``{name: () -> None}``: one forward of ``T`` tokens of the bundled model (``dtype``, CPU) by the
     SDPA forward, the attngeom forward with no observer (``capture``), only the products all metrics need
     (``products``), attention-level statistics and all metrics (``analyze``), as
-    ``bench_analyze.py`` defines them."""
+    ``bench_analyze.py`` defines them; for each of ``routes`` also the two analyses with the capture's
+    route forced (``attention_stats[fused]``, ``analyze[fused]``, ...). ``block_elements``: the block
+    budget (default the library's for the CPU)."""
     import torch
 
     from bench_analyze import ATTENTION_FIELDS, _bench_ids
@@ -39,7 +42,7 @@ def analysis_methods(T: int) -> dict:
     from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
     from attngeom.traces import trace as tr
 
-    handle = load_model("smollm2-135m", dtype="float32", device="cpu")
+    handle = load_model("smollm2-135m", dtype=dtype, device="cpu")
     model = handle.model
     ids = _bench_ids(handle, T)
     x = torch.tensor([ids])
@@ -59,16 +62,24 @@ def analysis_methods(T: int) -> dict:
         with torch.inference_mode():
             model(x, logits_to_keep=1)
 
-    def streamed(observers):
-        return lambda: tr.stream(handle, [ids], observers(), progress=False)
+    def streamed(observers, route=None):
+        kw = {} if route is None else {"route": route}       # the capture's route (issue 49), when forced
+        return lambda: tr.stream(handle, [ids], observers(), progress=False, block_elements=block_elements, **kw)
 
+    def attention_stats():
+        return [HeadStats(fields=ATTENTION_FIELDS), TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]
+
+    routed = {}
+    for route in routes:
+        routed[f"attention_stats[{route}]"] = streamed(attention_stats, route)
+        routed[f"analyze[{route}]"] = streamed(lambda: [HeadStats(), TokenStats()], route)
     return {
         "sdpa": sdpa,
         "capture": streamed(lambda: []),
         "products": streamed(lambda: [ProductsOnly()]),
-        "attention_stats": streamed(lambda: [HeadStats(fields=ATTENTION_FIELDS),
-                                             TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]),
+        "attention_stats": streamed(attention_stats),
         "analyze": streamed(lambda: [HeadStats(), TokenStats()]),
+        **routed,
     }
 
 

@@ -218,3 +218,30 @@ def test_kernel_compiles_for_an_h100(dtype, tmp_path, monkeypatch):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
     assert kernel.asm["cubin"].startswith(b"\x7fELF")
     assert ("mma" in kernel.asm["ptx"]) == (dtype == "bf16")    # bf16 on tensor cores; float32 exact (ieee: FMA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_device_winner_equals_the_float64_map(dtype, test_device):
+    """:func:`source_winner` on ``test_device`` (the Triton kernel on cuda under gpu_check.sh, the
+    torch pass on the CPU) against the float64 map of the same (rounded) inputs: every row whose top
+    two products differ by more than 1e-3 (relative; bf16 logits are accumulated in float32) picks
+    the same source, at 64-wide tiles, GQA, a window and soft-capping."""
+    B, H, Hkv, S, d = 2, 8, 2, 300, 64
+    q, k, n = (x.to(dtype) for x in inputs(B, H, Hkv, S, d, seed=11, dtype=torch.float32))
+    n = n.float()
+    for opt in (dict(), dict(window=50, softcap=20.0)):
+        want_i, want_v = slow_winner(q, k, n, scale=d ** -0.5, **opt)
+        s = torch.einsum("bhqd,bhsd->bhqs", q.double(), k.double().repeat_interleave(H // Hkv, 1)) * d ** -0.5
+        if "softcap" in opt:
+            s = torch.tanh(s / opt["softcap"]) * opt["softcap"]
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        s = s.masked_fill((j > i) | (j <= i - opt.get("window", S)), float("-inf"))
+        x = torch.softmax(s, -1) * n.double().repeat_interleave(H // Hkv, 1)[:, :, None, :]
+        top2 = x.topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 1e-3 * top2[..., 0]
+        assert clear.float().mean() > 0.9
+        idx, val = fw.source_winner(q.to(test_device), k.to(test_device), n.to(test_device), scale=d ** -0.5, **opt)
+        assert idx.device.type == test_device.type
+        idx, val = idx.cpu(), val.cpu().double()
+        assert torch.equal(idx[clear], want_i[clear]), (opt, (idx[clear] != want_i[clear]).sum())
+        torch.testing.assert_close(val, want_v, rtol=1e-3, atol=1e-6)
