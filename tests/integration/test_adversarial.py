@@ -272,3 +272,65 @@ def test_a_run_resumed_under_another_thread_count_is_refused(tiny_llama_dir, cor
         assert _sinks(tiny_llama_dir, corpus, out) == 0 and verify(out) == []
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- issue 52: the run lock's refusal ----------------------------------------------------------------------
+
+
+def _held_elsewhere(directory, content: bytes):
+    """The lock file of ``directory`` holding ``content``, flocked through a descriptor of its own (as
+    another process holds it); returns that descriptor."""
+    import fcntl
+    import os
+
+    from attngeom.runs import lock
+
+    fd = os.open(directory / lock.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, content)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+@pytest.mark.parametrize("since", ["1e300", "NaN", "-1e18", "true", '"yesterday"'])
+def test_a_lock_held_since_an_impossible_time_is_refused_in_one_line(tmp_path, since):
+    """Defect 16 of issue 52: a holder's ``since`` of 1e300, NaN or -1e18 crashed the refused process
+    (time.localtime raised); the refusal names the holder and leaves the time out."""
+    import os
+
+    from attngeom.errors import InputError
+    from attngeom.runs import lock
+
+    fd = _held_elsewhere(tmp_path, f'{{"pid": 4242, "host": null, "since": {since}}}'.encode())
+    try:
+        with pytest.raises(InputError) as e:
+            lock.acquire(tmp_path)
+        assert "in use by process 4242;" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        os.close(fd)
+
+
+def test_a_holder_that_has_not_written_its_pid_yet_is_named_once_it_has(tmp_path, monkeypatch):
+    """Defect 21 of issue 52: a holder takes the lock before it writes its pid, so a process refused
+    in between said "another process". The refused process waits (boundedly) for the pid: here the
+    holder writes it while the refused process waits for the first time."""
+    import os
+    import time
+
+    from attngeom.errors import InputError
+    from attngeom.runs import lock
+
+    fd = _held_elsewhere(tmp_path, b"")
+    waits = []
+
+    def sleep(seconds):                            # the holder writes its pid during the first wait
+        if not waits:
+            os.pwrite(fd, b'{"pid": 4243, "host": null, "since": 0}', 0)
+        waits.append(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    try:
+        with pytest.raises(InputError) as e:
+            lock.acquire(tmp_path)
+        assert "in use by process 4243 " in str(e.value) and waits, str(e.value)
+    finally:
+        os.close(fd)

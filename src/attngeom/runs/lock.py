@@ -44,7 +44,7 @@ def acquire(directory: Path) -> None:
         except OSError as e:
             raise OutputError(f"cannot create the lock {path}: {e.strerror or e}") from None
         if not _lock_fd(fd, path):
-            holder = _read(path)
+            holder = _holder(path)
             os.close(fd)
             raise InputError(_in_use(directory, holder))
         try:
@@ -102,6 +102,22 @@ def _read(path: Path) -> dict:
         return {}
 
 
+PID_WAIT = 1.0
+"""Seconds a refused process waits, at most, for the holder's pid: the holder takes the lock before it
+writes its pid, so a process refused in between would not know whom to name."""
+
+
+def _holder(path: Path) -> dict:
+    """The holder named in the lock file ``path``, waiting up to :data:`PID_WAIT` seconds for a holder
+    that has taken the lock but not yet written its pid."""
+    holder, waited = _read(path), 0.0
+    while not isinstance(holder.get("pid"), int) and waited < PID_WAIT:
+        time.sleep(0.01)
+        waited += 0.01
+        holder = _read(path)
+    return holder
+
+
 def _alive(holder: dict) -> bool:
     """Whether the holder named in a lock file is a live process other than this one (a holder on
     another host is taken as alive)."""
@@ -124,7 +140,9 @@ def _in_use(directory: Path, holder: dict) -> str:
     who = f"process {pid}" if pid else "another process"
     if host and host != socket.gethostname():
         who += f" on {host}"
-    when = (f" since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
-            if isinstance(since, (int, float)) else "")
+    try:                       # a time the file holds, if it is one (not 1e300, NaN, -1e18 or true)
+        when = "" if isinstance(since, bool) or not isinstance(since, (int, float)) else f" since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
+    except (TypeError, ValueError, OverflowError, OSError):
+        when = ""
     return (f"{directory} is in use by {who}{when}; wait for it to finish, or use another --out "
             "(nothing was changed)")
