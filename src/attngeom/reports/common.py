@@ -33,10 +33,19 @@ def formats() -> list[str]:
 
 
 def check_format(fmt: str) -> str:
-    """``fmt`` lower-cased when matplotlib writes it, else one-line :class:`InputError`."""
+    """``fmt`` lower-cased when matplotlib writes it (pgf only where its LaTeX program is installed: it
+    draws through it), else one-line :class:`InputError`."""
     f = str(fmt).lower().lstrip(".")
     if f not in formats():
         raise InputError(f"unknown figure format {fmt!r}; matplotlib writes {', '.join(formats())}")
+    if f == "pgf":                                   # matplotlib writes pgf through a LaTeX program
+        import shutil
+
+        from matplotlib import rcParams
+
+        tex = rcParams["pgf.texsystem"]
+        if shutil.which(tex) is None:
+            raise InputError(f"--figure-format pgf needs LaTeX ({tex}), which is not installed here; use pdf or svg")
     return f
 
 
