@@ -174,7 +174,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
     from attngeom.model import load_model
     from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
     from attngeom.traces import trace as tr
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
 
     torch.manual_seed(0)
     handle = load_model("smollm2-135m", dtype="float32", device="cpu")

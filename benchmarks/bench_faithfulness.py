@@ -53,7 +53,7 @@ def timed(fn) -> tuple[float, float]:
 
 
 def measure(handle, win: list[int], n_variants: int, rows: int | None, repeats: int) -> dict:
-    from attngeom.faithfulness.curves import auto_rows, build_variants, run_units, window_units
+    from attngeom.faithfulness.experiment import auto_rows, build_variants, run_units, window_units
 
     model = handle.model
     ids = torch.tensor(win)[None]

@@ -12,7 +12,7 @@ ids after BOS) is answered with exactly ``N`` tokens (stop tokens off) by:
     :func:`attngeom.generation.decoding.generate` with no observer: every call through the capture plug-in
     (``N + 1`` calls: attngeom also runs the last token, so the trace has its row).
 ``answer``
-    the same with :class:`~attngeom.generation.decoding.AnswerSources` on all layers (the answer tables).
+    the same with :class:`~attngeom.generation.answers.AnswerSources` on all layers (the answer tables).
 ``analyze``
     what ``attngeom analyze --generate N`` runs: ``answer``, and :class:`~attngeom.streaming.reducers.HeadStats`
     and :class:`~attngeom.streaming.reducers.TokenStats` (all five metrics of SPEC §2) as text reducers: the
@@ -97,8 +97,9 @@ def main(argv=None) -> int:
     import torch
 
     from attngeom import load_model
-    from attngeom.capture.plugin import Session
-    from attngeom.generation.decoding import AnswerSources, Decoding, generate, stream_generation_ids
+    from attngeom.capture.session import Session
+    from attngeom.generation.answers import AnswerSources
+    from attngeom.generation.decoding import Decoding, generate, stream_generation_ids
     from attngeom.streaming.reducers import HeadStats, TokenStats
 
     if args.threads:

@@ -8,7 +8,7 @@ other jobs hits every method alike; medians of ``--repeats``):
 ``sdpa`` / ``eager``
     a plain forward pass of one window (transformers' ``sdpa`` attention, its default, and ``eager``).
 ``score:<measure>``
-    the captured forward (:class:`attngeom.capture.plugin.Session`) with an observer that computes
+    the captured forward (:class:`attngeom.capture.session.Session`) with an observer that computes
     the measure's token-level score ``[B, Q, S]`` on every block of every layer (what ``analyze``
     and the explorer pay to show it).
 ``rank:<measure>``
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     from attngeom import load_model
     from attngeom.capture.interventions import RankIntervention, Variant
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
     from attngeom.capture.prepared import prepare
     from attngeom.data.corpora import SAMPLE_TEXT
     from attngeom.metrics import registry

@@ -70,7 +70,7 @@ def worker(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
     from attngeom.streaming.reducers import HeadStats, TokenStats
     from attngeom.traces.trace import stream
     from seed_configs import random_ids, seed_config, seed_model

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from attngeom.capture.plugin import Session  # noqa: E402
+from attngeom.capture.session import Session  # noqa: E402
 from attngeom.model import load_model  # noqa: E402
 from attngeom.streaming.reducers import InputBatch  # noqa: E402
 from attngeom.selection import SelectionStats  # noqa: E402

@@ -205,7 +205,7 @@ def measure_metrics(h32, h16, wins) -> dict:
 
 def measure_faithfulness(h32, h16, wins, variants=FAITH_VARIANTS) -> dict:
     """ΔPPL per variant in both precisions over ``wins`` (pooled PPL, as the experiment reports)."""
-    from attngeom.faithfulness.curves import run_units, window_units
+    from attngeom.faithfulness.experiment import run_units, window_units
     from attngeom.capture.interventions import CLEAN, Variant
 
     vs = [CLEAN] + [Variant(m, mode, r, 0) for m, mode, r in variants]

@@ -256,10 +256,10 @@ def _same_as_written(res, out, summary_keys):
 
 
 def test_analysis_experiment_is_what_the_command_writes(tiny_llama_dir, tmp_path):
-    """attngeom.analysis.single_text.experiment on a text in windows, and on a prompt with its answer
+    """attngeom.analysis.experiment.experiment on a text in windows, and on a prompt with its answer
     (--generate), returns the tables attngeom analyze writes and summary.json's numbers; the
     per-window sums add up to the per-layer sinks of the summary."""
-    from attngeom.analysis import single_text as analysis
+    from attngeom.analysis import experiment as analysis
     from attngeom import load_model
     from attngeom.cli import main
     from attngeom.errors import InputError

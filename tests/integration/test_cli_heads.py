@@ -7,7 +7,7 @@ import pytest
 
 from attngeom.cli import main
 from attngeom.runs.contract import MIN_SCORED_TOKENS
-from attngeom.heads import removal as HD
+from attngeom.heads import experiment as HD
 
 TEXTS = ["The cat sat on the mat; the dog lay by the door.", "A shorter one, with commas."]
 

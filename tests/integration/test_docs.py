@@ -125,14 +125,14 @@ def test_plotting_api_is_public_and_the_other_report_writers_internal():
     reports = [m for m in documented if m.startswith("attngeom.reports")]
     assert "attngeom.reports" in reports and "attngeom.reports.claims" in reports
     assert [m for m in reports if hooks.is_public(m)] == ["attngeom.reports.plot"]
-    assert hooks.is_public("attngeom.sinks") and not hooks.is_public("attngeom.sinks.corpus")
+    assert hooks.is_public("attngeom.sinks") and not hooks.is_public("attngeom.sinks.experiment")
     assert not any(m.startswith(("attngeom.cli", "attngeom.commands")) for m in documented)
 
 
 @needs_mkdocs
 def test_every_cross_reference_in_a_docstring_resolves():
     hooks = _hooks()
-    plugin = ["attngeom.capture.plugin"]
+    plugin = ["attngeom.capture.session"]
     assert hooks.unresolved("Session.run", plugin, "attngeom.capture")          # no such method
     assert not hooks.unresolved("Session.active", plugin, "attngeom.capture")
     assert not hooks.unresolved(".formulas", ["attngeom.metrics"], "attngeom.metrics")
@@ -188,7 +188,7 @@ def test_site_builds_without_warnings(tmp_path):
     assert "API reference" in index and "Internals" in index
     sinks = (site / "api" / "attngeom.sinks" / "index.html").read_text(encoding="utf-8")
     assert "Public names" in sinks
-    assert 'href="../attngeom.sinks.corpus/#attngeom.sinks.corpus.experiment"' in sinks
+    assert 'href="../attngeom.sinks.reducer/#attngeom.sinks.reducer.SinkStats"' in sinks
 
 
 def _verdict_rows(md: str) -> list[list[str]]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
 from checks import RebuiltOutputs
@@ -153,7 +153,7 @@ def test_device_sinks_selection_and_heads_match_the_cpu(arch, test_device):
     handle = tiny_model(arch)
     g = torch.Generator().manual_seed(5)
     windows = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 27, 33)]
-    from attngeom.heads.removal import weight_norms
+    from attngeom.heads.experiment import weight_norms
 
     cpu, cpu_weights = _sinks_selection_heads(handle, windows), weight_norms(handle)
     handle.model.to(test_device)

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.errors import UnsupportedArchitectureError
 from attngeom.model import ModelHandle
 from attngeom.model.adapter import SUPPORTED_ARCHITECTURES, adapter_for, check_supported
@@ -573,7 +573,7 @@ def test_a_generation_trace_keeps_the_learned_sink(tmp_path):
 def test_latent_attention_is_refused_before_any_stage_runs():
     """deepseek_v2 (multi-head latent attention) has no W_V: the head experiment refuses in one line
     before its taxonomy stages run (the weight-norm order needs ``‖W_V‖``)."""
-    from attngeom.heads import removal as HD
+    from attngeom.heads import experiment as HD
     from attngeom.heads.settings import HeadsSettings
     from attngeom.runs.run import InMemoryRun
     from tiny_models import tiny_tokenizer

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from attngeom.faithfulness.curves import experiment as faithfulness_experiment
-from attngeom.faithfulness.curves import window_units
+from attngeom.faithfulness.experiment import experiment as faithfulness_experiment
+from attngeom.faithfulness.experiment import window_units
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.generation.decoding import model_stop_ids
 from attngeom.metrics import formulas as M

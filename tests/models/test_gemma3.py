@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from attngeom.capture.plugin import Session, attngeom_attention_implementation
+from attngeom.capture.session import attngeom_attention_implementation, Session
 from attngeom.data.corpora import SAMPLE_TEXT
 from attngeom.model import BUNDLED_MODELS, cache_dir, load_model
 from attngeom.model import gguf_cache

@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.traces.trace import forward
 from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_config, seed_model

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attngeom.capture.plugin import Session, output_grams
+from attngeom.capture.kernel import output_grams
+
+from attngeom.capture.session import Session
 from attngeom.errors import UnsupportedArchitectureError
 from attngeom.model import SUPPORTED_ARCHITECTURES, ArchitectureAdapter, HeadGeometry, adapter_for
 from attngeom.model.adapter import attention_layer, attention_w_o
@@ -202,7 +204,7 @@ def test_adapter_follows_a_replaced_model():
 
 
 def test_heads_helpers_go_through_the_adapter():
-    from attngeom.heads import removal as HD
+    from attngeom.heads import experiment as HD
 
     handle = tiny_model("phi3")
     assert HD.attention_modules(handle.model) == handle.adapter.attention_modules

@@ -1,9 +1,9 @@
-"""attngeom.analysis.single_text: the single-text analysis' windows, per-layer sink aggregates and top tokens."""
+"""attngeom.analysis.experiment: the single-text analysis' windows, per-layer sink aggregates and top tokens."""
 
 import pandas as pd
 import pytest
 
-from attngeom.analysis.single_text import add_input_positions, cut_windows, per_layer_sinks, top_tokens
+from attngeom.analysis.experiment import add_input_positions, cut_windows, per_layer_sinks, top_tokens
 
 
 def test_cut_windows_cover_every_token_with_bos_repeated():

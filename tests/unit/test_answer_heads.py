@@ -10,8 +10,8 @@ import torch
 
 import attngeom
 from attngeom.errors import InputError
-from attngeom.generation.decoding import (FALLBACK_CHAT_TEMPLATE, Decoding, chat_template_of, prompt_ids,
-                                          stream_generation, template_positions)
+from attngeom.generation.decoding import Decoding, stream_generation
+from attngeom.generation.prompts import FALLBACK_CHAT_TEMPLATE, chat_template_of, prompt_ids, template_positions
 from attngeom.generation.heads import AnswerHeads
 from attngeom.traces.trace import Trace, analyze
 from tiny_models import BOS_ID, tiny_chat_tokenizer, tiny_model, tiny_tokenizer

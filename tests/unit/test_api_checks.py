@@ -20,7 +20,9 @@ def _ids(handle, n=4):
 def _runs(handle):
     """Every entry point of the API that takes layers, as ``layers -> run it``."""
     import attngeom
-    from attngeom import faithfulness, selection, sinks
+    from attngeom.faithfulness import experiment as faithfulness
+    from attngeom.selection import experiment as selection
+    from attngeom.sinks import experiment as sinks
     from attngeom.faithfulness.settings import FaithfulnessSettings
     from attngeom.selection.settings import SelectionSettings
     from attngeom.sinks.settings import SinksSettings

@@ -4,7 +4,7 @@ attention output, and logits with analysis on equal logits without it."""
 import pytest
 import torch
 
-from attngeom.capture.plugin import ATTN_NAME, Session, attngeom_attention_implementation
+from attngeom.capture.session import ATTN_NAME, attngeom_attention_implementation, Session
 from attngeom.streaming.reducers import InputBatch, HeadStats
 from attngeom.traces.trace import analyze, analyze_batch, forward
 from tiny_models import ARCHS, tiny_model

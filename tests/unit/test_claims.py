@@ -12,7 +12,7 @@ from attngeom.stats import resampling as bs
 from attngeom import claims as CL
 from attngeom import faithfulness as FA
 from attngeom import heads as HD
-from attngeom import selection as SE
+from attngeom.selection import experiment as SE
 from attngeom import sinks as SK
 from attngeom.cli import main
 from attngeom.runs.storage import decode_record, encode_record
@@ -143,7 +143,7 @@ def test_selection_summary_equals_summarize(tiny):
 
 
 def _taxonomy_records(X: np.ndarray) -> list[dict]:
-    """Taxonomy records (as :func:`attngeom.heads.removal.taxonomy_stage` writes them) of winner sums ``[W, L, H, 3]``."""
+    """Taxonomy records (as :func:`attngeom.heads.experiment.taxonomy_stage` writes them) of winner sums ``[W, L, H, 3]``."""
     return [{"tax": {"sums": {str(l): {"winner_self": x[l, :, 0], "winner_sink": x[l, :, 1], "winner_other": x[l, :, 2]}
                               for l in range(x.shape[0])}}} for x in X]
 

@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.errors import InputError
-from attngeom.faithfulness import curves as F
-from attngeom.faithfulness.curves import CLEAN, build_variants, experiment, run_units, summarize, task_units, window_units
+from attngeom.faithfulness import experiment as F
+from attngeom.faithfulness.experiment import CLEAN, build_variants, experiment, run_units, summarize, task_units, window_units
 from attngeom.capture.interventions import RankIntervention, Variant
 from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import Run

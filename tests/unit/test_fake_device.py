@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attngeom
 from attngeom.capture.interventions import HeadRemoval, SourceMask
-from attngeom.capture.plugin import Session, attngeom_attention_implementation
+from attngeom.capture.session import attngeom_attention_implementation, Session
 from attngeom.generation.decoding import Decoding, GrowingCache, GrowingNorms, generate
 from attngeom.kvcache.cache import CacheScorer, CompressedCache, cached_forward, compressing
 from attngeom.metrics import registry
@@ -252,19 +252,19 @@ def test_one_querys_selection_geometry_stays_on_its_device(has_sink):
 def test_a_session_without_a_budget_takes_each_layers_device_budget(fake, monkeypatch):
     """The default block budget follows the device of each layer's call: the accelerator's on fake
     ``cuda`` devices (both halves of a split model), the CPU's for the same model on the host."""
-    from attngeom.capture import plugin
+    from attngeom.capture import kernel
 
     handle, want = fake
     seen = []
-    real = plugin._query_blocks
+    real = kernel.query_blocks
 
     def spy(B, H, Tq, S, budget, min_queries=1):
         seen.append((budget, min_queries))
         return real(B, H, Tq, S, budget, min_queries)
 
-    monkeypatch.setattr(plugin, "_query_blocks", spy)
+    monkeypatch.setattr(kernel, "query_blocks", spy)
     _forward(handle, Session(), torch.randint(3, 100, (1, T)))
-    assert seen == [(plugin.ACCELERATOR_BLOCK_ELEMENTS, plugin.MIN_BLOCK_QUERIES)] * len(want)
+    assert seen == [(kernel.ACCELERATOR_BLOCK_ELEMENTS, kernel.MIN_BLOCK_QUERIES)] * len(want)
     seen.clear()
     _forward(handle, Session(block_elements=40), torch.randint(3, 100, (1, T)))
     assert seen == [(40, 1)] * len(want)                  # an explicit budget is used as given
@@ -274,13 +274,13 @@ def test_the_default_budgets_give_the_measured_block_counts():
     """Hand-computed: SmolLM2-135M's 9 heads at T = 8192 make 128 blocks of 64 queries per layer with
     the CPU's 2^21 elements (the element budget alone would give 28 queries: the floor of 64 holds),
     and 10 with the accelerator's 2^26 (2^26 // (9 * 8192) = 910 queries: nine blocks and the last 2)."""
-    from attngeom.capture import plugin
+    from attngeom.capture import kernel
 
-    assert Session().budget("cpu") == plugin.DEFAULT_BLOCK_ELEMENTS == 1 << 21
-    assert Session().budget("cuda:1") == Session().budget(torch.device("cuda")) == plugin.ACCELERATOR_BLOCK_ELEMENTS
+    assert Session().budget("cpu") == kernel.DEFAULT_BLOCK_ELEMENTS == 1 << 21
+    assert Session().budget("cuda:1") == Session().budget(torch.device("cuda")) == kernel.ACCELERATOR_BLOCK_ELEMENTS
     assert Session(block_elements=500).budget("cuda") == 500
-    cpu = plugin._query_blocks(1, 9, 8192, 8192, Session().budget("cpu"), plugin.MIN_BLOCK_QUERIES)
-    gpu = plugin._query_blocks(1, 9, 8192, 8192, Session().budget("cuda"), plugin.MIN_BLOCK_QUERIES)
+    cpu = kernel.query_blocks(1, 9, 8192, 8192, Session().budget("cpu"), kernel.MIN_BLOCK_QUERIES)
+    gpu = kernel.query_blocks(1, 9, 8192, 8192, Session().budget("cuda"), kernel.MIN_BLOCK_QUERIES)
     assert len(cpu) == 128 and cpu[0] == (0, 64)
     assert len(gpu) == 10 and gpu[0] == (0, 910) and gpu[-1] == (8190, 8192)
 
@@ -297,11 +297,11 @@ def test_the_default_budgets_give_the_measured_block_counts():
 def test_the_accelerator_budget_fits_the_devices_memory(monkeypatch, memory, budget):
     """Hand-computed: the largest power of two at most ``memory / 1024`` elements, between the CPU's
     2^21 and 2^26 (a float32 map at most 1/256 of the device)."""
-    from attngeom.capture import plugin
+    from attngeom.capture import kernel
 
-    monkeypatch.setattr(plugin, "_device_memory", lambda device: memory)
-    assert plugin.default_block_elements("cuda:0") == Session().budget("cuda") == budget
-    assert plugin.default_block_elements("cpu") == 1 << 21         # the CPU's is never the device's
+    monkeypatch.setattr(kernel, "device_memory", lambda device: memory)
+    assert kernel.default_block_elements("cuda:0") == Session().budget("cuda") == budget
+    assert kernel.default_block_elements("cpu") == 1 << 21         # the CPU's is never the device's
 
 
 @pytest.mark.parametrize("fake", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:], indirect=True)
@@ -336,7 +336,7 @@ def test_generation_steps_stay_on_the_device(fake, monkeypatch):
 def test_the_answer_tables_join_their_rows_on_each_rows_device():
     """AnswerSources copies a step's rows to the host once per device: under device_map the layers'
     rows live on several devices, and no product or join mixes them."""
-    from attngeom.generation.decoding import rows_by_device
+    from attngeom.generation.answers import rows_by_device
 
     with fake_cuda():
         rows = [torch.ones(2, 5, device=CUDA0), torch.ones(2, 5, device=CUDA1), torch.ones(2, 3, device=CUDA0)]
@@ -363,7 +363,8 @@ def test_compressed_cache_scores_stay_on_the_device(fake):
 # What fake tensors cannot follow: every host read of the GPU path, documented
 # --------------------------------------------------------------------------------------------
 
-GPU_PATH = ("capture/plugin.py", "capture/interventions.py", "streaming/reducers.py", "generation/decoding.py",
+GPU_PATH = ("capture/blocks.py", "capture/kernel.py", "capture/session.py", "capture/interventions.py",
+            "streaming/reducers.py", "generation/decoding.py", "generation/answers.py",
             "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies/base.py", "kvcache/policies/budgets.py",
             "kvcache/policies/kvzip.py", "kvcache/prefill.py", "kvcache/tasks.py",
             "metrics/formulas.py", "metrics/registry.py", "metrics/leave_one_out.py", "metrics/value_zeroing.py",

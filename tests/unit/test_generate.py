@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from attngeom.errors import InputError
-from attngeom.capture.plugin import GrowingTensor, Session
-from attngeom.generation.decoding import (AnswerSources, Decoding, GrowingCache, GrowingNorms, generate,
-                                         generation_stage, model_stop_ids, prompt_ids, stream_generation)
+from attngeom.capture.kernel import GrowingTensor
+from attngeom.capture.session import Session
+from attngeom.generation.answers import AnswerSources
+from attngeom.generation.decoding import (Decoding, GrowingCache, GrowingNorms, generate, generation_stage,
+                                         model_stop_ids, stream_generation)
+from attngeom.generation.prompts import prompt_ids
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
 from attngeom.traces.trace import Trace, analyze
 from attngeom.traces.trace import stream as stream_texts

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from attngeom.heads import removal as HD
-from attngeom.capture.plugin import Session
+from attngeom.heads import experiment as HD
+from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.traces.trace import forward, make_batches
 

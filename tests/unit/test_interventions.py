@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from attngeom.capture import plugin as capture
-from attngeom.capture.plugin import Block, LayerState, Session
+from attngeom.capture import session as capture
+from attngeom.capture.blocks import Block, LayerState
+from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.capture.interventions import RankIntervention, SourceMask, Variant, masked_count, random_scores, select_mask
 from attngeom.streaming.reducers import InputBatch

@@ -7,7 +7,9 @@ sizes, with padding, and on exact ties (where ``argmax`` takes the first maximum
 import pytest
 import torch
 
-from attngeom.capture.plugin import Block, LayerState, Session
+from attngeom.capture.blocks import Block, LayerState
+
+from attngeom.capture.session import Session
 from attngeom.streaming.reducers import InputBatch, HeadStats
 from attngeom.traces.trace import analyze, forward
 from test_capture import _ids

@@ -6,7 +6,7 @@ import torch
 
 from attngeom.metrics import formulas as M
 from attngeom.metrics import registry as R
-from attngeom.capture.plugin import Block, LayerState
+from attngeom.capture.blocks import Block, LayerState
 from attngeom.errors import InputError
 from attngeom.capture.interventions import RANK_METRICS, RankIntervention, Variant
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats

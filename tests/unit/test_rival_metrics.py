@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attngeom.capture.interventions import Variant
-from attngeom.capture.plugin import Block, LayerState
+from attngeom.capture.blocks import Block, LayerState
 from attngeom.errors import InputError
 from attngeom.metrics import formulas as M
 from attngeom.metrics import registry as R
@@ -190,7 +190,7 @@ def test_layer_only_measures_refuse_per_head_use(gqa):
 def test_the_measures_rank_the_interventions(tiny_llama):
     """Each measure ranks the comprehensiveness and sufficiency interventions (token level); masking
     half of the sources moves the perplexity, each measure its own way."""
-    from attngeom import faithfulness
+    from attngeom.faithfulness import experiment as faithfulness
     from attngeom.faithfulness.settings import FaithfulnessSettings
 
     ids = tiny_llama.encode(TEXT * 3)
@@ -247,7 +247,7 @@ def test_gradient_weighted_attention_predicts_the_masking_to_first_order(gqa):
     """``Σ g_ij`` over a small masked share ``ε`` of every weight of one layer is the first-order change
     of ``ℓ``: scaling the mixing weights of layer 1 by ``1 − ε`` (an intervention of the plug-in)
     changes ``ℓ`` by ``−ε Σ g`` up to ``O(ε²)``."""
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
     from attngeom.capture.prepared import gradient_maps
     from attngeom.streaming.passes import batch_nll
     from attngeom.streaming.reducers import InputBatch
@@ -306,7 +306,7 @@ def test_prepared_measures_refuse_a_forward_without_their_pass(gqa):
 
 
 def _read_in_a_forward(h, name):
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
     from attngeom.streaming.passes import forward
     from attngeom.streaming.reducers import InputBatch
 
@@ -323,7 +323,7 @@ def _read_in_a_forward(h, name):
 def test_prepared_maps_rank_a_batch_of_variants_like_one_row(tiny_llama):
     """The prepared maps of one text serve every row of a batched forward: ranking by gradient or
     rollout in a batch of variants gives each variant's NLL as run alone."""
-    from attngeom.faithfulness.curves import Unit, _pair_nll
+    from attngeom.faithfulness.experiment import Unit, _pair_nll
 
     ids = tiny_llama.encode(TEXT * 2)
     unit = Unit(tuple(ids), len(ids) - 1, 0)

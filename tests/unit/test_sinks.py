@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attngeom.metrics import formulas as M
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.capture.interventions import control_columns
 from attngeom.sinks import HISTOGRAMS, SinkStats, SourceRemoval, counterfactual_norm, histogram_counts, histogram_quantile, log_share_sums, pair_factors, quadratic_fit, rho_star, sink_terms, variance_shares
 from attngeom.traces.trace import analyze, forward, make_batches, stream

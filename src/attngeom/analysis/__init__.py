@@ -1,10 +1,9 @@
-"""The single-text analysis of ``attngeom analyze`` as an experiment (:mod:`.single_text`)."""
+"""The single-text analysis of ``attngeom analyze`` as an experiment (:mod:`.experiment`)."""
 
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "AnalyzeSettings": "settings",
-    "summarize": "single_text",
-    "experiment": "single_text",
-    "answer_experiment": "single_text",
+    "summarize": "experiment",
+    "answer_experiment": "experiment",
 })

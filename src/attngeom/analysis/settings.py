@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class AnalyzeSettings:
-    """The single-text analysis (:func:`attngeom.analysis.single_text.experiment`): summaries at ``layers``
+    """The single-text analysis (:func:`attngeom.analysis.experiment.experiment`): summaries at ``layers``
     (None: all), maps of the ``figure_layers`` (None: the first, a middle and the last analysed
     layer) with per-head grids of ``heads`` (None: all), drawn only when the (first) window has at
     most ``max_map_tokens`` tokens; an input longer than the context cut into windows of ``window``
@@ -47,6 +47,6 @@ class AnalyzeSettings:
                 **generation_record(self.decoding, self.chat, self.system)}
 
     def answer_record(self) -> dict:
-        """The options of corpus mode (:func:`attngeom.analysis.single_text.answer_experiment`) as the run records them."""
+        """The options of corpus mode (:func:`attngeom.analysis.experiment.answer_experiment`) as the run records them."""
         return {"layers": self._layers(), "sink": self.sink, "rank_special": self.rank_special,
                 **generation_record(self.decoding, self.chat, self.system)}

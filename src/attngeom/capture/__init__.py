@@ -1,4 +1,6 @@
-"""The capture engine: the attention plug-in (:mod:`.plugin`), and the interventions applied inside it (:mod:`.interventions`)."""
+"""The capture engine: the session and the switch onto the attention plug-in (:mod:`.session`), the
+blocked exact attention kernel (:mod:`.kernel`), the blocks observers and interventions see
+(:mod:`.blocks`), and the interventions applied inside it (:mod:`.interventions`)."""
 
 from attngeom._exports import lazy
 
@@ -8,13 +10,13 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "RankIntervention": "interventions",
     "SourceMask": "interventions",
     "HeadRemoval": "interventions",
-    "ATTN_NAME": "plugin",
-    "LayerState": "plugin",
-    "Block": "plugin",
-    "Observer": "plugin",
-    "Intervention": "plugin",
-    "Workspace": "plugin",
-    "GrowingTensor": "plugin",
-    "Session": "plugin",
-    "exact_attention": "plugin",
+    "ATTN_NAME": "session",
+    "LayerState": "blocks",
+    "Block": "blocks",
+    "Observer": "blocks",
+    "Intervention": "blocks",
+    "Workspace": "kernel",
+    "GrowingTensor": "kernel",
+    "Session": "session",
+    "exact_attention": "kernel",
 })

@@ -3,11 +3,11 @@ its mass-matched control, SPEC §4) and removing heads (SPEC §6) inside the for
 
 What belongs here: the edits of the mixing weights. The statistics measured under an edit belong to
 the experiment that measures them (:class:`attngeom.sinks.removal.SourceRemoval` records head-output norms
-and cone measures around :func:`remove_source`; :mod:`attngeom.heads.removal` measures perplexity under
+and cone measures around :func:`remove_source`; :mod:`attngeom.heads.experiment` measures perplexity under
 :class:`HeadRemoval`).
 
-An intervention is a callable handed to :class:`attngeom.capture.plugin.Session`; for every block of
-queries of every intervened layer it receives the :class:`~attngeom.capture.plugin.Block` and returns the
+An intervention is a callable handed to :class:`attngeom.capture.session.Session`; for every block of
+queries of every intervened layer it receives the :class:`~attngeom.capture.blocks.Block` and returns the
 weights that mix the values, ``block.a * keep`` (masking source ``j`` at query ``i`` zeroes its
 weight; the remaining weights are not renormalised). The ranking is computed from the block's own
 quantities, i.e. from that layer's attention and values *after* the interventions at earlier layers,
@@ -59,7 +59,7 @@ from typing import Iterable, Sequence
 import torch
 
 from attngeom.metrics import registry
-from attngeom.capture.plugin import Block, LayerState
+from attngeom.capture.blocks import Block, LayerState
 from attngeom.errors import InputError
 
 MODES = ("comprehensiveness", "sufficiency")
@@ -410,7 +410,7 @@ class HeadRemoval:
     heads}`` or ``[(layer, head), ...]``) in every row of the batch, or with ``rows`` one such
     removal per batch row (several removals measured in one batched forward over copies of the same
     windows). A removed head's output ``Σ_j a_ij v_j`` becomes 0, which *is* its slice of the
-    ``o_proj`` input (:mod:`attngeom.heads.removal`)."""
+    ``o_proj`` input (:mod:`attngeom.heads.experiment`)."""
 
     def __init__(self, removed: dict[int, Iterable[int]] | Iterable[tuple[int, int]] = (),
                  rows: Sequence[dict | Iterable[tuple[int, int]]] | None = None):

@@ -1,6 +1,6 @@
 """The passes that compute a measure before the forward that ranks by it (SPEC §2.1): the backward
 pass of gradient-weighted attention and the composition of rollouts, each on the clean forward of
-one text. Their maps go to ``Session(prepared=...)``; :meth:`~attngeom.capture.plugin.Block.prepared`
+one text. Their maps go to ``Session(prepared=...)``; :meth:`~attngeom.capture.blocks.Block.prepared`
 reads them by position. Which pass a measure needs is its registry entry's ``prepare``.
 """
 
@@ -67,7 +67,7 @@ _register()
 
 
 def _check_text(handle, ids: Sequence[int]) -> torch.Tensor:
-    from attngeom.capture.plugin import in_eval_mode
+    from attngeom.capture.session import in_eval_mode
 
     model = handle.model
     in_eval_mode(model)
@@ -121,7 +121,7 @@ def rollouts(handle, ids: Sequence[int], metrics: Sequence[str]) -> dict[str, di
     """``{metric: {layer: R^l [1, T, T]}}`` of one text: each metric's token-level maps of its clean
     forward composed from the first layer up (:func:`attngeom.metrics.rollout.compose`); one
     forward records every metric's maps."""
-    from attngeom.capture.plugin import Session, attngeom_attention_implementation
+    from attngeom.capture.session import attngeom_attention_implementation, Session
 
     x = _check_text(handle, ids)
     rec = _TokenMaps(metrics)

@@ -1,6 +1,6 @@
 """The papers' claims measured on one model, with intervals and verdicts: the catalogue, its verdict rules
 and rows (:mod:`.catalogue`), and the orchestration that runs the reduced experiments and resamples their
-summaries (:mod:`.orchestration`)."""
+summaries (:mod:`.experiment`)."""
 
 from attngeom._exports import lazy
 
@@ -19,6 +19,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "claim_row": "catalogue",
     "TOO_FEW": "catalogue",
     "sized": "catalogue",
-    "experiment": "orchestration",
     "ClaimsSettings": "settings",
 })

@@ -8,7 +8,7 @@ inside the range and are refuted when it lies entirely outside it. ``docs/claims
 claims is checked against :data:`CLAIMS` (tests/unit/test_claims.py).
 
 What belongs here: the catalogue, the rules and the formatting of rows. Not here: running the
-experiments and resampling them (:mod:`attngeom.claims.orchestration`), the statistics themselves
+experiments and resampling them (:mod:`attngeom.claims.experiment`), the statistics themselves
 (each analysis's ``summary(per_window, weights)``), the Markdown (:mod:`attngeom.reports.claims`).
 
 A claim measured on fewer than :data:`attngeom.stats.resampling.MIN_UNITS` windows gets no interval

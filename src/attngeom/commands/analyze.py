@@ -2,8 +2,8 @@
 
 With no ``--text``/``--file``: the built-in sample text (:data:`attngeom.data.corpora.SAMPLE_TEXT`), ``make
 demo``. The analysis (windows, ``--generate N``: docs/generation.md) is
-:func:`attngeom.analysis.single_text.experiment`, corpus mode (``--data``)
-:func:`attngeom.analysis.single_text.answer_experiment`. Bad input fails before any compute: the arguments, the
+:func:`attngeom.analysis.experiment.experiment`, corpus mode (``--data``)
+:func:`attngeom.analysis.experiment.answer_experiment`. Bad input fails before any compute: the arguments, the
 output directory (claimed, proved writable) and the input file are checked before the model loads,
 the input against the model before the experiment's stage (resumable) runs. The write step draws
 the maps of the figure layers (a full :func:`attngeom.traces.trace.analyze` of the first window, when it
@@ -90,7 +90,7 @@ def _checked(args) -> dict:
 
 
 def run(args) -> int:
-    from attngeom.analysis.single_text import experiment, map_window
+    from attngeom.analysis.experiment import experiment, map_window
 
     t_start = time.perf_counter()
     lists = _checked(args)
@@ -137,7 +137,7 @@ def run(args) -> int:
 
 def _run_corpus(args, layers, t_start) -> int:
     """Corpus mode: every prompt of ``--data`` answered with analysis (stage ``generate`` of the run)."""
-    from attngeom.analysis.single_text import answer_experiment
+    from attngeom.analysis.experiment import answer_experiment
     from attngeom.data.corpora import resolve_texts
     from attngeom.commands.common import data_identity, fields_of
 
@@ -189,7 +189,7 @@ def _draw(staging: Path, handle, res, args) -> list[str]:
     from tqdm.auto import tqdm
 
     from attngeom.traces import trace as tr
-    from attngeom.analysis.single_text import map_window
+    from attngeom.analysis.experiment import map_window
     from attngeom.reports import analyze as rep
 
     fmt = common.figure_format(args)

@@ -1,7 +1,7 @@
 """``attngeom claims``: every claim of the two papers scored on one model, with bootstrap intervals.
 
 Reduced runs of the faithfulness, sinks, selection and heads experiments on the same windows
-(:mod:`attngeom.claims.orchestration`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
+(:mod:`attngeom.claims.experiment`), one record per window so that a seeded bootstrap over windows (``--bootstrap``
 resamples, default 1000) gives a 95 % interval for every number. Resumable from ``--out/checkpoint``.
 Writes to ``--out``: ``claims.md`` (one row per claim: measured value, interval, verdict; the rules;
 the numbers behind each verdict) and ``claims.json`` (the same rows and every interval).
@@ -77,8 +77,8 @@ def add_parser(subparsers) -> None:
 def check_args(args) -> dict:
     """Everything that needs no model; returns the parsed lists."""
     from attngeom.data.corpora import parse_float_list, parse_int_list, read_texts
-    from attngeom.faithfulness.curves import check_ratios
-    from attngeom.heads.removal import check_retentions
+    from attngeom.faithfulness.experiment import check_ratios
+    from attngeom.heads.experiment import check_retentions
     from attngeom.heads.taxonomy import REGIMES
 
     common.check_at_least(args, window=8, max_windows=4, calib_windows=2, stride=1, repeats=1, bootstrap=100)
@@ -123,7 +123,7 @@ def check_args(args) -> dict:
 
 
 def run(args) -> int:
-    from attngeom.claims.orchestration import experiment
+    from attngeom.claims.experiment import experiment
     from attngeom.claims.settings import ClaimsSettings as Settings
     from attngeom.data.corpora import load_windows
     from attngeom.runs.storage import clean_json

@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, parse_float_list, parse_int_list, resolve_texts
-    from attngeom.faithfulness.curves import experiment, task_units, variants_of, window_units
+    from attngeom.faithfulness.experiment import experiment, task_units, variants_of, window_units
 
     # ---- everything that needs no model, before loading it ---------------------------------
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]

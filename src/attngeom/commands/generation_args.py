@@ -72,7 +72,7 @@ def prompt_of(args, text: str):
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise InputError(f"{args.file}: a .json prompt file holds a non-empty list of "
                              "{\"role\": ..., \"content\": ...} messages")
-        from attngeom.generation.decoding import chat_messages
+        from attngeom.generation.prompts import chat_messages
 
         chat_messages(messages)                                     # roles and contents checked here
         return messages
@@ -88,10 +88,10 @@ def settings_of(decoding, args) -> dict:
 
 def note_chat_template(args, handle, command: str, prompt=None) -> None:
     """Say on stderr when a chat prompt goes through attngeom's fallback template (the model's
-    tokenizer has none; :data:`attngeom.generation.decoding.FALLBACK_CHAT_TEMPLATE`)."""
+    tokenizer has none; :data:`attngeom.generation.prompts.FALLBACK_CHAT_TEMPLATE`)."""
     import sys
 
-    from attngeom.generation.decoding import chat_template_of
+    from attngeom.generation.prompts import chat_template_of
 
     chat = args.chat or messages_file(args) or isinstance(prompt, list)
     if chat and chat_template_of(handle) == "fallback":

@@ -9,7 +9,7 @@ split, the rest are held out. Work, in order:
 2. single-head sensitivity on the calibration split (ΔPPL of removing each head alone);
 3. the taxonomy-guided regime order chosen on the calibration split (all six orders tried);
 4. perplexity on the held-out windows for every removal order (taxonomy, weight, entropy, random,
-   sensitivity; :mod:`attngeom.heads.removal`) at every retention (default 100, 90, 75, 50, 25 %);
+   sensitivity; :mod:`attngeom.heads.experiment`) at every retention (default 100, 90, 75, 50, 25 %);
 5. individually critical heads.
 
 Writes to ``--out``: ``heads.parquet`` (one row per layer and head: winner shares, regime on the
@@ -63,7 +63,7 @@ def add_parser(subparsers) -> None:
 def check_args(args) -> list[float]:
     """Everything that needs no model; returns the retentions."""
     from attngeom.data.corpora import parse_float_list, read_texts
-    from attngeom.heads.removal import check_retentions
+    from attngeom.heads.experiment import check_retentions
 
     data = args.data or []
     if len(data) > 2:
@@ -84,7 +84,7 @@ def check_args(args) -> list[float]:
 
 def run(args) -> int:
     from attngeom.data.corpora import load_windows
-    from attngeom.heads.removal import experiment
+    from attngeom.heads.experiment import experiment
     from attngeom.heads.settings import HeadsSettings
     from attngeom.heads.taxonomy import REGIMES
 

@@ -109,7 +109,7 @@ def check_corpus(spec: str, args) -> None:
 
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows
-    from attngeom.selection.corpus import experiment
+    from attngeom.selection.experiment import experiment
     from attngeom.selection.settings import SelectionSettings
 
     ns, distances, queries, layers = parse_args_checked(args)

@@ -1,6 +1,6 @@
 """``attngeom sinks``: attention sinks as active suppressors (SPEC §4).
 
-The experiment is :func:`attngeom.sinks.corpus.experiment` (three passes per window: the unedited model
+The experiment is :func:`attngeom.sinks.experiment.experiment` (three passes per window: the unedited model
 with :class:`~attngeom.sinks.reducer.SinkStats`, sink-norm removal, and the mass-matched control removal),
 resumable from ``--out/checkpoint``. Writes to ``--out``:
 
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows, read_texts
     from attngeom.sinks.settings import SinksSettings
-    from attngeom.sinks.corpus import experiment
+    from attngeom.sinks.experiment import experiment
 
     common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)

@@ -38,7 +38,7 @@ import torch
 from attngeom.model.arguments import takes_handle
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
-from attngeom.capture.plugin import Block
+from attngeom.capture.blocks import Block
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.reducers import Reducer
@@ -85,7 +85,7 @@ class ExploreData:
     ``residual_share``: ``[len(layers), T]`` (``r_i^l``), or None when unknown (a saved Trace).
     ``answer``: for a generation (:func:`build` with ``decoding``), ``{"prompt_length": P, "layers":
     {metric: [len(layers), P]}, "model": {metric: [P]}}``: each prompt token's mean token-level score
-    over the answer's producing rows (:class:`attngeom.generation.decoding.AnswerSources`' summary); else None.
+    over the answer's producing rows (:class:`attngeom.generation.answers.AnswerSources`' summary); else None.
     ``special``, ``template``: the positions of special tokens and of the chat template's own tokens
     (marked on the page, and optionally left out of its rankings)."""
 
@@ -396,7 +396,7 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     the rollouts) gets its pass here first (:func:`prepared_maps`), for a text as given only.
 
     ``decoding`` (an :class:`attngeom.generation.decoding.Decoding`): ``text`` is a prompt (``chat``/``system``
-    as in :func:`attngeom.generation.decoding.prompt_ids`); the same collectors observe the generation step by
+    as in :func:`attngeom.generation.prompts.prompt_ids`); the same collectors observe the generation step by
     step, the page covers prompt + answer and :attr:`ExploreData.answer` is filled."""
     from attngeom.streaming.passes import check_length, stream, to_ids
     from attngeom.data.corpora import check_layers
@@ -406,7 +406,7 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     measure = check_measure(measure, generation=decoding is not None)
     template = ()
     if decoding is not None:
-        from attngeom.generation.decoding import prompt_ids, template_positions
+        from attngeom.generation.prompts import prompt_ids, template_positions
 
         ids = prompt_ids(handle, text, chat=chat, system=system, stop=decoding.stop_ids(handle))
         template = template_positions(handle, text, chat=chat, system=system)
@@ -431,7 +431,8 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
         if decoding is None:
             stream(handle, [ids], [rows, stats], layers=layers, progress=progress, prepared=prepared)
         else:
-            from attngeom.generation.decoding import AnswerSources, stream_generation_ids
+            from attngeom.generation.answers import AnswerSources
+            from attngeom.generation.decoding import stream_generation_ids
 
             sources = AnswerSources(sink=sink)
             P = len(ids)
@@ -474,7 +475,7 @@ def check_trace_measure(trace, measure: str | None) -> None:
 
 
 def _answer_summary(summary, layers: list[int], P: int) -> dict:
-    """:attr:`ExploreData.answer` from :class:`attngeom.generation.decoding.AnswerSources`' summary table."""
+    """:attr:`ExploreData.answer` from :class:`attngeom.generation.answers.AnswerSources`' summary table."""
     out = {"prompt_length": P, "layers": {}, "model": {}}
     model = summary[summary["layer"].isna()].sort_values("position")
     for m in ("attention", "contribution"):
@@ -490,7 +491,8 @@ def from_trace(trace, *, top_k: int | None = None, exact_max_tokens: int = DEFAU
     is not available). A generation's trace (``trace.prompt_length``) gets its answer view. ``measure``
     as in :func:`build`; one computed before the forward needs a trace that holds it
     (:func:`check_trace_measure`)."""
-    from attngeom.generation.decoding import AnswerSources, GenerationBatch
+    from attngeom.generation.answers import AnswerSources
+    from attngeom.generation.decoding import GenerationBatch
     from attngeom.streaming.reducers import HeadStats
 
     T = len(trace.ids)

@@ -1,10 +1,11 @@
-"""The model's own answer, analysed step by step with its KV cache (SPEC §7): :mod:`.decoding`; the heads
-behind a token (:mod:`.heads`)."""
+"""The model's own answer, analysed step by step with its KV cache (SPEC §7): the prompt and its chat
+template (:mod:`.prompts`), the decoding loop and its caches (:mod:`.decoding`), the answer tables
+(:mod:`.answers`), the heads behind a token (:mod:`.heads`)."""
 
 from attngeom._exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "prompt_ids": "decoding",
+    "prompt_ids": "prompts",
     "model_stop_ids": "decoding",
     "Decoding": "decoding",
     "generate": "decoding",
@@ -13,12 +14,12 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "BatchMappedLayer": "decoding",
     "GrowingLayer": "decoding",
     "GrowingCache": "decoding",
-    "AnswerSources": "decoding",
-    "Answers": "decoding",
+    "AnswerSources": "answers",
+    "Answers": "answers",
     "generation_stage": "decoding",
-    "FALLBACK_CHAT_TEMPLATE": "decoding",
-    "chat_template_of": "decoding",
-    "template_positions": "decoding",
+    "FALLBACK_CHAT_TEMPLATE": "prompts",
+    "chat_template_of": "prompts",
+    "template_positions": "prompts",
     "AnswerHeads": "heads",
     "head_table": "heads",
 })

@@ -20,7 +20,7 @@ says what its source is (``part``: ``prompt``/``answer``, or ``text`` for a text
 by the chat template, not the user's text); ``exclude_special`` leaves special and template tokens
 out of the ranking (their shares are not given to anyone else: the remaining shares are unchanged).
 
-- :func:`row_shares` — one row's shares ``[H, i + 1]`` per measure from a :class:`~attngeom.capture.plugin.Block`.
+- :func:`row_shares` — one row's shares ``[H, i + 1]`` per measure from a :class:`~attngeom.capture.blocks.Block`.
 - :func:`head_table` — the ranked table from per-layer shares.
 - :class:`AnswerHeads` — the table for every generated token and for the whole answer, observing a
   generation (:func:`attngeom.generation.decoding.stream_generation`); ``Trace.heads_for`` gives the same from a trace.
@@ -34,8 +34,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attngeom.capture.plugin import Block
+from attngeom.capture.blocks import Block
 from attngeom.errors import InputError
+from attngeom.generation.decoding import answer_prompt_length, producing_rows
 from attngeom.metrics import formulas as metrics
 from attngeom.streaming.reducers import InputBatch, Reducer
 
@@ -144,15 +145,11 @@ class AnswerHeads(Reducer):
         self.heads: list[pd.DataFrame] = []
 
     def begin(self, batch: InputBatch) -> None:
-        from attngeom.generation.decoding import answer_prompt_length
-
         super().begin(batch)
         self.P = answer_prompt_length(batch, type(self).__name__)
         self._rows: dict[int, dict[int, dict[str, np.ndarray]]] = {}      # query -> layer -> by -> [H, q+1]
 
     def observe(self, block: Block) -> None:
-        from attngeom.generation.decoding import producing_rows
-
         for r, q in producing_rows(block, self.P):
             self._rows.setdefault(q, {})[block.layer] = row_shares(block, r)
 

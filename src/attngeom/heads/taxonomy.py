@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attngeom.capture.plugin import Block
+from attngeom.capture.blocks import Block
 from attngeom.metrics.formulas import safe_div
 from attngeom.streaming.reducers import HeadStats, _as_sums, _query_weights
 
@@ -92,7 +92,7 @@ def regimes_of(df: pd.DataFrame) -> np.ndarray:
 
 def share_of_each_regime(regime: np.ndarray) -> np.ndarray:
     """Fraction of heads in each regime, written once for :func:`regime_shares` (one sample) and
-    :func:`attngeom.heads.removal.summary` (resamples): ``regime [R, K]``, the index in
+    :func:`attngeom.heads.experiment.summary` (resamples): ``regime [R, K]``, the index in
     :data:`REGIMES` of each of ``K`` heads -> ``[R, 3]`` (0 without heads)."""
     regime = np.asarray(regime)
     if regime.shape[1] == 0:

@@ -18,8 +18,8 @@ go is the policy's choice (:mod:`attngeom.kvcache.policies`): entries are ranked
 (protections such as sinks and the recent window), then its score, then position
 (:func:`kept_entries`).
 
-**Scores** come from the exact capture (:mod:`attngeom.capture.plugin`): a policy that reads attention
-or contributions runs the forward inside a :class:`~attngeom.capture.plugin.Session` whose observer
+**Scores** come from the exact capture (:mod:`attngeom.capture.session`): a policy that reads attention
+or contributions runs the forward inside a :class:`~attngeom.capture.session.Session` whose observer
 :class:`CacheScorer` adds each block's scores to the layer's per-query-head buffer; policies that
 need none (full, window, StreamingLLM) run plain SDPA. Query heads sharing a key/value head are
 pooled at eviction (``Policy.pool``: mean by default).
@@ -48,7 +48,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.model.arguments import takes_handle, takes_model
-from attngeom.capture.plugin import _SESSION, ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation
+from attngeom.capture.session import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation, current_session
 from attngeom.generation.decoding import BatchMappedLayer
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.kvcache.policies import EvictionContext, Policy, get_policy
@@ -348,7 +348,7 @@ def kv_attention(module, query, key, value, attention_mask, **kwargs):
 def _attention(layer, module, query, key, value, attention_mask, **kwargs):
     if isinstance(layer, CompressedLayer) and layer.size == key.shape[2]:
         attention_mask = layer.attention_mask(query.shape[1] // key.shape[1])
-        if (attention_mask is not None and query.shape[2] > 1 and _SESSION.get() is None
+        if (attention_mask is not None and query.shape[2] > 1 and current_session() is None
                 and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")):
             # several queries, a mask: SDPA shares each key/value head among its query heads itself (the
             # same result as transformers' SDPA path, which first copies the keys and values per query head;

@@ -23,7 +23,7 @@ from attngeom.metrics.registry import Metric, register
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from attngeom.capture.plugin import Block
+    from attngeom.capture.blocks import Block
 
 CITATION = "Goel et al., CAOTE: KV Caching through Attention Output Error based Token Eviction, 2025 (DropKV's score)"
 

@@ -1,7 +1,7 @@
 """The one table of token-importance metrics (SPEC §2), and the block quantities they need.
 
 What belongs here: the *names* of things and what each is computed from. The mathematics lives
-in :mod:`attngeom.metrics.formulas`; :class:`~attngeom.capture.plugin.Block` computes the quantities. Everything
+in :mod:`attngeom.metrics.formulas`; :class:`~attngeom.capture.blocks.Block` computes the quantities. Everything
 that offers a metric by name reads this table:
 
 - ``Block.metric(name)`` / ``block.<name>`` and ``Block.token_score(name)``;
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from attngeom.capture.plugin import Block
+    from attngeom.capture.blocks import Block
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ class Metric:
     ``"rollout:<metric>"``: that metric's token-level maps composed over the layers), run by
     :func:`attngeom.capture.prepared.prepare`; its maps (``[1, H, T, T]`` per head, ``[1, T, T]`` on the
     layer) are handed to that forward's session (``Session(prepared=...)``) and the block reads them by
-    position (:meth:`~attngeom.capture.plugin.Block.prepared`); a forward without them refuses the
+    position (:meth:`~attngeom.capture.blocks.Block.prepared`); a forward without them refuses the
     measure in one line."""
 
     name: str

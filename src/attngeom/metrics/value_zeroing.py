@@ -25,7 +25,7 @@ from attngeom.metrics.registry import Metric, register
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from attngeom.capture.plugin import Block
+    from attngeom.capture.blocks import Block
 
 CITATION = "Mohebbi et al., Quantifying Context Mixing in Transformers, EACL 2023"
 

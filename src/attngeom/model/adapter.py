@@ -1,6 +1,6 @@
 """Where a model keeps its attention, found by watching it run: the one place that knows structure (SPEC §1).
 
-attngeom reads q, k and v from the attention call itself (:mod:`attngeom.capture.plugin`), so what it
+attngeom reads q, k and v from the attention call itself (:mod:`attngeom.capture.session`), so what it
 needs from the model's structure is small: which modules call transformers' attention interface,
 in which order, with how many query and key/value heads of which sizes, and the linear map that
 turns the attention output into the residual-stream update (``W_O``, and its bias). For the head

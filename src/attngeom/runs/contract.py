@@ -14,7 +14,7 @@ result), **stages of units**
 run through :meth:`RunLike.stage` (resumable, shareable among processes: each finished unit group
 is a record), and a **result**: its ``tables`` (DataFrames, what a command writes), its ``summary``
 (a JSON-able dict) and its ``per_window`` statistics (additive sums per window, the rows a
-bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.orchestration` composes the
+bootstrap over windows resamples; :mod:`attngeom.stats.resampling`). :mod:`attngeom.claims.experiment` composes the
 other experiments through their results only.
 """
 

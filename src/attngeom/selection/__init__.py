@@ -1,6 +1,6 @@
 """Geometry of token selection (SPEC §5): precision / recall / F of top-N selections (:mod:`.separation`), the
 sink-aware prediction (:mod:`.prediction`), one query and the corpus reducer (:mod:`.reducer`), the experiment and its
-summaries (:mod:`.corpus`)."""
+summaries (:mod:`.experiment`)."""
 
 from attngeom._exports import lazy
 
@@ -29,8 +29,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "on_host": "reducer",
     "QueryGeometry": "reducer",
     "SelectionStats": "reducer",
-    "best_small_n_table": "corpus",
-    "summarize": "corpus",
-    "summary": "corpus",
-    "experiment": "corpus",
+    "best_small_n_table": "experiment",
+    "summarize": "experiment",
+    "summary": "experiment",
 })

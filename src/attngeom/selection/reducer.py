@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attngeom.capture.plugin import Block
+from attngeom.capture.blocks import Block
 from attngeom.errors import InputError
 from attngeom.streaming.reducers import InputBatch, Reducer
 from attngeom.selection.settings import DISTANCES, POWERS, SelectionSettings

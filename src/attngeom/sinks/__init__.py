@@ -1,5 +1,5 @@
 """Attention sinks as active suppressors (SPEC §4): the pure math (:mod:`.geometry`), the corpus reducer
-(:mod:`.reducer`), sink removal (:mod:`.removal`), the experiment and its summary (:mod:`.corpus`)."""
+(:mod:`.reducer`), sink removal (:mod:`.removal`), the experiment and its summary (:mod:`.experiment`)."""
 
 from attngeom._exports import lazy
 
@@ -22,9 +22,8 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "SinkDecomposition": "reducer",
     "SinkStats": "reducer",
     "SourceRemoval": "removal",
-    "window_work": "corpus",
-    "results_from": "corpus",
-    "summarize": "corpus",
-    "summary": "corpus",
-    "experiment": "corpus",
+    "window_work": "experiment",
+    "results_from": "experiment",
+    "summarize": "experiment",
+    "summary": "experiment",
 })

@@ -12,7 +12,7 @@ as ``(a with the sink column zeroed) · v``, so there is no cancellation when ``
 
 What belongs here: formulas on tensors and on summed statistics (histograms, least-squares fits).
 Not here: the corpus reducer (:mod:`attngeom.sinks.reducer`), removal (:mod:`attngeom.sinks.removal`),
-the experiment (:mod:`attngeom.sinks.corpus`).
+the experiment (:mod:`attngeom.sinks.experiment`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from attngeom.metrics import formulas as metrics
-from attngeom.capture.plugin import Block
+from attngeom.capture.blocks import Block
 from attngeom.sinks.geometry import (_pearson, bin_sums, histogram_counts, histogram_quantile, log_share_sums,
                                      pair_factors, quadratic_fit, sink_terms, variance_shares)
 from attngeom.streaming.reducers import InputBatch, Reducer, add_into

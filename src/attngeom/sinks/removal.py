@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from attngeom.metrics import formulas as metrics
-from attngeom.capture.plugin import Block
+from attngeom.capture.blocks import Block
 from attngeom.capture.interventions import SOURCE_REMOVALS, remove_source
 from attngeom.sinks.geometry import _intra_dot
 from attngeom.streaming.reducers import Reducer, add_into

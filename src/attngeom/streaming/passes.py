@@ -14,7 +14,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from attngeom.model.arguments import takes_handle
-from attngeom.capture.plugin import Intervention, Session, attngeom_attention_implementation
+from attngeom.capture.blocks import Intervention
+from attngeom.capture.session import attngeom_attention_implementation, Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.reducers import InputBatch, Reducer

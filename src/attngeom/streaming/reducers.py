@@ -1,6 +1,6 @@
 """Observers that reduce attention blocks as the forward pass goes (the quantities of SPEC §2).
 
-A reducer sees every :class:`~attngeom.capture.plugin.Block` of the layers it is run on and keeps only
+A reducer sees every :class:`~attngeom.capture.blocks.Block` of the layers it is run on and keeps only
 summaries, so that long inputs and whole corpora can be analysed in bounded memory. The later
 analyses (interventions, sinks, selection geometry, head taxonomy) are reducers too.
 
@@ -21,7 +21,8 @@ import pandas as pd
 import torch
 
 from attngeom.metrics import registry
-from attngeom.capture.plugin import Block, Workspace
+from attngeom.capture.blocks import Block
+from attngeom.capture.kernel import Workspace
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from attngeom.capture.plugin import Block, LayerState
+from attngeom.capture.blocks import Block, LayerState
 from attngeom.errors import InputError, OutputError, TraceFormatError
 from attngeom.runs.storage import JSONDepthError, parse_json
 

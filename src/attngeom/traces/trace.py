@@ -28,7 +28,8 @@ from attngeom.model.arguments import takes_handle
 from attngeom.model.handle import special_positions
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
-from attngeom.capture.plugin import Block, LayerState, Session
+from attngeom.capture.blocks import Block, LayerState
+from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.passes import InputBatch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
@@ -51,7 +52,7 @@ class LayerTrace:
     """One attention layer of one text. Maps are numpy float32 ``[heads, T, T]`` (queries x
     sources), one per metric of :mod:`attngeom.metrics.registry` (``layer.contribution``,
     ``layer.metric(name)``), computed on first access from the stored head-space pieces (the same
-    :class:`~attngeom.capture.plugin.Block` code the streaming path runs)."""
+    :class:`~attngeom.capture.blocks.Block` code the streaming path runs)."""
 
     index: int
     a: torch.Tensor        # [H, T, T]
@@ -92,7 +93,7 @@ class LayerTrace:
     def __getattr__(self, name: str):
         """``layer.<metric>`` for every metric of :mod:`attngeom.metrics.registry` (numpy float32
         ``[heads, T, T]``, queries x sources) and ``layer.<quantity>`` for :attr:`QUANTITIES`;
-        computed on first access by the layer's :class:`~attngeom.capture.plugin.Block` and kept."""
+        computed on first access by the layer's :class:`~attngeom.capture.blocks.Block` and kept."""
         if name.startswith("_") or (name not in registry.METRICS and name not in LayerTrace.QUANTITIES):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         block = self.block
@@ -127,7 +128,7 @@ class Trace:
     (:func:`analyze_generation`), the number of prompt tokens (the answer follows); None
     for a text analysed as given. ``special``: the positions of the tokenizer's special tokens
     (BOS, EOS, chat-format markers); ``template``: the positions the chat template put there (not
-    the user's text; :func:`attngeom.generation.decoding.template_positions`)."""
+    the user's text; :func:`attngeom.generation.prompts.template_positions`)."""
 
     ids: list[int]
     tokens: list[str]
@@ -341,7 +342,8 @@ def analyze_generation(handle: ModelHandleLike, prompt, *, generate: int, chat: 
     the answer starts, and each layer's maps are the rows captured step by step (equal to a full
     forward of the same ids). Also reached as ``attngeom.analyze(model, prompt, generate=N, ...)``.
     ``progress``: a bar on stderr counting the generated tokens."""
-    from attngeom.generation.decoding import Decoding, prompt_ids, stream_generation_ids, template_positions
+    from attngeom.generation.decoding import Decoding, stream_generation_ids
+    from attngeom.generation.prompts import prompt_ids, template_positions
 
     decoding = Decoding(generate, sample=sample, temperature=temperature, top_p=top_p, seed=seed,
                         stop=None if stop is None else tuple(stop))

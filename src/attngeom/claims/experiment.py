@@ -7,7 +7,7 @@ sums in ``per_window``), so that a bootstrap over windows can resample them
 (:mod:`attngeom.stats.resampling`): for ``n_resamples`` resamples (default 1000, seeded) the per-window
 sums are re-added with the resample's counts and every statistic below is recomputed, giving a
 95 % percentile interval. The one stage of its own is the held-out removal in the fixed regime
-order (:func:`attngeom.heads.removal.removal_nll`, stage ``removal_fixed``) when that order differs from
+order (:func:`attngeom.heads.experiment.removal_nll`, stage ``removal_fixed``) when that order differs from
 the calibrated one.
 
 Windows: faithfulness, sinks and selection use all windows; head removal uses the first
@@ -36,9 +36,13 @@ from attngeom.stats import resampling
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
 from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, calibration_evidence, early_critical_row, sized,
                                        faithfulness_rows, regime_rows, removal_row, selection_rows, sink_rows)
+from attngeom.faithfulness import experiment as faithfulness
 from attngeom.faithfulness.settings import FaithfulnessSettings
+from attngeom.heads import experiment as heads
 from attngeom.heads.settings import HeadsSettings
+from attngeom.selection import experiment as selection
 from attngeom.selection.settings import SelectionSettings
+from attngeom.sinks import experiment as sinks
 from attngeom.sinks.settings import SinksSettings
 
 
@@ -103,7 +107,6 @@ def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds
     """Claims 1-4 (``hierarchy``: the paper's four metrics) and the head-to-head rows (``rivals``:
     contribution against each of these published measures of SPEC §2.1) from one faithfulness run,
     ranking per head with ``per_head``."""
-    from attngeom import faithfulness
     from attngeom.metrics import registry
 
     against = tuple(rivals)
@@ -116,15 +119,11 @@ def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds
 
 
 def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:
-    from attngeom import sinks
-
     res = sinks.experiment(handle, run, ids, SinksSettings(batch_size=1))
     return sink_rows(sinks.summary(res.per_window), sinks.summary(res.per_window, counts_for(len(ids), 2)))
 
 
 def _selection_part(handle: ModelHandleLike, run: RunLike, ids, ns, repeats, seed, counts_for) -> tuple[list[dict], dict]:
-    from attngeom import selection
-
     res = selection.experiment(handle, run, ids, SelectionSettings(ns=tuple(ns), distances=("euclidean",), repeats=repeats,
                                                                    seed=seed, predict=False, batch_size=1))
     point = selection.summary(res.per_window)
@@ -137,7 +136,6 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     """Regime shares, removal (calibrated and fixed regime order) and the early critical head, from
     the heads experiment's result (and one more removal stage for the fixed order when it differs
     from the calibrated one)."""
-    from attngeom import heads
     from attngeom.heads.taxonomy import REGIMES
 
     res = heads.experiment(handle, run, [ids], HeadsSettings(calib_windows=calib_windows, retentions=tuple(retentions),
@@ -194,7 +192,6 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
 def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_windows: int, cal_df,
                           critical_k: float, counts_for) -> tuple[dict, dict]:
     """The largest leave-one-out z of an early head's single-removal ΔPPL (calibration windows)."""
-    from attngeom import heads
 
     L, H = handle.num_layers, handle.num_heads
     regimes = cal_df.sort_values(["layer", "head"])["regime"].to_numpy()

@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from attngeom.model.arguments import takes_handle
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike, check_scorable, perplexity
 from attngeom.capture.interventions import CLEAN, MODES, RANK_METRICS, RankIntervention, Variant

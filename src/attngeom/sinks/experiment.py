@@ -35,7 +35,7 @@ def window_work(handle: ModelHandleLike, windows, *, sink: int = 0, layers=None,
     baseline :class:`SourceRemoval` statistics), sink removal and the control removal at
     ``removal_layers``. The record holds the reducers' additive states and the summed NLL and token
     count of each pass."""
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
     from attngeom.streaming.passes import batch_nll, make_batches, scored_tokens
 
     session_layers = None

@@ -6,12 +6,12 @@ SPEC §2).
 :class:`~attngeom.streaming.reducers.HeadStats` and :class:`~attngeom.streaming.reducers.TokenStats` over the text, cut
 into windows when it is longer than the context (:func:`cut_windows`); with a
 :class:`~attngeom.generation.decoding.Decoding` in the settings the text is a prompt, the answer is generated
-with :class:`~attngeom.generation.decoding.AnswerSources` observing every step and the summaries see prompt +
+with :class:`~attngeom.generation.answers.AnswerSources` observing every step and the summaries see prompt +
 answer as a text. :func:`answer_experiment` answers many prompts (corpus mode). Both return an
 :class:`~attngeom.runs.contract.ExperimentResult` (name ``"analyze"``)::
 
     from attngeom import load_model
-    from attngeom.analysis.single_text import experiment
+    from attngeom.analysis.experiment import experiment
     from attngeom.runs.run import InMemoryRun
     from attngeom.analysis.settings import AnalyzeSettings
 
@@ -350,7 +350,9 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
     token), as stage ``generate`` of the run (one record, resumable). Returns the prompt + answer
     ids, the summaries and the answer tables (with token strings and the marks of
     :func:`attngeom.generation.heads.token_marks`), and which chat template was used (None: no chat)."""
-    from attngeom.generation.decoding import Answers, chat_template_of, generation_stage, prompt_ids
+    from attngeom.generation.answers import Answers
+    from attngeom.generation.decoding import generation_stage
+    from attngeom.generation.prompts import chat_template_of, prompt_ids
     from attngeom.streaming.reducers import HeadStats, TokenStats
 
     sink, decoding = settings.sink, settings.decoding
@@ -376,8 +378,8 @@ def generate_answer(handle: ModelHandleLike, run: RunLike, prompt, settings: Ana
 @takes_handle
 def prompt_marks(handle: ModelHandleLike, prompt, settings: AnalyzeSettings) -> tuple[set[int], tuple[int, ...]]:
     """The tokenizer's special ids and the prompt's chat-template positions
-    (:func:`attngeom.generation.decoding.template_positions`)."""
-    from attngeom.generation.decoding import template_positions
+    (:func:`attngeom.generation.prompts.template_positions`)."""
+    from attngeom.generation.prompts import template_positions
     from attngeom.model.handle import special_token_ids
 
     return (special_token_ids(handle.tokenizer),
@@ -385,9 +387,9 @@ def prompt_marks(handle: ModelHandleLike, prompt, settings: AnalyzeSettings) -> 
 
 
 def answer_reducers(settings: AnalyzeSettings, special: set[int], template) -> list:
-    """:class:`~attngeom.generation.decoding.AnswerSources` and :class:`~attngeom.generation.heads.AnswerHeads`
+    """:class:`~attngeom.generation.answers.AnswerSources` and :class:`~attngeom.generation.heads.AnswerHeads`
     of one prompt, ranking special and template tokens only with ``settings.rank_special``."""
-    from attngeom.generation.decoding import AnswerSources
+    from attngeom.generation.answers import AnswerSources
     from attngeom.generation.heads import AnswerHeads
 
     skip = not settings.rank_special
@@ -458,10 +460,12 @@ def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Seq
     resumable, shared among ``torchrun`` processes); ``source`` (the file) names the prompts in
     error messages. Returns an :class:`~attngeom.runs.contract.ExperimentResult` with tables
     ``answers`` (one row per prompt: its text, the answer's text and ids) and the answer tables of
-    :class:`~attngeom.generation.decoding.AnswerSources` (column ``text``: the prompt's index), and the summary
+    :class:`~attngeom.generation.answers.AnswerSources` (column ``text``: the prompt's index), and the summary
     of corpus mode; ``per_window`` is empty: each prompt's numbers are its rows of the tables."""
     from attngeom.runs.contract import ExperimentResult
-    from attngeom.generation.decoding import Answers, generation_stage, prompt_ids
+    from attngeom.generation.answers import Answers
+    from attngeom.generation.decoding import generation_stage
+    from attngeom.generation.prompts import prompt_ids
 
     if settings.decoding is None:
         raise InputError("corpus mode answers every prompt: give a decoding (--generate N)")

@@ -2,7 +2,7 @@
 perplexity against retention, individually critical heads.
 
 **Removal.** Removing head ``h`` of layer ``l`` zeroes its slice of the ``o_proj`` input. Inside a
-:class:`~attngeom.capture.plugin.Session` this is the intervention
+:class:`~attngeom.capture.session.Session` this is the intervention
 :class:`~attngeom.capture.interventions.HeadRemoval` (re-exported here), which returns zero
 mixing weights for the removed heads: the head's output ``Σ_j a_ij v_j`` becomes 0, which *is* its
 slice of the ``o_proj`` input. Every query head has its own slice (under grouped-query attention
@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from attngeom.model.arguments import takes_handle, takes_model
-from attngeom.capture.plugin import Session
+from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import (ExperimentResult, ModelHandleLike, RunLike, check_scorable, layer_order,
                                     one_window_each, per_window_array, perplexity, window_records)
@@ -362,7 +362,7 @@ def taxonomy_stage(handle: ModelHandleLike, run: RunLike | None, name: str, wind
     """Records of :class:`~attngeom.heads.taxonomy.TaxonomyStats` and the unedited NLL, per window
     (stage ``name`` of ``run``): ``{units: {"tax": state, "nll": Σ NLL, "tokens": n}}``. Windows
     before and after ``split`` never share a record (the calibration / held-out boundary)."""
-    from attngeom.capture.plugin import Session
+    from attngeom.capture.session import Session
     from attngeom.runs.run import fingerprint, run_or_in_memory
     from attngeom.heads.taxonomy import TaxonomyStats
 
