@@ -23,8 +23,10 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def slow_winner(q, k, n, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None):
-    """``argmax_j a_ij n_j`` and its value from the full float64 map (``repeat_kv`` for GQA)."""
+def slow_winner(q, k, n, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
+                entropy=False):
+    """``argmax_j a_ij n_j`` and its value from the full float64 map (``repeat_kv`` for GQA); with
+    ``entropy``, also ``−Σ a log a`` over every outcome (the learned sink one of them)."""
     q, k, n = q.double(), k.double(), n.double()
     B, H, Q, _ = q.shape
     S = k.shape[2]
@@ -45,8 +47,11 @@ def slow_winner(q, k, n, *, scale, causal=True, window=None, softcap=None, lengt
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(B, H, Q, 1)], dim=-1)
-    a = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :S]         # a row that sees nothing: all 0
+    full = torch.softmax(s, dim=-1).nan_to_num(0.0)                # a row that sees nothing: all 0
+    a = full[..., :S]
     x = a * n[:, :, None, :]
+    if entropy:
+        return x.argmax(-1), x.amax(-1), -(full * full.clamp_min(1e-300).log()).sum(-1)
     return x.argmax(-1), x.amax(-1)
 
 
@@ -93,11 +98,14 @@ def test_winner_equals_the_float64_map(case, interpret):
         opt["lengths"] = torch.tensor(opt["lengths"])
     if opt.pop("sinks", False):
         opt["sinks"] = torch.linspace(-1.0, 2.0, H, dtype=torch.float64)
-    want_i, want_v = slow_winner(q, k, n, scale=0.4, **opt)
+    want_i, want_v, want_h = slow_winner(q, k, n, scale=0.4, entropy=True, **opt)
     for name, (idx, val) in both(q, k, n, scale=0.4, **opt).items():
         assert idx.dtype == torch.long and idx.shape == (B, H, q.shape[2]), name
         assert torch.equal(idx, want_i), (name, (idx != want_i).sum())
         torch.testing.assert_close(val, want_v, rtol=1e-12, atol=1e-15, msg=name)
+    for name, (idx, val, ent) in both(q, k, n, scale=0.4, return_entropy=True, **opt).items():
+        assert torch.equal(idx, want_i), name                       # the entropy changes nothing else
+        torch.testing.assert_close(ent, want_h, rtol=1e-11, atol=1e-12, msg=name)
     if "lengths" in opt and opt.get("causal", True) and "window" not in opt:
         assert bool((want_v[1, :, 29:] > 0).all())     # a padded query still sees its real sources
 
@@ -144,6 +152,19 @@ def _products(q, k, n, scale, softcap):
     S = k.shape[2]
     s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     return torch.softmax(s, -1) * n.double()[:, :, None, :]
+
+
+def test_entropy_with_lse_and_of_a_query_that_sees_nothing(interpret):
+    """``return_lse`` and ``return_entropy`` together: ``(index, value, lse, entropy)``; a padded
+    query whose window holds no real source has entropy 0 and value 0 (index 0)."""
+    q, k, n = inputs(2, 4, 2, 40, 16, seed=5)
+    lengths = torch.tensor([40, 12])
+    _, _, want_h = slow_winner(q, k, n, scale=0.3, window=4, lengths=lengths, entropy=True)
+    for name, out in both(q, k, n, scale=0.3, window=4, lengths=lengths, return_lse=True, return_entropy=True).items():
+        idx, val, lse, ent = out
+        torch.testing.assert_close(ent, want_h, rtol=1e-11, atol=1e-12, msg=name)
+        assert bool((lse[1, :, 15:] == float("-inf")).all()) and bool((ent[1, :, 15:] == 0).all())
+        assert bool((val[1, :, 15:] == 0).all()) and bool((idx[1, :, 15:] == 0).all())
 
 
 def test_strided_inputs_and_lse(interpret):
@@ -209,8 +230,9 @@ def test_kernel_compiles_for_an_h100(dtype, tmp_path, monkeypatch):
 
     fw._triton()
     fn = fw._compiled(False)
-    pointers = dict(Q_ptr=dtype, K_ptr=dtype, LN_ptr="fp32", LEN_ptr="i64", IDX_ptr="i64", BEST_ptr="fp32", LSE_ptr="fp32")
-    consts = dict(CAUSAL=True, HAS_WINDOW=True, SOFTCAP=True, HAS_LENGTHS=True, IEEE=dtype == "fp32",
+    pointers = dict(Q_ptr=dtype, K_ptr=dtype, LN_ptr="fp32", LEN_ptr="i64", IDX_ptr="i64", BEST_ptr="fp32", LSE_ptr="fp32",
+                    MEAN_ptr="fp32")
+    consts = dict(CAUSAL=True, HAS_WINDOW=True, SOFTCAP=True, HAS_LENGTHS=True, IEEE=dtype == "fp32", ENTROPY=True,
                   BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
     sig = {a: ("*" + pointers[a] if a in pointers else "constexpr" if a in consts
                else "fp32" if a in ("scale", "softcap") else "i32") for a in fn.arg_names}

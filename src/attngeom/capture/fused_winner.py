@@ -3,8 +3,9 @@
 For D1 (the route selection) -- the interface, identical for both implementations::
 
     source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None,
-                  lengths=None, sinks=None, return_lse=False, block_elements=DEFAULT)
-        -> (index LongTensor[B, H, Q], value Tensor[B, H, Q])        (+ lse [B, H, Q] with return_lse)
+                  lengths=None, sinks=None, return_lse=False, return_entropy=False, block_elements=DEFAULT)
+        -> (index LongTensor[B, H, Q], value Tensor[B, H, Q])
+           (+ lse [B, H, Q] with return_lse, then + entropy [B, H, Q] with return_entropy)
 
 ``q [B, H, Q, d]``, ``k [B, Hkv, S, d]`` as the attention call receives them (``H`` a multiple of
 ``Hkv``: query head ``h`` reads key head ``h // (H / Hkv)``, ``repeat_kv``'s layout); ``v_norm
@@ -20,7 +21,14 @@ logits (gpt-oss: SPEC §1), which change every ``a_ij`` but not which source win
 ``attngeom.streaming.reducers._winner_is_self_or_sink``); ``0`` where every product is 0 (all
 visible norms 0; or a padded query that sees no source), the first of the equal zeros over all ``j``.
 ``value = a_ij* n_j*`` (0 there). ``lse`` is the
-row's log-sum-exp over the real sources (the learned sink left out).
+row's log-sum-exp over the real sources (the learned sink left out). ``entropy`` is the row's
+entropy in nats, ``H_i = lse_i − Σ_j a_ij s_ij`` (the learned sink one more outcome, SPEC §1; 0 for
+a query that sees nothing), from a running sum of ``p·s`` in the same pass: no second pass and no
+``k`` among the values of a forward.
+
+For speed on CUDA pass ``q`` and ``k`` in the model's dtype (bf16 and fp16 multiply on the tensor
+cores, float32 on the CUDA cores: 67 against 989 TFLOP/s on an H100, docs/benchmark-analyze.md) and
+``k`` per key/value head (not repeated).
 
 Why no ``[Q, S]`` map is needed: ``a_ij = exp(s_ij − lse_i)``, so ``argmax_j a_ij n_j = argmax_j
 (s_ij + log n_j)`` (``exp`` is increasing and ``lse_i`` is the same for the whole row). A running
@@ -90,11 +98,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, v_norm: torch.Tensor, window, softc
         raise ValueError(f"sinks must be [H]; got {tuple(sinks.shape)}")
 
 
-def _finish(index, best, lse, sinks, return_lse):
-    """``value = exp(best − lse)`` (with learned sinks, ``lse`` over the sources and the sink)."""
+def _finish(index, best, lse, mean_s, sinks, return_lse, return_entropy):
+    """``value = exp(best − lse)`` (with learned sinks, ``lse`` over the sources and the sink) and
+    the entropy ``lse − Σ_j a_ij s_ij`` from ``mean_s``, the real sources' mean logit."""
     lse_all = lse if sinks is None else torch.logaddexp(lse, sinks.to(lse).view(1, -1, 1))
     value = torch.where(best == float("-inf"), 0.0, torch.exp(best - lse_all))   # no source seen, or all n_j = 0
-    return (index, value, lse) if return_lse else (index, value)
+    out = (index, value, lse) if return_lse else (index, value)
+    if return_entropy:
+        if sinks is None:
+            entropy = lse - mean_s
+        else:                           # a_ij over every outcome: the real ones' share exp(lse − lse_all)
+            sink = sinks.to(lse).view(1, -1, 1)
+            entropy = lse_all - torch.exp(lse - lse_all) * mean_s - torch.exp(sink - lse_all) * sink
+        out = (*out, torch.where(lse == float("-inf"), 0.0, entropy))
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,7 +124,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
-                        return_lse=False, block_elements=BLOCK_ELEMENTS):
+                        return_lse=False, return_entropy=False, block_elements=BLOCK_ELEMENTS):
     """:func:`source_winner` in torch: blocks of queries, each with the sources it can see."""
     _check(q, k, v_norm, window, softcap, lengths, sinks)
     B, H, Q, d = q.shape
@@ -121,6 +138,7 @@ def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softca
     index = torch.zeros(B, H, Q, dtype=torch.long, device=q.device)
     best = torch.empty(B, H, Q, dtype=acc, device=q.device)
     lse = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    mean_s = torch.empty(B, H, Q, dtype=acc, device=q.device) if return_entropy else None
     step = max(1, min(Q, block_elements // max(1, B * H * S)))
     for i0 in range(0, Q, step):
         i1 = min(Q, i0 + step)
@@ -144,10 +162,13 @@ def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softca
             hidden = hidden | (kpos >= lengths.to(q.device).view(B, 1, 1, 1))
         s.masked_fill_(hidden, float("-inf"))
         lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
+        if return_entropy:              # Σ_j a_ij s_ij over the real sources (a hidden source adds 0)
+            p = torch.exp(s - lse[:, :, i0:i1, None])
+            mean_s[:, :, i0:i1] = (p * s.masked_fill(hidden, 0.0)).sum(-1)
         b, j = s.add_(log_n[:, :, None, k0:k1]).max(dim=-1)     # the first maximum
         best[:, :, i0:i1] = b
         index[:, :, i0:i1] = torch.where(b == float("-inf"), 0, j + k0)
-    return _finish(index, best, lse, sinks, return_lse)
+    return _finish(index, best, lse, mean_s, sinks, return_lse, return_entropy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,11 +176,11 @@ def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softca
 # --------------------------------------------------------------------------------------------
 
 
-def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr,
+def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr, MEAN_ptr,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, slb, slh, sln,
                    H, N_REP, LN_DIV, Q_LEN, S_LEN, OFFSET, D, WINDOW, scale, softcap,
                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                   HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr, ENTROPY: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one (text, head); the keys in blocks of ``BLOCK_N``.
 
@@ -182,6 +203,7 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr,
     acc_ty = tl.float64 if Q_ptr.dtype.element_ty == tl.float64 else tl.float32
     m_i = tl.full([BLOCK_M], float("-inf"), acc_ty)                        # running max of the logits
     l_i = tl.full([BLOCK_M], 0.0, acc_ty)                                   # running sum of exp(s - m_i)
+    u_i = tl.full([BLOCK_M], 0.0, acc_ty)                                   # running sum of exp(s - m_i) * s
     best = tl.full([BLOCK_M], float("-inf"), acc_ty)                       # running max of s + log n
     idx = tl.full([BLOCK_M], 0, tl.int64)
     cols = tl.broadcast_to(tl.arange(0, BLOCK_N)[None, :], (BLOCK_M, BLOCK_N))
@@ -221,7 +243,11 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr,
         # online log-sum-exp
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.reduce(tl.exp(s - m_safe[:, None]), 1, tl.standard._sum_combine)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        if ENTROPY:
+            u_i = u_i * alpha + tl.reduce(p * tl.where(visible, s, 0.0), 1, tl.standard._sum_combine)
         m_i = m_new
         # running first maximum of s + log n: a later block wins only when strictly above
         ln = tl.load(ln_base + offs_n * sln, mask=offs_n < S_LEN, other=float("-inf"))
@@ -237,6 +263,8 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr,
     tl.store(IDX_ptr + out, idx, mask=keep)
     tl.store(BEST_ptr + out, best, mask=keep)
     tl.store(LSE_ptr + out, lse, mask=keep)
+    if ENTROPY:
+        tl.store(MEAN_ptr + out, u_i / tl.where(l_i > 0, l_i, 1.0), mask=keep)
 
 
 @functools.cache
@@ -264,7 +292,7 @@ def uses_triton(device: torch.device | str, dtype: torch.dtype = torch.float32) 
 
 
 def source_winner_triton(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
-                         return_lse=False, block_m=None, block_n=None):
+                         return_lse=False, return_entropy=False, block_m=None, block_n=None):
     """:func:`source_winner` by the Triton kernel (``block_m``/``block_n``: the tile, powers of two of
     at least 16; default 64, and 16 under the interpreter)."""
     if not triton_installed():
@@ -284,26 +312,27 @@ def source_winner_triton(q, k, v_norm, *, scale, causal=True, window=None, softc
     index = torch.empty(B, H, Q, dtype=torch.long, device=q.device)
     best = torch.empty(B, H, Q, dtype=acc, device=q.device)
     lse = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    mean_s = torch.empty(B, H, Q, dtype=acc, device=q.device) if return_entropy else lse    # not written without
     lens = (lengths.to(device=q.device, dtype=torch.int64).contiguous() if lengths is not None
             else torch.zeros(1, dtype=torch.int64, device=q.device))
     grid = (triton.cdiv(Q, block_m), B * H)
     _compiled(interpret)[grid](
-        q, k, log_n, lens, index, best, lse,
+        q, k, log_n, lens, index, best, lse, mean_s,
         *q.stride(), *k.stride(), *log_n.stride(),
         H, H // Hkv, H // log_n.shape[1], Q, S, S - Q, d, window or 0, float(scale), float(softcap or 1.0),
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
-        HAS_LENGTHS=lengths is not None, IEEE=q.dtype in (torch.float32, torch.float64),
+        HAS_LENGTHS=lengths is not None, IEEE=q.dtype in (torch.float32, torch.float64), ENTROPY=bool(return_entropy),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)))
-    return _finish(index, best, lse, sinks, return_lse)
+    return _finish(index, best, lse, mean_s, sinks, return_lse, return_entropy)
 
 
 def source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
-                  return_lse=False, block_elements=BLOCK_ELEMENTS):
+                  return_lse=False, return_entropy=False, block_elements=BLOCK_ELEMENTS):
     """The source winner ``argmax_j a_ij n_j`` of every query and head, and ``a_ij* n_j*`` (see the
     module's docstring for the arguments): the Triton kernel where :func:`uses_triton`, else the torch
     pass; both equal ``argmax`` over the exact attention map up to rounding of near ties."""
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lengths=lengths, sinks=sinks,
-              return_lse=return_lse)
+              return_lse=return_lse, return_entropy=return_entropy)
     if uses_triton(q.device, q.dtype):
         return source_winner_triton(q, k, v_norm, **kw)
     return source_winner_torch(q, k, v_norm, **kw, block_elements=block_elements)
