@@ -49,66 +49,87 @@ def identity(settings: dict) -> dict:
 
 def settings_of(run: Path) -> tuple[dict, list | None]:
     """The input's settings, and, for a folder this tool wrote, its ``"merged"`` record (where its
-    examples came from; None for a run): from ``run.json`` when a finished run, else from its
-    checkpoint, else from a merged folder's ``summary.json``."""
-    from attngeom.runs.storage import parse_json
+    examples came from; None for a run). Read only through the runs' own checks: a finished run or a
+    merged folder from its ``run.json`` once :func:`attngeom.runs.verify` finds it intact (its seal,
+    and every file it lists with its checksum), a stopped run from its sealed
+    ``checkpoint/settings.json``; anything changed since attngeom wrote it is refused."""
+    from attngeom.runs.run import CHECKPOINT, MANIFEST, SETTINGS, read_manifest, unseal, verify
 
-    for path in (run / "run.json", run / "checkpoint" / "settings.json", run / "summary.json"):
-        if path.is_file():
-            try:
-                doc = parse_json(path.read_text(encoding="utf-8"))
-            except ValueError as e:
-                raise Refused(f"{path} is not valid JSON ({e})") from None
-            if path.name == "summary.json":
-                if not isinstance(doc, dict) or "merged" not in doc or not (run / "answers.parquet").is_file():
-                    break
-                if not isinstance(doc.get("settings"), dict):
-                    raise Refused(f"{path} has no \"settings\" (written before kvtasks_merge recorded them): add "
-                                  f"\"settings\" with the runs' {', '.join(IDENTITY)}, as their run.json has them")
-                return doc["settings"], doc["merged"]
-            if not isinstance(doc, dict) or doc.get("command") != "kvtasks" or not isinstance(doc.get("settings"), dict):
-                raise Refused(f"{path} is not the record of an attngeom kvtasks run")
-            settings = doc["settings"]
-            if not isinstance(settings.get("tasks"), list) or not isinstance(settings.get("examples"), int):
-                raise Refused(f"{run} was made from an examples file (no task list): merge its tasks by running them again")
-            return settings, None
-    raise Refused(f"{run} holds neither run.json nor checkpoint/settings.json (not an attngeom kvtasks run) "
-                  "nor the summary.json and answers.parquet of a merged folder")
+    if (run / MANIFEST).exists():
+        problems = verify(run)
+        if problems:
+            raise Refused(f"{run} is not intact ({problems[0]}; attngeom.runs.verify): merge the run as it was written")
+        doc = read_manifest(run)
+        if "merged" in doc:
+            if not isinstance(doc.get("settings"), dict) or not isinstance(doc["merged"], list):
+                raise Refused(f"{run / MANIFEST} is not the record of a folder kvtasks_merge wrote")
+            return doc["settings"], doc["merged"]
+    elif (run / CHECKPOINT / SETTINGS).exists():
+        doc = unseal(run / CHECKPOINT / SETTINGS)
+        if not doc:
+            raise Refused(f"{run / CHECKPOINT / SETTINGS} was not written by attngeom, or was changed since")
+    elif (run / "summary.json").is_file():
+        raise Refused(f"{run} has no run.json: a folder that kvtasks_merge wrote before it sealed its outputs, or "
+                      "not one of its folders; merge the runs behind it again")
+    else:
+        raise Refused(f"{run} holds neither run.json nor checkpoint/settings.json (not an attngeom kvtasks run "
+                      "nor a folder kvtasks_merge wrote)")
+    if doc.get("command") != "kvtasks" or not isinstance(doc.get("settings"), dict):
+        raise Refused(f"{run} is not the record of an attngeom kvtasks run")
+    settings = doc["settings"]
+    if not isinstance(settings.get("tasks"), list) or not isinstance(settings.get("examples"), int):
+        raise Refused(f"{run} was made from an examples file (no task list): merge its tasks by running them again")
+    return settings, None
+
+
+COLUMNS = ("task", "example", "policy", "ratio", "score", "chat")
+"""The columns of the answer rows the merge reads."""
 
 
 def rows_of(run: Path):
-    """The answer rows of a run: its ``answers.parquet`` when finished, else its checkpoint's units."""
+    """The answer rows of an input: its ``answers.parquet`` when finished (verified by
+    :func:`settings_of`), else its checkpoint's units."""
     import pandas as pd
 
     from attngeom.runs.storage import decode_record, parse_json
 
-    if (run / "answers.parquet").exists():
-        return pd.read_parquet(run / "answers.parquet")
-    units = {}
-    for path in sorted((run / "checkpoint").glob("records-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = parse_json(line)
-            except ValueError:
-                continue                                        # a line cut short by a kill
-            try:
-                units.setdefault(tuple(rec["units"]), decode_record(rec["data"])["rows"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise Refused(f"{path} holds a record that is not a kvtasks unit ({type(e).__name__}: {e})") from None
-    return pd.concat(units.values(), ignore_index=True) if units else pd.DataFrame()
+    if (run / "run.json").exists():
+        try:
+            df = pd.read_parquet(run / "answers.parquet")
+        except Exception as e:                       # pyarrow's errors are of many types
+            raise Refused(f"{run / 'answers.parquet'} cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
+    else:
+        units = {}
+        for path in sorted((run / "checkpoint").glob("records-*.jsonl")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = parse_json(line)
+                except ValueError:
+                    continue                                        # a line cut short by a kill
+                try:
+                    units.setdefault(tuple(rec["units"]), decode_record(rec["data"])["rows"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise Refused(f"{path} holds a record that is not a kvtasks unit ({type(e).__name__}: {e})") from None
+        df = pd.concat(units.values(), ignore_index=True) if units else pd.DataFrame(columns=list(COLUMNS))
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise Refused(f"the answer rows of {run} have no column {', '.join(missing)}")
+    return df
 
 
 def examples_of(run: Path) -> dict | None:
-    """``{(task, example number): Example}`` from the input's ``examples.jsonl`` (a finished run's, or
-    a folder this tool wrote with one); None when it has none."""
+    """``{(task, example number): Example}`` from the input's ``examples.jsonl`` when its run.json
+    lists it (a finished run's, or a folder this tool wrote with one; verified by
+    :func:`settings_of`); None when it has none."""
     from attngeom.errors import InputError
     from attngeom.kvcache import ruler
+    from attngeom.runs.run import read_manifest
 
-    path = run / "examples.jsonl"
-    if not path.is_file():
+    listed = (read_manifest(run) or {}).get("files") or {}
+    if "examples.jsonl" not in listed:
         return None
     try:
-        return {(ex.task, ex.index): ex for ex in ruler.read_jsonl(path)}
+        return {(ex.task, ex.index): ex for ex in ruler.read_jsonl(run / "examples.jsonl")}
     except InputError as e:
         raise Refused(str(e)) from None
 
@@ -178,6 +199,34 @@ def collect(runs: list[Path]):
     return pd.concat(frames, ignore_index=True), merged, first, dropped, chosen
 
 
+def seal(folder: Path, settings: dict, merged: list, files: list[str]) -> None:
+    """``run.json`` of a folder this tool wrote: sealed as a run's manifest is
+    (:func:`attngeom.runs.run.seal`), with the merged inputs and every file's checksum, so that
+    :func:`attngeom.runs.verify` finds the folder intact, or says what changed."""
+    from attngeom.runs.run import FORMAT, KINDS, MANIFEST, seal as sealed
+    from attngeom.runs.storage import sha256_file, write_json
+
+    write_json(folder / MANIFEST, sealed({"format": FORMAT, "command": "kvtasks", "settings": settings, "complete": True,
+                                          "merged": merged, "files": {f: sha256_file(folder / f) for f in files}},
+                                         KINDS[MANIFEST]))
+
+
+def written(out: Path, write, settings: dict, merged: list) -> None:
+    """Make the folder ``out`` whole or not at all: ``write(staging)`` fills a staging folder beside it
+    and returns the file names, :func:`seal` adds ``run.json``, and the folder is renamed to ``out``;
+    on any error the staging folder is removed (an OSError goes on to the caller)."""
+    import os
+    import shutil
+
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        staging.mkdir(parents=True)
+        seal(staging, settings, merged, write(staging))
+        os.rename(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -213,9 +262,6 @@ def main(argv=None) -> int:
         model = str(named.iloc[0]) if len(named) else model
         df["model"] = df["model"].fillna(model)
     summary, pairs = tasks.summarize(df), tasks.paired(df)
-    out.mkdir(parents=True)
-    for name, t in (("answers", df), ("summary", summary), ("pairs", pairs)):
-        t.to_parquet(out / f"{name}.parquet")
     per_task = df.groupby("task")["example"].nunique()
     doc = {"command": "kvtasks", "model": model, "examples": int(per_task.sum()),
            "examples_per_task": {t: int(n) for t, n in per_task.items()},
@@ -224,13 +270,26 @@ def main(argv=None) -> int:
            "best_baselines": {str(k): v for k, v in tasks.best_baselines(summary).items()},
            "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs), "settings": first,
            "merged": merged}
-    write_json(out / "summary.json", doc)
-    if examples is not None:
-        from attngeom.kvcache import ruler
 
-        ruler.write_jsonl(examples, out / "examples.jsonl")
-    if not a.no_figures:
-        render(out, fmt)                                     # the figure the command draws, from the merged summary
+    def write(staging: Path) -> list[str]:
+        for name, t in (("answers", df), ("summary", summary), ("pairs", pairs)):
+            t.to_parquet(staging / f"{name}.parquet")
+        write_json(staging / "summary.json", doc)
+        files = ["answers.parquet", "summary.parquet", "pairs.parquet", "summary.json"]
+        if examples is not None:
+            from attngeom.kvcache import ruler
+
+            ruler.write_jsonl(examples, staging / "examples.jsonl")
+            files.append("examples.jsonl")
+        if not a.no_figures:
+            files += [Path(f).name for f in render(staging, fmt)]   # the command's figure, from the merged summary
+        return files
+
+    try:
+        written(out, write, first, merged)
+    except OSError as e:
+        print(f"kvtasks_merge: cannot write {out}: {e.strerror or e} (nothing was written)", file=sys.stderr)
+        return 2
     print(f"kvtasks_merge: {doc['examples']} examples of {', '.join(doc['tasks'])} written to {out}"
           + (f" ({skipped} examples given again skipped: the first input wins)" if skipped else "")
           + (f"; no examples.jsonl ({without})" if without else ""), file=sys.stderr)

@@ -51,13 +51,38 @@ def difference(v: dict) -> str:
     return with_interval(signed, v["delta"], v.get("low"), v.get("high"))
 
 
-def load(run: Path) -> tuple[dict, list[dict]]:
-    s = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    pairs = []
-    if (run / "pairs.parquet").exists():
-        import pandas as pd
+class Refused(Exception):
+    """A folder whose tables cannot be printed: one line, exit 2."""
 
-        pairs = pd.read_parquet(run / "pairs.parquet").to_dict(orient="records")
+
+def checked(run: Path) -> Path:
+    """``run`` when :func:`attngeom.runs.verify` finds it intact: a finished ``attngeom kvtasks`` run
+    or a folder tools/kvtasks_merge.py wrote, its ``run.json`` sealed and every file it lists
+    unchanged; else :class:`Refused` saying what is wrong."""
+    from attngeom.runs import verify
+
+    problems = verify(run)
+    if problems:
+        raise Refused(f"{run} is not an intact kvtasks run or merged folder ({problems[0]})")
+    return run
+
+
+def load(run: Path) -> tuple[dict, list[dict]]:
+    """The run's summary and pair rows, read once :func:`checked` has verified the folder."""
+    from attngeom.runs.storage import parse_json
+
+    checked(run)
+    try:
+        s = parse_json((run / "summary.json").read_bytes())
+        pairs = []
+        if (run / "pairs.parquet").exists():
+            import pandas as pd
+
+            pairs = pd.read_parquet(run / "pairs.parquet").to_dict(orient="records")
+    except Exception as e:                           # not JSON, nested too deeply, a parquet file pyarrow refuses
+        raise Refused(f"{run}: cannot read its tables ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(s, dict) or s.get("command") != "kvtasks" or not isinstance(s.get("results"), list):
+        raise Refused(f"{run}/summary.json is not the summary of a kvtasks run")
     return s, pairs
 
 
@@ -189,24 +214,34 @@ def main(argv: list[str]) -> int:
     if a.tasks and not a.pair:
         print("kvtasks_tables: --tasks goes with --pair", file=sys.stderr)
         return 2
+    try:
+        return tables(a)
+    except Refused as e:
+        print(f"kvtasks_tables: {e}", file=sys.stderr)
+        return 2
+
+
+def tables(a) -> int:
+    """Print the tables ``main``'s options ask for; :class:`Refused` before anything is printed when a
+    folder is not intact or its files cannot be read."""
     if a.pair:
         for run in a.runs:
             if not (run / "answers.parquet").is_file():
-                print(f"kvtasks_tables: {run} holds no answers.parquet", file=sys.stderr)
-                return 2
+                raise Refused(f"{run} holds no answers.parquet")
+            checked(run)
+        out = []
         for run in a.runs:
             try:
-                print(pair_table(run, *a.pair, a.tasks.split(",") if a.tasks else None) + "\n")
+                out.append(pair_table(run, *a.pair, a.tasks.split(",") if a.tasks else None) + "\n")
             except ValueError as e:
-                print(f"kvtasks_tables: {e}", file=sys.stderr)
-                return 2
+                raise Refused(str(e)) from None
+        print("\n".join(out))
         return 0
     for run in a.runs:
         if not (run / "summary.json").is_file():
-            print(f"kvtasks_tables: {run} holds no summary.json (not a finished kvtasks run)", file=sys.stderr)
-            return 2
-    for run in a.runs:
-        s, pairs = load(run)
+            raise Refused(f"{run} holds no summary.json (not a finished kvtasks run)")
+    loaded = [load(run) for run in a.runs]
+    for s, pairs in loaded:
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
                 f"({tasks_said(s)}), {'chat template' if s.get('chat_template') else 'no chat template'}")
         if a.readme:

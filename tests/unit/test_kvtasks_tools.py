@@ -34,19 +34,28 @@ def _rows(task, examples, scores):
     return pd.DataFrame(out)
 
 
-def _run(path: Path, tasks, rows: pd.DataFrame, finished: bool, **settings) -> Path:
-    (path / "checkpoint").mkdir(parents=True)
-    doc = {"format": 2, "command": "kvtasks", "settings": {**SETTINGS, "tasks": tasks, **settings}}
-    (path / "checkpoint" / "settings.json").write_text(json.dumps(doc))
-    if finished:
-        rows.to_parquet(path / "answers.parquet")
-    else:                                                   # a stopped run: its units in the checkpoint
-        from attngeom.runs.storage import encode_record
+def _run(path: Path, tasks, rows: pd.DataFrame, finished: bool, jsonl=None, **settings) -> Path:
+    """A real attngeom kvtasks run of ``rows`` in ``path`` (:class:`attngeom.runs.run.Run`: its sealed
+    settings, one checkpoint unit per example), finished (``answers.parquet``, ``examples.jsonl`` when
+    ``jsonl`` gives its examples, and the sealed ``run.json``) or stopped (its units only, the last line cut
+    short by a kill)."""
+    from attngeom.kvcache import ruler
+    from attngeom.runs.run import Run
 
-        with (path / "checkpoint" / "records-r0-1-1.jsonl").open("w") as f:
-            for u, ((t, e), g) in enumerate(rows.groupby(["task", "example"])):
-                f.write(json.dumps({"stage": "tasks", "units": [u], "fingerprints": [0],
-                                    "data": {"rows": encode_record(g.reset_index(drop=True))}}) + "\n")
+    groups = [g.reset_index(drop=True) for _, g in rows.groupby(["task", "example"])]
+    run = Run(path, "kvtasks", {**SETTINGS, "tasks": tasks, **settings}, progress=False)
+    run.stage("tasks", len(groups), lambda units: {"rows": pd.concat([groups[u] for u in units], ignore_index=True)})
+    if finished:
+        def write(staging):
+            rows.to_parquet(staging / "answers.parquet")
+            if jsonl is not None:
+                ruler.write_jsonl(jsonl, staging / "examples.jsonl")
+            return ["answers.parquet"] + (["examples.jsonl"] if jsonl is not None else [])
+
+        run.finish(write)
+    else:                                                   # a stopped run: its units in the checkpoint
+        run.close()
+        with next((path / "checkpoint").glob("records-*.jsonl")).open("a") as f:
             f.write('{"stage": "tasks", "units": [9')       # a line cut short by a kill
     return path
 
@@ -153,9 +162,9 @@ def test_merge_reads_finished_runs_writes_strict_json_and_refuses_in_one_line(tm
     full = {0: 1.0, 1: 1.0}
     a = _run(tmp_path / "a", ["t1"], _rows("t1", [0, 1], {"full": full, "random": {0: 0.0, 1: 1.0},
                                                            "contribution": full}), finished=True)
-    (a / "run.json").write_text((a / "checkpoint" / "settings.json").read_text())
-    (a / "checkpoint" / "settings.json").unlink()
-    (a / "checkpoint").rmdir()
+    import shutil
+
+    shutil.rmtree(a / "checkpoint")
     out = tmp_path / "m"
     assert merge.main(["--out", str(out), str(a)]) == 0
     text = (out / "summary.json").read_text()
@@ -171,7 +180,10 @@ def test_merge_reads_finished_runs_writes_strict_json_and_refuses_in_one_line(tm
                  finished=True, examples=3, seed=1)
     empty = tmp_path / "empty"
     (empty / "checkpoint").mkdir(parents=True)
-    (empty / "checkpoint" / "settings.json").write_text(json.dumps({"command": "kvtasks", "settings": {**SETTINGS, "tasks": ["t1"]}}))
+    from attngeom.runs.run import seal
+
+    (empty / "checkpoint" / "settings.json").write_text(json.dumps(seal({"command": "kvtasks", "settings":
+                                                                         {**SETTINGS, "tasks": ["t1"]}}, "run-settings")))
     for runs, said in (([a, other], "differs from"), ([tmp_path / "nothing"], "neither run.json"),
                        ([empty], "no whole task")):
         assert merge.main(["--out", str(tmp_path / "m2"), *map(str, runs)]) == 2
@@ -259,8 +271,8 @@ def test_merge_adds_up_examples_across_runs_and_merged_folders(tmp_path, capsys)
 
 def test_merge_refuses_other_settings_and_a_merged_folder_without_them(tmp_path, capsys):
     """A run that differs in a key of the identity other than examples and first_example is refused,
-    against a run or a merged folder; so is a merged folder written before "settings" were recorded,
-    with a line that says how to fix it. A run that records no allow_missing_weights is the default."""
+    against a run or a merged folder; so is a merged folder written before its outputs were sealed
+    (no run.json), with a line that says how to fix it. A run that records no allow_missing_weights is the default."""
     merge = _tool("kvtasks_merge")
     r = range(2)
     a = _run(tmp_path / "a", ["t1"], _rows("t1", r, _scores(r, bool)), finished=True)
@@ -279,19 +291,19 @@ def test_merge_refuses_other_settings_and_a_merged_folder_without_them(tmp_path,
     old.mkdir()
     (old / "summary.json").write_text(json.dumps(doc))
     (old / "answers.parquet").write_bytes((m / "answers.parquet").read_bytes())
-    for runs, said in (([a, other], "differs from"), ([m, other], "in length"), ([old, later], 'no "settings"')):
+    for runs, said in (([a, other], "differs from"), ([m, other], "in length"), ([old, later], "has no run.json")):
         assert merge.main(["--out", str(tmp_path / "m2"), *map(str, runs)]) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "m2").exists()
 
 
-def _examples(path: Path, tasks, numbers, context: str = "c") -> None:
-    """An ``examples.jsonl`` in ``path`` as the command writes it: ``numbers`` of each of ``tasks``."""
+def _examples(tasks, numbers, context: str = "c") -> list:
+    """The examples of an ``examples.jsonl`` as the command writes it: ``numbers`` of each of ``tasks``."""
     from attngeom.kvcache import ruler
 
-    ruler.write_jsonl([ruler.Example(task=t, index=e, seed=0, context=f"{context} {t} {e}", question="q?",
-                                     answer_prefix="A:", answers=(str(e),), max_new_tokens=4, length=64)
-                       for t in tasks for e in numbers], path / "examples.jsonl")
+    return [ruler.Example(task=t, index=e, seed=0, context=f"{context} {t} {e}", question="\nq?",
+                          answer_prefix="A:", answers=(str(e),), max_new_tokens=4, length=64)
+            for t in tasks for e in numbers]
 
 
 def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path, capsys):
@@ -303,14 +315,12 @@ def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path
     merge = _tool("kvtasks_merge")
     r0, r10, r20 = range(0, 10), range(10, 20), range(20, 30)
     both = ["t1", "t2"]
-    a2 = _run(tmp_path / "a2", ["t1"], _rows("t1", r0, _scores(r0, lambda e: True)), finished=True, examples=10)
-    _examples(a2, ["t1"], r0, context="first")
+    a2 = _run(tmp_path / "a2", ["t1"], _rows("t1", r0, _scores(r0, lambda e: True)), finished=True, examples=10,
+              jsonl=_examples(["t1"], r0, context="first"))
     a = _run(tmp_path / "a", both, pd.concat([_rows(t, r0, _scores(r0, lambda e: e < 5)) for t in both]),
-             finished=True, examples=10)
-    _examples(a, both, r0)
+             finished=True, examples=10, jsonl=_examples(both, r0))
     c = _run(tmp_path / "c", both, pd.concat([_rows(t, r10, _scores(r10, lambda e: True)) for t in both]),
-             finished=True, examples=10, first_example=10)
-    _examples(c, both, r10, context="third")
+             finished=True, examples=10, first_example=10, jsonl=_examples(both, r10, context="third"))
     m = tmp_path / "m"
     assert merge.main(["--out", str(m), str(a2), str(a), str(c)]) == 0
     assert "no examples.jsonl" not in capsys.readouterr().err
@@ -321,8 +331,7 @@ def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path
     assert {ex.context.split()[0] for ex in got if ex.index >= 10} == {"third"}
 
     d = _run(tmp_path / "d", both, pd.concat([_rows(t, r20, _scores(r20, lambda e: False)) for t in both]),
-             finished=True, examples=10, first_example=20)
-    _examples(d, both, r20)
+             finished=True, examples=10, first_example=20, jsonl=_examples(both, r20))
     m30 = tmp_path / "m30"
     assert merge.main(["--out", str(m30), str(m), str(d)]) == 0                # a merged folder passes its examples on
     assert [(ex.task, ex.index) for ex in ruler.read_jsonl(m30 / "examples.jsonl")] == \
@@ -335,12 +344,117 @@ def test_merge_writes_the_examples_it_takes_when_every_input_holds_them(tmp_path
     assert f"no examples.jsonl ({b} has no examples.jsonl)" in capsys.readouterr().err
     assert not (mb / "examples.jsonl").exists() and (mb / "summary.json").is_file()
 
-    (c / "examples.jsonl").write_text((c / "examples.jsonl").read_text().splitlines()[0] + "\n")   # one example left
+    c1 = _run(tmp_path / "c1", both, pd.concat([_rows(t, r10, _scores(r10, lambda e: True)) for t in both]),
+              finished=True, examples=10, first_example=10, jsonl=_examples(both, r10)[:1])   # one example only
     mc = tmp_path / "mc"
-    assert merge.main(["--out", str(mc), str(a), str(c)]) == 0
-    assert f"the examples.jsonl of {c} lacks 19 of the examples taken from it" in capsys.readouterr().err
+    assert merge.main(["--out", str(mc), str(a), str(c1)]) == 0
+    assert f"the examples.jsonl of {c1} lacks 19 of the examples taken from it" in capsys.readouterr().err
     assert not (mc / "examples.jsonl").exists()
-    (c / "examples.jsonl").write_text("not json\n")
+    (c / "examples.jsonl").write_text("not json\n")          # changed after its run: verify says so
     assert merge.main(["--out", str(tmp_path / "bad"), str(a), str(c)]) == 2           # one line, nothing written
     err = capsys.readouterr().err
     assert err.startswith("kvtasks_merge: ") and err.count("\n") == 1 and not (tmp_path / "bad").exists()
+    assert "examples.jsonl differs from the manifest's checksum" in err
+
+
+# ---- issue 52: the tools read runs only through the runs' own verification, and refuse in one line ---------
+
+
+def _sealed(path: Path, files: dict) -> Path:
+    """A finished kvtasks run whose outputs are ``files`` (name -> bytes), as written: sealed by the run
+    itself, so that only the tool's own reading can find them wrong."""
+    from attngeom.runs.run import Run
+
+    run = Run(path, "kvtasks", {**SETTINGS, "tasks": ["t1"]}, progress=False)
+
+    def write(staging):
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        return list(files)
+
+    run.finish(write)
+    return path
+
+
+def _one_line(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(prefix) and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_merge_refuses_a_run_changed_after_it_finished(tmp_path, capsys):
+    """Defect 3 of issue 52: an answers.parquet changed after its run, and a run.json edited by hand,
+    were merged, though attngeom.runs.verify said so."""
+    merge = _tool("kvtasks_merge")
+    r = range(2)
+    a = _run(tmp_path / "a", ["t1"], _rows("t1", r, _scores(r, bool)), finished=True)
+    b = _run(tmp_path / "b", ["t1"], _rows("t1", r, _scores(r, bool)), finished=True)
+    _rows("t1", r, _scores(r, lambda e: True)).to_parquet(a / "answers.parquet")       # contribution always right
+    doc = json.loads((b / "run.json").read_text())
+    doc["settings"]["length"] = 4096                                                    # edited by hand
+    (b / "run.json").write_text(json.dumps(doc))
+    for run, said in ((a, "answers.parquet differs from the manifest's checksum"), (b, "not written by attngeom")):
+        assert merge.main(["--out", str(tmp_path / "m"), str(run)]) == 2
+        assert said in _one_line(capsys, "kvtasks_merge: ") and not (tmp_path / "m").exists()
+
+
+def test_merge_refuses_unreadable_answers_and_an_output_it_cannot_write_in_one_line(tmp_path, capsys, monkeypatch):
+    """Defect 14 of issue 52: a corrupt, truncated or column-less answers.parquet (here sealed by the run
+    itself, so that the checksums agree), an unwritable --out and a full disk were tracebacks; a full
+    disk left a folder that looked merged but had no figure. Now one line, and no --out at all."""
+    import errno
+    import io
+
+    merge = _tool("kvtasks_merge")
+    good = io.BytesIO()
+    _rows("t1", range(2), _scores(range(2), bool)).to_parquet(good)
+    columnless = io.BytesIO()
+    _rows("t1", range(2), _scores(range(2), bool)).drop(columns="score").to_parquet(columnless)
+    for name, data, said in (("corrupt", b"PAR1 not a parquet file", "cannot be read"),
+                             ("truncated", good.getvalue()[:len(good.getvalue()) // 2], "cannot be read"),
+                             ("columnless", columnless.getvalue(), "no column score")):
+        run = _sealed(tmp_path / name, {"answers.parquet": data})
+        assert merge.main(["--out", str(tmp_path / "m"), str(run)]) == 2, name
+        assert said in _one_line(capsys, "kvtasks_merge: ") and not (tmp_path / "m").exists()
+
+    a = _run(tmp_path / "a", ["t1"], _rows("t1", range(2), _scores(range(2), bool)), finished=True)
+    (tmp_path / "file").write_text("a file")
+    assert merge.main(["--out", str(tmp_path / "file" / "m"), str(a)]) == 2               # --out under a file
+    assert "cannot write" in _one_line(capsys, "kvtasks_merge: ")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("attngeom.reports.kvtasks.render", full)                          # the disk fills at the figure
+    assert merge.main(["--out", str(tmp_path / "m"), str(a)]) == 2
+    assert "No space left on device" in _one_line(capsys, "kvtasks_merge: ")
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.partial-*"))
+
+
+def test_merge_seals_its_folder_and_the_tables_refuse_what_verify_refuses(tmp_path, capsys):
+    """Defect 15 of issue 52 (and 3 for the tables): a summary.json that is not JSON, nested too deeply
+    or empty, and a corrupt pairs.parquet, were tracebacks of kvtasks_tables; a merged folder changed
+    after it was written was printed. The merged folder is sealed like a run (run.json), so
+    attngeom.runs.verify checks it."""
+    from attngeom.runs import verify
+
+    merge, tables = _tool("kvtasks_merge"), _tool("kvtasks_tables")
+    a = _run(tmp_path / "a", ["t1"], _rows("t1", range(2), _scores(range(2), bool)), finished=True)
+    m = tmp_path / "m"
+    assert merge.main(["--out", str(m), str(a)]) == 0 and verify(m) == []
+    assert tables.main([str(m)]) == 0
+    capsys.readouterr()
+    doc = json.loads((m / "summary.json").read_text())
+    doc["length"] = 4096
+    (m / "summary.json").write_text(json.dumps(doc))                                  # changed after the merge
+    assert tables.main([str(m)]) == 2
+    assert "summary.json differs from the manifest's checksum" in _one_line(capsys, "kvtasks_tables: ")
+    assert tables.main(["--readme", str(m)]) == 2 and capsys.readouterr().out == ""
+    summary = (a / "answers.parquet").read_bytes()
+    for name, files in (("notjson", {"summary.json": b"{not json"}), ("deep", {"summary.json": b"[" * 100000}),
+                        ("empty", {"summary.json": b""}), ("list", {"summary.json": b"[]"}),
+                        ("pairs", {"summary.json": json.dumps(doc).encode(), "pairs.parquet": summary[:100]})):
+        run = _sealed(tmp_path / name, files)
+        assert tables.main([str(run)]) == 2, name
+        _one_line(capsys, "kvtasks_tables: ")
+        assert capsys.readouterr().out == ""
