@@ -334,3 +334,15 @@ def test_a_holder_that_has_not_written_its_pid_yet_is_named_once_it_has(tmp_path
         assert "in use by process 4243 " in str(e.value) and waits, str(e.value)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("seed", [str(10 ** 29), str(2 ** 64), "-1"])
+def test_a_sampling_seed_torch_cannot_take_is_one_line_before_the_model_loads(no_model, tmp_path, capfd, seed):
+    """Defect 17 of issue 52: --seed 10^29 with --sample overflowed in torch's manual_seed after the model
+    loaded; a seed is a whole number from 0 to 2^64 - 1 (what torch.Generator takes)."""
+    capfd.readouterr()
+    rc = main(["analyze", "--text", "The cat sat.", "--generate", "2", "--sample", "--seed", seed,
+               "--out", str(tmp_path / "o"), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and "seed" in line and "18446744073709551615" in line, line
+    assert not (tmp_path / "o").exists()

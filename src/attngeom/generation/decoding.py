@@ -53,7 +53,7 @@ from attngeom.capture.session import Session, attngeom_attention_implementation
 from attngeom.errors import InputError
 from attngeom.generation.prompts import prompt_ids
 from attngeom.metrics import formulas as metrics
-from attngeom.model.arguments import takes_handle
+from attngeom.model.arguments import check_count, takes_handle
 from attngeom.runs.contract import ModelHandleLike, RunLike
 from attngeom.runs.run import fingerprint, merge_sums, run_or_in_memory
 from attngeom.streaming.reducers import InputBatch, Reducer
@@ -105,6 +105,8 @@ class Decoding:
             raise InputError(f"temperature must be a positive number, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:                                 # what torch.Generator.manual_seed takes
+            object.__setattr__(self, "seed", check_count(self.seed, "the sampling seed", 0, 2 ** 64 - 1))
 
     def stop_ids(self, handle: ModelHandleLike) -> tuple[int, ...]:
         return model_stop_ids(handle) if self.stop is None else tuple(int(s) for s in self.stop)
