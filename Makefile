@@ -13,7 +13,7 @@ TRANSFORMERS_SPEC ?= transformers==5.25.0
 DEMO_OUT ?= out/demo
 EXPLORE_OUT ?= out/demo-explore
 
-.PHONY: install browser demo test test-unit test-integration test-models test-kernels bench docs clean
+.PHONY: install browser demo test test-unit test-device test-integration test-models test-kernels bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,18 +49,22 @@ demo: $(STAMP)
 # turns their skip into a failure.
 REQUIRE_BROWSER = ATTNGEOM_REQUIRE_BROWSER=$$([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
 
-# every tier, one process per core, one thread each (the unit tier's tests are independent; the
-# others share only the model cache, written atomically), at most 4 processes for the integration and
+# every tier, one process per core, one thread each (the unit and device tiers' tests are independent;
+# the others share only the model cache, written atomically), at most 4 processes for the integration and
 # models tiers (each may hold a 7B-wide layer pair or a bundled model); the slowest tests are listed
 test: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/unit tests/device
 	$(REQUIRE_BROWSER) OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --durations 15 tests/integration tests/models
 
-# The three tiers of docs/testing.md, one at a time: unit (tiny models, one process per core with
-# pytest-xdist, under a minute on two cores), integration (the command line, runs, distributed, the
-# browser, the docs), models (the bundled models, the seed architectures, the architecture matrix, precision).
+# The four tiers of docs/testing.md, one at a time: unit (tiny models, one process per core with
+# pytest-xdist: the inner loop while working), device (the GPU path on fake CUDA devices), integration
+# (the command line, runs, distributed, the browser, the docs), models (the bundled models, the seed
+# architectures, the architecture matrix, precision).
 test-unit: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/unit
+
+test-device: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests/device
 
 test-integration: $(STAMP) browser
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests/integration

@@ -11,12 +11,14 @@ TEST_DEVICE_ENV = "ATTNGEOM_TEST_DEVICE"
 TEST_ORDER_ENV = "ATTNGEOM_TEST_ORDER"
 
 
-TIERS = ("unit", "integration", "models")
-"""The folders of tests/ and the marker each gives its tests (docs/testing.md)."""
+TIERS = ("unit", "device", "integration", "models")
+"""The folders of tests/ and the marker each gives its tests (docs/testing.md): ``device`` is the GPU
+path on fake CUDA devices, kept out of ``unit`` so that the inner loop stays short."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test is marked with its tier (its folder: ``-m unit``, ``-m integration``, ``-m models``).
+    """Every test is marked with its tier (its folder: ``-m unit``, ``-m device``, ``-m integration``,
+    ``-m models``).
 
     ``ATTNGEOM_TEST_ORDER=reverse`` or ``shuffle:SEED`` runs the tests in another order, to find
     tests that depend on what ran before them (module-scoped fixtures stay valid: pytest sets them
