@@ -48,7 +48,7 @@ def test_own_policy_compresses_as_its_priority_says(own_module):
     policy = get_policy("my_policies:FirstAndLoud")
     assert policy.name == "first_and_loud" and get_policy("first_and_loud") is policy    # registered by its name
     pre = P.prefill(h, ctx, [policy])
-    sel = P.select(pre, policy, 0.5, h.num_heads)
+    sel = P.selection_at_ratio(pre, policy, 0.5, h.num_heads)
     att = eager_attentions(h, ctx)
     r = h.num_heads // h.num_kv_heads
     for l, idx in sel.idx.items():

@@ -13,7 +13,7 @@ from attngeom.kvcache import tasks
 from attngeom.kvcache.cache import kept_entries
 from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets, get_policy,
                                        pyramid_budgets)
-from attngeom.kvcache.ruler import Example, encode
+from attngeom.kvcache.ruler import Example, encode_example
 from attngeom.metrics.leave_one_out import leave_one_out
 from attngeom.kvcache.settings import TASK_POLICIES, KVTaskSettings
 from tiny_models import eager_attentions, tiny_model
@@ -61,7 +61,7 @@ def test_ratio_zero_answers_equal_generate_with_the_full_cache(arch, mode):
     want = want[0, len(ctx) + len(q):].tolist()
     names = ["random", "snapkv", "contribution", "kvzip", "adakv", "pyramidkv", "criticalkv", "loo_head"]
     pre = P.prefill(h, ctx + q if mode == P.QUERY_AWARE else ctx, [get_policy(n) for n in names])
-    sels = [P.select(pre, n, 0.0, h.num_heads) for n in names]
+    sels = [P.selection_at_ratio(pre, n, 0.0, h.num_heads) for n in names]
     cache = P.variant_cache(h, pre, sels, room=20)
     got = P.greedy_answers(h, cache, None if mode == P.QUERY_AWARE else q, pre.logits, 10)
     from attngeom.generation.decoding import model_stop_ids
@@ -89,11 +89,11 @@ def test_every_policy_keeps_the_budget_and_the_memory_is_freed():
     ctx = _ids(64)
     pols = [get_policy(n) for n in COMPRESSING]
     pre = P.prefill(h, ctx, pols)
-    full = P.row_bytes(h, P.variant_cache(h, pre, [P.select(pre, "window", 0.0, h.num_heads)]))
+    full = P.row_bytes(h, P.variant_cache(h, pre, [P.selection_at_ratio(pre, "window", 0.0, h.num_heads)]))
     for ratio in (0.5, 0.875):
         k = P.kept_count(64, ratio)
         total = k * h.num_kv_heads * h.num_layers
-        sels = [P.select(pre, p, ratio, h.num_heads) for p in pols]
+        sels = [P.selection_at_ratio(pre, p, ratio, h.num_heads) for p in pols]
         for p, s in zip(pols, sels):
             assert s.kept() == total, p.name                   # AdaKV and PyramidKV move budgets, not the total
             for l, idx in s.idx.items():
@@ -110,7 +110,7 @@ def test_finished_rows_leave_the_batch_without_changing_the_others():
     ctx, q = _ids(40), _ids(4, seed=3)
     names = ["h2o", "window", "random", "knorm"]
     pre = P.prefill(h, ctx, [get_policy(n) for n in names])
-    sels = [P.select(pre, n, 0.5, h.num_heads) for n in names]
+    sels = [P.selection_at_ratio(pre, n, 0.5, h.num_heads) for n in names]
     alone = [P.greedy_answers(h, P.variant_cache(h, pre, [s]), q, None, 12) for s in sels]
     together = P.greedy_answers(h, P.variant_cache(h, pre, sels, room=16), q, None, 12)
     # make rows stop at different steps: the first token each row produces becomes a stop token
@@ -132,7 +132,7 @@ def test_caches_read_as_one_batch_answer_as_each_alone(arch, mode):
     question = None if mode == P.QUERY_AWARE else q
 
     def caches():                                                    # the full cache, then one cache per ratio (a row per policy)
-        return [P.variant_cache(h, pre, [P.select(pre, n, r, h.num_heads) for n in (names if r else ["full"])], room=16)
+        return [P.variant_cache(h, pre, [P.selection_at_ratio(pre, n, r, h.num_heads) for n in (names if r else ["full"])], room=16)
                 for r in (0.0, 0.25, 0.75)]
 
     def alone():
@@ -220,7 +220,7 @@ def test_each_variant_holds_the_bytes_of_its_own_cache():
     ex = _examples(h, 1)[0]
     s = KVTaskSettings(policies=("h2o", "adakv"), ratios=(0.5,), n_resamples=50)
     a = tasks.answer_example(h, ex, s).set_index("policy")
-    ctx, q, _ = encode(ex, h.tokenizer, s.chat)
+    ctx, q, _ = encode_example(ex, h.tokenizer, s.chat)
     room = len(q) + ex.max_new_tokens
     assert a.loc["h2o", "bytes"] == tasks.cache_bytes_estimate(h, P.kept_count(len(ctx), 0.5) + room, 1)
     assert a.loc["full", "bytes"] == tasks.cache_bytes_estimate(h, len(ctx) + room, 1)
@@ -506,7 +506,7 @@ def test_criticalkv_value_term_is_the_projected_value_l1_norm():
 
 def _examples(h, n=2):
     return [Example(task="toy", index=i, seed=0, context="the key is abc. " * 3, question="\nWhat is the key?",
-                    answer_prefix=" The key is", answers=("abc",), max_new_tokens=4, length=0) for i in range(n)]
+                    answer_prefix=" The key is", answers=("abc",), max_new_tokens=4, length=76) for i in range(n)]
 
 
 def test_experiment_tables_and_too_few_examples():

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from attngeom.kvcache import ruler
-from attngeom.kvcache.ruler import TASKS, count_tokens, encode, make_examples, read_jsonl, score, score_part, tolerance, write_jsonl
+from attngeom.kvcache.ruler import (TASKS, count_tokens, encode_example, make_examples, read_jsonl,
+                                    string_match_all, string_match_part, tolerance, write_jsonl)
 
 CORPUS = Path(__file__).parents[1] / "data" / "wikitext-2-raw-test-excerpt.txt"
 
@@ -227,11 +228,11 @@ def test_seed_determines_examples(tokenizer):
 
 def test_score_string_match_all():
     answers = ("1234567", "Blue-Fox")
-    assert score("they are 1234567 and blue-fox.", answers) == 1.0
-    assert score("  The answer: 1234567\x00", answers) == 0.5
-    assert score("BLUE-FOX", answers) == 0.5
-    assert score("nothing here", answers) == 0.0
-    assert score_part("blue-fox", answers) == 1.0 and score_part("none", answers) == 0.0
+    assert string_match_all("they are 1234567 and blue-fox.", answers) == 1.0
+    assert string_match_all("  The answer: 1234567\x00", answers) == 0.5
+    assert string_match_all("BLUE-FOX", answers) == 0.5
+    assert string_match_all("nothing here", answers) == 0.0
+    assert string_match_part("blue-fox", answers) == 1.0 and string_match_part("none", answers) == 0.0
     assert TASKS["niah_multivalue"].score("1234567 blue-fox", answers) == 1.0
 
 
@@ -243,7 +244,7 @@ def test_score_string_match_all():
 @pytest.mark.parametrize("task", list(TASKS))
 def test_encode_without_chat_template(tokenizer, task):
     ex = make_examples(tokenizer, task, 1024, 1)[0]
-    context_ids, question_ids, chat = encode(ex, tokenizer)
+    context_ids, question_ids, chat = encode_example(ex, tokenizer)
     assert chat is False
     whole = tokenizer(ex.context + ex.question + ex.answer_prefix)["input_ids"]
     assert context_ids + question_ids == whole and len(whole) == ex.length
@@ -255,15 +256,15 @@ def test_encode_without_chat_template(tokenizer, task):
 @pytest.mark.parametrize("task", list(TASKS))
 def test_encode_with_chat_template(tokenizer, chat_tokenizer, task):
     ex = make_examples(tokenizer, task, 1024, 1)[0]
-    context_ids, question_ids, chat = encode(ex, chat_tokenizer)
+    context_ids, question_ids, chat = encode_example(ex, chat_tokenizer)
     assert chat is True
     rendered = chat_tokenizer.apply_chat_template([{"role": "user", "content": ex.context + ex.question}],
                                                   add_generation_prompt=True, tokenize=False) + ex.answer_prefix
     assert context_ids + question_ids == chat_tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(context_ids) == "<|im_start|>user\n" + ex.context
     assert tokenizer.decode(question_ids) == ex.question + "<|im_end|>\n<|im_start|>assistant\n" + ex.answer_prefix
-    assert encode(ex, chat_tokenizer, chat=False)[2] is False
-    assert encode(ex, chat_tokenizer, chat=False)[:2] == encode(ex, tokenizer)[:2]
+    assert encode_example(ex, chat_tokenizer, chat=False)[2] is False
+    assert encode_example(ex, chat_tokenizer, chat=False)[:2] == encode_example(ex, tokenizer)[:2]
 
 
 def test_encode_refuses_a_token_across_the_split(tokenizer):
@@ -271,7 +272,7 @@ def test_encode_refuses_a_token_across_the_split(tokenizer):
     glued = ruler.Example(**{**ex.__dict__, "context": ex.context + "\nThe gr", "question": "ass is green." + ex.question})
     assert any(len(t) > 3 for t in tokenizer.tokenize(" grass"))          # "grass" is one BPE piece
     with pytest.raises(ValueError, match="straddles"):
-        encode(glued, tokenizer)
+        encode_example(glued, tokenizer)
 
 
 def test_larger_haystack_only_adds_text():

@@ -223,7 +223,7 @@ def chat_frame(tokenizer) -> tuple[list[int], list[int]]:
     return tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(suffix, add_special_tokens=False)
 
 
-def reconstruction_requests(tokenizer, ids: Sequence[int], encode=None) -> tuple[int, list[tuple[int, int, list[int]]]]:
+def reconstruction_requests(tokenizer, ids: Sequence[int]) -> tuple[int, list[tuple[int, int, list[int]]]]:
     """KVzip's reconstruction passes over the context ``ids``, as kvpress's ``KVzipPress.prepare``
     makes them: ``(prefix, [(start, end, request), ...])``. ``prefix``: the chat template's tokens
     before the user message when ``ids`` begins with them (else 0); the rest is cut into chunks of
@@ -355,7 +355,7 @@ class Selection:
         return int(sum(int(o.sum()) for o in self.ok.values()))
 
 
-def select(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> Selection:
+def selection_at_ratio(pre: Prefill, policy: Policy | str, ratio: float, num_heads: int) -> Selection:
     """The entries ``policy`` keeps at ``ratio``: per layer and key/value head, the budget of
     :meth:`~attngeom.kvcache.policies.Policy.allocate` (``n − ⌊n·ratio⌋`` each unless the policy
     allocates otherwise), ranked by the policy's tier and score (:func:`~attngeom.kvcache.cache.kept_entries`)."""

@@ -115,7 +115,7 @@ KEY_WORDS = tuple(f"{a}-{n}" for a in sorted(set(_ADJECTIVES)) for n in sorted(s
 @dataclass(frozen=True)
 class Example:
     """One task example. ``context + question + answer_prefix`` is the plain prompt (RULER's order);
-    ``answers`` are the reference strings :func:`score` looks for; ``length`` is the prompt's tokens
+    ``answers`` are the reference strings :func:`string_match_all` looks for; ``length`` is the prompt's tokens
     without a chat template (BOS included when the tokenizer adds one)."""
 
     task: str
@@ -151,7 +151,7 @@ class TaskSpec:
 
     def score(self, prediction: str, answers: Sequence[str]) -> float:
         """The task's score of one prediction, in [0, 1]."""
-        return (score_part if self.metric == "string_match_part" else score)(prediction, answers)
+        return (string_match_part if self.metric == "string_match_part" else string_match_all)(prediction, answers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +443,7 @@ TASKS: dict[str, TaskSpec] = {
     "frequent_words": TaskSpec("frequent_words", frequent_words, 50, min_size=100, refine="pad"),
 }
 """The task families by name. ``max_new_tokens`` is RULER's ``tokens_to_generate`` (niah 128,
-vt 30, cwe 120, fwe 50); all score by ``string_match_all`` (:func:`score`)."""
+vt 30, cwe 120, fwe 50); all score by ``string_match_all`` (:func:`string_match_all`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,7 +526,7 @@ def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, hays
 # ---------------------------------------------------------------------------------------------
 
 
-def encode(example: Example, tokenizer, chat: bool | None = None) -> tuple[list[int], list[int], bool]:
+def encode_example(example: Example, tokenizer, chat: bool | None = None) -> tuple[list[int], list[int], bool]:
     """``(context_ids, question_ids, chat_applied)``: the prompt's token ids split where the question
     begins (question_ids hold the question, the answer prefix and whatever the template puts
     between), and whether a chat template was applied.
@@ -570,14 +570,14 @@ def postprocess(prediction: str) -> str:
     return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
 
 
-def score(prediction: str, answers: Sequence[str]) -> float:
+def string_match_all(prediction: str, answers: Sequence[str]) -> float:
     """RULER's ``string_match_all`` for one prediction: the share of ``answers`` found in it as
     substrings, case-insensitive, in [0, 1] (RULER reports the mean times 100)."""
     p = postprocess(prediction).lower()
     return sum(a.lower() in p for a in answers) / len(answers)
 
 
-def score_part(prediction: str, answers: Sequence[str]) -> float:
+def string_match_part(prediction: str, answers: Sequence[str]) -> float:
     """RULER's ``string_match_part`` (its QA tasks): 1.0 when any of ``answers`` is found, else 0.0."""
     p = postprocess(prediction).lower()
     return float(any(a.lower() in p for a in answers))

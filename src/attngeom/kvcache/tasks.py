@@ -106,11 +106,11 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     cache's), ``bytes`` (the variant's cache storage, its heads padded to its largest) and
     ``seconds`` (its ratio's selections and caches, and the decoding, per variant; the prefill's in
     ``prefill_seconds``). The ratios' variants are decoded as one batch, or in as few batches as
-    :func:`memory_limit` allows. ``encoded``: :func:`~attngeom.kvcache.ruler.encode`'s result, when
+    :func:`memory_limit` allows. ``encoded``: :func:`~attngeom.kvcache.ruler.encode_example`'s result, when
     already made."""
     from attngeom.kvcache import ruler
 
-    ctx_ids, q_ids, chat = encoded or ruler.encode(example, handle.tokenizer, settings.chat)
+    ctx_ids, q_ids, chat = encoded or ruler.encode_example(example, handle.tokenizer, settings.chat)
     query_aware = settings.mode == P.QUERY_AWARE
     policies = [get_policy(n) for n in settings.policies]
     pre = P.prefill(handle, ctx_ids + q_ids if query_aware else ctx_ids, policies)
@@ -120,7 +120,7 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
             "context_tokens": len(ctx_ids), "question_tokens": len(q_ids)}
 
     def settled(ids: list[int]) -> bool:                      # every reference found: the score is final
-        return ruler.score(handle.tokenizer.decode(ids, skip_special_tokens=True), example.answers) == 1.0
+        return ruler.string_match_all(handle.tokenizer.decode(ids, skip_special_tokens=True), example.answers) == 1.0
 
     def answer(batch: list[dict]) -> list[dict]:              # several ratios' variants, decoded together
         t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
                 ids = next(answers)
                 text = handle.tokenizer.decode(ids, skip_special_tokens=True)
                 rows.append({**base, "policy": name, "ratio": v["ratio"], "answer": text,
-                             "score": ruler.score(text, example.answers), "answer_tokens": len(ids),
+                             "score": ruler.string_match_all(text, example.answers), "answer_tokens": len(ids),
                              "kept": sel.kept(), "bytes": size, "seconds": v["seconds"] / len(v["names"]) + decoding})
         return rows
 
@@ -141,7 +141,7 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
     rows, batch, held = [], [], 0
     for names, ratio in [(["full"], 0.0)] + [(list(settings.policies), r) for r in settings.ratios]:
         t0 = time.perf_counter()
-        sels = [P.select(pre, n, ratio, handle.num_heads) for n in names]
+        sels = [P.selection_at_ratio(pre, n, ratio, handle.num_heads) for n in names]
         need = sum(cache_bytes_estimate(handle, _largest_head(s, pre.n) + room, 1) for s in sels)
         if batch and limit is not None and held + need > limit:      # decode the ratios held so far first
             rows += answer(batch)
@@ -184,7 +184,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, examples: Sequence,
     check_memory(handle, max(e.length for e in examples), len(settings.policies))
     from attngeom.kvcache import ruler
 
-    encoded = [ruler.encode(e, handle.tokenizer, settings.chat) for e in examples]
+    encoded = [ruler.encode_example(e, handle.tokenizer, settings.chat) for e in examples]
     fps = [fingerprint([len(c)] + c + q) for c, q, _ in encoded]        # what the model reads, and the split
 
     def work(units: list[int]) -> dict:
@@ -336,7 +336,7 @@ def compressed_generate(handle: ModelHandleLike, context: Sequence[int], questio
     if pol.name == "taxonomy":
         raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
     pre = P.prefill(handle, context, [pol])
-    cache = P.variant_cache(handle, pre, [P.select(pre, pol, float(ratio), handle.num_heads)],
+    cache = P.variant_cache(handle, pre, [P.selection_at_ratio(pre, pol, float(ratio), handle.num_heads)],
                             room=len(question) + int(generate_kwargs.get("max_new_tokens", 0)))
     ids = torch.as_tensor([list(context) + list(question)], device=handle.device)
     with P.compressing(handle.model, cache):
