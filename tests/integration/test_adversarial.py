@@ -346,3 +346,39 @@ def test_a_sampling_seed_torch_cannot_take_is_one_line_before_the_model_loads(no
     line = _one_line(capfd.readouterr().err)
     assert rc == 2 and "seed" in line and "18446744073709551615" in line, line
     assert not (tmp_path / "o").exists()
+
+
+# ---- issue 52, defect 22: messages that said the wrong thing -------------------------------------------------
+
+
+def test_claims_rivals_that_name_nothing_are_told_so(no_model, corpus, tmp_path, capfd):
+    """``--rivals ''`` was told to "name each measure once"."""
+    capfd.readouterr()
+    rc = main(["claims", "--data", str(corpus), "--rivals", " , ", "--out", str(tmp_path / "o"), "--no-progress"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and "--rivals names no measure" in line and "once" not in line, line
+
+
+def test_compare_with_an_empty_model_b_is_refused(no_model, tmp_path, capfd):
+    """``--model-b ''`` silently compared the model with itself."""
+    capfd.readouterr()
+    rc = main(["compare", "--text", "The cat sat.", "--model-b", "", "--out", str(tmp_path / "o")])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 2 and "--model-b is empty" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_refuses_unrelated_texts_before_analysing_them(tiny_llama_dir, tmp_path, capfd, monkeypatch):
+    """Unrelated texts were refused only after both were analysed (43.7 s for two 1,500-token texts):
+    the alignment is checked on the tokens first (here the analysis would fail the test)."""
+    def analysed(*a, **k):
+        raise AssertionError("analysed before the texts were found unrelated")
+
+    monkeypatch.setattr("attngeom.traces.trace.analyze", analysed)
+    capfd.readouterr()
+    rc = main(["compare", "--model", str(tiny_llama_dir), "--text", "The cat sat on the mat.",
+               "--text-b", "zzzzzzzzzzzzzzzzzzzzzzzzzzzzzz", "--out", str(tmp_path / "o")])
+    err = capfd.readouterr().err
+    line = err.strip().splitlines()[-1]                   # after the model's loading lines
+    assert rc == 2 and "Traceback" not in err and line.startswith("attngeom compare: error: only"), err
+    assert not (tmp_path / "o").exists()

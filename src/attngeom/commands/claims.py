@@ -110,8 +110,10 @@ def check_args(args) -> dict:
 
         rivals = [x.strip() for x in args.rivals.split(",") if x.strip()]
         known = registry.rivals()
+        if not rivals:
+            raise InputError(f"--rivals names no measure; name one or more of {', '.join(known)}")
         bad = [x for x in rivals if x not in known]
-        if bad or not rivals or len(set(rivals)) != len(rivals):
+        if bad or len(set(rivals)) != len(rivals):
             raise InputError(f"--rivals: {'unknown measure ' + repr(bad[0]) if bad else 'name each measure once'}; "
                              f"known: {', '.join(known)}")
         if "rivals" in skip:
@@ -137,9 +139,7 @@ def run(args) -> int:
                        fixed_order=tuple(opts["fixed_order"]), n_resamples=args.bootstrap, seed=args.seed,
                        per_head=args.per_head, rivals=None if opts["rivals"] is None else tuple(opts["rivals"]))
     analyses = [a for a in ANALYSES if a not in opts["skip"]]
-    # critical_k is no option of the command: the identity holds what its options change
-    settings = {**common.corpus_identity(args, fields), "skip": opts["skip"],
-                **common.settings_identity(options, omit=("critical_k",))}
+    settings = common.run_identity(args, options, **common.corpus_identity(args, fields), skip=opts["skip"])
     t0 = time.time()
 
     def work(run):
@@ -156,10 +156,10 @@ def run(args) -> int:
 
         def write(staging) -> list[str]:
             stored = clean_json(out)
-            common.write_json(staging / "claims.json", stored)
-            (staging / "claims.md").write_text(rerender(stored), encoding="utf-8")      # claims.md from claims.json alone
-            return common.write_report(staging, "claims", {**res.summary, "data": args.data, "window": args.window},
-                                       ["claims.md", "claims.json"], model_name)
+            files = common.Outputs(staging, args)
+            files.text("claims.md", rerender(stored))      # claims.md from claims.json alone
+            files.json("claims.json", stored)
+            return files.report("claims", {**res.summary, "data": args.data, "window": args.window}, model_name)
 
         def report(out_dir, files) -> None:
             counts = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from attngeom.errors import InputError
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, check_layer_list, model_identity, text_identity, write_json, write_parquet
+from attngeom.commands.common import add_model_args, add_out_arg, check_layer_list, model_identity, text_identity
 
 DEFAULT_OUT = "out/compare"
 PAGE = "compare.html"
@@ -62,13 +62,15 @@ def run(args) -> int:
     t_start = time.perf_counter()
     layers = check_layer_list(args.layers)
     (text_a, source_a), b = _texts(args)
+    if args.model_b is not None and not args.model_b.strip():
+        raise InputError("--model-b is empty; name the second model (or leave --model-b out to compare two texts)")
     if b is None and args.model_b is None:
         raise InputError("nothing to compare: give a second text (--text-b or --file-b) or a second model (--model-b)")
     text_b, source_b = b if b is not None else (text_a, source_a)
     model_b = args.model_b or args.model
-    settings = {**model_identity(args), "model_b": model_identity(argparse.Namespace(**{**vars(args), "model": model_b})),
-                "a": text_identity(text_a, source_a), "b": text_identity(text_b, source_b),
-                "layers": common.layers_identity(layers), "target": args.target}
+    settings = common.run_identity(args, None, model_b=model_identity(argparse.Namespace(**{**vars(args), "model": model_b})),
+                                   a=text_identity(text_a, source_a), b=text_identity(text_b, source_b),
+                                   layers=common.layers_identity(layers), target=args.target)
 
     def work(run):
         from attngeom.explorer.data import from_trace
@@ -85,16 +87,13 @@ def run(args) -> int:
         pages = [explore.render(from_trace(t)) for t in (trace_a, trace_b)]
 
         def write(staging: Path) -> list[str]:
-            files = []
-            for name, df in tables(diff).items():
-                write_parquet(df, staging / f"{name}.parquet")
-                files.append(f"{name}.parquet")
-            (staging / PAGE).write_text(rep.page(*pages, summary, diff), encoding="utf-8", newline="\n")
+            out = common.Outputs(staging, args)
+            out.tables(tables(diff))
+            out.text(PAGE, rep.page(*pages, summary, diff))
             summary["runtime_s"] = round(time.perf_counter() - t_start, 3)
-            summary["files"] = files = files + [PAGE, "summary.json", "report.md"]
-            write_json(staging / "summary.json", summary)
-            (staging / "report.md").write_text(rep.report_markdown(summary, diff), encoding="utf-8")
-            return list(files)
+            summary["files"] = out.files + ["summary.json", "report.md"]
+            out.json("summary.json", summary)
+            return out.report("compare", summary, markdown=rep.report_markdown(summary, diff))
 
         def report(out, files) -> None:
             print(f"attngeom compare: {summary['aligned']} aligned tokens, {len(summary['layers'])} layer(s) -> {out}/ "

@@ -215,18 +215,25 @@ class TraceDiff:
                 f"{len(self.layers_compared)} layer(s))")
 
 
+def aligned(tokens_a, tokens_b) -> pd.DataFrame:
+    """:func:`align` of two token lists, refused in one line when fewer than :data:`MIN_ALIGNED` of
+    either's tokens align (checked on the tokens alone: before any analysis, in :func:`compare_texts`)."""
+    al = align(tokens_a, tokens_b)
+    n = int((al["op"] == "equal").sum())
+    for name, t in (("a", tokens_a), ("b", tokens_b)):
+        if n < MIN_ALIGNED * len(t):
+            raise InputError(f"only {n} of trace {name}'s {len(t)} tokens align with the other trace: compare a "
+                             "counterfactual pair (texts that differ in a few tokens) or two models with the same "
+                             "tokenizer on the same text")
+    return al
+
+
 def diff(a, b, *, target: int | None = None) -> TraceDiff:
     """Compare traces ``a`` and ``b`` (:class:`attngeom.traces.trace.Trace`; module docstring).
     ``target``: a position of ``a`` that is aligned (negative counts from the end); default the last
     aligned position. Refused in one line: traces too different to align, no layer in common, a
     target that is not aligned."""
-    al = align(a.tokens, b.tokens)
-    n = int((al["op"] == "equal").sum())
-    for name, t in (("a", a), ("b", b)):
-        if n < MIN_ALIGNED * len(t):
-            raise InputError(f"only {n} of trace {name}'s {len(t)} tokens align with the other trace: compare a "
-                             "counterfactual pair (texts that differ in a few tokens) or two models with the same "
-                             "tokenizer on the same text")
+    al = aligned(a.tokens, b.tokens)
     layers = sorted({lt.index for lt in a.layers} & {lt.index for lt in b.layers})
     if not layers:
         raise InputError(f"the traces hold no layer in common (a: {[lt.index for lt in a.layers]}, "
@@ -266,6 +273,10 @@ def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, targ
             check_layers(layers, h.num_layers)
     if text_b is None and handle_b is handle:
         raise InputError("nothing to compare: give a second text (a counterfactual) or a second model")
+    from attngeom.streaming.passes import to_ids
+
+    text_b = text if text_b is None else text_b
+    aligned(handle.tokens(to_ids(handle, text)), handle_b.tokens(to_ids(handle_b, text_b)))   # before any analysis
     a = analyze(handle, text, layers=layers)
-    b = analyze(handle_b, text if text_b is None else text_b, layers=layers)
+    b = analyze(handle_b, text_b, layers=layers)
     return a, b, diff(a, b, target=target)
