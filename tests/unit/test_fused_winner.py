@@ -218,6 +218,44 @@ def test_bad_arguments_are_refused_before_any_work(bad, message):
             fn(q, k, n, scale=1.0, **bad)
 
 
+def slow_values_gradient(q, k, lse, F, *, scale, causal=True, window=None, softcap=None, lengths=None):
+    """``Pᵀ F`` from the full float64 map of ``P_ij = exp(s_ij − lse_i)`` on the visible pairs."""
+    B, H, Q, _ = q.shape
+    S = k.shape[2]
+    s = torch.einsum("bhqd,bhsd->bhqs", q.double(), k.double().repeat_interleave(H // k.shape[1], dim=1)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    i, j = torch.arange(S - Q, S)[:, None], torch.arange(S)[None, :]
+    visible = torch.ones(B, 1, Q, S, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= j > i - window
+    if lengths is not None:
+        visible &= j < lengths.view(B, 1, 1, 1)
+    P = torch.where(visible, torch.exp(s - lse.double()[..., None]), 0.0)
+    return P.transpose(-1, -2) @ F.double()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("learned-sinks", "gqa-per-query-norms")])
+def test_values_gradient_equals_the_float64_map(case, interpret):
+    """``PᵀF`` (5 columns: not a multiple of anything) with the rows' own log-sum-exp, by the kernel
+    (16-wide tiles) and the torch pass, against the dense float64 product, for every mask option."""
+    opt = dict(CASES[case])
+    B, H, Hkv, S, d = 2, 6, 2, 53, 24
+    q, k, n = inputs(B, H, Hkv, S, d, Q=opt.pop("Q", None), seed=len(case) + 1)
+    if "lengths" in opt:
+        opt["lengths"] = torch.tensor(opt["lengths"])
+    F = torch.randn(B, H, q.shape[2], 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    lse = fw.source_winner_torch(q, k, n, scale=0.4, return_lse=True, **opt)[2]
+    want = slow_values_gradient(q, k, lse, F, scale=0.4, **opt)
+    got = {"triton": fw.values_gradient_triton(q, k, lse, F, scale=0.4, block_m=16, block_n=16, **opt),
+           "torch": fw.values_gradient_torch(q, k, lse, F, scale=0.4, block_elements=4 * 16 * S, **opt)}
+    for name, x in got.items():
+        assert x.shape == (B, H, S, 5) and x.dtype == torch.float64, name
+        torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kernel_compiles_for_an_h100(dtype, tmp_path, monkeypatch):
     """The device path, without a device: triton's compiler (its bundled ptxas) turns the kernel into
@@ -229,7 +267,7 @@ def test_kernel_compiles_for_an_h100(dtype, tmp_path, monkeypatch):
     from triton.compiler import ASTSource
 
     fw._triton()
-    fn = fw._compiled(False)
+    fn = fw._compiled(fw._winner_kernel, False)
     pointers = dict(Q_ptr=dtype, K_ptr=dtype, LN_ptr="fp32", LEN_ptr="i64", IDX_ptr="i64", BEST_ptr="fp32", LSE_ptr="fp32",
                     MEAN_ptr="fp32")
     consts = dict(CAUSAL=True, HAS_WINDOW=True, SOFTCAP=True, HAS_LENGTHS=True, IEEE=dtype == "fp32", ENTROPY=True,
@@ -240,6 +278,16 @@ def test_kernel_compiles_for_an_h100(dtype, tmp_path, monkeypatch):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
     assert kernel.asm["cubin"].startswith(b"\x7fELF")
     assert ("mma" in kernel.asm["ptx"]) == (dtype == "bf16")    # bf16 on tensor cores; float32 exact (ieee: FMA)
+    # the values' gradient PᵀF, F in q's dtype
+    fn = fw._compiled(fw._values_grad_kernel, False)
+    pointers = dict(Q_ptr=dtype, K_ptr=dtype, LSE_ptr="fp32", F_ptr=dtype, LEN_ptr="i64", OUT_ptr="fp32")
+    consts = dict(CAUSAL=True, HAS_WINDOW=True, SOFTCAP=False, HAS_LENGTHS=True, IEEE=dtype == "fp32",
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, BLOCK_C=16)
+    sig = {a: ("*" + pointers[a] if a in pointers else "constexpr" if a in consts
+               else "fp32" if a in ("scale", "softcap") else "i32") for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    assert kernel.asm["cubin"].startswith(b"\x7fELF") and ("mma" in kernel.asm["ptx"]) == (dtype == "bf16")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -267,3 +315,28 @@ def test_device_winner_equals_the_float64_map(dtype, test_device):
         idx, val = idx.cpu(), val.cpu().double()
         assert torch.equal(idx[clear], want_i[clear]), (opt, (idx[clear] != want_i[clear]).sum())
         torch.testing.assert_close(val, want_v, rtol=1e-3, atol=1e-6)
+
+
+def test_values_gradient_refuses_mismatched_lse_and_f():
+    q, k, _ = inputs(1, 2, 2, 8, 4)
+    for lse, F in ((torch.zeros(1, 2, 7), torch.zeros(1, 2, 8, 3)), (torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))):
+        for fn in (fw.values_gradient_torch, fw.values_gradient_triton):
+            with pytest.raises(ValueError, match="lse must be"):
+                fn(q, k, lse, F, scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_device_values_gradient_equals_the_float64_map(dtype, test_device):
+    """:func:`values_gradient` on ``test_device`` (the Triton kernel on cuda under gpu_check.sh) at
+    64-wide tiles against the float64 product of the same rounded inputs: relative error within
+    float32 rounding, or bf16's for bf16 (P and F multiplied on the tensor cores in bf16)."""
+    B, H, Hkv, S, d = 1, 8, 2, 300, 64
+    q, k, n = (x.to(dtype) for x in inputs(B, H, Hkv, S, d, seed=13, dtype=torch.float32))
+    F = torch.randn(B, H, S, 4, generator=torch.Generator().manual_seed(4)).to(dtype)
+    lse = fw.source_winner_torch(q.double(), k.double(), n.double(), scale=d ** -0.5, window=100,
+                                 return_lse=True)[2]
+    want = slow_values_gradient(q, k, lse, F, scale=d ** -0.5, window=100)
+    got = fw.values_gradient(q.to(test_device), k.to(test_device), lse.float().to(test_device), F.to(test_device),
+                             scale=d ** -0.5, window=100).cpu().double()
+    rel = float((got - want).norm() / want.norm())
+    assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel

@@ -268,15 +268,15 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr, ME
 
 
 @functools.cache
-def _compiled(interpret: bool):
-    """The kernel for the device (``triton.jit``'s ``JITFunction``) or for triton's interpreter.
+def _compiled(kernel, interpret: bool):
+    """``kernel`` for the device (``triton.jit``'s ``JITFunction``) or for triton's interpreter.
     Chosen per call rather than when this module is imported (``triton.jit`` reads
     ``TRITON_INTERPRET`` when it decorates), so the variable may be set or unset at any time."""
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(_winner_kernel)
+        return InterpretedFunction(kernel)
     from triton.runtime.jit import JITFunction
-    return JITFunction(_winner_kernel)
+    return JITFunction(kernel)
 
 
 def uses_triton(device: torch.device | str, dtype: torch.dtype = torch.float32) -> bool:
@@ -316,7 +316,7 @@ def source_winner_triton(q, k, v_norm, *, scale, causal=True, window=None, softc
     lens = (lengths.to(device=q.device, dtype=torch.int64).contiguous() if lengths is not None
             else torch.zeros(1, dtype=torch.int64, device=q.device))
     grid = (triton.cdiv(Q, block_m), B * H)
-    _compiled(interpret)[grid](
+    _compiled(_winner_kernel, interpret)[grid](
         q, k, log_n, lens, index, best, lse, mean_s,
         *q.stride(), *k.stride(), *log_n.stride(),
         H, H // Hkv, H // log_n.shape[1], Q, S, S - Q, d, window or 0, float(scale), float(softcap or 1.0),
@@ -336,3 +336,166 @@ def source_winner(q, k, v_norm, *, scale, causal=True, window=None, softcap=None
     if uses_triton(q.device, q.dtype):
         return source_winner_triton(q, k, v_norm, **kw)
     return source_winner_torch(q, k, v_norm, **kw, block_elements=block_elements)
+
+
+# --------------------------------------------------------------------------------------------
+# PᵀF: what every source receives, without the attention's full backward
+# --------------------------------------------------------------------------------------------
+
+
+def _check_f(q, k, lse, F, window, softcap, lengths) -> None:
+    B, H, Q, _ = q.shape
+    _check(q, k, torch.empty(B, k.shape[1], k.shape[2], device="meta"), window, softcap, lengths, None)
+    if tuple(lse.shape) != (B, H, Q) or F.dim() != 4 or tuple(F.shape[:3]) != (B, H, Q):
+        raise ValueError(f"lse must be [B, H, Q] and F [B, H, Q, m]; got {tuple(lse.shape)} and {tuple(F.shape)} "
+                         f"for q {tuple(q.shape)}")
+
+
+def values_gradient_torch(q, k, lse, F, *, scale, causal=True, window=None, softcap=None, lengths=None,
+                          block_elements=BLOCK_ELEMENTS):
+    """:func:`values_gradient` in torch: blocks of queries, ``Pᵀ F`` of each added to its sources."""
+    _check_f(q, k, lse, F, window, softcap, lengths)
+    B, H, Q, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    n_rep = H // Hkv
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(B, H, S, F.shape[-1], dtype=acc, device=q.device)
+    offset = S - Q
+    step = max(1, min(Q, block_elements // max(1, B * H * S)))
+    for i0 in range(0, Q, step):
+        i1 = min(Q, i0 + step)
+        p0, p1 = offset + i0, offset + i1
+        k0 = 0 if window is None else max(0, p0 - window + 1)
+        k1 = min(S, p1) if causal else S
+        qb = q[:, :, i0:i1].to(acc).reshape(B * Hkv, n_rep * (i1 - i0), d)
+        kt = k[:, :, k0:k1].to(acc).reshape(B * Hkv, k1 - k0, d).transpose(1, 2)
+        s = torch.baddbmm(qb.new_empty(()), qb, kt, beta=0, alpha=scale).view(B, H, i1 - i0, k1 - k0)
+        if softcap is not None:
+            s = s.div_(softcap).tanh_().mul_(softcap)
+        qpos = torch.arange(p0, p1, device=q.device)[:, None]
+        kpos = torch.arange(k0, k1, device=q.device)[None, :]
+        hidden = torch.zeros(i1 - i0, k1 - k0, dtype=torch.bool, device=q.device)
+        if causal:
+            hidden |= kpos > qpos
+        if window is not None:
+            hidden |= kpos <= qpos - window
+        hidden = hidden[None, None]
+        if lengths is not None:
+            hidden = hidden | (kpos >= lengths.to(q.device).view(B, 1, 1, 1))
+        rows = lse[:, :, i0:i1, None].to(acc)
+        p = s.sub_(torch.where(rows == float("-inf"), 0.0, rows)).exp_().masked_fill_(hidden, 0.0)
+        out[:, :, k0:k1] += p.transpose(-1, -2) @ F[:, :, i0:i1].to(acc)
+    return out
+
+
+def _values_grad_kernel(Q_ptr, K_ptr, LSE_ptr, F_ptr, LEN_ptr, OUT_ptr,
+                        sqb, sqh, sqm, sqd, skb, skh, skn, skd, slb, slh, slm, sfb, sfh, sfm, sfc,
+                        H, N_REP, Q_LEN, S_LEN, OFFSET, D, M, WINDOW, scale, softcap,
+                        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                        HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program: ``BLOCK_N`` sources of one (text, head); the queries that can see them in
+    blocks of ``BLOCK_M``: ``P`` recomputed from ``q``, ``k`` and ``lse``, times ``F``'s rows."""
+    start_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    k = tl.load(K_ptr + b * skb + (h // N_REP) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                mask=(offs_n[:, None] < S_LEN) & (offs_d[None, :] < D), other=0.0)
+    acc_ty = tl.float64 if Q_ptr.dtype.element_ty == tl.float64 else tl.float32
+    acc = tl.full([BLOCK_N, BLOCK_C], 0.0, acc_ty)
+    if HAS_LENGTHS:
+        length = tl.load(LEN_ptr + b)
+    lo = 0
+    if CAUSAL:                                   # rows whose position reaches the block's first source
+        lo = tl.maximum(0, start_n * BLOCK_N - OFFSET)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    hi = Q_LEN
+    if HAS_WINDOW:                               # rows within the window of the block's last source
+        hi = tl.minimum(hi, (start_n + 1) * BLOCK_N + WINDOW - 1 - OFFSET)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        pos = OFFSET + offs_m
+        q = tl.load(Q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < D), other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_ty)
+        else:
+            s = tl.dot(q, tl.trans(k), out_dtype=acc_ty)
+        s = s * scale
+        if SOFTCAP:
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -t, t)
+        visible = (offs_m[:, None] < Q_LEN) & (offs_n[None, :] < S_LEN)
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - WINDOW)
+        if HAS_LENGTHS:
+            visible = visible & (offs_n[None, :] < length)
+        lse = tl.load(LSE_ptr + b * slb + h * slh + offs_m * slm, mask=offs_m < Q_LEN, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse)
+        p = tl.where(visible, tl.exp(tl.where(visible, s, 0.0) - lse[:, None]), 0.0)
+        f = tl.load(F_ptr + b * sfb + h * sfh + offs_m[:, None] * sfm + offs_c[None, :] * sfc,
+                    mask=(offs_m[:, None] < Q_LEN) & (offs_c[None, :] < M), other=0.0)
+        pt = tl.trans(p.to(F_ptr.dtype.element_ty))
+        if IEEE:
+            acc += tl.dot(pt, f, input_precision="ieee", out_dtype=acc_ty)
+        else:
+            acc += tl.dot(pt, f, out_dtype=acc_ty)
+    out = OUT_ptr + ((b * H + h) * S_LEN + offs_n[:, None]) * M + offs_c[None, :]
+    tl.store(out, acc, mask=(offs_n[:, None] < S_LEN) & (offs_c[None, :] < M))
+
+
+def values_gradient_triton(q, k, lse, F, *, scale, causal=True, window=None, softcap=None, lengths=None,
+                           block_m=None, block_n=None):
+    """:func:`values_gradient` by the Triton kernel (tiles as :func:`source_winner_triton`'s)."""
+    if not triton_installed():
+        raise RuntimeError("triton is not installed: use values_gradient_torch (or values_gradient, which picks)")
+    _check_f(q, k, lse, F, window, softcap, lengths)
+    B, H, Q, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    interpret = q.device.type == "cpu"
+    triton = _triton()
+    k = k.to(q.dtype)
+    acc = _acc_dtype(q.dtype)
+    lse = lse.to(acc)
+    F = F.to(q.dtype if q.dtype in (torch.float16, torch.bfloat16) else acc)
+    block_m = block_m or (16 if interpret else 64)
+    block_n = block_n or (16 if interpret else 64)
+    out = torch.empty(B, H, S, F.shape[-1], dtype=acc, device=q.device)
+    lens = (lengths.to(device=q.device, dtype=torch.int64).contiguous() if lengths is not None
+            else torch.zeros(1, dtype=torch.int64, device=q.device))
+    grid = (triton.cdiv(S, block_n), B * H)
+    _compiled(_values_grad_kernel, interpret)[grid](
+        q, k, lse, F, lens, out,
+        *q.stride(), *k.stride(), *lse.stride(), *F.stride(),
+        H, H // Hkv, Q, S, S - Q, d, F.shape[-1], window or 0, float(scale), float(softcap or 1.0),
+        CAUSAL=bool(causal), HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+        HAS_LENGTHS=lengths is not None, IEEE=q.dtype in (torch.float32, torch.float64),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_C=max(16, triton.next_power_of_2(F.shape[-1])))
+    return out
+
+
+def values_gradient(q, k, lse, F, *, scale, causal=True, window=None, softcap=None, lengths=None,
+                    block_elements=BLOCK_ELEMENTS):
+    """``(PᵀF)_j = Σ_i P_ij F_i`` per head, ``[B, H, S, m]`` (float32, float64 for float64 inputs):
+    what the attention's backward gives as the values' gradient for the output gradient ``F``,
+    without its ``dQ`` and ``dK`` (two products per visible pair instead of five; ``m`` columns, e.g.
+    the few signals of the per-source totals of SPEC §10, instead of the head size).
+
+    ``P_ij = exp(s_ij − lse_i)`` on the pairs query ``i`` sees (masks, soft-capping and the query
+    positions as in :func:`source_winner`; ``lengths`` hides sources only), ``lse [B, H, Q]`` as the
+    caller gives it (:func:`source_winner`'s ``return_lse``, or a forward's; a learned sink is in it
+    or not as the caller wants), ``F [B, H, Q, m]``. The Triton kernel where :func:`uses_triton`
+    (``F`` in bf16/fp16 with bf16/fp16 ``q``: the tensor cores), else the torch pass."""
+    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lengths=lengths)
+    if uses_triton(q.device, q.dtype):
+        return values_gradient_triton(q, k, lse, F, **kw)
+    return values_gradient_torch(q, k, lse, F, **kw, block_elements=block_elements)
