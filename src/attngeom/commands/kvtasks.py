@@ -72,7 +72,7 @@ def _names(spec: str, what: str) -> list[str]:
 
 def run(args) -> int:
     from attngeom.data.corpora import parse_float_list
-    from attngeom.kvcache import ruler, tasks
+    from attngeom.kvcache import examples as checks, ruler, tasks
 
     common.figure_format(args)
     common.check_at_least(args, length=64, examples=1, first_example=0)
@@ -101,15 +101,17 @@ def run(args) -> int:
         handle = common.load(args)
         if given is not None:
             examples = given
+            length = max(checks.prompt_tokens(handle.tokenizer, e) for e in examples)    # in this model's tokens
         else:
-            examples = [e for t in task_names
-                        for e in ruler.make_examples(handle.tokenizer, t, args.length, args.examples, args.seed, haystack,
-                                                      first=args.first_example)]
+            checks.check_length(handle, args.length, task_names, len(policies))           # before any is made
+            examples = checks.make_examples(handle.tokenizer, task_names, args.length, args.examples, args.seed,
+                                            haystack, first=args.first_example)
+            length = args.length
         result = tasks.experiment(handle, run, examples, settings)
         model_name = getattr(handle, "name", args.model)
         chat = bool(result.tables["answers"]["chat"].any())
         summary = {"command": "kvtasks", "model": model_name, "examples": len(examples),
-                   "tasks": sorted({e.task for e in examples}), "length": args.length, "mode": args.mode,
+                   "tasks": sorted({e.task for e in examples}), "length": length, "mode": args.mode,
                    "chat_template": chat, "policies": policies, "ratios": ratios,
                    "best_baselines": {str(k): v for k, v in tasks.best_baselines(result.tables["summary"]).items()},
                    **result.summary, "settings": identity}

@@ -140,7 +140,9 @@ class TaskSpec:
     at least ``min_size``), for a target ``length`` (some defaults depend on it, as in RULER);
     ``max_new_tokens`` is RULER's ``tokens_to_generate``; ``metric`` names the scoring rule.
     ``refine`` names an integer option of finer steps, searched once the size is found (the
-    frequent-words padding, whose size steps can add several words at once)."""
+    frequent-words padding, whose size steps can add several words at once). ``slack``: tokens a
+    prompt may fall short beyond :func:`tolerance` (one haystack unit of a coarse haystack: a line
+    of two UUIDs)."""
 
     name: str
     generate: Callable[..., Prompt]
@@ -148,6 +150,7 @@ class TaskSpec:
     metric: str = "string_match_all"
     min_size: int = 0
     refine: str | None = None
+    slack: int = 0
 
     def score(self, prediction: str, answers: Sequence[str]) -> float:
         """The task's score of one prediction, in [0, 1]."""
@@ -245,8 +248,35 @@ def _niah(rng, size, haystack, *, num_keys=1, num_values=1, num_queries=1, key_t
         preamble = f"Some special magic {t} are hidden within the following text. Make sure to memorize it. I will quiz you about the {t} afterwards."
         question = f"\nWhat are all the special magic {t} for {query} mentioned in the provided text?"
         prefix = f" The special magic {t} for {query} mentioned in the provided text are"
-    context = preamble + "\n" + haystack_text(haystack, size, needles, rng)
+    if haystack == NEEDLE_HAYSTACK:
+        text = needle_haystack_text(size, needles, rng, key_type, value_type, taken)
+    else:
+        text = haystack_text(haystack, size, needles, rng)
+    context = preamble + "\n" + text
     return context, question, prefix, answers
+
+
+NEEDLE_HAYSTACK = "needle"
+"""The haystack of RULER's ``niah_multikey_2`` and ``niah_multikey_3``: other needles."""
+
+
+def needle_haystack_text(size: int, needles: Sequence[str], rng: random.Random, key_type: str, value_type: str,
+                         taken: set[str]) -> str:
+    """RULER's ``needle`` haystack: ``size`` distractor needles (:data:`NEEDLE` with keys of
+    ``key_type`` and values of ``value_type``, none equal to a key or value already ``taken``, so
+    the asked key occurs once), one a line, with the ``needles`` inserted at uniformly random line
+    boundaries. The distractors come from a generator of their own, seeded by one draw of ``rng``:
+    a larger size only adds distractors after the others (the size search of :func:`make_examples`
+    needs that)."""
+    own = random.Random(rng.getrandbits(64))
+    lines = []
+    for _ in range(size):
+        key = _distinct(own, key_type, 1, taken)[0]
+        lines.append(NEEDLE.format(type_v=value_type, key=key, value=_distinct(own, value_type, 1, taken)[0]))
+    positions = [min(int(rng.random() * (size + 1)), size) for _ in needles]
+    for pos, needle in reversed(list(zip(sorted(positions), needles))):   # the last first: ties keep their order
+        lines.insert(pos, needle)
+    return "\n".join(lines)
 
 
 def niah_single(rng, size, haystack, length, *, key_type="words", value_type="numbers") -> Prompt:
@@ -260,6 +290,23 @@ def niah_multikey(rng, size, haystack, length, *, num_keys=4, key_type="words", 
     """``num_keys`` needles with different keys (RULER's ``niah_multikey_1``: 4), one key asked: the
     other needles are distractors."""
     return _niah(rng, size, haystack, num_keys=num_keys, key_type=key_type, value_type=value_type)
+
+
+def niah_single_3(rng, size, haystack, length, *, key_type="words", value_type="uuids") -> Prompt:
+    """RULER's ``niah_single_3``: one needle whose value is a UUID (RULER puts it in an essay: give
+    ``--haystack`` prose; with the noise haystack it is the UUID variant of ``niah_single``)."""
+    return _niah(rng, size, haystack, key_type=key_type, value_type=value_type)
+
+
+def niah_multikey_2(rng, size, haystack, length, *, key_type="words", value_type="numbers") -> Prompt:
+    """RULER's ``niah_multikey_2``: one needle in a haystack of other needles (:data:`NEEDLE_HAYSTACK`,
+    whatever ``haystack`` is given): every line is a key and its number, one key asked."""
+    return _niah(rng, size, NEEDLE_HAYSTACK, key_type=key_type, value_type=value_type)
+
+
+def niah_multikey_3(rng, size, haystack, length, *, key_type="uuids", value_type="uuids") -> Prompt:
+    """RULER's ``niah_multikey_3``: :func:`niah_multikey_2` with UUID keys and values."""
+    return _niah(rng, size, NEEDLE_HAYSTACK, key_type=key_type, value_type=value_type)
 
 
 def niah_multivalue(rng, size, haystack, length, *, num_values=4, key_type="words", value_type="numbers") -> Prompt:
@@ -438,6 +485,9 @@ TASKS: dict[str, TaskSpec] = {
     "niah_multikey": TaskSpec("niah_multikey", niah_multikey, 128),
     "niah_multivalue": TaskSpec("niah_multivalue", niah_multivalue, 128),
     "niah_multiquery": TaskSpec("niah_multiquery", niah_multiquery, 128),
+    "niah_single_3": TaskSpec("niah_single_3", niah_single_3, 128),
+    "niah_multikey_2": TaskSpec("niah_multikey_2", niah_multikey_2, 128),
+    "niah_multikey_3": TaskSpec("niah_multikey_3", niah_multikey_3, 128, slack=128),
     "variable_tracking": TaskSpec("variable_tracking", variable_tracking, 30),
     "common_words": TaskSpec("common_words", common_words, 120, min_size=10),
     "frequent_words": TaskSpec("frequent_words", frequent_words, 50, min_size=100, refine="pad"),
@@ -499,7 +549,8 @@ def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, hays
                   **task_options) -> list[Example]:
     """``n`` examples of ``task`` (a key of :data:`TASKS`), numbered ``first .. first + n - 1``,
     whose prompt (context + question + answer prefix, plain text, BOS included, no chat template)
-    has at most ``length`` tokens of ``tokenizer`` and at least ``length - tolerance(length)``.
+    has at most ``length`` tokens of ``tokenizer`` and at least ``length - tolerance(length)``
+    (less the task's ``slack``: :data:`TASKS`).
 
     ``haystack`` is ``"noise"`` or a list of prose texts (e.g. ``attngeom.data.corpora.read_texts``;
     used by the niah tasks and variable_tracking). ``task_options`` go to the task's generator
@@ -515,8 +566,8 @@ def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, hays
     out = []
     for index in range(first, first + n):
         (context, question, prefix, answers), tokens = _fit(tokenizer, spec, f"ruler:{task}:{seed}:{index}", length, hay, task_options)
-        if tokens < length - tolerance(length):
-            raise RuntimeError(f"{task}: {tokens} tokens, more than {tolerance(length)} below {length}")
+        if tokens < length - tolerance(length) - spec.slack:
+            raise RuntimeError(f"{task}: {tokens} tokens, more than {tolerance(length) + spec.slack} below {length}")
         out.append(Example(task, index, seed, context, question, prefix, tuple(answers), spec.max_new_tokens, tokens))
     return out
 
@@ -600,15 +651,17 @@ def write_jsonl(examples: Iterable[Example], path) -> Path:
 def read_jsonl(path) -> list[Example]:
     """The examples :func:`write_jsonl` wrote; anything else is one
     :class:`~attngeom.errors.InputError` naming the file and line (a missing field, a field of
-    another type, a line that is not a JSON object)."""
+    another type, a line that is not a JSON object, or what :func:`attngeom.kvcache.examples.check_examples`
+    refuses: a field out of range, an example given twice, ...)."""
     from attngeom.data.corpora import input_path, json_object, utf8_text
     from attngeom.errors import InputError
+    from attngeom.kvcache.examples import check_examples
 
     path = input_path(path, "examples file")
     if path.is_dir():
         raise InputError(f"{path}: an examples file is a JSONL file, not a folder")
     types = {f.name: f.type for f in dataclasses.fields(Example)}
-    out = []
+    out, wheres = [], []
     for k, line in enumerate(utf8_text(path.read_bytes(), str(path)).splitlines(), 1):
         if not line.strip():
             continue
@@ -625,6 +678,8 @@ def read_jsonl(path) -> list[Example]:
                 raise InputError(f"{where}: field {n!r} must be " + ("a list of strings" if n == "answers" else
                                                                       "a whole number" if t in ("int", int) else "a string"))
         out.append(Example(**{n: obj[n] for n in types} | {"answers": tuple(obj["answers"])}))
+        wheres.append(where)
     if not out:
         raise InputError(f"{path}: no examples")
+    check_examples(out, wheres)                      # ranges, contents, each (task, index) once
     return out

@@ -28,13 +28,11 @@ import torch
 
 from attngeom.errors import InputError
 from attngeom.kvcache import prefill as P
+from attngeom.kvcache.examples import ALL_TASKS  # noqa: F401  (the summary's rows over every task)
 from attngeom.kvcache.policies import get_policy
 from attngeom.kvcache.settings import KVTaskSettings
 from attngeom.model.arguments import takes_handle
 from attngeom.runs.contract import ExperimentResult, ModelHandleLike, RunLike
-
-ALL_TASKS = "all"
-"""The ``task`` of the summary rows over every task (each example weighs the same)."""
 
 
 def check_policies(names: Sequence[str]) -> list[str]:
@@ -181,10 +179,11 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, examples: Sequence,
     check_ratios(settings.ratios)
     if not examples:
         raise InputError("no examples to evaluate")
-    check_memory(handle, max(e.length for e in examples), len(settings.policies))
-    from attngeom.kvcache import ruler
+    from attngeom.kvcache.examples import encode
 
-    encoded = [ruler.encode_example(e, handle.tokenizer, settings.chat) for e in examples]
+    encoded = encode(handle, examples, settings.chat)      # checked: fields, tokens, the model's positions
+    check_memory(handle, max(len(c) + len(q) + e.max_new_tokens for (c, q, _), e in zip(encoded, examples)),
+                 len(settings.policies))
     fps = [fingerprint([len(c)] + c + q) for c, q, _ in encoded]        # what the model reads, and the split
 
     def work(units: list[int]) -> dict:
