@@ -19,7 +19,7 @@ next), so that load from other jobs on a shared machine hits every method alike:
 ``eager_attn``
     the same with ``output_attentions=True`` (every layer's ``[H, T, T]`` map is kept).
 ``analyze``
-    :func:`attngeom.traces.trace.stream` with :class:`~attngeom.streaming.reducers.HeadStats` and
+    :func:`attngeom.streaming.passes.stream` with :class:`~attngeom.streaming.reducers.HeadStats` and
     :class:`~attngeom.streaming.reducers.TokenStats` on all layers. Between them they use all five metric
     maps of SPEC §2 (attention, value_weighted, output_normalized, contribution,
     contribution_inter) on every block of every layer.

@@ -11,7 +11,7 @@ DeepSeek-LLM-7B, Gemma-7B, Gemma-2-9B: random weights, cut to 2 decoder layers, 
 ``eager``
     the same forward with ``attn_implementation="eager"``;
 ``analyze``
-    :func:`attngeom.traces.trace.stream` with :class:`~attngeom.streaming.reducers.HeadStats` and
+    :func:`attngeom.streaming.passes.stream` with :class:`~attngeom.streaming.reducers.HeadStats` and
     :class:`~attngeom.streaming.reducers.TokenStats` on both layers (all five metric maps of SPEC §2 on every
     block), exact attention including soft-capping and windows.
 
@@ -72,7 +72,7 @@ def worker(args) -> None:
     torch.set_grad_enabled(False)
     from attngeom.capture.session import Session
     from attngeom.streaming.reducers import HeadStats, TokenStats
-    from attngeom.traces.trace import stream
+    from attngeom.streaming import stream
     from seed_configs import random_ids, seed_config, seed_model
 
     device = args.device

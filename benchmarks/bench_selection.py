@@ -9,7 +9,7 @@ One window of each of ``--sizes`` tokens (default 512, 2048, 8192) of the shared
   (``logits_to_keep=1``), as the selection's own forward computes them: no method pays for the
   ``[T, V]`` logits (were the forwards to compute every position's logits, the LM head's share
   would flatter the selection's ratios);
-- ``selection``: :func:`attngeom.traces.trace.stream` with :class:`attngeom.selection.reducer.SelectionStats` on
+- ``selection``: :func:`attngeom.streaming.passes.stream` with :class:`attngeom.selection.reducer.SelectionStats` on
   every layer: the captured forward plus, at the last query, every N (1, 2, 4, …, 256 below the
   window), both distances, top-N with and without the sink, 8 random repeats, the sink-aware regime
   parameters (the target's workload); then the command's full default beside it: also 8 random
@@ -36,7 +36,7 @@ from attngeom.capture.session import Session  # noqa: E402
 from attngeom.model import load_model  # noqa: E402
 from attngeom.streaming.reducers import InputBatch  # noqa: E402
 from attngeom.selection import SelectionStats  # noqa: E402
-from attngeom.traces.trace import forward, stream  # noqa: E402
+from attngeom.streaming import forward, stream
 
 DATA = Path("/work/shared/data/wikitext-2-raw-test.txt")
 

@@ -21,7 +21,7 @@ import torch
 
 from attngeom.capture.session import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
-from attngeom.traces.trace import forward
+from attngeom.streaming import forward
 from checks import RebuiltOutputs
 from tiny_models import tiny_model
 

@@ -263,7 +263,7 @@ def own_forward(model) -> torch.Tensor:
 
 def check_model(model, model_type: str) -> str:
     """Run every check on a built model; returns the notes for the table (raises on failure)."""
-    from attngeom.traces.trace import InputBatch, forward
+    from attngeom.streaming import InputBatch, forward
 
     from tiny_models import tiny_tokenizer
 
@@ -295,7 +295,7 @@ def _stream_every_reducer(handle, ids) -> None:
     from attngeom.streaming.reducers import FullCapture, HeadStats, TokenStats
     from attngeom.selection import SelectionStats
     from attngeom.sinks import SinkStats, SourceRemoval
-    from attngeom.traces.trace import stream
+    from attngeom.streaming import stream
 
     reducers = [HeadStats(), TokenStats(), FullCapture(), SinkStats(),
                 SelectionStats(ns=(1, 2), repeats=2, max_lag=4), RowCollector(T, handle.num_heads, top_k=4)]
@@ -455,7 +455,7 @@ class _Blocks:
 def test_output_projection_bias_is_added_once_and_belongs_to_no_source():
     """GPT-2: the c_proj output is ``o_i + b_O`` with ``o_i = Σ_h W_O^h o_i^h`` built from the blocks,
     and the contributions (defined on ``o_i``) sum to one."""
-    from attngeom.traces.trace import InputBatch, forward
+    from attngeom.streaming import InputBatch, forward
     from tiny_models import tiny_tokenizer
 
     model = build("gpt2")
@@ -488,7 +488,7 @@ def test_learned_sinks_are_a_virtual_source_of_zero_value():
     import numpy as np
 
     from attngeom.streaming.reducers import HeadStats
-    from attngeom.traces.trace import InputBatch, forward, stream
+    from attngeom.streaming import InputBatch, forward, stream
     from tiny_models import tiny_tokenizer
 
     model = build("gpt_oss")

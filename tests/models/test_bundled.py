@@ -12,7 +12,8 @@ from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.generation.decoding import model_stop_ids
 from attngeom.metrics import formulas as M
 from attngeom.sinks import SinkStats
-from attngeom.traces.trace import Trace, analyze, stream
+from attngeom.traces.trace import Trace, analyze
+from attngeom.streaming import stream
 from checks import METRICS, assert_same_trace, metric_error
 
 pytestmark = pytest.mark.slow

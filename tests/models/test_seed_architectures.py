@@ -26,7 +26,7 @@ import torch
 
 from attngeom.capture.session import Session
 from attngeom.streaming.reducers import InputBatch, Reducer
-from attngeom.traces.trace import forward
+from attngeom.streaming import forward
 from seed_configs import SEED_NAMES, random_ids, reference_implementation, seed_config, seed_model
 from checks import RebuiltOutputs, o_proj_inputs as capture_o_proj_inputs
 

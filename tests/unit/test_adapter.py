@@ -13,7 +13,7 @@ from attngeom.errors import UnsupportedArchitectureError
 from attngeom.model import SUPPORTED_ARCHITECTURES, ArchitectureAdapter, HeadGeometry, adapter_for
 from attngeom.model.adapter import attention_layer, attention_w_o
 from attngeom.streaming.reducers import InputBatch
-from attngeom.traces.trace import forward
+from attngeom.streaming import forward
 from tiny_models import ARCHS, tiny_model
 
 T = 20

@@ -6,7 +6,8 @@ import torch
 
 from attngeom.capture.session import ATTN_NAME, attngeom_attention_implementation, Session
 from attngeom.streaming.reducers import InputBatch, HeadStats
-from attngeom.traces.trace import analyze, analyze_batch, forward
+from attngeom.traces.trace import analyze, analyze_batch
+from attngeom.streaming import forward
 from tiny_models import ARCHS, tiny_model
 from checks import o_proj_inputs
 

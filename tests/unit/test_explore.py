@@ -153,7 +153,7 @@ def test_topk_rows(tiny_llama, ids, exact):
 
 def test_head_stats_and_sinks(exact, tiny_llama, ids):
     from attngeom.streaming.reducers import HeadStats
-    from attngeom.traces.trace import stream
+    from attngeom.streaming import stream
 
     hs = stream(tiny_llama, [ids], [HeadStats()], progress=False)[0].result()
     H = exact.num_heads

@@ -17,7 +17,7 @@ from attngeom.streaming.reducers import InputBatch
 from attngeom.runs.run import Run
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.faithfulness.tasks import load_task
-from attngeom.traces.trace import forward
+from attngeom.streaming import forward
 from checks import write_jsonl as _write
 
 TEXT = ("The cat sat on the mat. A dog ran to the park and back again, then slept by the door. "

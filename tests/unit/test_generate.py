@@ -15,7 +15,7 @@ from attngeom.generation.decoding import (Decoding, GrowingCache, GrowingNorms, 
 from attngeom.generation.prompts import prompt_ids
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
 from attngeom.traces.trace import Trace, analyze
-from attngeom.traces.trace import stream as stream_texts
+from attngeom.streaming import stream as stream_texts
 from checks import METRICS, metric_error as _close
 from tiny_models import tiny_chat_tokenizer, tiny_model
 

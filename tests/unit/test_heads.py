@@ -12,7 +12,7 @@ import torch
 from attngeom.heads import experiment as HD
 from attngeom.capture.session import Session
 from attngeom.errors import InputError
-from attngeom.traces.trace import forward, make_batches
+from attngeom.streaming import forward, make_batches
 
 from tiny_models import tiny_model
 

@@ -16,7 +16,7 @@ from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.capture.interventions import RankIntervention, SourceMask, Variant, masked_count, random_scores, select_mask
 from attngeom.streaming.reducers import InputBatch
-from attngeom.traces.trace import forward, make_batches
+from attngeom.streaming import forward, make_batches
 from tiny_models import ARCHS, tiny_model
 
 IDS = [1] + list(range(10, 34))  # BOS + 24 tokens: longer than the sliding windows (8) of the tiny models

@@ -11,7 +11,8 @@ from attngeom.capture.blocks import Block, LayerState
 
 from attngeom.capture.session import Session
 from attngeom.streaming.reducers import InputBatch, HeadStats
-from attngeom.traces.trace import analyze, forward
+from attngeom.traces.trace import analyze
+from attngeom.streaming import forward
 from test_capture import _ids
 from tiny_models import ARCHS, tiny_model
 

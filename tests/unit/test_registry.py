@@ -10,7 +10,8 @@ from attngeom.capture.blocks import Block, LayerState
 from attngeom.errors import InputError
 from attngeom.capture.interventions import RANK_METRICS, RankIntervention, Variant
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
-from attngeom.traces.trace import analyze, stream
+from attngeom.traces.trace import analyze
+from attngeom.streaming import stream
 
 TEXTS = ["a b c d e f g h i j k l m n", "the cat sat on the mat while the dog slept"]
 ATTENTION_FIELDS = ("sink_rate", "self_attention", "entropy")

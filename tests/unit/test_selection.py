@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from attngeom import selection as SEL
 from attngeom.streaming.reducers import FullCapture
-from attngeom.traces.trace import stream
+from attngeom.streaming import stream
 
 from tiny_models import tiny_model
 

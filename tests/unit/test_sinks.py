@@ -9,7 +9,8 @@ from attngeom.metrics import formulas as M
 from attngeom.capture.session import Session
 from attngeom.capture.interventions import control_columns
 from attngeom.sinks import HISTOGRAMS, SinkStats, SourceRemoval, counterfactual_norm, histogram_counts, histogram_quantile, log_share_sums, pair_factors, quadratic_fit, rho_star, sink_terms, variance_shares
-from attngeom.traces.trace import analyze, forward, make_batches, stream
+from attngeom.traces.trace import analyze
+from attngeom.streaming import forward, make_batches, stream
 from tiny_models import tiny_model
 
 TEXTS = ["the cat sat on the mat while the dog slept by the door", "a b c d e f g h i j k l m n o p q",

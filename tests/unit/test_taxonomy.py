@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attngeom.heads.taxonomy import REGIMES, TaxonomyStats, corpus_agreement, regime_alignment, regime_shares, regimes_of, shares_by_depth, shares_by_layer
-from attngeom.traces.trace import stream
+from attngeom.streaming import stream
 
 from tiny_models import BOS_ID, tiny_model
 

@@ -8,7 +8,8 @@ import torch
 
 from attngeom.errors import InputError, TraceFormatError
 from attngeom.streaming.reducers import HeadStats, TokenStats
-from attngeom.traces.trace import Trace, analyze, stream
+from attngeom.traces.trace import Trace, analyze
+from attngeom.streaming import stream
 from checks import assert_same_trace
 from tiny_models import tiny_model
 

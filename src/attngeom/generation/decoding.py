@@ -401,7 +401,7 @@ def generation_stage(handle: ModelHandleLike, run: RunLike, name: str, prompts: 
     """Generate an answer to each of ``prompts`` (token ids, :func:`prompt_ids`) with fresh reducers
     ``make()`` observing, as stage ``name`` of ``run`` (an :class:`attngeom.runs.run.Run`: one record
     per prompt, resumable and shared among processes; None: in memory), and return ``make()`` loaded
-    with the merged states (as :func:`attngeom.traces.trace.reduce_stage` does for texts). The decoding
+    with the merged states (as :func:`attngeom.streaming.stages.reduce_stage` does for texts). The decoding
     settings belong in the run's settings: a record is reused only for the same prompt ids. The last
     ``text`` reducers of ``make()`` are ``text_reducers`` (:func:`stream_generation`)."""
     for ids in prompts:

@@ -4,7 +4,7 @@ A reducer sees every :class:`~attngeom.capture.blocks.Block` of the layers it is
 summaries, so that long inputs and whole corpora can be analysed in bounded memory. The later
 analyses (interventions, sinks, selection geometry, head taxonomy) are reducers too.
 
-Life cycle, driven by :func:`attngeom.traces.trace.stream`::
+Life cycle, driven by :func:`attngeom.streaming.passes.stream`::
 
     reducer.begin(batch)      # a new batch of texts (ids, lengths, corpus indices)
     reducer.observe(block)    # for every layer and block of queries

@@ -32,14 +32,10 @@ from attngeom.capture.blocks import Block, LayerState
 from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
-from attngeom.streaming.passes import InputBatch, batch_nll, check_length, forward, make_batches, scored_tokens, stream, to_ids, token_nll
+from attngeom.streaming.passes import forward, make_batches
 from attngeom.streaming.reducers import FullCapture
-from attngeom.streaming.stages import reduce_stage, summaries
 
-__all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation",
-           # re-exported: the forward passes (attngeom.streaming.passes) and runner stages (attngeom.streaming.stages)
-           "InputBatch", "batch_nll", "check_length", "forward", "make_batches", "scored_tokens", "stream", "to_ids",
-           "token_nll", "reduce_stage", "summaries"]
+__all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation"]
 
 
 # --------------------------------------------------------------------------------------------
