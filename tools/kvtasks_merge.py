@@ -8,7 +8,10 @@ numbers taken from each input, and those skipped), ``examples.jsonl`` (the merge
 command writes them, when every input that gives examples holds its ``examples.jsonl``; a stopped
 run has none) and the command's figure ``kvtasks-accuracy.png``
 (``--figure-format pdf`` or any format matplotlib writes; ``--no-figures`` leaves it out) to
-``--out``, which must not exist.
+``--out``, which must not exist; the folder appears whole or not at all, sealed by a ``run.json``
+as a run's is (:func:`seal`), so :func:`attngeom.runs.verify` checks it. Inputs are read only
+through the runs' own checks: a finished run or a merged folder once ``verify`` finds it intact, a
+stopped run through its sealed checkpoint; anything changed since attngeom wrote it is refused.
 
     python tools/kvtasks_merge.py --out docs/kvtasks-runs/NAME INPUT [INPUT ...]
 
