@@ -53,7 +53,8 @@ ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": "forward", "_scaled_
              "_scaled_dot_product_flash_attention_for_cpu_backward": "backward",
              "_scaled_dot_product_efficient_attention_backward": "backward"}
 """The fused attention kernels (the CPU's, and CUDA's flash and memory-efficient ones) and their direction."""
-PRODUCTS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", *ATTENTION, "source_winner (Triton)")
+PRODUCTS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", *ATTENTION, "source_winner (Triton)",
+            "values_gradient (Triton)")
 GPUS = {
     # NVIDIA's datasheets (H100 SXM5, H200 SXM): tensor-core bf16/fp16 without sparsity (the datasheets'
     # 1,979 TFLOP/s are "with sparsity"), fp32 on the CUDA cores (67 TFLOP/s; float32 products and
@@ -127,6 +128,19 @@ def winner_counts(q: torch.Tensor, k: torch.Tensor, v_norm: torch.Tensor, causal
     return flops, moved
 
 
+def values_gradient_counts(q: torch.Tensor, k: torch.Tensor, F: torch.Tensor, causal: bool = True,
+                           window: int | None = None) -> tuple[int, int]:
+    """``(FLOPs, bytes)`` of :func:`attngeom.capture.fused_winner.values_gradient`'s Triton kernel:
+    ``q·k`` again (``2·d``) and ``Pᵀ F`` (``2·m``, ``m`` padded to the 16 columns a tensor-core
+    product takes) per visible pair; ``q``, ``k``, ``lse``, ``F`` read and the float32 result written once."""
+    B, H, Q, d = q.shape
+    S, m = k.shape[2], F.shape[-1]
+    seen = sum(min(p + 1 if causal else S, window or S) for p in range(S - Q, S))
+    flops = 2 * B * H * (d + max(16, m)) * seen
+    moved = addressed_bytes(q) + addressed_bytes(k) + 4 * B * H * Q + addressed_bytes(F) + 4 * B * H * S * m
+    return flops, moved
+
+
 class OpCounts(TorchDispatchMode):
     """``rows[op] = [calls, flops, bytes]`` of every ATen operator run while the mode is active (and
     ``by_shape[(op, output shape)]`` the same per shape, flops left 0); ``gpu_seconds[gpu]`` the
@@ -194,29 +208,31 @@ class OpCounts(TorchDispatchMode):
 
 @contextlib.contextmanager
 def triton_winner(counts: OpCounts):
-    """While active, :func:`attngeom.capture.fused_winner.source_winner` is counted as the Triton
-    kernel a GPU runs (:func:`winner_counts`, one call), and the CPU's torch pass that computes it
-    here is not counted."""
+    """While active, :func:`attngeom.capture.fused_winner.source_winner` and ``values_gradient`` are
+    counted as the Triton kernels a GPU runs (:func:`winner_counts`, :func:`values_gradient_counts`,
+    one call each), and the CPU's torch passes that compute them here are not counted."""
     from attngeom.capture import fused_winner
 
-    real = fused_winner.source_winner
+    def counted(real, name, count):
+        def run(q, k, *args, **kw):
+            with _disable_current_modes():
+                out = real(q, k, *args, **kw)
+            counts.add_kernel(name, *count(q, k, args[-1], kw.get("causal", True), kw.get("window")), q.dtype)
+            return out
+        return run
 
-    def counted(q, k, v_norm, **kw):
-        with _disable_current_modes():
-            out = real(q, k, v_norm, **kw)
-        flops, moved = winner_counts(q, k, v_norm, kw.get("causal", True), kw.get("window"))
-        counts.add_kernel("source_winner (Triton)", flops, moved, q.dtype)
-        return out
-
-    holders = [m for name, m in list(sys.modules.items())      # every attngeom module that imported it by name
-               if name.startswith("attngeom") and getattr(m, "source_winner", None) is real]
-    for m in holders:
-        m.source_winner = counted
+    swaps = {fused_winner.source_winner: counted(fused_winner.source_winner, "source_winner (Triton)", winner_counts),
+             fused_winner.values_gradient: counted(fused_winner.values_gradient, "values_gradient (Triton)",
+                                                   values_gradient_counts)}
+    holders = [(m, name, getattr(m, name)) for mod_name, m in list(sys.modules.items()) if mod_name.startswith("attngeom")
+               for name in ("source_winner", "values_gradient") if getattr(m, name, None) in swaps]
+    for m, name, real in holders:                # every attngeom module that imported them by name
+        setattr(m, name, swaps[real])
     try:
         yield
     finally:
-        for m in holders:
-            m.source_winner = real
+        for m, name, real in holders:
+            setattr(m, name, real)
 
 
 def parse_gpu(text: str) -> tuple[str, dict]:
@@ -245,7 +261,9 @@ def layer_counts(shape: str, T: int, dtype: torch.dtype, fused_dtype: torch.dtyp
                  block_elements: int = 1 << 26) -> dict[str, OpCounts]:
     """One attention layer's kernels at ``T`` tokens, counted on meta tensors (shapes only, any
     length at once): the SDPA forward (CUDA's flash kernel, ``dtype``), the fused route's forward
-    with ``[v | k]`` as values and its values' gradient ``PᵀF`` (4 columns) in ``fused_dtype``
+    with ``[v | k]`` as values (``attend``; ``attend_v``: with ``v`` only, the entropy then from the
+    winner's pass) and its values' gradient ``PᵀF`` (4 columns) in ``fused_dtype`` (``transpose``: the
+    attention's backward; ``values_gradient``: the Triton kernel of ``fused_winner``, ``dtype``)
     (:mod:`attngeom.capture.routes`, CUDA's memory-efficient kernels), the fused winner (the Triton
     kernel, ``dtype``), and the block path's winner alone (blocks of ``block_elements``: scores,
     softmax, ``a·n``, row maximum), as ``benchmarks/bench_routes.py`` times them."""
@@ -260,14 +278,18 @@ def layer_counts(shape: str, T: int, dtype: torch.dtype, fused_dtype: torch.dtyp
         qf, kf, xf = q.to(fused_dtype), kr.to(fused_dtype), torch.cat([vr, kr], -1).to(fused_dtype)
         F = torch.empty(1, H, T, 4, dtype=fused_dtype)
         v_norm = torch.empty(1, Hkv, T)
-    out = {name: OpCounts(gpus) for name in ("sdpa", "attend", "transpose", "winner", "winner_block")}
+    out = {name: OpCounts(gpus) for name in ("sdpa", "attend", "attend_v", "transpose", "values_gradient", "winner",
+                                             "winner_block")}
     with out["sdpa"]:
         torch.ops.aten._scaled_dot_product_flash_attention(q, kr, vr, 0.0, True, scale=scale)
     with out["attend"]:
         saved = routes.attend(qf, kf, xf, scale, None)[2]
+    with out["attend_v"]:                           # values only: the entropy from the winner's pass instead
+        routes.attend(qf, kf, vr.to(fused_dtype), scale, None)
     with out["transpose"]:
         routes.transpose(qf, kf, saved, F, scale, None)
     out["winner"].add_kernel("source_winner (Triton)", *winner_counts(q, k, v_norm), dtype)
+    out["values_gradient"].add_kernel("values_gradient (Triton)", *values_gradient_counts(q, k, F.to(dtype)), dtype)
     with out["winner_block"]:
         winner_blocks(q, k, v_norm.repeat_interleave(H // Hkv, 1), scale, block_elements)
     return out
@@ -283,7 +305,9 @@ def print_layers(shape: str, sizes, dtype: torch.dtype, fused_dtype: torch.dtype
     print(f"{'T':>6s} {'kernel':24s} {'GFLOP':>9s} {'GB':>8s} " + " ".join(f"{g:>22s}" for g in gpus))
     for T in sizes:
         c = layer_counts(shape, T, dtype, fused_dtype, gpus)
-        rows = {**c, "fused route (all three)": [c["attend"], c["transpose"], c["winner"]]}
+        rows = {**c, "fused route (all three)": [c["attend"], c["transpose"], c["winner"]],
+                "... entropy in winner": [c["attend_v"], c["transpose"], c["winner"]],
+                "... and values_gradient": [c["attend_v"], c["values_gradient"], c["winner"]]}
         base = c["sdpa"].gpu_seconds
         for name, parts in rows.items():
             parts = parts if isinstance(parts, list) else [parts]
@@ -292,13 +316,18 @@ def print_layers(shape: str, sizes, dtype: torch.dtype, fused_dtype: torch.dtype
             secs = {g: sum(p.gpu_seconds[g] for p in parts) for g in gpus}
             cells = [f"{secs[g] * 1e3:8.3f} ms ({secs[g] / base[g]:6.2f}x)" for g in gpus]
             print(f"{T:6d} {name:24s} {flops / 1e9:9.1f} {moved / 1e9:8.3f} " + " ".join(f"{x:>22s}" for x in cells))
-        # the whole decoder layer: its linear products (compute-bound at these lengths) on both sides
+        # the whole decoder layer: its linear products (compute-bound at these lengths) on both sides;
+        # the route's [v | k] forward gives the layer's attention output, so it stands in for the SDPA forward
         lin = linear_flops(shape, T)
-        fused = {g: sum(c[k].gpu_seconds[g] for k in ("attend", "transpose", "winner")) for g in gpus}
-        layer = {g: lin / gpus[g][peak_key(dtype)] + base[g] for g in gpus}
-        cells = [f"{(layer[g] + fused[g]) * 1e3:8.3f} ms ({(layer[g] + fused[g]) / layer[g]:6.2f}x)" for g in gpus]
-        print(f"{T:6d} {'layer + fused route':24s} {(lin + sum(sum(r[1] for r in c[k].rows.values()) for k in ('sdpa', 'attend', 'transpose', 'winner'))) / 1e9:9.1f} "
-              f"{'':>8s} " + " ".join(f"{x:>22s}" for x in cells) + "   (x: the layer's forward, linear + SDPA)")
+        linear = {g: lin / gpus[g][peak_key(dtype)] for g in gpus}
+        for label, kernels in (("layer on the fused route", ("attend", "transpose", "winner")),
+                               ("... with values_gradient", ("attend_v", "values_gradient", "winner"))):
+            fused = {g: sum(c[k].gpu_seconds[g] for k in kernels) for g in gpus}
+            cells = [f"{(linear[g] + fused[g]) * 1e3:8.3f} ms ({(linear[g] + fused[g]) / (linear[g] + base[g]):6.2f}x)"
+                     for g in gpus]
+            flops = lin + sum(sum(r[1] for r in c[k].rows.values()) for k in kernels)
+            print(f"{T:6d} {label:24s} {flops / 1e9:9.1f} {'':>8s} " + " ".join(f"{x:>22s}" for x in cells)
+                  + "   (x: the layer's forward, linear + SDPA)")
 
 
 def main(argv=None) -> None:

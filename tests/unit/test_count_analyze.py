@@ -92,6 +92,7 @@ def test_the_fused_winner_is_counted_as_its_triton_kernel():
     with torch.inference_mode(), mod.OpCounts() as c, mod.triton_winner(c):
         got = fused_winner.source_winner(q, k, n, scale=0.5, window=4)
     assert fused_winner.source_winner.__name__ == "source_winner"          # restored
+    assert fused_winner.values_gradient.__name__ == "values_gradient"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     pairs = 1 + 2 + 3 + 4 + 4 + 4                                          # causal, window 4
     assert dict(c.rows) == {"source_winner (Triton)": [1, 2 * 4 * 8 * pairs, (4 * 6 * 8 + 2 * 6 * 8 + 2 * 6) * 4 + 4 * 6 * 16]}
@@ -118,12 +119,13 @@ def test_one_layers_kernels_are_counted_at_any_length_on_meta_tensors():
     winner half of that, the block path's winner reads and writes its ``[H, Q, S]`` maps (more
     bytes than all fused kernels together), and every estimate is positive."""
     mod = load_script(SCRIPT)
-    T, (H, Hkv, d) = 4096, mod.LAYER_SHAPES["smollm2"][:3]
+    T, H, d = 4096, mod.LAYER_SHAPES["smollm2"][0], mod.LAYER_SHAPES["smollm2"][2]
     c = mod.layer_counts("smollm2", T, torch.bfloat16, torch.bfloat16, mod.GPUS)
     flops = {k: sum(r[1] for r in v.rows.values()) for k, v in c.items()}
     moved = {k: sum(r[2] for r in v.rows.values()) for k, v in c.items()}
     pairs = T * (T + 1) // 2
     assert flops["sdpa"] == 4 * d * H * pairs and flops["winner"] == 2 * d * H * pairs
+    assert flops["values_gradient"] == 2 * (d + 16) * H * pairs                  # q·k again, Pᵀ F at 16 columns
     assert moved["winner_block"] > moved["attend"] + moved["transpose"] + moved["winner"]
     assert all(v.gpu_seconds[g] > 0 for v in c.values() for g in mod.GPUS)
     assert mod.linear_flops("llama8b", 1) == 2 * (4096 * 48 * 128 + 4096 * 4096 + 3 * 4096 * 14336)
