@@ -2,6 +2,7 @@
 model loads."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -163,3 +164,33 @@ def test_pgf_without_latex_is_refused_before_the_model_loads(no_model, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "pgf" in err[0] and "LaTeX" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_api_checks_examples_made_in_code(tiny_llama, monkeypatch):
+    """Defects 1, 4, 5 and 11 of issue 52 through the API: tasks.experiment checks examples made in code
+    as read_jsonl checks a file's (one line naming the example, before any prefill), and a context that
+    cannot be split from its question is an InputError naming the example, not a ValueError."""
+    from attngeom.errors import InputError
+    from attngeom.kvcache import prefill, ruler, tasks
+    from attngeom.kvcache.settings import KVTaskSettings
+
+    def no_prefill(*a, **k):
+        raise AssertionError("a prefill ran although the examples are bad")
+
+    monkeypatch.setattr(prefill, "prefill", no_prefill)
+    ok = Example(**{**_LINE, "answers": ("abc",)})
+    settings = KVTaskSettings(("window",), (0.5,))
+    for bad, said in (({"max_new_tokens": -1}, "example t/1: field 'max_new_tokens' must be at least 1"),
+                      ({"task": "all", "index": 0}, "task 'all'"),
+                      ({"index": 0}, "t/0 is given twice"),
+                      ({"context": "x" * 300}, "example t/1 (")):
+        with pytest.raises(InputError, match=re.escape(said)):
+            tasks.experiment(tiny_llama, None, [ok, Example(**{**_LINE, "index": 1, "answers": ("abc",), **bad})],
+                             settings)
+
+    def straddles(*a, **k):
+        raise ValueError("a token straddles the start of the question; the context cannot be split from it")
+
+    monkeypatch.setattr(ruler, "encode_example", straddles)
+    with pytest.raises(InputError, match="example t/0: a token straddles"):
+        tasks.experiment(tiny_llama, None, [ok], settings)
