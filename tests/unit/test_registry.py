@@ -27,22 +27,53 @@ def toy_metric():
 
 
 SPEC_METRICS = ("attention", "value_weighted", "output_normalized", "contribution", "contribution_inter")
+"""The five metrics of SPEC §2, in its order: the table starts with them; what follows may grow."""
 
 
-def test_builtin_table():
+def test_the_table_starts_with_the_spec_metrics():
     assert R.names()[:5] == SPEC_METRICS
-    assert tuple(RANK_METRICS) == SPEC_METRICS + R.rivals() + ("random",)
-    assert R.rivals() == ("leave_one_out", "value_zeroing", "alti", "grad_attention", "rollout",
-                          "contribution_rollout")        # SPEC §2.1
-    # the lists other modules read come from the entries' flags
-    assert R.hierarchy() == SPEC_METRICS[:4] and R.received_names() == SPEC_METRICS[:4]
-    assert TokenStats().metrics == R.received_names()
     assert R.get("contribution").token_map == "contribution_inter" and R.get("attention").heads == "mean"
     assert R.label("output_normalized") == "output-normalised" and R.label("random") == "random"
     with pytest.raises(KeyError, match="known: attention"):
         R.get("nope")
     with pytest.raises(ValueError, match="unknown quantities"):
         R.Metric("bad", "bad", lambda b: b.a, frozenset({"no_such_quantity"}))
+
+
+@pytest.mark.parametrize("name", R.names())
+def test_every_registered_metric_has_the_properties_its_readers_rely_on(name):
+    """What every entry of the table satisfies, whatever it is: a metric added to the table is held
+    to these without editing this test."""
+    m = R.get(name)
+    assert m.name == name and name.isidentifier() and not name.startswith("_")
+    assert isinstance(m.label, str) and m.label and R.label(name) == m.label
+    assert m.heads in ("sum", "mean")
+    assert R.closure([name]) >= m.needs and set(m.needs) <= set(R.QUANTITIES) | set(R.METRICS)
+    assert m.layer_only == (m.per_head is None) and (m.per_head is not None or m.token is not None)
+    assert (name in R.per_head_names()) == (not m.layer_only)
+    if m.token_map is not None:                      # the token-level score comes from a per-head map
+        assert not R.get(m.token_map).layer_only
+    # the lists other modules read are the entries' flags, nothing else
+    assert (name in R.rank_names()) == m.rank and (name in RANK_METRICS) == m.rank
+    assert (name in R.received_names()) == m.received and (name in TokenStats().metrics) == m.received
+    if m.received:                                   # summed over queries in one product, without a map
+        assert not m.layer_only and m.prepare is None and m.token is None
+    assert (name in R.hierarchy()) == (m.hierarchy is not None)
+    assert (name in R.rivals()) == bool(m.rival)
+    assert (R.prepared_names([name]) == (name,)) == (m.prepare is not None)
+    if m.prepare is not None:                        # a pass before the forward: a backward, or a rollout of a metric
+        kind, _, of = m.prepare.partition(":")
+        assert kind in ("gradient", "rollout") and (kind == "gradient" or of in R.METRICS)
+
+
+def test_the_lists_keep_the_table_order():
+    assert tuple(RANK_METRICS) == R.rank_names() + ("random",)
+    assert R.received_names() == tuple(n for n in R.names() if R.get(n).received)
+    assert R.rivals() == tuple(n for n in R.names() if R.get(n).rival)
+    places = [R.get(n).hierarchy for n in R.hierarchy()]
+    assert places == sorted(places) and len(set(places)) == len(places)       # least faithful first, no tie
+    assert TokenStats().metrics == R.received_names()
+    assert R.hierarchy() == SPEC_METRICS[:4]          # the contribution-weights paper's four (SPEC §2)
 
 
 def test_a_registered_metric_is_everywhere(tiny_llama, toy_metric):
@@ -180,7 +211,6 @@ def test_block_metric_names_come_from_the_table():
                        kv_head=torch.arange(2), lengths=torch.tensor([3]))
     block = Block(state=state, a=a, q_start=0, k_start=0)
     prepared = R.prepared_names(R.METRICS)
-    assert prepared == ("grad_attention", "rollout", "contribution_rollout")
     for name in R.per_head_names():
         if name in prepared:            # computed before the forward: refused without its pass
             with pytest.raises(InputError, match="computed from the clean forward"):
