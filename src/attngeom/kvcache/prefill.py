@@ -167,15 +167,15 @@ class ReconstructionScores:
         w_o = block.state.w_o                                             # [D, H*d]
         v = block.v                                                       # [B, H, S, d]
         H, d = v.shape[1], v.shape[-1]
-        return torch.einsum("bhsd,ehd->bhse", v.float(), w_o.reshape(-1, H, d).float())
+        return torch.matmul(v.float(), w_o.reshape(-1, H, d).permute(1, 2, 0).float())    # [B, H, S, d] @ [H, d, D]
 
     def _projected_norms(self, block) -> torch.Tensor:
         return block._memo("kvzip_wov", lambda: torch.linalg.vector_norm(self._head_values(block), dim=-1))
 
     def _contributions(self, block, a: torch.Tensor) -> torch.Tensor:
         wv = block._memo("kvzip_headvalues", lambda: self._head_values(block))    # [B, H, S, D]
-        o = torch.einsum("bhqs,bhse->bhqe", a, wv)                        # renormalised head outputs
-        c = torch.einsum("bhqs,bhse,bhqe->bhqs", a, wv, o)
+        o = torch.matmul(a, wv)                                           # [B, H, Q, D] renormalised head outputs
+        c = a * torch.matmul(o, wv.transpose(-1, -2))                     # a_ij <W_O^h v_j, o_i>: no [Q, S, D] product
         return (c / (o * o).sum(-1)[..., None].clamp_min(1e-38)).abs()
 
 
