@@ -328,16 +328,31 @@ def compressed_generate(handle: ModelHandleLike, context: Sequence[int], questio
     """``model.generate`` after the field's protocol: ``context`` (token ids) read and its cache
     compressed once by ``policy`` at ``ratio``, then ``question`` (not compressed) and the answer
     decoded by ``generate`` with ``generate_kwargs``. Returns ``generate``'s ids ``[1, T]``
-    (context, question and answer). With ``ratio=0`` the answer is the full cache's."""
-    if not 0.0 <= float(ratio) < 1.0:
-        raise InputError(f"ratio is the share of the cache removed, in [0, 1); got {ratio}")
+    (context, question and answer). With ``ratio=0`` the answer is the full cache's. Refused in one
+    line before any compute: an empty context, an id beyond the vocabulary, a ``max_new_tokens`` that
+    is not a count or would run past the model's context."""
+    from attngeom.model.arguments import check_count, check_positions, whole_number
+    from attngeom.streaming.passes import check_ids
+
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.number)) or not 0.0 <= float(ratio) < 1.0:
+        raise InputError(f"ratio is the share of the cache removed, in [0, 1); got {ratio!r}"[:200])
     pol = get_policy(policy)
     if pol.name == "taxonomy":
         raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
+    context, question = ([whole_number(i, "a token id") for i in ids] for ids in (context, question))
+    if not context:
+        raise InputError("the context is empty: compressed_generate compresses the cache of at least one token")
+    check_ids(handle, context + question)
+    new = generate_kwargs.get("max_new_tokens")
+    new = 0 if new is None else check_count(new, "max_new_tokens")
+    total = len(context) + len(question) + new
+    check_positions(handle, total, f"compressed_generate (context {len(context)} + question {len(question)} + "
+                                   f"max_new_tokens {new})")
+    check_memory(handle, total, 1)
     pre = P.prefill(handle, context, [pol])
     cache = P.variant_cache(handle, pre, [P.selection_at_ratio(pre, pol, float(ratio), handle.num_heads)],
-                            room=len(question) + int(generate_kwargs.get("max_new_tokens", 0)))
-    ids = torch.as_tensor([list(context) + list(question)], device=handle.device)
+                            room=len(question) + new)
+    ids = torch.as_tensor([context + question], device=handle.device)
     with P.compressing(handle.model, cache):
         return handle.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
                                      **generate_kwargs)

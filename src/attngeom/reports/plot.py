@@ -12,13 +12,20 @@ tables, in any format matplotlib writes (the file name's suffix: ``.pdf``, ``.sv
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
-from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, legible, save_figure  # sets the Agg backend
+from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, check_format, legible, save_figure  # sets the Agg backend
 
 import numpy as np
 
-from attngeom.errors import InputError
+from attngeom.errors import InputError, OutputError
+from attngeom.model.arguments import whole_number
+
+MAX_WIDTH_IN = 40.0
+"""The widest :func:`token_map` drawn (inches; a poster's). The narrowest is what its labels, a one-inch
+map and the colour bar need (under 3 inches)."""
 
 RUN_FIGURES = ("sinks", "selection", "heads", "kvcache", "kvtasks", "faithfulness")
 """The commands whose figures :func:`run_figures` draws again from their tables."""
@@ -31,13 +38,45 @@ def _span(tokens, T: int) -> tuple[int, int]:
     if isinstance(tokens, slice):
         if tokens.step not in (None, 1):
             raise InputError("tokens: a slice with a step is not a token range")
-        start, stop, _ = tokens.indices(T)
+        start, stop, _ = slice(*(None if x is None else whole_number(x, "tokens") for x in
+                                 (tokens.start, tokens.stop))).indices(T)
     else:
-        start, stop = (int(x) for x in tokens)
+        pair = tuple(tokens) if isinstance(tokens, (tuple, list)) else ()
+        if len(pair) != 2:
+            raise InputError(f"tokens must be a slice or (start, stop) of positions, not {tokens!r}"[:200])
+        start, stop = (whole_number(x, "tokens") for x in pair)
         start, stop = max(0, start), min(T, stop)
     if not 0 <= start < stop <= T:
         raise InputError(f"tokens {tokens!r} select no token of the {T}")
     return start, stop
+
+
+def _check_path(path) -> Path:
+    """The file a figure is written to, checked before anything is drawn: a known format, not a
+    directory, in an existing folder; else one-line :class:`InputError` or :class:`OutputError`."""
+    path = Path(path)
+    check_format(path.suffix or ".png")
+    if path.is_dir():
+        raise OutputError(f"cannot write the figure to {path}: it is a directory")
+    if not path.parent.is_dir():
+        raise OutputError(f"cannot write the figure to {path}: the folder {path.parent} does not exist")
+    return path
+
+
+def _write(fig, path: Path) -> Path:
+    """Save ``fig`` to ``path`` through a temporary file beside it: a failed write leaves no file,
+    and no half-written one under ``path``'s name (:class:`OutputError`)."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        save_figure(fig, tmp, layout=False)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise OutputError(f"cannot write the figure to {path}: {e.strerror or e}") from None
+    return path
 
 
 def token_map(trace, layer: int, metric: str = "contribution", head: int | None = None, tokens=None,
@@ -52,23 +91,28 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     from attngeom.metrics import registry
     from attngeom.reports.analyze import _draw_map, _wrapped, token_label
 
+    layer = whole_number(layer, "layer")
     lt = next((x for x in trace.layers if x is not None and x.index == layer), None)
     if lt is None:
         have = [x.index for x in trace.layers if x is not None]
         raise InputError(f"layer {layer} is not in this trace (layers {have})")
-    if head is None:
-        m = lt.token_score(metric)
-    else:
-        if not 0 <= head < lt.num_heads:
-            raise InputError(f"head {head} does not exist (the layer has {lt.num_heads} heads)")
-        m = lt.metric(metric)[head]
+    if head is not None and not 0 <= whole_number(head, "head") < lt.num_heads:
+        raise InputError(f"head {head} does not exist (the layer has {lt.num_heads} heads)")
+    if not isinstance(width, (int, float, np.number)) or isinstance(width, bool) or not math.isfinite(width):
+        raise InputError(f"width must be a number of inches, not {width!r}"[:200])
+    path = None if path is None else _check_path(path)
     start, stop = _span(tokens, len(trace.tokens))
-    m = m[start:stop, start:stop]
     T = stop - start
     # inches: the map is square; room for token labels left and below, the colour bar right, the title above
     labels = [token_label(t) for t in trace.tokens[start:stop]]
     margin = 0.15 + 0.6 * MIN_FONT_PT / 72 * max(len(x) for x in labels)
-    box = max(1.0, width - margin - 0.85)
+    narrowest = margin + 1.0 + 0.85
+    if not narrowest <= width <= MAX_WIDTH_IN:
+        raise InputError(f"width must be from {narrowest:.2f} inches (this map's labels, a one-inch map and its "
+                         f"colour bar) to {MAX_WIDTH_IN:g}, not {width:g}")
+    m = lt.token_score(metric) if head is None else lt.metric(metric)[head]
+    m = m[start:stop, start:stop]
+    box = width - margin - 0.85
     what = registry.label(metric) + (" (all heads)" if head is None else f", head {head}")
     title_size = MIN_FONT_PT + 1.5
     title = _wrapped(title if title is not None else f"{trace.model_name or 'model'}, layer {layer}: {what}",
@@ -95,7 +139,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     legible(fig)
     if path is None:
         return fig
-    return save_figure(fig, Path(path), layout=False)
+    return _write(fig, path)
 
 
 def run_figures(out_dir: str | Path, fmt: str = "png") -> list[Path]:

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from attngeom.errors import InputError
-from attngeom.model.arguments import check_handle, takes_handle
+from attngeom.model.arguments import check_handle, check_position, takes_handle, whole_number
 
 MIN_ALIGNED = 0.5
 """Each trace must have at least this share of its tokens aligned."""
@@ -231,20 +231,24 @@ def aligned(tokens_a, tokens_b) -> pd.DataFrame:
 def diff(a, b, *, target: int | None = None) -> TraceDiff:
     """Compare traces ``a`` and ``b`` (:class:`attngeom.traces.trace.Trace`; module docstring).
     ``target``: a position of ``a`` that is aligned (negative counts from the end); default the last
-    aligned position. Refused in one line: traces too different to align, no layer in common, a
-    target that is not aligned."""
+    aligned position. Refused in one line: anything but two traces, traces too different to align, no
+    layer in common, a target that is not a position of ``a`` or not aligned."""
+    from attngeom.traces.trace import Trace
+
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Trace):
+            raise InputError(f"diff compares two traces (attngeom.analyze(...) or Trace.load(...)); {name} is "
+                             f"{'None' if t is None else 'a value of type ' + type(t).__name__}")
+    ta = None if target is None else check_position(target, "target", len(a), "trace a")
     al = aligned(a.tokens, b.tokens)
     layers = sorted({lt.index for lt in a.layers} & {lt.index for lt in b.layers})
     if not layers:
         raise InputError(f"the traces hold no layer in common (a: {[lt.index for lt in a.layers]}, "
                          f"b: {[lt.index for lt in b.layers]})")
     eq = al[al["op"] == "equal"]
-    if target is None:
+    if ta is None:
         ta, tb = int(eq["position_a"].iloc[-1]), int(eq["position_b"].iloc[-1])
     else:
-        if not -len(a) <= int(target) < len(a):
-            raise InputError(f"target {target} is outside trace a ({len(a)} tokens)")
-        ta = int(target) % len(a)
         hit = eq[eq["position_a"] == ta]
         if not len(hit):
             raise InputError(f"position {ta} of trace a ({a.tokens[ta]!r}) has no counterpart in b; "
@@ -268,6 +272,8 @@ def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, targ
     from attngeom.traces.trace import analyze
 
     handle_b = handle if handle_b is None else check_handle(handle_b, "attngeom.traces.compare_texts")
+    if target is not None:
+        whole_number(target, "target")          # its range is known once the texts are read
     if layers is not None:
         for h in (handle, handle_b):
             check_layers(layers, h.num_layers)

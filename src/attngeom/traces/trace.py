@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-from attngeom.model.arguments import takes_handle
+from attngeom.model.arguments import check_count, check_position, takes_handle
 from attngeom.model.handle import special_positions
 from attngeom.metrics import formulas as metrics
 from attngeom.metrics import registry
@@ -169,14 +169,13 @@ class Trace:
         from attngeom.generation.heads import BY, head_table, mean_shares, row_shares
 
         if by not in BY:
-            raise InputError(f"by must be one of {', '.join(BY)}, not {by!r}")
+            raise InputError(f"by must be one of {', '.join(BY)}, not {by!r}"[:200])
         rows = self._target_rows(target, predicted)
-        if source is not None and not -len(self) <= int(source) < len(self):
-            raise InputError(f"source {source} is outside the trace ({len(self)} tokens)")
+        src = None if source is None else check_position(source, "source", len(self))
+        top = None if top is None else check_count(top, "top")
         chosen = self._layers(layers)
         per_row = [{lt.index: row_shares(lt.block, r)[by] for lt in chosen} for r in rows]
         shares = per_row[0] if len(rows) == 1 else mean_shares(per_row, max(rows) + 1)
-        src = None if source is None else int(source) % len(self)
         return head_table(shares, self.marks().iloc[:max(rows) + 1], top=top, exclude_special=exclude_special,
                           source=src)
 
@@ -191,22 +190,20 @@ class Trace:
             targets = list(range(self.prompt_length, T))
         else:
             many = isinstance(target, (list, tuple, range, np.ndarray))
-            targets = [int(t) for t in (target if many else [target])]
+            targets = [check_position(t, "target", T) for t in (target if many else [target])]
             if not targets:
                 raise InputError("no target position given")
-            bad = [t for t in targets if not -T <= t < T]
-            if bad:
-                raise InputError(f"target {bad[0]} is outside the trace ({T} tokens)")
-            targets = [t % T for t in targets]
         if predicted and 0 in targets:
             raise InputError("position 0 is predicted by no row; give predicted=False for its own row")
         return [t - 1 if predicted else t for t in targets]
 
     def _layers(self, layers) -> list["LayerTrace"]:
+        from attngeom.data.corpora import check_layers
+
         if layers is None:
             return list(self.layers)
         have = {lt.index: lt for lt in self.layers}
-        wanted = [int(l) for l in layers]
+        wanted = check_layers(layers)
         missing = [l for l in wanted if l not in have]
         if missing:
             raise InputError(f"layer {missing[0]} is not in the trace; it holds layers {sorted(have)}")
@@ -263,18 +260,20 @@ class Trace:
         SmolLM2-135M is 2.2 MB (45 MB with weights). ``weights=True`` stores ``G [H,d,d]`` and
         ``w_o [D,H*d]`` instead (``LayerTrace.G``/``.w_o``, None in a weight-less trace), for work
         that needs the output projection itself (e.g. the model-space output ``o_i``).
-        ``trace.json`` is written last and records the tensor file's SHA-256."""
+        ``trace.json`` is written last and records the SHA-256 of its ids and tokens and of the tensor file."""
         from attngeom.traces.saved import save_trace
 
         return save_trace(self, Path(path), weights)
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        """Reopen a trace written by :meth:`save`. Everything is checked before use: the format
-        version, the token list against the ids and the tensors, every tensor's name, shape, dtype
-        and finiteness, the attention rows (non-negative, nothing above the diagonal, each summing
-        to one) and the tensor file's checksum. Anything wrong raises :class:`~attngeom.errors.TraceFormatError`
-        with a one-line message."""
+        """Reopen a trace written by :meth:`save`. Everything is checked before use, sizes before
+        reading: the size of ``trace.json``, the format version, the token strings against the ids
+        (their checksum in ``trace.json``) and the tensors, every tensor's name, dtype and shape from
+        the tensor file's header (and the file's size against them and the machine's memory) before
+        any tensor is read, then finiteness, the attention rows (non-negative, nothing above the
+        diagonal, each summing to one) and the tensor file's checksum. Anything wrong raises
+        :class:`~attngeom.errors.TraceFormatError` with a one-line message."""
         from attngeom.traces.saved import load_trace
 
         return load_trace(Path(path), cls, LayerTrace)
