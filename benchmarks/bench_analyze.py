@@ -23,6 +23,12 @@ next), so that load from other jobs on a shared machine hits every method alike:
     :class:`~attngeom.streaming.reducers.TokenStats` on all layers. Between them they use all five metric
     maps of SPEC §2 (attention, value_weighted, output_normalized, contribution,
     contribution_inter) on every block of every layer.
+``analyze_fused`` / ``analyze_block`` / ``attention_stats_fused`` / ``attention_stats_block``
+    the same two analyses with the capture's route forced (``Session(route=...)``, SPEC §10, issue
+    49): ``fused`` computes every statistic the reducers ask for from fused attention kernels (a
+    forward with ``[v | k]`` as values and its log-sum-exp, the values' gradient ``PᵀF``, the fused
+    source winner) without any ``[H, Q, S]`` block; ``block`` is the blocked path. ``analyze`` and
+    ``attention_stats`` take the default route, ``auto`` (per device).
 ``naive``
     what decomposition tools usually do: an eager forward with ``output_attentions=True`` and the
     value states captured by hooks, then, per layer and head, the model-space vectors
@@ -54,6 +60,10 @@ Usage::
     python benchmarks/bench_analyze.py --sizes none --long 32768 --threads 1   # measured long run
     python benchmarks/bench_analyze.py --quick      # T=512 only, 1 repeat, no long-input sizes
     python benchmarks/bench_analyze.py --sizes 512,1024 --repeats 2 --json out/bench.json
+    # the routes at 2k, 8k and 32k (32k: the model cut to 2 layers; eager is skipped where its
+    # [H, T, T] map of one layer does not fit in memory)
+    python benchmarks/bench_analyze.py --sizes 2048,8192,32768 --layers 2 --threads 1 --repeats 1 \
+        --methods sdpa,eager,analyze,analyze_fused,analyze_block,attention_stats_fused,attention_stats_block
 """
 
 from __future__ import annotations
@@ -69,7 +79,13 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("sdpa", "eager", "eager_attn", "capture", "attention_stats", "analyze", "naive")
+METHODS = ("sdpa", "eager", "eager_attn", "capture", "attention_stats", "attention_stats_fused",
+           "attention_stats_block", "analyze", "analyze_fused", "analyze_block", "naive")
+ROUTED = {"analyze_fused": ("analyze", "fused"), "analyze_block": ("analyze", "block"),
+          "attention_stats_fused": ("attention_stats", "fused"), "attention_stats_block": ("attention_stats", "block")}
+"""Methods that force the capture's route: ``{method: (analysis, route)}``."""
+MAPS = ("eager", "eager_attn", "naive")
+"""Methods whose forward holds a layer's ``[H, T, T]`` float32 attention map."""
 DEFAULT_METHODS = "sdpa,eager,capture,attention_stats,analyze"
 ATTENTION_FIELDS = ("sink_rate", "self_attention", "entropy")
 GiB = 1024**3
@@ -191,11 +207,24 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
         model.set_attn_implementation("eager")
     if method == "sdpa":
         model.set_attn_implementation("sdpa")
-    if method in ("analyze", "attention_stats", "capture"):
+    analysis, route = ROUTED.get(method, (method, None))
+    if analysis in ("analyze", "attention_stats", "capture"):
+        sessions = []
+
+        def session(reducers):
+            if route is None:
+                sessions.append(Session(observers=reducers))
+                return sessions[-1]
+            try:
+                sessions.append(Session(observers=reducers, route=route))
+            except TypeError as e:        # an attngeom from before the routes (issue 49)
+                raise SystemExit(f"{method}: this attngeom's Session takes no route ({e})") from None
+            return sessions[-1]
+
         def make():
-            if method == "analyze":
+            if analysis == "analyze":
                 return [HeadStats(), TokenStats()]
-            if method == "attention_stats":
+            if analysis == "attention_stats":
                 return [HeadStats(fields=ATTENTION_FIELDS),
                         TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]
             return []
@@ -203,10 +232,9 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
         def run():
             batch = InputBatch(ids=x, lengths=torch.tensor([T]), index=[0])
             reducers = make()
-            session = Session(observers=reducers)
             for r in reducers:
                 r.begin(batch)
-            tr.forward(handle, batch, session)  # = stream(), without its context-length check
+            tr.forward(handle, batch, session(reducers))  # = stream(), without its context-length check
             for r in reducers:
                 r.end(batch)
             return [r.result() for r in reducers]
@@ -215,7 +243,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
         wr = make()
         for r in wr:
             r.begin(wb)
-        tr.forward(handle, wb, Session(observers=wr))
+        tr.forward(handle, wb, session(wr))
     elif method in ("eager", "eager_attn", "sdpa"):
         def run():
             with torch.no_grad():
@@ -263,6 +291,9 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
     out = run()
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     result.update(seconds=elapsed, cpu_seconds=cpu, peak_bytes=_peak_bytes(), base_bytes=base, peak_reset=reset)
+    taken = getattr(sessions[-1], "routes", None) if analysis in ("analyze", "attention_stats", "capture") else None
+    if taken:                             # the route each layer took (the capture's record), counted
+        result["routes_taken"] = {r: list(taken.values()).count(r) for r in sorted(set(taken.values()))}
     if method == "naive":
         per = out["per_layer_s"]
         result["naive_layers_measured"] = len(per)
@@ -307,6 +338,24 @@ def measure(method: str, T: int, *, layers: int | None = None, naive_layers: int
     return res
 
 
+def _available() -> int:
+    """Memory available to a new process (``MemAvailable``; all of it where /proc says nothing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _map_fits(T: int) -> bool:
+    """Whether an eager forward's attention maps fit: about three ``[9, T, T]`` float32 maps of one
+    layer (scores, weights and their cast) within the available memory."""
+    return 3 * 9 * T * T * 4 <= _available()
+
+
 def fmt_s(x: float) -> str:
     return f"{x:8.2f} s"
 
@@ -348,7 +397,9 @@ def main(argv=None) -> int:
     # worker mode (internal)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--T", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=None,
+                   help="cut the model to its first N decoder layers for the timing table (default all 30; "
+                        "a quick check at long lengths)")
     args = p.parse_args(argv)
 
     if args.worker:
@@ -374,7 +425,8 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, threads per measurement "
           f"{', '.join('all cores' if t == 0 else str(t) for t in threads_list)}, "
           f"Python {platform.python_version()}")
-    print("model: smollm2-135m (SmolLM2-135M-Instruct, 30 layers, 9 heads, 3 KV heads), float32, CPU")
+    print("model: smollm2-135m (SmolLM2-135M-Instruct, 30 layers, 9 heads, 3 KV heads), float32, CPU"
+          + (f"; the timing table on its first {args.layers} layer(s) only" if args.layers else ""))
     if sizes:
         print(f"sizes {sizes}, {repeats} repeat(s), methods {methods} alternate within each repeat; absolute "
               "times are noisy on a shared machine, the ratios are the result (wall time, and the process's "
@@ -385,15 +437,27 @@ def main(argv=None) -> int:
         THREADS = th
         for T in sizes:
             ms = [m for m in (methods if T < args.big_from else big_methods) if m != "naive" or T == sizes[0]]
+            too_big = [m for m in ms if m in MAPS and not _map_fits(T)]
+            if too_big:
+                print(f"  T={T:5d}: {', '.join(too_big)} skipped: one layer's [9, T, T] float32 map is "
+                      f"{9 * T * T * 4 / GiB:.1f} GiB, and eager holds about three ({_available() / GiB:.1f} GiB available)")
+                ms = [m for m in ms if m not in too_big]
             for r in range(repeats if T < args.big_from else args.big_repeats):
                 order = ms[r % len(ms):] + ms[:r % len(ms)]
                 for m in order:
-                    res = measure(m, T, naive_layers=args.naive_layers)
+                    try:
+                        res = measure(m, T, layers=args.layers, naive_layers=args.naive_layers)
+                    except RuntimeError as e:     # one method's failure (e.g. a route this code lacks) is reported
+                        print(f"  threads {th} T={T:5d} repeat {r + 1} {m:16s} FAILED: {str(e).splitlines()[-1]}",
+                              flush=True)
+                        continue
                     res.update(repeat=r, threads_setting=th)
                     records.append(res)
                     extra = (f"  (forward {res['naive_forward_s']:.1f} s + {res['naive_per_layer_s']:.1f} s/layer "
                              f"measured on {res['naive_layers_measured']} layer(s), x{res['layers']} layers)"
                              if m == "naive" else "")
+                    if res.get("routes_taken"):
+                        extra += "  layers: " + ", ".join(f"{n} {r}" for r, n in res["routes_taken"].items())
                     print(f"  threads {res['threads']} T={T:5d} repeat {r + 1} {m:16s} {fmt_s(res['seconds'])} "
                           f"cpu {fmt_s(res['cpu_seconds'])} peak {fmt_gb(res['peak_bytes'])}{extra}", flush=True)
 
