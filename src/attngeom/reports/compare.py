@@ -84,15 +84,20 @@ FILES = {
 
 SYNC = """<script>
 (function () {
-  // each explorer posts the position it shows; the other one shows the aligned position
-  var A = %s, frames = [document.getElementById("fa"), document.getElementById("fb")];
+  // each explorer posts the position it shows; the other one shows the aligned position.
+  // body data-ready="1": both explorers are ready (each posts its first position when it is);
+  // data-synced-from="<0 or 1>:<position>": the last position received, data-synced: its counterpart.
+  var A = %s, frames = [document.getElementById("fa"), document.getElementById("fb")], seen = [false, false];
   window.addEventListener("message", function (ev) {
     var d = ev.data; if (!d || d.attngeom !== "query") return;
     var from = frames[0].contentWindow === ev.source ? 0 : frames[1].contentWindow === ev.source ? 1 : -1;
     if (from < 0) return;
     var other = A[from][String(d.position)];
     document.body.dataset.synced = String(other === undefined ? -1 : other);
+    document.body.dataset.syncedFrom = from + ":" + d.position;
     if (other !== undefined) frames[1 - from].contentWindow.postMessage({ attngeom: "show", position: other }, "*");
+    seen[from] = true;
+    if (seen[0] && seen[1]) document.body.dataset.ready = "1";
   });
 })();
 </script>"""
