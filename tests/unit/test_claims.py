@@ -1,4 +1,4 @@
-"""attngeom.claims: each analysis's resampled summary (``summary(per_window, weights)``) against the
+"""attngeom.claims: each analysis's resampled summary (``resampled(per_window, weights)``) against the
 experiment's own code (full sample and one explicit resample through merge_sums), the verdict rules, the
 catalogue against docs/claims.md, what claims/ may read of the other analyses, and the command end to end."""
 
@@ -85,7 +85,7 @@ def test_sinks_summary_equals_summarize_on_the_sample_and_on_a_resample(tiny):
     work = SK.window_work(h, ids, batch_size=1)
     recs = [decode_record(encode_record(work([u]))) for u in range(len(ids))]   # as a Run stores them
     for counts in (np.ones(len(ids), dtype=int), np.array([2, 0, 1, 1])):
-        got = {k: v[0] for k, v in SK.summary({"records": recs}, counts[None]).items()}
+        got = {k: v[0] for k, v in SK.resampled({"records": recs}, counts[None]).items()}
         ref, heavy = _sink_reference(recs, list(counts))
         assert got["value_norm_ratio_raw"] == pytest.approx(ref["raw_ratio"], rel=1e-9)
         assert got["value_norm_ratio_projected"] == pytest.approx(ref["value_norm_ratio"], rel=1e-9)
@@ -110,7 +110,7 @@ def test_faithfulness_summary_equals_summarize(tiny):
     nll = np.array([[res[(u, v.key)]["nll"] for v in variants] for u in range(len(ids))])
     tok = np.array([u.n_scored for u in units], dtype=float)
     for counts in (np.ones(len(ids), dtype=int), np.array([0, 3, 1, 0])):
-        got = FA.summary({"nll": nll, "tokens": tok, "variants": variants}, counts[None])
+        got = FA.resampled({"nll": nll, "tokens": tok, "variants": variants}, counts[None])
         # the reference: the experiment's own table on the resample (window u repeated counts[u] times)
         rep = [u for u in range(len(ids)) for _ in range(counts[u])]
         fake = {(i, k): res[(u, k)] for i, u in enumerate(rep) for k in [v.key for v in variants]}
@@ -127,7 +127,7 @@ def test_selection_summary_equals_summarize(tiny):
     res = SE.experiment(h, InMemoryRun(), ids, SelectionSettings(ns=(2, 4), repeats=2, distances=("euclidean",),
                                                            predict=False, batch_size=1))
     sel, summary = res.tables["selection"], res.summary
-    point = SE.summary(res.per_window)
+    point = SE.resampled(res.per_window)
     assert point["ns"] == [2, 4]
     got = point["mean_f"]
     for kind, key in (("topn", "with_sink"), ("topn_nosink", "without_sink")):
@@ -136,7 +136,7 @@ def test_selection_summary_equals_summarize(tiny):
     assert got["random"][0, 0] == pytest.approx(summary["euclidean"]["with_sink"]["f_random"][2], rel=1e-9)
     # a resample: window 0 twice, window 1 dropped
     c = np.array([[2, 0, 1, 1]])
-    got = SE.summary(res.per_window, c)["mean_f"]
+    got = SE.resampled(res.per_window, c)["mean_f"]
     rows = pd.concat([sel[sel.window == w] for w in (0, 0, 2, 3)])
     ref = rows[(rows.kind == "topn") & (rows.N == 4)]["F"].mean()
     assert got["topn"][0, 1] == pytest.approx(ref, rel=1e-9)
@@ -151,7 +151,7 @@ def _taxonomy_records(X: np.ndarray) -> list[dict]:
 def test_regime_shares_and_critical_z_against_reference():
     rng = np.random.default_rng(2)
     X = rng.uniform(size=(5, 3, 4, 3))                      # [W, L, H, 3] winner sums
-    got = HD.summary({"taxonomy": _taxonomy_records(X)})["regime_shares"][0]
+    got = HD.resampled({"taxonomy": _taxonomy_records(X)})["regime_shares"][0]
     s = X.sum(0).reshape(-1, 3)
     df = pd.DataFrame({"winner_self": s[:, 0], "winner_sink": s[:, 1], "winner_other": s[:, 2]})
     df["regime"] = regimes_of(df)

@@ -9,7 +9,7 @@ claims is checked against :data:`CLAIMS` (tests/unit/test_claims.py).
 
 What belongs here: the catalogue, the rules and the formatting of rows. Not here: running the
 experiments and resampling them (:mod:`attngeom.claims.experiment`), the statistics themselves
-(each analysis's ``summary(per_window, weights)``), the Markdown (:mod:`attngeom.reports.claims`).
+(each analysis's ``resampled(per_window, weights)``), the Markdown (:mod:`attngeom.reports.claims`).
 
 A claim measured on fewer than :data:`attngeom.stats.resampling.MIN_UNITS` windows gets no interval
 and the verdict **too few windows** (:func:`sized`).

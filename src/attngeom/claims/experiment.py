@@ -16,10 +16,10 @@ regime order) and the rest as the held-out split (removal curves). Taxonomy regi
 windows. Each statistic is resampled over the windows it was measured on.
 
 The claims, their wording, what is measured and the verdict rules are in
-:mod:`attngeom.claims.catalogue`; each statistic is the analysis's own ``summary(per_window,
-weights)`` (:func:`attngeom.faithfulness.summary`, :func:`attngeom.sinks.summary`,
-:func:`attngeom.selection.summary`, :func:`attngeom.heads.summary` and
-:func:`attngeom.heads.sensitivity_summary`), called once on every window and once on the resamples.
+:mod:`attngeom.claims.catalogue`; each statistic is the analysis's own ``resampled(per_window,
+weights)`` (:func:`attngeom.faithfulness.resampled`, :func:`attngeom.sinks.resampled`,
+:func:`attngeom.selection.resampled`, :func:`attngeom.heads.resampled` and
+:func:`attngeom.heads.resampled_sensitivity`), called once on every window and once on the resamples.
 
 No CLI imports here; :mod:`attngeom.commands.claims` is the command, :mod:`attngeom.reports.claims`
 the Markdown.
@@ -113,21 +113,21 @@ def _faithfulness_part(handle: ModelHandleLike, run: RunLike, ids, ratios, seeds
     metrics = (*(registry.hierarchy() if hierarchy else ("contribution",)), *against, "random")
     settings = FaithfulnessSettings(metrics=metrics, ratios=tuple(ratios), seeds=tuple(seeds), per_head=per_head)
     res = faithfulness.experiment(handle, run, units=faithfulness.window_units(ids), settings=settings)
-    return faithfulness_rows(faithfulness.summary(res.per_window),
-                             faithfulness.summary(res.per_window, counts_for(len(ids), 1)), settings.metrics,
+    return faithfulness_rows(faithfulness.resampled(res.per_window),
+                             faithfulness.resampled(res.per_window, counts_for(len(ids), 1)), settings.metrics,
                              rivals=against)
 
 
 def _sinks_part(handle: ModelHandleLike, run: RunLike, ids, counts_for) -> tuple[list[dict], dict]:
     res = sinks.experiment(handle, run, ids, SinksSettings(batch_size=1))
-    return sink_rows(sinks.summary(res.per_window), sinks.summary(res.per_window, counts_for(len(ids), 2)))
+    return sink_rows(sinks.resampled(res.per_window), sinks.resampled(res.per_window, counts_for(len(ids), 2)))
 
 
 def _selection_part(handle: ModelHandleLike, run: RunLike, ids, ns, repeats, seed, counts_for) -> tuple[list[dict], dict]:
     res = selection.experiment(handle, run, ids, SelectionSettings(ns=tuple(ns), distances=("euclidean",), repeats=repeats,
                                                                    seed=seed, predict=False, batch_size=1))
-    point = selection.summary(res.per_window)
-    samples = selection.summary(res.per_window, counts_for(len(ids), 3))
+    point = selection.resampled(res.per_window)
+    samples = selection.resampled(res.per_window, counts_for(len(ids), 3))
     return selection_rows(point["mean_f"], samples["mean_f"], point["ns"])
 
 
@@ -141,8 +141,8 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     res = heads.experiment(handle, run, [ids], HeadsSettings(calib_windows=calib_windows, retentions=tuple(retentions),
                                                              seed=seed, critical_k=critical_k, batch_size=1))
     W = len(ids)
-    rows, regimes_detail = regime_rows(heads.summary(res.per_window)["regime_shares"],
-                                       heads.summary(res.per_window, counts_for(W, 4))["regime_shares"])
+    rows, regimes_detail = regime_rows(heads.resampled(res.per_window)["regime_shares"],
+                                       heads.resampled(res.per_window, counts_for(W, 4))["regime_shares"])
     rows = sized(rows, regimes_detail, W)
 
     held = ids[calib_windows:]
@@ -156,8 +156,8 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
         removals = [heads.removed_at(heads.taxonomy_order(cal_df, fixed), x) for x in levels]
         nll_f, _ = heads.removal_nll(handle, run, "removal_fixed", held, removals, 1, "removal: fixed regime order")
         extra = {("fixed", x): nll_f[i] for i, x in enumerate(levels)}
-    ppl_point = {k: v[0] for k, v in heads.removal_summary(res.per_window, None, extra).items()}
-    ppl_samples = heads.removal_summary(res.per_window, counts_for(Wh, 5), extra)
+    ppl_point = {k: v[0] for k, v in heads.resampled_removal(res.per_window, None, extra).items()}
+    ppl_samples = heads.resampled_removal(res.per_window, counts_for(Wh, 5), extra)
     if extra is None:                                   # the fixed order is the calibrated one
         for x in levels:
             ppl_point[("fixed", x)], ppl_samples[("fixed", x)] = ppl_point[("taxonomy", x)], ppl_samples[("taxonomy", x)]
@@ -197,7 +197,7 @@ def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_
     regimes = cal_df.sort_values(["layer", "head"])["regime"].to_numpy()
 
     def early_z(cnt):
-        delta = heads.sensitivity_summary(res.per_window, cnt)["delta"]
+        delta = heads.resampled_sensitivity(res.per_window, cnt)["delta"]
         z = heads.critical_z(delta, regimes)
         early = np.array([(k // H) * 3 < L for k in range(L * H)])
         ze = np.where(early[None] & np.isfinite(z), z, -np.inf)

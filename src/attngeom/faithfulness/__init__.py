@@ -11,7 +11,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "task_table": "experiment",
     "summarize": "experiment",
     "task_units": "experiment",
-    "summary": "experiment",
+    "resampled": "experiment",
     "FaithfulnessSettings": "settings",
     "TASKS": "tasks",
     "load_task": "tasks",

@@ -261,9 +261,9 @@ def _variant_rows(variants: Sequence[Variant], measure, column: str, units: int)
     return pd.DataFrame(rows, columns=["metric", "mode", "ratio", "seed", column, "clean", "change", "tokens", "units"])
 
 
-def statistics(change: np.ndarray, keys: Sequence[tuple], ratio: np.ndarray | None = None) -> dict:
+def resampled_statistics(change: np.ndarray, keys: Sequence[tuple], ratio: np.ndarray | None = None) -> dict:
     """The curve statistics, written once for :func:`summarize` (one sample, ``R = 1``) and
-    :func:`summary` (``R`` resamples): ``change [R, K]`` the change of the measure (ΔPPL, or the
+    :func:`resampled` (``R`` resamples): ``change [R, K]`` the change of the measure (ΔPPL, or the
     change of accuracy) under each of the ``K`` intervened variants, ``keys[k] = (metric, mode,
     ratio)`` that of column ``k``, and for perplexity ``ratio [R, K]`` = ``PPL'/PPL``. Returns arrays
     ``[R]``: ``aoc[(metric, mode)]`` (the mean change over the ratios, and the seeds for random),
@@ -286,14 +286,14 @@ def statistics(change: np.ndarray, keys: Sequence[tuple], ratio: np.ndarray | No
 
 
 def summarize(table: pd.DataFrame, measure: str = "ppl") -> dict:
-    """AOC (mean change over ratios, and seeds for random; :func:`statistics` of the table's rows)
+    """AOC (mean change over ratios, and seeds for random; :func:`resampled_statistics` of the table's rows)
     per metric and mode, the spread over seeds of random, and the orderings."""
     out: dict = {"measure": measure, "metrics": {}}
     if table.empty:
         return out
     out["clean"] = float(table["clean"].iloc[0])
     ratio = (table["ppl"] / table["clean"]).to_numpy(dtype=np.float64)[None] if measure == "ppl" else None
-    stats = statistics(table["change"].to_numpy(dtype=np.float64)[None],
+    stats = resampled_statistics(table["change"].to_numpy(dtype=np.float64)[None],
                        list(zip(table["metric"], table["mode"], table["ratio"])), ratio)
     for m, g in table.groupby("metric", sort=False):
         d = {}
@@ -349,19 +349,19 @@ def complete_examples(results: dict, units: Sequence[TaskUnit], variants: Sequen
 # --------------------------------------------------------------------------------------------
 
 
-def summary(per_window: dict, weights: np.ndarray | None = None) -> dict:
+def resampled(per_window: dict, weights: np.ndarray | None = None) -> dict:
     """The perplexity experiment's curves under resampling ``weights`` (bootstrap counts per window
     ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
     from its ``per_window`` (``nll [W, V]`` summed NLL per window and variant, column 0 the clean
     forward, ``tokens [W]``, ``variants``). Returns arrays ``[R]``: ``clean`` (its perplexity) and
-    the :func:`statistics` of the resampled perplexities (``aoc``, ``log_aoc``, ``delta``)."""
+    the :func:`resampled_statistics` of the resampled perplexities (``aoc``, ``log_aoc``, ``delta``)."""
     nll, tokens, variants = per_window["nll"], per_window["tokens"], per_window["variants"]
     counts = resampling.counts_or_once(weights, len(tokens))
     ppl = resampling.resampled_perplexity(counts, nll, tokens)                      # [R, V]
     cols = [k for k, v in enumerate(variants) if v.metric is not None]
     keys = [(variants[k].metric, variants[k].mode, variants[k].ratio) for k in cols]
     clean = ppl[:, :1]
-    return {"clean": ppl[:, 0], **statistics(ppl[:, cols] - clean, keys, ppl[:, cols] / clean)}
+    return {"clean": ppl[:, 0], **resampled_statistics(ppl[:, cols] - clean, keys, ppl[:, cols] / clean)}
 
 
 @takes_handle

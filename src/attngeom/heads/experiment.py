@@ -537,7 +537,7 @@ def _taxonomy_records(per_window: dict) -> list:
     return one_window_each(per_window, "taxonomy", "heads")
 
 
-def sensitivity_summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def resampled_sensitivity(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Single-head removal on the calibration windows under resampling ``weights`` (counts per
     calibration window ``[R, Wc]``; None: each once): ``base_ppl [R]`` (the unedited perplexity) and
     ``delta [R, L·H]`` (ΔPPL of removing each head alone, row ``layer·H + head``), from
@@ -557,7 +557,7 @@ def calibration_perplexity(per_window: dict) -> float:
     return perplexity(per_window_array(calib, lambda t: t["nll"]).sum(), per_window_array(calib, lambda t: t["tokens"]).sum())
 
 
-def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def resampled(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The head experiment's regime shares under resampling ``weights`` (bootstrap counts per window
     ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``)
     over all windows of the first corpus, from its ``per_window["taxonomy"]`` records
@@ -571,7 +571,7 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np
     return {"regime_shares": share_of_each_regime(reg)}
 
 
-def removal_summary(per_window: dict, weights: np.ndarray | None = None,
+def resampled_removal(per_window: dict, weights: np.ndarray | None = None,
                     extra: dict | None = None) -> dict[tuple, np.ndarray]:
     """Held-out perplexity of every (order, retention) of ``per_window["removal"]``
     (:func:`heldout_removal_nll`; ``("", 100.0)`` the unedited model), and of the ``extra`` removals

@@ -92,7 +92,7 @@ def regimes_of(df: pd.DataFrame) -> np.ndarray:
 
 def share_of_each_regime(regime: np.ndarray) -> np.ndarray:
     """Fraction of heads in each regime, written once for :func:`regime_shares` (one sample) and
-    :func:`attngeom.heads.experiment.summary` (resamples): ``regime [R, K]``, the index in
+    :func:`attngeom.heads.experiment.resampled` (resamples): ``regime [R, K]``, the index in
     :data:`REGIMES` of each of ``K`` heads -> ``[R, 3]`` (0 without heads)."""
     regime = np.asarray(regime)
     if regime.shape[1] == 0:

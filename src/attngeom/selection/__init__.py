@@ -31,5 +31,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "SelectionStats": "reducer",
     "best_small_n_table": "experiment",
     "summarize": "experiment",
-    "summary": "experiment",
+    "resampled": "experiment",
 })

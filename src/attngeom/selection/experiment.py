@@ -92,7 +92,7 @@ def summarize(sel: pd.DataFrame, reg: pd.DataFrame, violations: int, selections:
     return out
 
 
-def summary_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str = "euclidean",
+def window_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: str = "euclidean",
                  column: str = "F") -> dict:
     """Per-window sums of ``column`` (``F`` by default) and row counts of the ``selection`` rows at
     ``distance``: ``{kind: (sum [W, N], count [W, N])}`` for the kinds of
@@ -116,13 +116,13 @@ def column_means(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance:
                  weights: np.ndarray | None = None) -> dict:
     """Mean of ``column`` per kind of selection and ``N`` under resampling ``weights`` (bootstrap
     counts per window ``[R, W]``; None: every window once): ``{kind: [R, len(ns)]}`` (NaN where a
-    kind has no row). The one rule behind :func:`summarize` and :func:`summary`."""
+    kind has no row). The one rule behind :func:`summarize` and :func:`resampled`."""
     counts = resampling.counts_or_once(weights, n_windows)
-    X = summary_sums(sel, n_windows, ns, distance, column)
+    X = window_sums(sel, n_windows, ns, distance, column)
     return {kind: resampling.ratio_of_sums(counts, s, c) for kind, (s, c) in X.items()}
 
 
-def summary(per_window: dict, weights: np.ndarray | None = None, distance: str = "euclidean") -> dict:
+def resampled(per_window: dict, weights: np.ndarray | None = None, distance: str = "euclidean") -> dict:
     """Mean ``F_N`` per kind of selection under resampling ``weights`` (bootstrap counts per window
     ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once, ``R = 1``),
     from the experiment's ``per_window`` (its ``selection`` rows and the number of ``windows``):
@@ -147,7 +147,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
     :class:`~attngeom.runs.contract.ExperimentResult` with ``tables["selection"]`` and
     ``tables["regime"]`` (rows per window: the ``window`` column is what a bootstrap over windows
     resamples), ``summary`` (:func:`summarize`) and ``per_window``: the ``selection`` rows and the number
-    of ``windows`` (what :func:`summary` resamples)."""
+    of ``windows`` (what :func:`resampled` resamples)."""
     from attngeom.streaming.stages import reduce_stage
 
     options = settings.stats_options()

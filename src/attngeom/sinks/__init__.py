@@ -25,5 +25,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "window_work": "experiment",
     "results_from": "experiment",
     "summarize": "experiment",
-    "summary": "experiment",
+    "resampled": "experiment",
 })

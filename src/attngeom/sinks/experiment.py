@@ -93,9 +93,9 @@ def _f(x) -> float | None:
     return None if not np.isfinite(x) else x
 
 
-def statistics(heads: dict[str, np.ndarray], ppl: dict[str, np.ndarray], cos_v0_m_counts: np.ndarray) -> dict[str, np.ndarray]:
+def resampled_statistics(heads: dict[str, np.ndarray], ppl: dict[str, np.ndarray], cos_v0_m_counts: np.ndarray) -> dict[str, np.ndarray]:
     """The model-level numbers of the sinks experiment, written once for :func:`summarize` (one
-    sample, ``R = 1``) and :func:`summary` (``R`` resamples): from per-head values ``heads[name]
+    sample, ``R = 1``) and :func:`resampled` (``R`` resamples): from per-head values ``heads[name]
     [R, K]`` (``K`` = layers × heads: ``value_norm_ratio_raw``, ``value_norm_ratio_projected``,
     ``cos_v0_m_median``, ``rho_star_median``, ``fit_convex``, ``fit_vertex_interior`` and, per pass
     suffix ``base``/``removed``/``control``, ``output_norm_*``, ``cone_*``, ``cone_sink_heavy_*``),
@@ -142,7 +142,7 @@ def _pooled_counts(hist: pd.DataFrame, quantity: str) -> np.ndarray:
     return counts
 
 
-# summary.json's name of each number of :func:`statistics`
+# summary.json's name of each number of :func:`resampled_statistics`
 _SUMMARY_NAMES = {
     "value_norm_ratio_projected": "value_norm_ratio", "value_norm_ratio_raw": "raw_value_norm_ratio",
     "anti_aligned_share": "anti_aligned_share", "cos_v0_m_pooled_median": "cos_v0_m_median",
@@ -152,7 +152,7 @@ _SUMMARY_NAMES = {
 
 def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift: pd.DataFrame | None = None) -> dict:
     """Per-model summary numbers (medians/means over heads; shares are over heads): those of
-    :func:`statistics` on the tables (one sample) and the descriptive ones only the tables hold
+    :func:`resampled_statistics` on the tables (one sample) and the descriptive ones only the tables hold
     (decomposition, entropy bins, the other pooled medians).
 
     Recomputable from an output directory: ``summarize(*(pd.read_parquet(out / f"{t}.parquet") for t
@@ -170,7 +170,7 @@ def summarize(heads: pd.DataFrame, hist: pd.DataFrame, ppl: pd.DataFrame, drift:
     columns |= {f"{k}_{suffix}": f"{k}_{suffix}" for k in ("output_norm", "cone", "cone_sink_heavy")
                 for suffix in PASS_SUFFIX.values()}
     per_head = {name: h[col].to_numpy()[None] for name, col in columns.items()}
-    stats = statistics(per_head, {m: np.array([pp.loc[m, "ppl"]]) for m in PASSES},
+    stats = resampled_statistics(per_head, {m: np.array([pp.loc[m, "ppl"]]) for m in PASSES},
                        _pooled_counts(hist, "cos_v0_m")[None])
     stat = {_SUMMARY_NAMES.get(k, k): _f(v[0]) for k, v in stats.items()}
     out = {
@@ -269,8 +269,8 @@ def _sink_acc(stats: dict) -> dict:
     return out
 
 
-def summary_sums(records: Sequence[dict]) -> dict[str, np.ndarray]:
-    """The additive sums :func:`summary` reads, per window, from the records of :func:`window_work`
+def window_sums(records: Sequence[dict]) -> dict[str, np.ndarray]:
+    """The additive sums :func:`resampled` reads, per window, from the records of :func:`window_work`
     (one window each): ``[W, L, H, ...]``."""
     keys = ("n_texts", "n_sources", "v0_norm_sum", "vj_norm_sum", "v0_raw_norm_sum", "vj_raw_norm_sum",
             "hist_cos_v0_m", "hist_rho_star", "fit", "n")
@@ -287,12 +287,12 @@ def summary_sums(records: Sequence[dict]) -> dict[str, np.ndarray]:
     return out
 
 
-def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def resampled(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The sinks experiment's model-level numbers under resampling ``weights`` (bootstrap counts per
     window ``[R, W]``, :func:`attngeom.stats.resampling.resample_counts`; None: every window once,
-    ``R = 1``), from its ``per_window`` records (``batch_size=1``): :func:`statistics` of the
+    ``R = 1``), from its ``per_window`` records (``batch_size=1``): :func:`resampled_statistics` of the
     per-head values of the resampled sums, each a float64 array ``[R]``."""
-    X = summary_sums(one_window_each(per_window, "records", "sinks"))
+    X = window_sums(one_window_each(per_window, "records", "sinks"))
     counts = resampling.counts_or_once(weights, len(X["tokens"]))
     summed = lambda k: resampling.resample_sums(counts, X[k])                    # noqa: E731
     n_resamples = counts.shape[0]
@@ -320,4 +320,4 @@ def summary(per_window: dict, weights: np.ndarray | None = None) -> dict[str, np
             heads[f"cone_sink_heavy_{suffix}"] = flat(np.where(hn > 0, summed(f"{mode}_heavy_cone") / hn, np.nan))
         tok = summed("tokens")
         ppl = {m: perplexity(summed(f"nll_{m}"), tok) for m in PASSES}
-    return statistics(heads, ppl, flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1))
+    return resampled_statistics(heads, ppl, flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1))
