@@ -297,6 +297,30 @@ def test_adakv_shares_the_layer_budget_across_heads_with_a_floor():
     assert b[0].tolist() == [5, 5]
 
 
+@pytest.mark.parametrize("name", ["kvzip", "kvzip_plus"])
+def test_kvzip_keeps_the_highest_pooled_scores_of_the_whole_model(name):
+    """The global cut on a real prefill: the kept (layer, head, entry) triples are exactly the
+    N - int(N * ratio) highest of every layer's scores pooled by the maximum over each group."""
+    h = tiny_model("llama")
+    ids = _ids(40)
+    pre = P.prefill(h, ids, [get_policy(name)])
+    r = h.num_heads // h.num_kv_heads
+    pooled = {l: s[0].reshape(h.num_kv_heads, r, -1).amax(1) for l, s in pre.scores[name].items()}   # [Hkv, n]
+    flat = torch.cat([pooled[l].reshape(-1) for l in sorted(pooled)])
+    for ratio in (0.25, 0.75):
+        keep = flat.numel() - int(flat.numel() * ratio)
+        threshold = flat.sort(descending=True).values[keep - 1]
+        assert (flat > threshold).sum() < keep <= (flat >= threshold).sum()
+        sel = P.selection_at_ratio(pre, name, ratio, h.num_heads)
+        assert sel.kept() == keep
+        for l, idx in sel.idx.items():
+            for g in range(h.num_kv_heads):
+                kept = idx[0, g][sel.ok[l][0, g]]
+                dropped = torch.ones(len(ids), dtype=torch.bool)
+                dropped[kept] = False
+                assert (pooled[l][g, kept] >= threshold).all() and (pooled[l][g, dropped] <= threshold).all()
+
+
 def test_global_contribution_keeps_every_window_then_the_highest_of_all_layers():
     from attngeom.kvcache.policies import global_contribution
 
