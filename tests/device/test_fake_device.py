@@ -163,7 +163,8 @@ def test_the_summaries_copy_nothing_to_the_host_per_block(fake):
     """``HeadStats`` and ``TokenStats`` (what ``attngeom analyze`` streams) add each block into sums
     on the layer's device: the forward makes no copy to the host (on a GPU each would wait for the
     device); the copies come at ``end`` (once per layer), ``result`` and ``state``, whose numpy
-    tables fake tensors cannot make (a host boundary)."""
+    tables fake tensors cannot make (a host boundary). The block path (``route="block"``; the fused
+    route, which ``auto`` takes on CUDA: tests/device/test_fused_route.py)."""
     handle, want = fake
     ids = torch.randint(3, 100, (1, T))
     batch = InputBatch(ids=ids, lengths=torch.tensor([T]), index=[0])
@@ -171,7 +172,7 @@ def test_the_summaries_copy_nothing_to_the_host_per_block(fake):
     for r in (heads, tokens):
         r.begin(batch)
     with HostCopies() as counter:
-        _forward(handle, Session(observers=[heads, tokens], block_elements=40), ids)
+        _forward(handle, Session(observers=[heads, tokens], block_elements=40, route="block"), ids)
         assert counter.copies == 0
         torch.ones(1, device=CUDA0).cpu()                    # the counter sees a copy when there is one
     assert counter.copies == 1
@@ -364,6 +365,7 @@ def test_compressed_cache_scores_stay_on_the_device(fake):
 # --------------------------------------------------------------------------------------------
 
 GPU_PATH = ("capture/blocks.py", "capture/kernel.py", "capture/session.py", "capture/interventions.py",
+            "capture/routes.py",
             "streaming/reducers.py", "generation/decoding.py", "generation/answers.py",
             "kvcache/cache.py", "kvcache/evaluation.py", "kvcache/policies/base.py", "kvcache/policies/budgets.py",
             "kvcache/policies/kvzip.py", "kvcache/prefill.py", "kvcache/tasks.py",

@@ -247,3 +247,97 @@ def test_every_fused_quantity_equals_the_definition_on_every_family(family):
                           window=c["window"],
                           G=F.gram(w_o, H), G_full=F.full_gram(w_o),
                           sinks=None if c["sinks"] is None else c["sinks"].detach().double()))
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: the summaries on the fused route against the block path's
+# --------------------------------------------------------------------------------------------
+
+
+def _summaries(model, lengths, route, T=20, dtype=torch.float32):
+    """``(HeadStats table, TokenStats table, the session's routes)`` of one padded batch."""
+    from attngeom.capture.session import Session
+    from attngeom.model import ModelHandle
+    from attngeom.streaming.passes import forward
+    from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
+    from tiny_models import tiny_tokenizer
+
+    handle = ModelHandle(model=model.to(dtype), tokenizer=tiny_tokenizer(), spec="tiny", name="tiny")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 128, (len(lengths), T), generator=g)
+    ids[:, 0] = 1
+    ids = ids * (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None])
+    batch = InputBatch(ids=ids, lengths=torch.tensor(lengths), index=list(range(len(lengths))))
+    heads, tokens = HeadStats(), TokenStats()
+    for r in (heads, tokens):
+        r.begin(batch)
+    session = Session(observers=[heads, tokens], route=route)
+    forward(handle, batch, session)
+    for r in (heads, tokens):
+        r.end(batch)
+    return heads.result(), tokens.result(), dict(session.routes)
+
+
+def _assert_tables_close(got, want, rtol, atol, exact=()):
+    assert list(got.columns) == list(want.columns) and len(got) == len(want)
+    for c in got.columns:
+        if c in exact:
+            assert (got[c].to_numpy() == want[c].to_numpy()).all(), c
+        elif got[c].dtype.kind == "f":
+            torch.testing.assert_close(torch.tensor(got[c].to_numpy()), torch.tensor(want[c].to_numpy()),
+                                       rtol=rtol, atol=atol, msg=c)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_summaries_on_the_fused_route_equal_the_block_paths(family):
+    """float32: HeadStats (every column, the source winners included) and TokenStats (every column)
+    on ``route="fused"`` equal the block path's to float32 rounding; each layer's route is recorded
+    (Gemma 2's soft-capped layers: the block path, and why)."""
+    arch, lengths = FAMILIES[family]
+    model = _family(arch)
+    heads_f, tokens_f, taken = _summaries(model, lengths, "fused")
+    heads_b, tokens_b, block = _summaries(model, lengths, "block")
+    assert set(block.values()) == {"block"} and set(taken) == set(block)
+    if arch == "gemma2":
+        assert all(r.startswith("block: soft-capping") for r in taken.values())
+    else:
+        assert set(taken.values()) == {"fused"}
+    winners = ("winner_self", "winner_sink", "winner_other", "queries")
+    _assert_tables_close(heads_f, heads_b, rtol=1e-4, atol=1e-5, exact=winners)
+    _assert_tables_close(tokens_f, tokens_b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_summaries_in_bf16_stay_within_bf16_rounding_of_the_block_paths():
+    """bf16: the fused route computes in float32 from the bf16 q, k, v; the block path mixes the
+    bf16-rounded weights (docs/precision.md): the means differ by bf16 rounding only."""
+    model = _family("llama")
+    heads_f, tokens_f, taken = _summaries(model, [20, 13], "fused", dtype=torch.bfloat16)
+    heads_b, tokens_b, _ = _summaries(model, [20, 13], "block", dtype=torch.bfloat16)
+    assert set(taken.values()) == {"fused"}
+    cols = [c for c in heads_f.columns if c not in ("layer", "head", "queries") and not c.startswith("winner_")]
+    _assert_tables_close(heads_f[cols], heads_b[cols], rtol=2e-2, atol=2e-2)
+    _assert_tables_close(tokens_f, tokens_b, rtol=3e-2, atol=3e-2)
+
+
+def test_an_observer_that_reads_blocks_keeps_every_layer_on_the_block_path():
+    from attngeom.streaming.reducers import FullCapture, HeadStats
+
+    from attngeom.capture.session import Session
+    from attngeom.streaming.passes import forward
+    from attngeom.streaming.reducers import InputBatch
+    from attngeom.model import ModelHandle
+    from tiny_models import tiny_tokenizer
+
+    handle = ModelHandle(model=_family("llama"), tokenizer=tiny_tokenizer(), spec="tiny", name="tiny")
+    ids = torch.randint(4, 128, (1, 9))
+    batch = InputBatch(ids=ids, lengths=torch.tensor([9]), index=[0])
+    full, heads = FullCapture(), HeadStats()
+    for r in (full, heads):
+        r.begin(batch)
+    session = Session(observers=[heads, full], route="fused")
+    forward(handle, batch, session)
+    assert set(session.routes.values()) == {"block: FullCapture reads blocks"}
+    assert len(full.layers) == handle.num_layers
+    with pytest.raises(ValueError, match="route must be one of"):
+        Session(route="fast")
+

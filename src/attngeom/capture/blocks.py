@@ -35,6 +35,7 @@ class LayerState:
     lengths: torch.Tensor  # [B] valid tokens per text (right padding)
     prepared: dict | None = None  # {metric: map by absolute position} computed before this forward
     norms: object | None = field(default=None, repr=False)  # e.g. GrowingNorms: ``norms.of(state)`` gives both norms
+    route: str = "block"  # the route this call took, and why (SPEC §10, attngeom.capture.routes.layer_route)
 
     @cached_property
     def grouped(self) -> bool:

@@ -10,16 +10,14 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from attngeom.capture.blocks import Block, LayerState
+from attngeom.capture.routes import fused_attention, layer_route
 from attngeom.metrics import formulas as metrics
 from attngeom.model.adapter import attention_layer, attention_w_o, attention_w_o_version
-
-if TYPE_CHECKING:
-    from attngeom.capture.session import Session
 
 DEFAULT_BLOCK_ELEMENTS = 1 << 21
 """Upper bound on ``B*H*Q*S`` for one block of queries (8 MiB per float32 map): large enough to
@@ -51,7 +49,7 @@ def device_memory(device: torch.device) -> int | None:
 
 
 def default_block_elements(device: torch.device | str) -> int:
-    """The block budget a :class:`Session` without one uses for a layer on ``device``:
+    """The block budget a :class:`~attngeom.capture.session.Session` without one uses for a layer on ``device``:
     :data:`DEFAULT_BLOCK_ELEMENTS` on the CPU; on an accelerator :data:`ACCELERATOR_BLOCK_ELEMENTS`,
     or less on a device with little memory (:data:`DEVICE_MEMORY_PER_ELEMENT`; a power of two, the
     same on every device of one kind, so a run's blocks do not depend on what else holds memory)."""
@@ -243,14 +241,19 @@ def exact_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     softcap: float | None = None,
-    session: Session | None = None,
+    session=None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Eager-equivalent attention in blocks of queries; returns ``[B, Tq, H, d]`` like transformers.
 
+    ``session``: the active :class:`~attngeom.capture.session.Session` (its observers, intervention,
+    layers and block budget), or None.
     ``query [B, H, Tq, d]``, ``key``/``value [B, Hkv, S, d]``; ``attention_mask`` is the boolean
     SDPA mask ``[B, 1, Tq, S]`` or None (causal). ``sinks [H]``: learned sink logits (gpt-oss), one
-    extra logit per head with no value (SPEC §1)."""
+    extra logit per head with no value (SPEC §1). ``window``: the call's sliding window, if it says
+    one. An observed layer whose session and attention allow it takes the fused route instead
+    (:func:`attngeom.capture.routes.layer_route`, SPEC §10): no blocks."""
     B, H, Tq, d = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     n_rep = H // Hkv
@@ -262,9 +265,14 @@ def exact_attention(
     if observing:
         w_o, G, G_full = output_grams(module, H)
         lengths = session.lengths if session.lengths is not None else torch.full((B,), S)
+        route = session.routes[layer] = layer_route(session, query, key, attention_mask, softcap)
+        if route == "fused":
+            session.layers_seen.append(layer)
+            return fused_attention(session.observers, layer, query, key, value, attention_mask, scaling, G,
+                                   G_full, lengths.to(query.device), sinks=sinks, window=window)
         state = LayerState(layer=layer, module=module, value=value.detach().float(), w_o=w_o, G=G, G_full=G_full,
                            kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device),
-                           prepared=session.prepared.get(layer))
+                           prepared=session.prepared.get(layer), route=route)
         state.__dict__["grouped"] = True     # repeat_kv's layout by construction: no comparison of kv_head's data
         session.layers_seen.append(layer)
     out = query.new_empty(B, Tq, H, value.shape[-1])

@@ -466,6 +466,8 @@ def layer_route(session, query: torch.Tensor, key: torch.Tensor, mask: torch.Ten
     asked for the fused one (``"block: soft-capping ..."``) -- what the run records per layer."""
     if session.route == "block" or (session.route == "auto" and not auto_fused(query.device)):
         return "block"
+    if not session.observers:       # nothing to compute: the layer is the model's own (eager) attention
+        return "block"
     if session.intervention is not None:
         return "block: an intervention edits the blocks"
     if session.prepared:

@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attngeom.capture.blocks import Intervention, Observer
+from attngeom.capture.routes import check_route
 from attngeom.capture.kernel import MIN_BLOCK_QUERIES, Workspace, default_block_elements, exact_attention
 from attngeom.data.corpora import check_layers
 from attngeom.model.adapter import adapter_for, attention_implementation
@@ -48,10 +49,14 @@ class Session:
 
     ``layers``: the attention layers (``attngeom.model.adapter.attention_layer``) observed and intervened on;
     None means all. Layers outside it still run through the exact blocked path, unobserved.
-    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :func:`default_block_elements`
+    ``block_elements`` bounds ``B*H*Q*S`` per block of queries (None: :func:`~attngeom.capture.kernel.default_block_elements`
     of each layer's device, so a model split over devices gets each device's own).
     ``prepared``: ``{layer: {metric: map}}`` of the measures computed before this forward
-    (:func:`attngeom.capture.prepared.prepare`), read by :meth:`Block.prepared`."""
+    (:func:`attngeom.capture.prepared.prepare`), read by :meth:`Block.prepared`.
+    ``route`` (SPEC §10, :data:`attngeom.capture.routes.ROUTES`): ``"auto"`` (the fused route on CUDA,
+    blocks on the CPU), ``"fused"`` (wherever it is exact) or ``"block"``; :attr:`routes` holds the
+    route each observed layer took in the last forward, and why a layer took blocks
+    (:func:`attngeom.capture.routes.layer_route`)."""
 
     def __init__(
         self,
@@ -60,8 +65,11 @@ class Session:
         layers: Iterable[int] | None = None,
         block_elements: int | None = None,
         prepared: dict[int, dict[str, torch.Tensor]] | None = None,
+        route: str = "auto",
     ):
         self.prepared = prepared or {}
+        self.route = check_route(route)
+        self.routes: dict[int, str] = {}
         self.observers = list(observers)
         self.intervention = intervention
         layers = check_layers(layers)       # whole numbers from 0; the model's range: check
@@ -76,7 +84,7 @@ class Session:
 
     def budget(self, device: torch.device | str) -> int:
         """``B*H*Q*S`` per block for a layer on ``device``: the session's ``block_elements``, or
-        :func:`default_block_elements`."""
+        :func:`~attngeom.capture.kernel.default_block_elements`."""
         return default_block_elements(device) if self.block_elements is None else self.block_elements
 
     def wants(self, layer: int) -> bool:
@@ -119,7 +127,7 @@ def attngeom_attention(
     if dropout and module.training:
         raise RuntimeError("attngeom computes attention in eval mode only (dropout > 0 while training)")
     return exact_attention(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
-                           session=session, sinks=sinks), None
+                           session=session, sinks=sinks, window=kwargs.get("sliding_window")), None
 
 
 AttentionInterface.register(ATTN_NAME, attngeom_attention)

@@ -23,6 +23,7 @@ import torch
 from attngeom.metrics import registry
 from attngeom.capture.blocks import Block
 from attngeom.capture.kernel import Workspace
+from attngeom.capture.routes import FUSED_RECEIVED, FusedLayer
 
 
 @dataclass
@@ -111,7 +112,7 @@ def sums_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type == "mps" else device
 
 
-def _as_sums(x, device: torch.device) -> torch.Tensor:
+def as_sums(x, device: torch.device) -> torch.Tensor:
     """``x`` (a tensor, or a number: a merged state's counts are numpy scalars) in float64 on
     ``device`` (:func:`sums_device`), moved before the cast (``mps`` has no float64)."""
     return torch.as_tensor(x).to(device).double()
@@ -126,7 +127,7 @@ def add_into(sums: dict, key, x: torch.Tensor) -> None:
         s = sums[key] = torch.zeros(x.shape, dtype=torch.float64, device=device)
     elif s.device != device:
         s = sums[key] = s.to(device)
-    s.add_(_as_sums(x.detach(), device))
+    s.add_(as_sums(x.detach(), device))
 
 
 def _query_weights(block: Block, skip_first: bool = True) -> torch.Tensor:
@@ -228,15 +229,27 @@ class HeadStats(Reducer):
             out |= {"attention", "value_norm" if self.winner_norm == "projected" else "raw_value_norm"}
         return frozenset(out)
 
+    fused = True
+    """Every column has a fused route (:meth:`observe_layer`, SPEC §10)."""
+
     def observe(self, block: Block) -> None:
-        w = _query_weights(block)                                  # [B, Q]
-        H = block.shape[1]
-        per_query = self.per_query(block)
-        device = sums_device(block.a.device)
-        acc = self._accumulator(block.layer, H, device)
+        self._add(block, self.per_query(block))
+
+    def observe_layer(self, layer: FusedLayer) -> None:
+        """A whole layer on the fused route (SPEC §10): the same sums as its blocks would add."""
+        self._add(layer, self.per_query_fused(layer))
+
+    def _add(self, part, per_query: dict) -> None:
+        """Add the per-query values of ``part`` (a block, or a fused layer) over its real queries ``i > 0``."""
+        w = _query_weights(part)                                   # [B, Q]
+        H = part.shape[1]
+        device = sums_device(w.device)
+        acc = self._accumulator(part.layer, H, device)
         values = torch.stack([per_query[k]() for k in self.fields])             # [fields, B, H, Q]
-        acc += _as_sums((values * w[None, :, None, :]).sum((1, 3)), device)
-        self.counts[block.layer] = _as_sums(self.counts.get(block.layer, 0.0), device) + _as_sums(w.sum(), device)
+        w = w[None, :, None, :]
+        # a padded query whose row sees no source (a sliding window past the text's end) may hold NaN: left out
+        acc += as_sums((torch.where(w > 0, values, 0.0) * w).sum((1, 3)), device)
+        self.counts[part.layer] = as_sums(self.counts.get(part.layer, 0.0), device) + as_sums(w.sum(), device)
 
     def _accumulator(self, layer: int, H: int, device: torch.device) -> torch.Tensor:
         """The layer's ``[fields, H]`` float64 sums on ``device`` (:func:`sums_device`), one tensor
@@ -278,6 +291,31 @@ class HeadStats(Reducer):
         if any(f.startswith("winner_") for f in self.fields):
             norms = block.state.value_norm if self.winner_norm == "projected" else block.state.raw_value_norm
             w_self, w_sink = _winner_is_self_or_sink(block, norms, sink_col, self._workspace)
+            per_query.update(winner_self=lambda: w_self, winner_sink=lambda: w_sink,
+                             winner_other=lambda: 1.0 - w_self - w_sink)
+        return per_query
+
+    def per_query_fused(self, layer: FusedLayer) -> dict:
+        """:meth:`per_query` of a whole layer on the fused route: one column, the diagonal, the
+        entropy from ``lse``, the outputs, and the source winners of D2's row-wise kernel."""
+        B, H, T, _ = layer.shape
+        s = self.sink
+        has_sink = 0 <= s < T
+        zeros = layer.q.new_zeros(B, H, T)
+        per_query = {
+            "sink_rate": lambda: (layer.attention_column(s) if has_sink else zeros) + (
+                0.0 if layer.learned_sink is None else layer.learned_sink),
+            "sink_contribution": lambda: layer.contribution_column(s) if has_sink else zeros,
+            "sink_contribution_inter": lambda: layer.contribution_inter_column(s) if has_sink else zeros,
+            "self_attention": lambda: layer.self_attention,
+            "entropy": lambda: layer.entropy,
+            "head_output_norm": lambda: layer.head_output_norm,
+            "head_share": lambda: layer.head_share,
+        }
+        if any(f.startswith("winner_") for f in self.fields):
+            winner = layer.winner(layer.value_norm if self.winner_norm == "projected" else layer.raw_value_norm)
+            w_self = (winner == layer.q_positions).to(zeros.dtype)
+            w_sink = (winner == s).to(zeros.dtype)
             per_query.update(winner_self=lambda: w_self, winner_sink=lambda: w_sink,
                              winner_other=lambda: 1.0 - w_self - w_sink)
         return per_query
@@ -335,16 +373,16 @@ class TokenStats(Reducer):
         B, H, Q, S = block.shape
         acc = self._acc.get(block.layer)
         if acc is None:
-            acc = self._acc[block.layer] = self._accumulators(block)
+            acc = self._acc[block.layer] = self._accumulators(block.a.device, block.state.num_sources)
         device = acc["_source"].device
         if "value_norm" in acc and acc["_norms_known"] < block.state.num_sources:   # first block, or sources grew
             known, S_all = acc["_norms_known"], block.state.num_sources
-            acc["value_norm"][:, known:S_all] = _as_sums(block.state.value_norm[:, :, known:].mean(1), device)
+            acc["value_norm"][:, known:S_all] = as_sums(block.state.value_norm[:, :, known:].mean(1), device)
             acc["_norms_known"] = S_all
         w = block.query_valid.float()                              # [B, Q]
         received = block.received(w, self.metrics) if self.metrics else {}
         ks = slice(block.k_start, block.k_start + S)
-        acc["_source"][:, :, ks] += _as_sums(torch.stack([_seen_by(block, w), *received.values()]), device)
+        acc["_source"][:, :, ks] += as_sums(torch.stack([_seen_by(block, w), *received.values()]), device)
         per_query = []                                             # [B, Q] each, in the order of _query
         sink_col = self.sink - block.k_start
         for c in self._query:
@@ -355,24 +393,48 @@ class TokenStats(Reducer):
             else:
                 per_query.append(block.output_norm)
         if per_query:
-            acc["_query"][:, :, block.q_start:block.q_start + Q] = _as_sums(torch.stack(per_query), device)
+            acc["_query"][:, :, block.q_start:block.q_start + Q] = as_sums(torch.stack(per_query), device)
+
+    @property
+    def fused(self) -> bool:
+        """Whether :meth:`observe_layer` serves every metric asked (SPEC §10: the built-in received ones)."""
+        return set(self.metrics) <= set(FUSED_RECEIVED)
+
+    def observe_layer(self, layer: FusedLayer) -> None:
+        """A whole layer on the fused route (SPEC §10): the same columns as its blocks would give."""
+        B, H, T, _ = layer.shape
+        acc = self._acc.get(layer.layer)
+        if acc is None:
+            acc = self._acc[layer.layer] = self._accumulators(layer.q.device, T)
+        device = acc["_source"].device
+        if "value_norm" in acc:
+            acc["value_norm"][:, :T] = as_sums(layer.value_norm.mean(1), device)
+            acc["_norms_known"] = T
+        w = layer.query_valid.to(layer.q.dtype)                    # [B, T]
+        received = layer.received(w, self.metrics, value_norm=layer.value_norm) if self.metrics else {}
+        acc["_source"][:, :, :T] += as_sums(torch.stack([layer.seen_by(w), *received.values()]), device)
+        s = self.sink
+        columns = {"sink_rate": lambda: layer.attention_column(s).mean(1) if 0 <= s < T else w.new_zeros(B, T),
+                   "entropy": lambda: layer.entropy.mean(1), "output_norm": lambda: layer.output_norm}
+        if self._query:
+            acc["_query"][:, :, :T] = as_sums(torch.stack([columns[c]() for c in self._query]), device)
 
     @property
     def _query(self) -> tuple[str, ...]:
         return tuple(c for c in self.columns if c != "value_norm")
 
-    def _accumulators(self, block: Block) -> dict[str, torch.Tensor]:
+    def _accumulators(self, device: torch.device, num_sources: int) -> dict[str, torch.Tensor]:
         """A layer's float64 ``[B, T]`` sums and values by name on the layer's device
         (:func:`sums_device`), as views of two tensors (one addition and one copy per block):
         ``_source`` (``seen_by`` and each ``<metric>_received``) and ``_query`` (the query-side
         columns); brought to the host at :meth:`end` (:meth:`_views`)."""
         B, T = self.batch.ids.shape
-        device = sums_device(block.a.device)
+        device = sums_device(device)
         source = torch.zeros(1 + len(self.metrics), B, T, dtype=torch.float64, device=device)
         query = torch.zeros(len(self._query), B, T, dtype=torch.float64, device=device)
         acc = self._views(source, query)
         if "value_norm" in self.columns:        # filled as the sources come (a generation's grow step by step)
-            acc["value_norm"] = torch.zeros(B, max(T, block.state.num_sources), dtype=torch.float64, device=device)
+            acc["value_norm"] = torch.zeros(B, max(T, num_sources), dtype=torch.float64, device=device)
             acc["_norms_known"] = 0
         return acc
 
