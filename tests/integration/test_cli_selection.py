@@ -31,7 +31,7 @@ def test_cli_end_to_end(tiny_llama_dir, corpus, tmp_path):
                 set(s[dist][part]["f_topn"]) == {1, 2, 4, 8, 16}
     assert s["euclidean"]["with_sink"]["f_topn"]["1"] == 1.0
     sel = pd.read_parquet(out / "selection.parquet")
-    assert set(sel["kind"]) == set(SEL.KINDS)
+    assert set(sel["kind"]) == set(SEL.SELECTION_KINDS)
     for f in s["figures"]:
         assert (out / f).stat().st_size > 10_000
 

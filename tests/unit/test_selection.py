@@ -250,7 +250,7 @@ def test_analyse_query_rows_and_sink_exclusion():
     res = SEL.analyse_query(a, v, has_sink=True, repeats=8, generator=g)
     df = pd.DataFrame(res.rows)
     assert res.violations == 0
-    assert set(df["kind"]) == set(SEL.KINDS)
+    assert set(df["kind"]) == set(SEL.SELECTION_KINDS)
     assert sorted(df[df.kind == "topn"]["N"].unique()) == [1, 2, 4, 8, 16]       # N < 20
     assert sorted(df[df.kind == "topn_nosink"]["N"].unique()) == [1, 2, 4, 8, 16]  # N < 19
     # the sink-excluded top-N equals the slow loop over sources 1..19

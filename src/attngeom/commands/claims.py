@@ -77,7 +77,7 @@ def add_parser(subparsers) -> None:
 def check_args(args) -> dict:
     """Everything that needs no model; returns the parsed lists."""
     from attngeom.data.corpora import parse_float_list, parse_int_list, read_texts
-    from attngeom.faithfulness.experiment import check_ratios
+    from attngeom.faithfulness.experiment import check_mask_ratios
     from attngeom.heads.experiment import check_retentions
     from attngeom.heads.taxonomy import REGIMES
 
@@ -85,7 +85,7 @@ def check_args(args) -> dict:
     if args.max_windows <= args.calib_windows + 1:
         raise InputError(f"--max-windows {args.max_windows} leaves fewer than 2 held-out windows after "
                          f"--calib-windows {args.calib_windows}")
-    ratios = check_ratios(parse_float_list(args.ratios, "--ratios"))
+    ratios = check_mask_ratios(parse_float_list(args.ratios, "--ratios"))
     seeds = parse_int_list(args.seeds, "--seeds")
     if not seeds:
         raise InputError("--seeds names no seed")

@@ -68,7 +68,7 @@ def check_metrics(metrics: Iterable[str]) -> list[str]:
     return metrics
 
 
-def check_ratios(ratios: Iterable[float]) -> list[float]:
+def check_mask_ratios(ratios: Iterable[float]) -> list[float]:
     ratios = [float(r) for r in ratios]
     if not ratios:
         raise InputError("no ratio given")
@@ -84,7 +84,7 @@ def build_variants(metrics: Sequence[str], ratios: Sequence[float], seeds: Seque
                    per_head: bool = False, absolute: bool = False) -> list[Variant]:
     """The clean forward, then every metric x mode x ratio (x seed for ``random``)."""
     metrics = check_metrics(metrics)
-    ratios = check_ratios(ratios)
+    ratios = check_mask_ratios(ratios)
     if "random" in metrics and not seeds:
         raise InputError("the random ranking needs at least one seed")
     out = [CLEAN]

@@ -31,7 +31,7 @@ TASKS = ("mmlu", "winogrande", "boolq")
 
 
 @dataclass(frozen=True)
-class Example:
+class MultipleChoice:
     """One question: ``options[k] = (context, continuation)``; ``answer`` the correct index."""
 
     options: tuple[tuple[str, str], ...]
@@ -67,17 +67,17 @@ def _need(obj: dict, keys: Sequence[str], where: str) -> None:
         raise InputError(f"{where}: field {missing[0]!r} is missing (fields present: {', '.join(obj) or 'none'})")
 
 
-def _mmlu(obj: dict, where: str) -> Example:
+def _mmlu(obj: dict, where: str) -> MultipleChoice:
     _need(obj, ("question", "choices", "answer"), where)
     choices = obj["choices"]
     if not isinstance(choices, list) or len(choices) < 2:
         raise InputError(f"{where}: 'choices' must be a list of at least 2 options")
     ans = _int_answer(obj["answer"], len(choices), where)
     ctx = f"Question: {str(obj['question']).strip()}\nAnswer:"
-    return Example(tuple((ctx, " " + str(c).strip()) for c in choices), ans)
+    return MultipleChoice(tuple((ctx, " " + str(c).strip()) for c in choices), ans)
 
 
-def _winogrande(obj: dict, where: str) -> Example:
+def _winogrande(obj: dict, where: str) -> MultipleChoice:
     _need(obj, ("sentence", "option1", "option2", "answer"), where)
     sent = str(obj["sentence"])
     if sent.count("_") != 1:
@@ -94,10 +94,10 @@ def _winogrande(obj: dict, where: str) -> Example:
     if not post.strip():
         raise InputError(f"{where}: nothing follows the blank to score")
     opts = tuple((pre + str(obj[k]), post) for k in ("option1", "option2"))
-    return Example(opts, ans)
+    return MultipleChoice(opts, ans)
 
 
-def _boolq(obj: dict, where: str) -> Example:
+def _boolq(obj: dict, where: str) -> MultipleChoice:
     _need(obj, ("passage", "question", "answer"), where)
     a = obj["answer"]
     if isinstance(a, str) and a.strip().lower() in ("true", "false"):
@@ -106,13 +106,13 @@ def _boolq(obj: dict, where: str) -> Example:
         raise InputError(f"{where}: answer {a!r} must be true or false")
     q = str(obj["question"]).strip().rstrip("?")
     ctx = f"{str(obj['passage']).strip()}\nQuestion: {q}?\nAnswer:"
-    return Example(((ctx, " no"), (ctx, " yes")), int(a))
+    return MultipleChoice(((ctx, " no"), (ctx, " yes")), int(a))
 
 
 _PARSERS = {"mmlu": _mmlu, "winogrande": _winogrande, "boolq": _boolq}
 
 
-def load_task(path: str | Path, task: str, limit: int | None = None) -> list[Example]:
+def load_task(path: str | Path, task: str, limit: int | None = None) -> list[MultipleChoice]:
     """Read a task file; every line is validated (missing fields, answers out of range) before use."""
     if task not in _PARSERS:
         raise InputError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
@@ -149,7 +149,7 @@ class OptionSequence:
 
 
 @takes_handle
-def encode_options(handle: ModelHandleLike, examples: Sequence[Example]) -> list[OptionSequence]:
+def encode_options(handle: ModelHandleLike, examples: Sequence[MultipleChoice]) -> list[OptionSequence]:
     """Token ids of every (example, option): context encoded with BOS, continuation without special
     tokens, concatenated. Raises if a sequence is longer than the model's context."""
     tok = handle.tokenizer
@@ -168,7 +168,7 @@ def encode_options(handle: ModelHandleLike, examples: Sequence[Example]) -> list
     return out
 
 
-def accuracy(scores: dict[tuple[int, int], float], examples: Sequence[Example]) -> float:
+def accuracy(scores: dict[tuple[int, int], float], examples: Sequence[MultipleChoice]) -> float:
     """Share of examples whose best-scoring option (ties to the first) is the answer."""
     right = 0
     for e, ex in enumerate(examples):

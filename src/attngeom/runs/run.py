@@ -78,7 +78,7 @@ SETTINGS = "settings.json"
 OUTPUTS = "outputs.json"
 MARKER = "attngeom"
 CHECKSUM = "checksum"
-KINDS = {MANIFEST: "run", SETTINGS: "run-settings", OUTPUTS: "run-outputs"}
+SEALED_KINDS = {MANIFEST: "run", SETTINGS: "run-settings", OUTPUTS: "run-outputs"}
 """The marker of each sealed file of a run, by file name."""
 
 
@@ -216,7 +216,7 @@ def seal(doc: dict, kind: str) -> dict:
 
 
 def unseal(path: Path) -> dict | None | bool:
-    """The sealed file ``path`` (its kind is known by its name, :data:`KINDS`): the document when
+    """The sealed file ``path`` (its kind is known by its name, :data:`SEALED_KINDS`): the document when
     attngeom wrote it and it is intact, None when there is no such file, False when there is a
     file that is not one (another tool's, ``{}``, not JSON, or changed since)."""
     try:
@@ -229,7 +229,7 @@ def unseal(path: Path) -> dict | None | bool:
         doc = parse_json(raw)
     except ValueError:    # not UTF-8, not JSON, nested too deeply
         return False
-    if (not isinstance(doc, dict) or doc.get(MARKER) != KINDS.get(path.name)
+    if (not isinstance(doc, dict) or doc.get(MARKER) != SEALED_KINDS.get(path.name)
             or doc.get(CHECKSUM) != _digest(doc)):
         return False
     return doc
@@ -407,7 +407,7 @@ class Run:
             for stale in out.glob(".staging-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             if not (self.checkpoint / SETTINGS).exists():
-                write_json(self.checkpoint / SETTINGS, seal({**self.identity, "started": _now()}, KINDS[SETTINGS]))
+                write_json(self.checkpoint / SETTINGS, seal({**self.identity, "started": _now()}, SEALED_KINDS[SETTINGS]))
         except OSError as e:
             raise OutputError(f"cannot write to output directory {out}: {e.strerror or e}") from None
 
@@ -614,7 +614,7 @@ class Run:
                 "files": {f: sha256_file(self.out / f) for f in files},
                 **(extra or {}),
             }
-            write_json(self.out / MANIFEST, seal(manifest, KINDS[MANIFEST]))
+            write_json(self.out / MANIFEST, seal(manifest, SEALED_KINDS[MANIFEST]))
             self.complete = True
         self.comm.barrier()
         self.close()
@@ -649,7 +649,7 @@ class Run:
             raise OutputError(f"output name {bad[0]!r} is not a path inside {self.out}")
         prior = unseal(self.checkpoint / OUTPUTS) or {}
         listed = sorted(set(prior.get("files") or ()) | set(files))
-        write_json(self.checkpoint / OUTPUTS, seal({"files": listed}, KINDS[OUTPUTS]))
+        write_json(self.checkpoint / OUTPUTS, seal({"files": listed}, SEALED_KINDS[OUTPUTS]))
 
 
 def _what_is(path: Path) -> str:

@@ -7,7 +7,7 @@ from attngeom._exports import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "DISTANCES": "settings",
     "SelectionSettings": "settings",
-    "KINDS": "separation",
+    "SELECTION_KINDS": "separation",
     "default_ns": "separation",
     "topn_order": "separation",
     "random_orders": "separation",

@@ -96,7 +96,7 @@ def window_sums(sel: pd.DataFrame, n_windows: int, ns: Sequence[int], distance: 
                  column: str = "F") -> dict:
     """Per-window sums of ``column`` (``F`` by default) and row counts of the ``selection`` rows at
     ``distance``: ``{kind: (sum [W, N], count [W, N])}`` for the kinds of
-    :data:`attngeom.selection.separation.KINDS`."""
+    :data:`attngeom.selection.separation.SELECTION_KINDS`."""
     d = sel[sel["distance"] == distance]
     out = {}
     ns = list(ns)

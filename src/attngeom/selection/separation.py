@@ -23,8 +23,9 @@ import torch
 from attngeom.errors import InputError
 from attngeom.selection.settings import DISTANCES, POWERS
 
-KINDS = ("topn", "random", "topn_nosink", "random_nosink")
-EPS = 1e-12
+SELECTION_KINDS = ("topn", "random", "topn_nosink", "random_nosink")
+COSINE_GUARD = 1e-12
+"""Added to the product of norms in the cosine distance, so that a zero vector is at distance 1, not NaN."""
 
 
 def default_ns(count: int, ns: Sequence[int] = POWERS) -> list[int]:
@@ -80,7 +81,7 @@ def _distances(dots: torch.Tensor, ss: torch.Tensor, yy: torch.Tensor, distance:
     if distance == "euclidean":
         return (yy[:, None, :] + ss[:, :, None] - 2 * dots).clamp_min(0).sqrt()
     if distance == "cosine":
-        return 1 - dots / (yy.clamp_min(0).sqrt()[:, None, :] * ss.clamp_min(0).sqrt()[:, :, None] + EPS)
+        return 1 - dots / (yy.clamp_min(0).sqrt()[:, None, :] * ss.clamp_min(0).sqrt()[:, :, None] + COSINE_GUARD)
     raise InputError(f"unknown distance {distance!r}; choose from {', '.join(DISTANCES)}")
 
 

@@ -24,7 +24,9 @@ import torch
 
 from attngeom.metrics import formulas as metrics
 
-EPS = 1e-6
+VANISHING = 1e-6
+"""Below this a denominator counts as vanishing (relative to ``‖r‖² + ‖ṽ_0‖²`` for ρ*, absolute for
+the rest ``1 − a_i0``): ρ* is then NaN, as every ρ gives the same output."""
 
 # --------------------------------------------------------------------------------------------
 # Pure math
@@ -44,7 +46,7 @@ def rho_star_from_dots(r2: torch.Tensor, rv: torch.Tensor, v2: torch.Tensor) -> 
     """``ρ* = (‖r‖² − ⟨r,ṽ_0⟩) / (‖r‖² − 2⟨r,ṽ_0⟩ + ‖ṽ_0‖²)`` from the three inner products;
     NaN where ``‖r − ṽ_0‖`` vanishes (every ρ gives the same output)."""
     den = r2 - 2 * rv + v2
-    ok = den > EPS * (r2 + v2).clamp_min(1e-30)
+    ok = den > VANISHING * (r2 + v2).clamp_min(1e-30)
     return torch.where(ok, (r2 - rv) / den, float("nan"))   # where() selects: the ratios at ~0 are never read
 
 
@@ -96,7 +98,7 @@ def sink_terms(a: torch.Tensor, v: torch.Tensor, G: torch.Tensor, v0: torch.Tens
     d0u = d0m + rho * n0sq.expand(B, H, Q)                    # ⟨ṽ0, o⟩
     on = _dot(u, u, G).clamp_min(0).sqrt()
     s = 1.0 - rho
-    ok = s > EPS
+    ok = s > VANISHING
     s_safe = torch.where(ok, s, torch.ones_like(s))
     rs = rho_star_from_dots(m2 / s_safe**2, d0m / s_safe, n0sq.expand(B, H, Q))
     rs = torch.where(ok, rs, torch.full_like(rs, float("nan")))
