@@ -17,14 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attngeom", description="Geometry-aware analysis of attention in Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"attngeom.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"attngeom.commands.{name}":
-                continue
-            raise
-        mod.add_parser(sub)
+    for name in COMMANDS:      # a command whose module is missing fails here, at start-up, never silently dropped
+        importlib.import_module(f"attngeom.commands.{name}").add_parser(sub)
     return parser
 
 

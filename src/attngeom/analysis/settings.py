@@ -46,6 +46,11 @@ class AnalyzeSettings:
                 "max_map_tokens": self.max_map_tokens, "rank_special": self.rank_special,
                 **generation_record(self.decoding, self.chat, self.system)}
 
+    def identity(self, corpus: bool = False) -> dict:
+        """What the run's identity records of these settings: :meth:`record` for one text,
+        :meth:`answer_record` in corpus mode (``corpus``)."""
+        return self.answer_record() if corpus else self.record()
+
     def answer_record(self) -> dict:
         """The options of corpus mode (:func:`attngeom.analysis.experiment.answer_experiment`) as the run records them."""
         return {"layers": self._layers(), "sink": self.sink, "rank_special": self.rank_special,

@@ -213,3 +213,17 @@ def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_
             "delta_ppl_interval": resampling.interval_dict(dp[0, k0], ds[:, k0]), "top_in_resamples": same}
     row = early_critical_row(zi, head, same, L, heads.calibration_perplexity(res.per_window), critical_k)
     return row, head
+
+
+# --------------------------------------------------------------------------------------------
+# The command's summary.json: built here, and read back here for the report's headline
+# --------------------------------------------------------------------------------------------
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline of ``attngeom claims``' short report (beside claims.md) from the summary
+    :func:`experiment` returns: how many claims got each verdict."""
+    counts: dict[str, int] = {}
+    for r in summary["rows"]:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    return [("verdicts", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "—")]

@@ -54,3 +54,10 @@ class ClaimsSettings:
                 # recorded when set, so that the runs made before these options keep their identity
                 **({"per_head": True} if self.per_head else {}),
                 **({} if self.rivals is None else {"rivals": list(self.rivals)})}
+
+    def identity(self) -> dict:
+        """What the run's identity records of these settings: :meth:`record` without ``critical_k``
+        (no option of the command: the identity holds what its options change)."""
+        from attngeom.runs.contract import settings_identity
+
+        return settings_identity(self.record(), omit=("critical_k",))

@@ -6,7 +6,7 @@ demo``. The analysis (windows, ``--generate N``: docs/generation.md) is
 :func:`attngeom.analysis.experiment.answer_experiment`. Bad input fails before any compute: the arguments, the
 output directory (claimed, proved writable) and the input file are checked before the model loads,
 the input against the model before the experiment's stage (resumable) runs. The write step draws
-the maps of the figure layers (a full :func:`attngeom.traces.trace.analyze` of the first window, when it
+the maps of the figure layers (:func:`attngeom.analysis.experiment.figure_maps`: the first window, when it
 has at most ``--max-map-tokens`` tokens) and writes, in ``--out``: ``tokens.parquet``,
 ``heads.parquet`` (generating also ``answer_shares``, ``answer_sources``, ``answer_summary``, ``answer_heads``),
 ``maps_layer{L}.png``, ``heads_layer{L}.png``, ``sinks_per_layer.png``, ``summary.json`` and
@@ -22,7 +22,7 @@ from pathlib import Path
 from attngeom.errors import InputError
 from attngeom.analysis.settings import AnalyzeSettings
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, model_identity, text_identity, text_input, write_json, write_parquet
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, text_identity, text_input
 from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of
 
 DEFAULT_OUT = "out/analyze"
@@ -101,7 +101,7 @@ def run(args) -> int:
                                max_map_tokens=args.max_map_tokens, decoding=decoding_of(args), chat=args.chat,
                                system=args.system, rank_special=args.rank_special)
     prompt = prompt_of(args, text) if settings.decoding else text
-    identity = {**model_identity(args), **text_identity(text, source), **settings.record()}
+    identity = common.run_identity(args, settings, **text_identity(text, source))
 
     def work(run):
         t0 = time.perf_counter()
@@ -116,15 +116,15 @@ def run(args) -> int:
         def write(staging: Path) -> list[str]:
             from attngeom.reports import analyze as rep
 
-            files = _write_tables(staging, res.tables)
+            out = common.Outputs(staging, args)
+            out.tables(res.tables)
             t0 = time.perf_counter()
-            files += _draw(staging, handle, res, args)
+            _draw(out, handle, res, args)
             res.summary["runtime_s"] = {"total": round(time.perf_counter() - t_start, 3), "load_model": round(t_load, 3),
                                         "maps_and_figures": round(time.perf_counter() - t0, 3)}
-            res.summary["files"] = files = files + ["summary.json", "report.md"]
-            write_json(staging / "summary.json", res.summary)
-            (staging / "report.md").write_text(rep.report_markdown(res.summary), encoding="utf-8")
-            return list(files)
+            res.summary["files"] = out.files + ["summary.json", "report.md"]
+            out.json("summary.json", res.summary)
+            return out.report("analyze", res.summary, markdown=rep.report_markdown(res.summary))
 
         def report(out, files) -> None:
             print(f"attngeom analyze: {res.summary['T']} tokens, {len(res.summary['layers'])} layer(s) -> {out}/ "
@@ -151,8 +151,8 @@ def _run_corpus(args, layers, t_start) -> int:
         raise InputError("--data needs --generate N (corpus mode answers every prompt)")
     check_at_least(args, max_prompts=1)
     fields = fields_of(args)
-    identity = {**model_identity(args), **data_identity(args.data), "fields": fields, "max_prompts": args.max_prompts,
-                **settings.answer_record()}
+    identity = common.run_identity(args, None, **data_identity(args.data), fields=fields, max_prompts=args.max_prompts,
+                                   **settings.identity(corpus=True))
 
     def work(run):
         texts = resolve_texts(args.data, fields)[: args.max_prompts]
@@ -165,9 +165,11 @@ def _run_corpus(args, layers, t_start) -> int:
 
         def write(staging: Path) -> list[str]:
             res.summary["runtime_s"] = round(time.perf_counter() - t_start, 3)
-            res.summary["files"] = _write_tables(staging, res.tables) + ["summary.json", "report.md"]
-            write_json(staging / "summary.json", res.summary)
-            return common.write_report(staging, "analyze", res.summary, res.summary["files"][:-1])
+            out = common.Outputs(staging, args)
+            out.tables(res.tables)
+            res.summary["files"] = out.files + ["summary.json", "report.md"]
+            out.json("summary.json", res.summary)
+            return out.report("analyze", res.summary)
 
         def report(out, files) -> None:
             print(f"attngeom analyze: {len(texts)} prompt(s) answered -> {out}/ ({', '.join(files)})", file=sys.stderr)
@@ -177,39 +179,28 @@ def _run_corpus(args, layers, t_start) -> int:
     return common.run_command(args, "analyze", identity, work)
 
 
-def _write_tables(staging: Path, tables: dict) -> list[str]:
-    for name, df in tables.items():
-        write_parquet(df, staging / f"{name}.parquet")
-    return [f"{name}.parquet" for name in tables]
-
-
-def _draw(staging: Path, handle, res, args) -> list[str]:
-    """The maps and per-head grids of the figure layers (first window) and the per-layer sink figure,
-    in ``--figure-format``, with a progress bar (a layer's maps take a few seconds)."""
+def _draw(out: common.Outputs, handle, res, args) -> None:
+    """The maps and per-head grids of the figure layers (first window;
+    :func:`attngeom.analysis.experiment.figure_maps`) and the per-layer sink figure, in
+    ``--figure-format``, with a progress bar (a layer's maps take a few seconds)."""
     from tqdm.auto import tqdm
 
-    from attngeom.traces import trace as tr
-    from attngeom.analysis.experiment import map_window
+    from attngeom.analysis.experiment import figure_maps, map_window
     from attngeom.reports import analyze as rep
 
     fmt = common.figure_format(args)
-    files, first, s = [], map_window(res), res.summary
+    s = res.summary
     gen = s.get("generation")
     divider = gen["prompt_tokens"] if gen else None
-    layers = s["figure_layers"] if first is not None else []
+    layers = s["figure_layers"] if map_window(res) is not None else []
+    title = f"{handle.name}" + (" (first window)" if s["input"]["windows"] > 1 else "")
+    heads = None if res.settings["heads"] == "all" else res.settings["heads"]
     with tqdm(total=len(layers) + 1, desc="figures", unit="figure", disable=args.no_progress, file=sys.stderr) as bar:
-        if first is not None:
-            trace = tr.analyze(handle, first, layers=layers)
-            title = f"{handle.name}" + (" (first window)" if s["input"]["windows"] > 1 else "")
-            heads = None if res.settings["heads"] == "all" else res.settings["heads"]
-            for k, lt in enumerate(trace.layers):
-                files.append(rep.draw_token_maps(lt, trace.tokens, staging / f"maps_layer{lt.index}.{fmt}", title=title,
-                                                 divider=divider))
-                files.append(rep.draw_head_grid(lt, trace.tokens, staging / f"heads_layer{lt.index}.{fmt}",
-                                                heads=heads, title=title, divider=divider))
-                trace.layers[k] = None  # free this layer's maps before the next one
-                bar.update(1)
-            del trace
-        files.append(rep.draw_sinks(res.tables["heads"], staging / f"sinks_per_layer.{fmt}", title=handle.name))
+        for lt, tokens in figure_maps(handle, res):
+            out.written(f"maps_layer{lt.index}.{fmt}",
+                        lambda path: rep.draw_token_maps(lt, tokens, path, title=title, divider=divider))
+            out.written(f"heads_layer{lt.index}.{fmt}",
+                        lambda path: rep.draw_head_grid(lt, tokens, path, heads=heads, title=title, divider=divider))
+            bar.update(1)
+        out.written(f"sinks_per_layer.{fmt}", lambda path: rep.draw_sinks(res.tables["heads"], path, title=handle.name))
         bar.update(1)
-    return [Path(f).name for f in files]

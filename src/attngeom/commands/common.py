@@ -11,53 +11,88 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
-from typing import Sequence, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from attngeom.errors import InputError
-from attngeom.runs.storage import write_json, write_parquet  # noqa: F401  (re-exported for the commands)
+from attngeom.runs.contract import layers_identity  # noqa: F401  (for the commands)
+from attngeom.runs.storage import write_json, write_parquet
 
 if TYPE_CHECKING:  # pragma: no cover
     from attngeom.runs.contract import RunLike
 
 
-def write_tables(staging: Path, tables: dict, names, model_name: str) -> list[str]:
-    """Write ``tables[name]`` for each of ``names`` (an experiment result's tables) as
-    ``<name>.parquet`` with a first column ``model``; the tables in ``tables`` get that column too
-    (the figures read them). Returns the file names."""
-    for t in names:
-        df = tables[t].copy()
-        df.insert(0, "model", model_name)
-        tables[t] = df
-        write_parquet(df, staging / f"{t}.parquet")
-    return [f"{t}.parquet" for t in names]
+class Outputs:
+    """The one way a command writes: every file of its run goes through this helper, into the run's
+    staging folder (:meth:`~attngeom.runs.run.Run.finish` moves them into ``--out``, all or
+    nothing), and :attr:`files` lists their names in the order written (report.md lists them so)."""
 
+    def __init__(self, staging: Path, args=None):
+        self.staging, self.args, self.files = Path(staging), args, []
 
-def write_outputs(staging: Path, tables: dict, names, model_name: str, summary: dict,
-                  report: str | None, args=None, written: Sequence[str] = ()) -> list[str]:
-    """An experiment command's outputs: its tables (:func:`write_tables`), the figures of
-    ``attngeom.reports.<report>`` (its ``render(staging, fmt)``, which reads the tables just written,
-    in ``--figure-format``; listed in ``summary["figures"]``; none when ``report`` is None), then
-    ``summary.json`` and ``report.md`` (:func:`write_report`), which lists them after the files the
-    command has ``written`` already. Returns the file names."""
-    files = list(written) + write_tables(staging, tables, names, model_name)
-    if report is not None:
+    def _add(self, name: str) -> Path:
+        self.files.append(name)
+        return self.staging / name
+
+    def table(self, name: str, df) -> None:
+        """``<name>.parquet``, as given."""
+        write_parquet(df, self._add(f"{name}.parquet"))
+
+    def tables(self, tables: dict, names=None, model: str | None = None) -> None:
+        """``tables[name]`` for each of ``names`` (default: all) as ``<name>.parquet``; with
+        ``model``, a first column ``model`` (the tables in ``tables`` get it too: the figures read them)."""
+        for t in tables if names is None else names:
+            if model is not None:
+                df = tables[t].copy()
+                df.insert(0, "model", model)
+                tables[t] = df
+            self.table(t, tables[t])
+
+    def text(self, name: str, text: str) -> None:
+        """A UTF-8 text file (``\n`` line ends)."""
+        self._add(name).write_text(text, encoding="utf-8", newline="\n")
+
+    def json(self, name: str, obj) -> None:
+        write_json(self._add(name), obj)
+
+    def written(self, name: str, write) -> None:
+        """A file that ``write(path)`` writes in a format of its own (e.g. JSONL examples)."""
+        write(self._add(name))
+
+    def figures(self, report: str) -> list[str]:
+        """The figures of ``attngeom.reports.<report>`` (its ``render(staging, fmt)``, which reads
+        the tables written before, in ``--figure-format``). Returns their names."""
         import importlib
 
         render = importlib.import_module(f"..reports.{report}", __package__).render
-        summary["figures"] = draw(lambda: render(staging, figure_format(args)), args)
-        files += summary["figures"]
-    write_json(staging / "summary.json", summary)
-    return write_report(staging, summary["command"], summary, files + ["summary.json"], model_name)
+        names = draw(lambda: render(self.staging, figure_format(self.args)), self.args)
+        self.files += names
+        return names
+
+    def report(self, command: str, summary: dict, model: str | None = None, markdown: str | None = None) -> list[str]:
+        """``report.md`` last: ``markdown`` as given, or :func:`attngeom.reports.run_report.render` of
+        ``command``'s ``summary`` listing every file written (itself included). Returns the file names."""
+        from attngeom.reports.run_report import render
+
+        self.files.append("report.md")
+        text = markdown if markdown is not None else render(command, summary, self.files, model)
+        (self.staging / "report.md").write_text(text, encoding="utf-8")
+        return list(self.files)
 
 
-def write_report(staging: Path, command: str, summary: dict, files: list[str], model: str | None = None) -> list[str]:
-    """``report.md`` (:func:`attngeom.reports.run_report.render`) beside ``files``; returns the file
-    names with it."""
-    from attngeom.reports.run_report import render
-
-    files = list(files) + ["report.md"]
-    (staging / "report.md").write_text(render(command, summary, files, model), encoding="utf-8")
-    return files
+def write_outputs(staging: Path, tables: dict, names, model_name: str | None, summary: dict,
+                  report: str | None, args=None, before=None) -> list[str]:
+    """An experiment command's outputs through :class:`Outputs`: what ``before(out)`` writes first
+    (e.g. examples), its tables (with a first column ``model`` when ``model_name`` is given), the
+    figures of ``attngeom.reports.<report>`` (listed in ``summary["figures"]``; none when ``report``
+    is None), then ``summary.json`` and ``report.md``. Returns the file names."""
+    out = Outputs(staging, args)
+    if before is not None:
+        before(out)
+    out.tables(tables, names, model_name)
+    if report is not None:
+        summary["figures"] = out.figures(report)
+    out.json("summary.json", summary)
+    return out.report(summary["command"], summary, model_name)
 
 
 def add_figure_args(p, no_figures: bool = True) -> None:
@@ -147,6 +182,13 @@ def text_input(args, verb: str) -> tuple[str, str]:
     return text, str(p)
 
 
+def run_identity(args, settings=None, **inputs) -> dict:
+    """A run's identity, built one way by every command: the model (:func:`model_identity`), what
+    the run reads (``inputs``: the corpus, the text, ...) and ``settings.identity()`` (each
+    settings dataclass says what of it identifies a run)."""
+    return {**model_identity(args), **inputs, **({} if settings is None else settings.identity())}
+
+
 def text_identity(text: str, source: str) -> dict:
     return {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "source": source}
 
@@ -212,29 +254,11 @@ def model_identity(args) -> dict:
     return out
 
 
-def layers_identity(layers) -> str | list[int]:
-    """Layers as a run's settings record them: ``"all"`` for None, else sorted, each once."""
-    return "all" if layers is None else sorted(set(layers))
-
-
-BATCHING = ("batch_size", "rows")
-"""Settings fields that say how the work is batched (windows per forward pass, variants per batched
-forward), not what is computed: no part of a run's identity."""
-
-
-def settings_identity(settings, omit: tuple[str, ...] = ()) -> dict:
-    """An experiment's settings as its run's identity records them: ``settings.record()`` without
-    the fields of :data:`BATCHING` and ``omit``, layer lists (``layers``, ``*_layers``) as
-    :func:`layers_identity` writes them."""
-    return {k: layers_identity(v) if k == "layers" or k.endswith("_layers") else v
-            for k, v in settings.record().items() if k not in BATCHING and k not in omit}
-
-
 def corpus_identity(args, fields: list[str] | None, data: dict | None = None) -> dict:
-    """The identity of a corpus command's run before its own options: the model
-    (:func:`model_identity`), the corpus (:func:`data_identity` of ``--data``, or ``data`` as given),
-    its ``--fields`` and how it is cut into windows (``--window``, ``--stride``, ``--max-windows``)."""
-    return {**model_identity(args), **(data_identity(args.data) if data is None else data), "fields": fields,
+    """What identifies a corpus command's input (``inputs`` of :func:`run_identity`): the corpus
+    (:func:`data_identity` of ``--data``, or ``data`` as given), its ``--fields`` and how it is cut
+    into windows (``--window``, ``--stride``, ``--max-windows``)."""
+    return {**(data_identity(args.data) if data is None else data), "fields": fields,
             "window": args.window, "stride": args.stride, "max_windows": args.max_windows}
 
 

@@ -13,10 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from attngeom.errors import InputError
 from attngeom.commands import common
-from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, model_identity, text_identity, text_input
-from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of, settings_of
+from attngeom.commands.common import add_model_args, add_out_arg, add_text_args, check_at_least, check_layer_list, text_identity, text_input
+from attngeom.commands.generation_args import add_generation_args, decoding_of, note_chat_template, prompt_of
 
 DEFAULT_OUT = "out/explore"
 PAGE = "explore.html"
@@ -66,48 +65,37 @@ def run(args) -> int:
     measure = check_measure(args.measure, generation=decoding is not None)
     prompt = prompt_of(args, text) if decoding else text
     options = ExploreSettings(top_k=args.top_k, exact_max_tokens=args.exact_max_tokens, sink=args.sink,
-                              measure=measure)
-    settings = {**model_identity(args), **text_identity(text, source), "layers": common.layers_identity(layers),
-                **common.settings_identity(options), **settings_of(decoding, args)}
+                              measure=measure, layers=None if layers is None else tuple(layers), decoding=decoding,
+                              chat=args.chat, system=args.system)
+    identity = common.run_identity(args, options, **text_identity(text, source))
 
     def work(run):
-        from attngeom.data.corpora import check_layers
         from attngeom.explorer.data import build
         from attngeom.reports import explore as rep
 
         handle = common.load(args)
         note_chat_template(args, handle, "explore", prompt)
-        checked = check_layers(layers, handle.num_layers)
-        if decoding is not None:       # the prompt's checks (template, stop tokens, context) are build's
-            data = build(handle, prompt, layers=checked, top_k=args.top_k,
-                         exact_max_tokens=args.exact_max_tokens, sink=args.sink, decoding=decoding, chat=args.chat,
-                         system=args.system, progress=not args.no_progress, measure=measure)
-            ids = data.ids
-        else:
-            ids = handle.encode(text)
-            limit = handle.max_positions
-            if limit and len(ids) > limit:
-                raise InputError(f"the input has {len(ids)} tokens but {handle.name} handles at most {limit}")
-            if args.sink >= len(ids):
-                raise InputError(f"--sink {args.sink} is beyond the input ({len(ids)} tokens)")
-            data = build(handle, ids, layers=checked, top_k=args.top_k, exact_max_tokens=args.exact_max_tokens,
-                         sink=args.sink, measure=measure)
+        # the input's checks against the model (layers, context length, sink position, a generation's
+        # template and stop tokens) are the explorer's own
+        data = build(handle, prompt, layers=options.layers, top_k=options.top_k,
+                     exact_max_tokens=options.exact_max_tokens, sink=options.sink, decoding=decoding, chat=options.chat,
+                     system=options.system, progress=decoding is not None and not args.no_progress, measure=measure)
         page = rep.render(data)
 
         def write(staging: Path) -> list[str]:
-            (staging / PAGE).write_text(page, encoding="utf-8", newline="\n")
-            summary = rep.summary(data, settings, page_bytes=len(page.encode("utf-8")),
+            out = common.Outputs(staging, args)
+            out.text(PAGE, page)
+            summary = rep.summary(data, identity, page_bytes=len(page.encode("utf-8")),
                                   runtime_s=round(time.perf_counter() - t_start, 3))
-            files = [PAGE, "summary.json"]
-            summary["files"] = files + ["report.md"]
-            common.write_json(staging / "summary.json", summary)
-            return common.write_report(staging, "explore", summary, files, data.model_name)
+            summary["files"] = out.files + ["summary.json", "report.md"]
+            out.json("summary.json", summary)
+            return out.report("explore", summary, data.model_name)
 
         def report(out, files) -> None:
             size = len(page.encode("utf-8"))
             mode = ("exact maps" if data.exact else f"top-{data.top_k} sources") + \
                 ("" if measure is None else f" (+ {measure})")
-            print(f"attngeom explore: {len(ids)} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
+            print(f"attngeom explore: {data.T} tokens, {len(data.layers)} layer(s), {mode}, {size / 1e6:.1f} MB "
                   f"in {time.perf_counter() - t_start:.1f} s -> {out / PAGE}", file=sys.stderr)
             if data.exact and size > 50e6:
                 print("attngeom explore: note: exact maps grow with layers x heads x T^2; for a smaller page use "
@@ -115,4 +103,4 @@ def run(args) -> int:
 
         return write, report
 
-    return common.run_command(args, "explore", settings, work)
+    return common.run_command(args, "explore", identity, work)

@@ -9,7 +9,7 @@ from pathlib import Path
 from attngeom.errors import InputError
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.commands import common
-from attngeom.commands.common import add_data_args, add_model_args, add_out_arg, check_at_least, check_layer_list, data_identity, fields_of, model_identity, write_json, write_parquet
+from attngeom.commands.common import add_data_args, add_model_args, add_out_arg, check_at_least, check_layer_list, data_identity, fields_of
 
 
 def add_parser(subparsers) -> None:
@@ -61,7 +61,7 @@ def run(args) -> int:
                                    layers=None if layers is None else tuple(layers), rows=args.batch_rows)
     variants_of(options)  # bad metrics, ratios or seeds fail here, before the model loads
     check_at_least(args, window=2, max_windows=1, stride=1, batch_rows=1)
-    fmt = common.figure_format(args)
+    common.figure_format(args)
     fields = fields_of(args)
     examples = None
     if args.task:
@@ -72,10 +72,10 @@ def run(args) -> int:
         examples = load_task(args.data, args.task, limit=args.max_examples)
     else:
         resolve_texts(args.data, fields)  # missing file / field / offline dataset: fail now
-    settings = {**model_identity(args), **data_identity(args.data), "fields": fields, "task": args.task,
-                "max_examples": args.max_examples if args.task else None,
-                "window": None if args.task else args.window, "stride": None if args.task else args.stride,
-                "max_windows": None if args.task else args.max_windows, **common.settings_identity(options)}
+    settings = common.run_identity(
+        args, options, **data_identity(args.data), fields=fields, task=args.task,
+        max_examples=args.max_examples if args.task else None, window=None if args.task else args.window,
+        stride=None if args.task else args.stride, max_windows=None if args.task else args.max_windows)
 
     def work(run):
         handle = common.load(args)
@@ -94,14 +94,12 @@ def run(args) -> int:
         table, summary = res.tables["table"], res.summary
 
         def write(staging: Path) -> list[str]:
-            write_parquet(table, staging / "table.parquet")
-            write_json(staging / "summary.json", summary)
-            files = ["table.parquet", "summary.json"]
+            out = common.Outputs(staging, args)
+            out.table("table", table)
+            out.json("summary.json", summary)
             if not table.empty and not args.no_figures:
-                from attngeom.reports.faithfulness import render
-
-                files += common.draw(lambda: render(staging, fmt), args)
-            return common.write_report(staging, "faithfulness", summary, files)
+                out.figures("faithfulness")
+            return out.report("faithfulness", summary)
 
         return write, lambda out, files: _print_summary(summary, out, files)
 

@@ -25,9 +25,6 @@ import sys
 from attngeom.errors import InputError
 from attngeom.commands import common
 
-TABLES = ("heads", "removal", "order_search", "regimes_by_layer")
-
-
 def add_parser(subparsers) -> None:
     from attngeom.heads.settings import HeadsSettings
 
@@ -84,7 +81,7 @@ def check_args(args) -> list[float]:
 
 def run(args) -> int:
     from attngeom.data.corpora import load_windows
-    from attngeom.heads.experiment import experiment
+    from attngeom.heads.experiment import TABLES, experiment, run_summary
     from attngeom.heads.settings import HeadsSettings
     from attngeom.heads.taxonomy import REGIMES
 
@@ -92,16 +89,15 @@ def run(args) -> int:
     fields = common.fields_of(args)
     options = HeadsSettings(calib_windows=args.calib_windows, retentions=tuple(retentions), winner_norm=args.winner_norm,
                             sink=args.sink, seed=args.seed, critical_k=args.critical_k, batch_size=args.batch_size)
-    settings = {**common.corpus_identity(args, fields, {"data": [common.data_identity(d) for d in args.data]}),
-                **common.settings_identity(options)}
+    identity = common.run_identity(args, options, **common.corpus_identity(
+        args, fields, {"data": [common.data_identity(d) for d in args.data]}))
 
     def work(run):
         handle = common.load(args)
         corpora = [load_windows(handle, spec, args.window, args.stride, args.max_windows, fields) for spec in args.data]
         res = experiment(handle, run, corpora, options, names=args.data)
         model_name = getattr(handle, "name", args.model)
-        summary = {"command": "heads", "model": model_name, "data": args.data, "window": args.window,
-                   **res.summary, "settings": settings, "files": [f"{t}.parquet" for t in TABLES]}
+        summary = run_summary(res, model=model_name, data=args.data, window=args.window, identity=identity)
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
@@ -115,4 +111,4 @@ def run(args) -> int:
 
         return write, report
 
-    return common.run_command(args, "heads", settings, work)
+    return common.run_command(args, "heads", identity, work)

@@ -1,6 +1,6 @@
 """``attngeom kvcache``: language modelling under a KV-cache budget, policy by policy.
 
-Each window of ``--data`` is read (:mod:`attngeom.kvcache.evaluation`) with the compressed cache of :mod:`attngeom.kvcache.cache` under every
+The experiment is :func:`attngeom.kvcache.experiment.experiment`: each window of ``--data`` is read (:mod:`attngeom.kvcache.evaluation`) with the compressed cache of :mod:`attngeom.kvcache.cache` under every
 policy of ``--policies`` (:mod:`attngeom.kvcache.policies`) and every budget of ``--budgets`` (entries per
 key/value head), ``--chunk`` tokens per forward pass (1: token by token, the reference); every
 (window, policy, budget) is one resumable unit in ``--out/checkpoint``. The ``taxonomy`` policy's
@@ -25,14 +25,10 @@ corpus (disjoint from the evaluated ones). Writes to ``--out``:
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 from attngeom.errors import InputError
 from attngeom.kvcache.settings import KVCacheInputs, KVCacheSettings
 from attngeom.commands import common
-
-if TYPE_CHECKING:
-    from attngeom.runs.contract import ModelHandleLike, RunLike
 
 DEFAULT_POLICIES = ",".join(KVCacheSettings().policies)
 DEFAULT_BUDGETS = ",".join(map(str, KVCacheSettings().budgets))
@@ -99,74 +95,40 @@ def run(args) -> int:
         read_texts(args.data, fields)
     qa_pairs = _answer_texts(args) if args.answers else None
     calib_n = args.calibration_windows if needs_regimes(policies) else 0
-    settings = {**common.corpus_identity(args, fields), "policies": policies, "budgets": budgets, "chunk": args.chunk, "calibration_windows": calib_n}
+    settings = KVCacheSettings(tuple(policies), tuple(budgets), args.chunk)
+    inputs = {**common.corpus_identity(args, fields), "calibration_windows": calib_n}
     if args.answers:
-        settings.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
-                         "reference_field": args.reference_field, "max_examples": args.max_examples,
-                         "new_tokens": args.new_tokens})
+        inputs.update({"answers": common.data_identity(args.answers), "prompt_field": args.prompt_field,
+                       "reference_field": args.reference_field, "max_examples": args.max_examples,
+                       "new_tokens": args.new_tokens})
+    identity = common.run_identity(args, settings, **inputs)
 
     def work(run):
+        from attngeom.kvcache.experiment import experiment, run_summary
+
         handle = common.load(args)
         windows = load_windows(handle, args.data, args.window, args.stride, args.max_windows + calib_n, fields)
-        evaluated, calib = windows[: args.max_windows], windows[args.max_windows:]
-        regimes = None
-        if calib_n:
-            if not calib:
-                raise InputError(f"{args.data} gives {len(windows)} windows: none is left beyond --max-windows "
-                                 f"{args.max_windows} to calibrate the taxonomy policy's head regimes")
-            regimes = _regimes(handle, run, calib)
-        from attngeom.kvcache.evaluation import experiment
-
-        result = experiment(handle, run, evaluated, KVCacheSettings(tuple(policies), tuple(budgets), args.chunk),
-                            regimes=regimes)
-        reads, summary_df, pairs_df = (result.tables[k] for k in ("reads", "summary", "pairs"))
-        answers_df = answers_summary = None
-        if qa_pairs:
-            from attngeom.kvcache.evaluation import answers, summarize_answers
-            from attngeom.streaming.passes import to_ids
-
-            examples = [(to_ids(handle, p), handle.tokenizer(r, add_special_tokens=False)["input_ids"]) for p, r in qa_pairs]
-            answers_df = answers(handle, run, examples, policies, budgets, args.new_tokens, regimes)
-            answers_summary = summarize_answers(answers_df)
+        evaluated = windows[: args.max_windows]
+        result = experiment(handle, run, evaluated, settings, calibration=windows[args.max_windows:], answers=qa_pairs,
+                            new_tokens=args.new_tokens)
         model_name = getattr(handle, "name", args.model)
-        summary = {"command": "kvcache", "model": model_name, "data": args.data, "window": args.window,
-                   "windows": len(evaluated), "tokens": int(sum(len(w) - 1 for w in evaluated)),
-                   "chunk": args.chunk, "policies": policies, "budgets": budgets,
-                   "gqa_pooling": "mean over the query heads of a key/value head (tova: mean over the layer)",
-                   "results": summary_df.to_dict(orient="records"), "settings": settings}
-        if answers_summary is not None:
-            summary.update({"examples": len(qa_pairs), "new_tokens": args.new_tokens,
-                            "answers": answers_summary.to_dict(orient="records")})
+        summary = run_summary(result, evaluated, model=model_name, data=args.data, window=args.window,
+                              identity=identity)
 
         def write(staging) -> list[str]:
-            files = ["reads.parquet", "summary.parquet", "pairs.parquet"]
-            common.write_parquet(reads.assign(model=model_name), staging / "reads.parquet")
-            common.write_parquet(summary_df.assign(model=model_name), staging / "summary.parquet")
-            common.write_parquet(pairs_df.assign(model=model_name), staging / "pairs.parquet")
-            if answers_df is not None:
-                common.write_parquet(answers_df.assign(model=model_name), staging / "answers.parquet")
-                common.write_parquet(answers_summary.assign(model=model_name), staging / "answers-summary.parquet")
-                files += ["answers.parquet", "answers-summary.parquet"]
-            if regimes is not None:
-                common.write_parquet(regimes, staging / "regimes.parquet")
-                files.append("regimes.parquet")
-            if not args.no_figures:
-                from attngeom.reports.kvcache import render
-
-                summary["figures"] = common.draw(lambda: render(staging, common.figure_format(args)), args)
-                files += summary["figures"]
-            common.write_json(staging / "summary.json", summary)
-            return common.write_report(staging, "kvcache", summary, files + ["summary.json"], model_name)
+            return common.write_outputs(staging, result.tables, None, None, summary,
+                                        None if args.no_figures else "kvcache", args)
 
         def report(out, files) -> None:
-            best = summary_df[summary_df["policy"] != "full"].sort_values("ppl").head(1)
+            rows = result.tables["summary"]
+            best = rows[rows["policy"] != "full"].sort_values("ppl").head(1)
             note = "" if best.empty else f"; lowest perplexity {best['policy'].iloc[0]} at budget {int(best['budget'].iloc[0])}"
             print(f"attngeom kvcache: {model_name}: {len(evaluated)} windows, {len(policies)} policies x "
                   f"{len(budgets)} budgets{note}; written to {out}", file=sys.stderr)
 
         return write, report
 
-    return common.run_command(args, "kvcache", settings, work)
+    return common.run_command(args, "kvcache", identity, work)
 
 
 def _answer_texts(args) -> list[tuple[str, str]]:
@@ -179,12 +141,3 @@ def _answer_texts(args) -> list[tuple[str, str]]:
         raise InputError(f"{args.answers}: {len(prompts)} non-empty {args.prompt_field!r} but {len(refs)} non-empty "
                          f"{args.reference_field!r} fields; every record needs both")
     return list(zip(prompts, refs))[: args.max_examples]
-
-
-def _regimes(handle: ModelHandleLike, run: RunLike, calib):
-    """The head taxonomy (``layer, head, regime``) of the calibration windows (stage ``calibration``)."""
-    from attngeom.heads.taxonomy import TaxonomyStats
-    from attngeom.streaming.stages import reduce_stage
-
-    tax, = reduce_stage(handle, run, "calibration", calib, lambda: [TaxonomyStats()], desc="calibration")
-    return tax.result()[["layer", "head", "regime"]]

@@ -23,9 +23,6 @@ import sys
 from attngeom.errors import InputError
 from attngeom.commands import common
 
-TABLES = ("selection", "regime")
-
-
 def add_parser(subparsers) -> None:
     from attngeom.selection.settings import SelectionSettings
 
@@ -109,7 +106,7 @@ def check_corpus(spec: str, args) -> None:
 
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows
-    from attngeom.selection.experiment import experiment
+    from attngeom.selection.experiment import TABLES, experiment, run_summary
     from attngeom.selection.settings import SelectionSettings
 
     ns, distances, queries, layers = parse_args_checked(args)
@@ -117,9 +114,8 @@ def run(args) -> int:
     options = SelectionSettings(ns=tuple(ns), distances=tuple(distances), repeats=args.repeats, seed=args.seed,
                                 queries=queries, sink=args.sink, predict=not args.no_predict, max_lag=args.max_lag,
                                 small_n_max=args.small_n_max, random_without_sink=not args.no_random_nosink,
-                                batch_size=args.batch_size)
-    settings = {**common.corpus_identity(args, fields), "layers": common.layers_identity(layers),
-                **options.stats_options()}
+                                layers=None if layers is None else tuple(layers), batch_size=args.batch_size)
+    identity = common.run_identity(args, options, **common.corpus_identity(args, fields))
 
     def work(run):
         handle = common.load(args)
@@ -128,24 +124,7 @@ def run(args) -> int:
         res = experiment(handle, run, windows,
                          dataclasses.replace(options, layers=None if checked is None else tuple(checked)))
         model_name = getattr(handle, "name", args.model)
-        summary = {
-            "command": "selection",
-            "model": model_name,
-            "data": args.data,
-            "window": args.window,
-            "windows": len(windows),
-            "tokens": int(sum(len(w) for w in windows)),
-            "queries": queries,
-            "ns": ns,
-            "distances": distances,
-            "repeats": args.repeats,
-            "seed": args.seed,
-            "sink_position": args.sink,
-            "layers": checked if checked is not None else "all",
-            **res.summary,
-            "settings": settings,
-            "files": [f"{t}.parquet" for t in TABLES],
-        }
+        summary = run_summary(res, windows, model=model_name, data=args.data, window=args.window, identity=identity)
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
@@ -164,4 +143,4 @@ def run(args) -> int:
 
         return write, report
 
-    return common.run_command(args, "selection", settings, work)
+    return common.run_command(args, "selection", identity, work)

@@ -23,9 +23,6 @@ import sys
 from attngeom.errors import InputError
 from attngeom.commands import common
 
-TABLES = ("heads", "curve", "drift", "hist", "removal", "ppl")
-
-
 def add_parser(subparsers) -> None:
     from attngeom.sinks.settings import SinksSettings
 
@@ -52,7 +49,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from attngeom.data.corpora import check_layers, load_windows, read_texts
     from attngeom.sinks.settings import SinksSettings
-    from attngeom.sinks.experiment import experiment
+    from attngeom.sinks.experiment import TABLES, experiment, run_summary
 
     common.figure_format(args)
     common.check_at_least(args, window=3, max_windows=1, batch_size=1, sink=0, stride=1)
@@ -66,7 +63,7 @@ def run(args) -> int:
     options = SinksSettings(sink=args.sink, layers=None if layers is None else tuple(layers),
                             removal_layers=None if removal_layers is None else tuple(removal_layers),
                             batch_size=args.batch_size)
-    settings = {**common.corpus_identity(args, fields), **common.settings_identity(options)}
+    identity = common.run_identity(args, options, **common.corpus_identity(args, fields))
 
     def work(run):
         handle = common.load(args)
@@ -79,19 +76,7 @@ def run(args) -> int:
             options, layers=None if checked is None else tuple(checked),
             removal_layers=None if removal is None else tuple(removal)))
         model_name = getattr(handle, "name", args.model)
-        summary = {
-            "command": "sinks",
-            "data": args.data,
-            "window": args.window,
-            "windows": len(windows),
-            "tokens": int(sum(len(w) for w in windows)),
-            "sink_position": args.sink,
-            "layers": checked if checked is not None else "all",
-            "removal_layers": removal if removal is not None else "all",
-            "models": {model_name: res.summary},
-            "settings": settings,
-            "files": [f"{t}.parquet" for t in TABLES],
-        }
+        summary = run_summary(res, windows, model=model_name, data=args.data, window=args.window, identity=identity)
 
         def write(staging) -> list[str]:
             return common.write_outputs(staging, res.tables, TABLES, model_name, summary,
@@ -106,7 +91,7 @@ def run(args) -> int:
 
         return write, report
 
-    return common.run_command(args, "sinks", settings, work)
+    return common.run_command(args, "sinks", identity, work)
 
 
 def _pct(x, fmt: str = ".1%") -> str:

@@ -586,3 +586,31 @@ def resampled_removal(per_window: dict, weights: np.ndarray | None = None,
     counts = resampling.counts_or_once(weights, len(tokens))
     ppl = resampling.resampled_perplexity(counts, nll.T, tokens)
     return {k: ppl[:, i] for i, k in enumerate(keys)}
+
+
+# --------------------------------------------------------------------------------------------
+# The command's summary.json: built here, and read back here for the report's headline
+# --------------------------------------------------------------------------------------------
+
+
+TABLES = ("heads", "removal", "order_search", "regimes_by_layer")
+"""The tables ``attngeom heads`` writes, in this order (``<name>.parquet``)."""
+
+
+def run_summary(result: ExperimentResult, *, model: str, data: Sequence[str], window: int, identity: dict) -> dict:
+    """``summary.json`` of ``attngeom heads`` from :func:`experiment`'s ``result``: the corpora, the
+    experiment's summary (regime shares, the calibrated regime order, critical heads, ...), the
+    run's ``identity`` and the tables' files. :func:`headline` reads the report's numbers from it."""
+    return {"command": "heads", "model": model, "data": list(data), "window": window, **result.summary,
+            "settings": identity, "files": [f"{t}.parquet" for t in TABLES]}
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline numbers of ``attngeom heads``' report from its :func:`run_summary` (a missing
+    field raises)."""
+    share = resampling.format_share
+    out = [(f"regime shares, {corpus}", ", ".join(f"{r} {share(v)}" for r, v in shares.items()))
+           for corpus, shares in summary["regime_share"].items()]
+    out.append(("regime order chosen on calibration (first removed first)", " > ".join(summary["taxonomy_regime_order"])))
+    out.append(("individually critical heads", str(len(summary["critical_heads"]))))
+    return out

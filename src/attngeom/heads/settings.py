@@ -23,3 +23,9 @@ class HeadsSettings:
 
     def record(self) -> dict:
         return {**asdict(self), "retentions": list(self.retentions)}
+
+    def identity(self) -> dict:
+        """What the run's identity records of these settings (:func:`attngeom.runs.contract.settings_identity`)."""
+        from attngeom.runs.contract import settings_identity
+
+        return settings_identity(self.record())

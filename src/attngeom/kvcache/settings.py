@@ -23,6 +23,13 @@ class KVCacheSettings:
     def record(self) -> dict:
         return asdict(self)
 
+    def identity(self) -> dict:
+        """What the run's identity records of these settings: every field but ``n_resamples``
+        (:func:`attngeom.runs.contract.settings_identity`)."""
+        from attngeom.runs.contract import settings_identity
+
+        return settings_identity(self.record(), omit=("n_resamples",))
+
 
 @dataclass(frozen=True)
 class KVCacheInputs:
@@ -61,6 +68,13 @@ class KVTaskSettings:
 
     def record(self) -> dict:
         return asdict(self)
+
+    def identity(self) -> dict:
+        """What the run's identity records of these settings: every field but ``n_resamples``
+        (:func:`attngeom.runs.contract.settings_identity`)."""
+        from attngeom.runs.contract import settings_identity
+
+        return settings_identity(self.record(), omit=("n_resamples",))
 
 
 @dataclass(frozen=True)

@@ -187,3 +187,27 @@ def one_window_each(per_window: Mapping[str, Any], key: str, analysis: str) -> l
     if recs is None:
         raise ValueError(f"the {analysis} summary under resampling needs one window per record (batch_size=1)")
     return recs
+
+
+# --------------------------------------------------------------------------------------------
+# What identifies a run
+# --------------------------------------------------------------------------------------------
+
+
+BATCHING = ("batch_size", "rows")
+"""Settings fields that say how the work is batched (windows per forward pass, variants per batched
+forward), not what is computed: no part of a run's identity."""
+
+
+def layers_identity(layers) -> str | list[int]:
+    """Layers as a run's identity records them: ``"all"`` for None, else sorted, each once."""
+    return "all" if layers is None else sorted(set(layers))
+
+
+def settings_identity(record: Mapping, omit: Sequence[str] = ()) -> dict:
+    """What a run's identity records of an experiment's settings (``record``, as the settings
+    dataclass records them; each dataclass's ``identity()`` calls this): every field but those of
+    :data:`BATCHING` and ``omit``, layer lists (``layers``, ``*_layers``) as :func:`layers_identity`
+    writes them."""
+    return {k: layers_identity(v) if k == "layers" or k.endswith("_layers") else v
+            for k, v in record.items() if k not in BATCHING and k not in omit}

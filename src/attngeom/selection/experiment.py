@@ -159,3 +159,40 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, windows,
     summary = summarize(sel, reg, reducer.violations, reducer.selections, reducer.small_n_max)
     return ExperimentResult("selection", tables={"selection": sel, "regime": reg}, summary=summary,
                             per_window={"selection": sel, "windows": len(windows)}, settings=settings.record())
+
+
+# --------------------------------------------------------------------------------------------
+# The command's summary.json: built here, and read back here for the report's headline
+# --------------------------------------------------------------------------------------------
+
+
+TABLES = ("selection", "regime")
+"""The tables ``attngeom selection`` writes, in this order (``<name>.parquet``)."""
+
+
+def run_summary(result: ExperimentResult, windows: Sequence, *, model: str, data: str, window: int,
+                identity: dict) -> dict:
+    """``summary.json`` of ``attngeom selection`` from :func:`experiment`'s ``result`` on ``windows``:
+    the input, the options, :func:`summarize`'s numbers, the run's ``identity`` and the tables'
+    files. :func:`headline` reads the report's numbers from it."""
+    s = result.settings
+    return {"command": "selection", "model": model, "data": data, "window": window, "windows": len(windows),
+            "tokens": int(sum(len(w) for w in windows)), "queries": s["queries"], "ns": list(s["ns"]),
+            "distances": list(s["distances"]), "repeats": s["repeats"], "seed": s["seed"],
+            "sink_position": s["sink"], "layers": "all" if s["layers"] is None else list(s["layers"]),
+            **result.summary, "settings": identity, "files": [f"{t}.parquet" for t in TABLES]}
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline numbers of ``attngeom selection``'s report from its :func:`run_summary`: F_N of
+    the top-N and random subsets (with the sink) per distance and N, and the bound violations (a
+    missing field raises)."""
+    f = resampling.format_number
+    out = []
+    for d in summary["distances"]:
+        ws = summary[d]["with_sink"]
+        for n in summary["ns"]:
+            top, rnd = (ws[k].get(n, ws[k].get(str(n))) for k in ("f_topn", "f_random"))
+            out.append((f"F_N at N = {n} ({d}): top-N / random", f"{f(top)} / {f(rnd)}"))
+    out.append(("bound violations", str(summary["bound_violations"])))
+    return out

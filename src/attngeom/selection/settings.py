@@ -40,3 +40,9 @@ class SelectionSettings:
 
     def record(self) -> dict:
         return asdict(self)
+
+    def identity(self) -> dict:
+        """What the run's identity records of these settings (:func:`attngeom.runs.contract.settings_identity`)."""
+        from attngeom.runs.contract import settings_identity
+
+        return settings_identity(self.record())

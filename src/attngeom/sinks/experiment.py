@@ -321,3 +321,38 @@ def resampled(per_window: dict, weights: np.ndarray | None = None) -> dict[str, 
         tok = summed("tokens")
         ppl = {m: perplexity(summed(f"nll_{m}"), tok) for m in PASSES}
     return resampled_statistics(heads, ppl, flat(hc).reshape(n_resamples, -1, hc.shape[-1]).sum(1))
+
+
+# --------------------------------------------------------------------------------------------
+# The command's summary.json: built here, and read back here for the report's headline
+# --------------------------------------------------------------------------------------------
+
+
+TABLES = ("heads", "curve", "drift", "hist", "removal", "ppl")
+"""The tables ``attngeom sinks`` writes, in this order (``<name>.parquet``)."""
+
+
+def run_summary(result: ExperimentResult, windows: Sequence, *, model: str, data: str, window: int,
+                identity: dict) -> dict:
+    """``summary.json`` of ``attngeom sinks`` from :func:`experiment`'s ``result`` on ``windows``:
+    the input, the sink and layers, ``models`` (the model's name -> :func:`summarize`'s numbers), the
+    run's ``identity`` and the tables' files. :func:`headline` reads the report's numbers from it."""
+    s = result.settings
+    return {"command": "sinks", "data": data, "window": window, "windows": len(windows),
+            "tokens": int(sum(len(w) for w in windows)), "sink_position": s["sink"],
+            "layers": "all" if s["layers"] is None else list(s["layers"]),
+            "removal_layers": "all" if s["removal_layers"] is None else list(s["removal_layers"]),
+            "models": {model: result.summary}, "settings": identity, "files": [f"{t}.parquet" for t in TABLES]}
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline numbers of ``attngeom sinks``' report from its :func:`run_summary` (a missing
+    field raises)."""
+    f, share = resampling.format_number, resampling.format_share
+    m = next(iter(summary["models"].values()))
+    return [("median value-norm ratio, non-sink / sink", f(m["value_norm_ratio"])),
+            ("heads whose sink value is anti-aligned with the semantic tokens", share(m["anti_aligned_share"])),
+            ("heads with an interior minimum of the output norm in the sink rate", share(m["interior_minimum_share"])),
+            ("perplexity of the unedited model", f(m["ppl"])),
+            ("ΔPPL, sink removed", f(m["removal_delta_ppl"], True)),
+            ("ΔPPL, mass-matched control removed", f(m["control_delta_ppl"], True))]

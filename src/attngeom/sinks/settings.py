@@ -18,3 +18,9 @@ class SinksSettings:
 
     def record(self) -> dict:
         return asdict(self)
+
+    def identity(self) -> dict:
+        """What the run's identity records of these settings (:func:`attngeom.runs.contract.settings_identity`)."""
+        from attngeom.runs.contract import settings_identity
+
+        return settings_identity(self.record())

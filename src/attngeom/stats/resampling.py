@@ -201,6 +201,11 @@ def format_number(x, signed: bool = False) -> str:
     return format(x, sign + ".4g")
 
 
+def format_share(x) -> str:
+    """A share written as a percentage with one decimal (``42.5 %``); ``"—"`` when missing."""
+    return "—" if x is None else f"{100 * x:.1f} %"
+
+
 def _num(x):
     try:
         x = float(x)
