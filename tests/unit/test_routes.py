@@ -341,3 +341,22 @@ def test_an_observer_that_reads_blocks_keeps_every_layer_on_the_block_path():
     with pytest.raises(ValueError, match="route must be one of"):
         Session(route="fast")
 
+
+
+@pytest.mark.parametrize("route", ["fused", "block"])
+def test_the_summaries_stage_records_the_route_of_every_layer(route):
+    """``summaries`` (the stage of ``attngeom analyze``) takes the route asked and writes the route
+    each layer took in the heads table; a soft-capped layer asked to fuse says why it took blocks."""
+    from attngeom.model import ModelHandle
+    from attngeom.streaming.stages import summaries
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    texts = [[1, 5, 9, 13, 7, 22, 40, 8, 9], [1, 30, 31, 32, 33, 34]]
+    for arch in ("llama", "gemma2"):
+        handle = tiny_model(arch)
+        heads, tokens = summaries(handle, None, texts, route=route, batch_size=2)
+        want = {l: route for l in range(handle.num_layers)}
+        if arch == "gemma2" and route == "fused":
+            want = {l: "block: soft-capping (the fused kernels have no score_mod)" for l in want}
+        assert heads.groupby("layer")["route"].first().to_dict() == want
+        assert heads["route"].notna().all() and len(tokens) == handle.num_layers * 15

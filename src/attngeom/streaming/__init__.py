@@ -11,5 +11,6 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "HeadStats": "reducers",
     "TokenStats": "reducers",
     "FullCapture": "reducers",
+    "RouteRecord": "reducers",
     "summaries": "stages",
 })

@@ -182,16 +182,18 @@ def stream(
     block_elements: int | None = None,
     index: Sequence[int] | None = None,
     prepared: dict | None = None,
+    route: str = "auto",
 ) -> Sequence[Reducer]:
     """Run every input through the model with ``reducers`` observing ``layers`` (default: all).
 
     Keeps no full maps: each reducer keeps its own summaries. ``index``: the inputs' numbers in the
     whole stream (see :func:`make_batches`). ``prepared``: the maps computed before the forward
-    (``Session(prepared=...)``; one text's, so one input). Returns the reducers."""
+    (``Session(prepared=...)``; one text's, so one input). ``route``: the capture's route
+    (``Session(route=...)``, SPEC §10). Returns the reducers."""
     from tqdm.auto import tqdm
 
     session = Session(observers=reducers, intervention=intervention, layers=layers,
-                      block_elements=block_elements, prepared=prepared)
+                      block_elements=block_elements, prepared=prepared, route=route)
     desc = progress if isinstance(progress, str) else "analyse"
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]

@@ -467,6 +467,27 @@ class TokenStats(Reducer):
         return pd.concat(self.frames, ignore_index=True)
 
 
+class RouteRecord(Reducer):
+    """The route each layer took (SPEC §10): ``{layer: "fused" | "block" | "block: why"}`` (why: a
+    layer the session asked to fuse that took blocks, :func:`attngeom.capture.routes.layer_route`).
+    Its state is labels, which records of several units carry along."""
+
+    STATE = ("routes",)
+    fused = True
+
+    def __init__(self):
+        self.routes: dict[int, str] = {}
+
+    def observe(self, block: Block) -> None:
+        self.routes[block.layer] = block.state.route
+
+    def observe_layer(self, layer: FusedLayer) -> None:
+        self.routes[layer.layer] = "fused"
+
+    def result(self) -> dict[int, str]:
+        return dict(sorted(self.routes.items()))
+
+
 class FullCapture(Reducer):
     """Keeps each layer's full attention map and head-space pieces for :class:`attngeom.traces.trace.Trace`.
 
