@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {k: [] for k in ("generate", "prefill", "prefill-scores", "grid")}
 
     def run(ex, record: bool) -> None:
-        c, q, _ = ruler.encode(ex, h.tokenizer)
+        c, q, _ = ruler.encode_example(ex, h.tokenizer)
         ids = torch.tensor([c + q], device=h.device)
         with torch.no_grad():
             t = {"generate": timed(lambda: h.model.generate(ids, attention_mask=torch.ones_like(ids),

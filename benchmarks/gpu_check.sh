@@ -16,7 +16,10 @@
 #      process, alternating, after a warm-up: the model at T=2048, 8192 and 32768 (32768 is past
 #      its trained context: timing only) and the 2-layer LLaMA-3.1-8B configuration
 #      (tests/seed_configs.py) at T=2048 and 8192 (docs/benchmark-seed-architectures.md), with the
-#      library's default block budget for the device, and the model at T=8192 with 2^24 and 2^28;
+#      library's default route and block budget for the device; every route of the capture
+#      (auto, fused, block: SPEC §10) at T=8192 and 32768 and for LLaMA at 8192; the block path at
+#      T=8192 with 2^24 and 2^28; then the fused route's kernels alone, one layer of each model's
+#      shape beside that layer's SDPA forward (benchmarks/bench_routes.py, the Triton winner included);
 #   5. generation with analysis against model.generate, bf16 (benchmarks/bench_generate.py: prompts
 #      of 128 and 2048 tokens, 64 and 128 new tokens; docs/generation.md);
 #   6. with the bundled model (real weights) only: the long-context task grid (12 policies x 4
@@ -148,7 +151,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export GPU_CHECK_MODEL="$MODEL"
 
 # ---- 3. device-agnostic tests on the device ---------------------------------------------------
-TESTS=(tests/integration/test_gpu_check.py tests/models/test_seed_architectures.py tests/unit/test_generate.py)
+TESTS=(tests/integration/test_gpu_check.py tests/models/test_seed_architectures.py tests/unit/test_generate.py
+       tests/unit/test_fused_winner.py)
 SELECT="device or default_suite or at_full_width or beyond_its_sliding_window"
 if [ -n "$DRY" ]; then
     "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" -k "$SELECT" >/dev/null \
@@ -162,13 +166,14 @@ fi
 RATIOS_PY=$(mktemp --suffix=.py "${TMPDIR:-/tmp}/gpu_check_ratios.XXXXXX")
 trap 'rm -f "$RATIOS_PY"' EXIT
 cat >"$RATIOS_PY" <<'PYEOF'
-import os, statistics, sys, time
+import inspect, os, statistics, sys, time
 import torch
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 torch.set_grad_enabled(False)
 from attngeom import load_model
-from attngeom.streaming.reducers import HeadStats, TokenStats
-from attngeom.traces.trace import stream
+from attngeom.capture.session import Session
+from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
+from attngeom.traces.trace import forward
 from seed_configs import random_ids, seed_model
 
 dev = os.environ["GPU_CHECK_DEVICE"]
@@ -180,15 +185,31 @@ def sync():
     if cuda:
         torch.cuda.synchronize()
 
-def measure(handle, T, repeats=3, block=None):
+ROUTED = "route" in inspect.signature(Session).parameters    # the capture's routes (issue 49)
+
+def measure(handle, T, repeats=3, block=None, route=None):
     """One row: the SDPA forward against the analysis with the block budget ``block`` (None: the
-    library's default for the device, capture.default_block_elements)."""
+    library's default for the device, capture.default_block_elements) and the capture's ``route``
+    (None: the library's default, auto)."""
+    if route is not None and not ROUTED:
+        print(f"  {handle.name:28s} T={T:6d}  route {route}: this attngeom has no routes (skipped)", flush=True)
+        return
+    kw = {} if route is None else {"route": route}
     model = handle.model
     ids = random_ids(min(model.config.vocab_size, 8192), T).to(dev)
     def sdpa():
         model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
-    def analyze():
-        stream(handle, [ids.cpu()], [HeadStats(), TokenStats()], progress=False, block_elements=block)
+    taken = {}
+    def analyze():                     # what attngeom.traces.trace.stream does for one text, keeping the session
+        batch = InputBatch(ids=ids.cpu()[None], lengths=torch.tensor([T]), index=[0])
+        reducers = [HeadStats(), TokenStats()]
+        session = Session(observers=reducers, block_elements=block, **kw)
+        for r in reducers:
+            r.begin(batch)
+        forward(handle, batch, session)
+        for r in reducers:
+            r.end(batch)
+        taken.update(getattr(session, "routes", {}))
     times = {"sdpa": [], "analyze": []}
     peaks = {"sdpa": 0, "analyze": 0}
     sdpa(); analyze(); sync()          # warm-up at this length (the first launch of a kernel at a new size is slow)
@@ -203,37 +224,58 @@ def measure(handle, T, repeats=3, block=None):
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - base)
     s, a = statistics.median(times["sdpa"]), statistics.median(times["analyze"])
     budget = "default" if block is None else f"2^{block.bit_length() - 1}"
-    print(f"  {handle.name:28s} T={T:6d}  blocks {budget:7s}  sdpa {s * 1e3:9.1f} ms  analyze {a * 1e3:9.1f} ms  "
+    print(f"  {handle.name:28s} T={T:6d}  blocks {budget:7s}  route {route or 'default':7s}  sdpa {s * 1e3:9.1f} ms  analyze {a * 1e3:9.1f} ms  "
           f"time x{a / s:5.2f}   peak above weights: sdpa {peaks['sdpa'] / 2**30:6.2f} GiB  "
-          f"analyze {peaks['analyze'] / 2**30:6.2f} GiB  x{peaks['analyze'] / max(1, peaks['sdpa']):5.2f}", flush=True)
+          f"analyze {peaks['analyze'] / 2**30:6.2f} GiB  x{peaks['analyze'] / max(1, peaks['sdpa']):5.2f}"
+          + ("   layers: " + ", ".join(f"{list(taken.values()).count(r)} {r}" for r in sorted(set(taken.values())))
+             if taken else ""), flush=True)
 
 print("gpu_check: analysis (HeadStats + TokenStats, all layers) / SDPA forward, bf16, medians of 3 after a warm-up; "
-      "blocks: the budget of B*H*Q*S per block of queries (default: the library's for the device)")
+      "blocks: the budget of B*H*Q*S per block of queries (default: the library's for the device); "
+      "route: the capture's (default: the library's for the device, auto)")
+ROUTES = ("auto", "fused", "block")
 if dry:
     from tiny_models import tiny_model
     h = tiny_model("llama")
     h.model.to(torch.bfloat16)
     for T in (64, 128):
         measure(h, T, repeats=1)
+    for route in ROUTES:                          # every route's code path
+        measure(h, 128, repeats=1, route=route)
     for block in (1 << 12, 1 << 14):              # the budget sweep's code path
-        measure(h, 128, repeats=1, block=block)
+        measure(h, 128, repeats=1, block=block, route="block")
 else:
     if model_spec:
         h = load_model(model_spec, dtype="bfloat16", device=dev, attn_implementation="sdpa")
         h.model.config.max_position_embeddings = 32768   # timing only: past the trained context
         for T in (2048, 8192, 32768):
             measure(h, T)
+        for T in (8192, 32768):
+            for route in ROUTES:
+                measure(h, T, route=route)
         # the default's neighbours (capture.ACCELERATOR_BLOCK_ELEMENTS = 2^26): more, smaller blocks
-        # or fewer, larger ones, to set the constant from this GPU's figures
+        # or fewer, larger ones, to set the constant from this GPU's figures (the block path's)
         for block in (1 << 24, 1 << 28):
-            measure(h, 8192, block=block)
+            measure(h, 8192, block=block, route="block")
         del h
         torch.cuda.empty_cache()
     h = seed_model("llama3.1-8b", dtype=torch.bfloat16, device=dev, attn_implementation="sdpa")
     for T in (2048, 8192):
         measure(h, T)
+    for route in ROUTES:
+        measure(h, 8192, route=route)
 PYEOF
 GPU_CHECK_DRY="$DRY" GPU_CHECK_DEVICE="$DEV" step "analysis / SDPA ratios" "$PY" "$RATIOS_PY"
+
+# ---- 4b. the fused route's kernels alone, per layer / that layer's SDPA forward -----------------
+echo "gpu_check: the fused route's kernels, one layer / its SDPA forward (benchmarks/bench_routes.py)"
+if [ -n "$DRY" ]; then
+    step "route kernels" "$PY" benchmarks/bench_routes.py --device cpu --sizes 64,128 --repeats 1 --threads 1
+else
+    step "route kernels" "$PY" benchmarks/bench_routes.py --device cuda --dtype bfloat16 --sizes 8192,32768 --shape smollm2
+    step "route kernels (LLaMA-3.1-8B's shape)" "$PY" benchmarks/bench_routes.py --device cuda --dtype bfloat16 \
+        --sizes 8192,32768 --shape llama8b
+fi
 
 # ---- 5. generation with analysis / model.generate, bf16 ---------------------------------------
 if [ -n "$DRY" ] || [ -n "$MODEL" ]; then

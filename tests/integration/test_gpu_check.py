@@ -62,8 +62,9 @@ def test_gpu_check_refuses_an_unknown_option():
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
-    """``--dry-run``: the device tests collected, the analysis / SDPA ratios and the generation
-    benchmark run on the CPU at toy sizes with this Python: the script's code runs without a GPU."""
+    """``--dry-run``: the device tests collected, the analysis / SDPA ratios (every route of the
+    capture, the block budgets on the block path), the route kernels and the generation benchmark
+    run on the CPU at toy sizes with this Python: the script's code runs without a GPU."""
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=900)
@@ -72,9 +73,15 @@ def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
     assert lines[0].startswith("gpu_check: dry run on the CPU")
     assert "gpu_check: device tests collected (run on cuda by the real check)" in lines
     ratios = [x for x in lines if x.strip().startswith("tiny-llama") and "time x" in x and "peak above weights" in x]
-    # two lengths with the device's default budget, then the budget sweep at one length
-    assert [x.split()[1:5] for x in ratios] == [["T=", "64", "blocks", "default"], ["T=", "128", "blocks", "default"],
-                                                ["T=", "128", "blocks", "2^12"], ["T=", "128", "blocks", "2^14"]]
+    # two lengths with the device's default budget and route, every route at one length, then the
+    # budget sweep on the block path
+    assert [x.split()[1:7] for x in ratios] == [
+        ["T=", "64", "blocks", "default", "route", "default"], ["T=", "128", "blocks", "default", "route", "default"],
+        *[["T=", "128", "blocks", "default", "route", r] for r in ("auto", "fused", "block")],
+        ["T=", "128", "blocks", "2^12", "route", "block"], ["T=", "128", "blocks", "2^14", "route", "block"]]
+    kernels = [x.split() for x in lines if x.strip().startswith("T=") and "the SDPA forward" in x]
+    assert [k[2] for k in kernels if k[1] == "128"][:5] == ["sdpa", "attend", "transpose", "winner", "winner_block"]
+    assert any(k[1] == "128" and k[2:4] == ["fused", "route"] for k in kernels)
     bench = [x for x in lines if x.startswith("P=    8 N=   2")]
     assert len(bench) == 1 and "generate" in bench[0] and "analyze" in bench[0] and "TOKENS DIFFER" not in bench[0]
     assert any(x.strip().startswith("resident MB after step 1") for x in lines)
@@ -82,7 +89,7 @@ def test_gpu_check_dry_run_runs_every_part_on_the_cpu():
     assert [g[0] for g in grid] == ["generate", "grid"] and grid[0][2] == "1.00" and float(grid[1][2]) > 0
     assert not any("FAILED" in x for x in lines)
     assert [x.split("'")[1] for x in lines if x.startswith("gpu_check: step '")] == [
-        "analysis / SDPA ratios", "generation benchmark", "task grid benchmark"]
+        "analysis / SDPA ratios", "route kernels", "generation benchmark", "task grid benchmark"]
     assert lines[-1].startswith("gpu_check: done in ")
 
 
