@@ -70,7 +70,6 @@ def worker(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from attngeom.capture.session import Session
     from attngeom.streaming.reducers import HeadStats, TokenStats
     from attngeom.streaming import stream
     from seed_configs import random_ids, seed_config, seed_model

@@ -17,7 +17,6 @@ weighing the same, as the run's own tables.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-from attngeom.errors import AttngeomError, InputError, ModelLoadError, OutputError, TraceFormatError, UnsupportedArchitectureError
+from attngeom.errors import AttngeomError, InputError, ModelLoadError, OutputError, TraceFormatError, UnsupportedArchitectureError  # noqa: F401
 
 _LAZY = {
     "ATTN_NAME": ".capture", "Block": ".capture", "Session": ".capture",
@@ -38,14 +38,14 @@ __all__ = sorted([*_LAZY, *SUBPACKAGES, "AttngeomError", "InputError", "ModelLoa
                   "UnsupportedArchitectureError", "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from attngeom import (analysis, capture, claims, data, explorer, faithfulness, generation, heads, kvcache, metrics, model,
-                          runs, selection, sinks, stats, streaming, traces)
-    from attngeom.capture import ATTN_NAME, Block, HeadRemoval, RankIntervention, Session, SourceMask
-    from attngeom.data import load_windows, read_texts
-    from attngeom.kvcache import CompressedCache
-    from attngeom.model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap
-    from attngeom.streaming import FullCapture, InputBatch, HeadStats, Reducer, TokenStats, stream
-    from attngeom.traces import LayerTrace, Trace, analyze, analyze_batch
+    from attngeom import (analysis, capture, claims, data, explorer, faithfulness, generation, heads, kvcache, metrics, model,  # noqa: F401
+                          runs, selection, sinks, stats, streaming, traces)  # noqa: F401
+    from attngeom.capture import ATTN_NAME, Block, HeadRemoval, RankIntervention, Session, SourceMask  # noqa: F401
+    from attngeom.data import load_windows, read_texts  # noqa: F401
+    from attngeom.kvcache import CompressedCache  # noqa: F401
+    from attngeom.model import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelHandle, load_model, wrap  # noqa: F401
+    from attngeom.streaming import FullCapture, InputBatch, HeadStats, Reducer, TokenStats, stream  # noqa: F401
+    from attngeom.traces import LayerTrace, Trace, analyze, analyze_batch  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -27,7 +27,7 @@ import attngeom
 from attngeom.capture.interventions import HeadRemoval, SourceMask
 from attngeom.capture.session import attngeom_attention_implementation, Session
 from attngeom.generation.decoding import Decoding, GrowingCache, GrowingNorms, generate
-from attngeom.kvcache.cache import CacheScorer, CompressedCache, cached_forward, compressing
+from attngeom.kvcache.cache import CompressedCache, cached_forward, compressing
 from attngeom.metrics import registry
 from attngeom.heads.taxonomy import TaxonomyStats
 from attngeom.model.adapter import adapter_for

@@ -14,7 +14,7 @@ from attngeom.generation.decoding import Decoding, stream_generation
 from attngeom.generation.prompts import FALLBACK_CHAT_TEMPLATE, chat_template_of, prompt_ids, template_positions
 from attngeom.generation.heads import AnswerHeads
 from attngeom.traces.trace import Trace, analyze
-from tiny_models import BOS_ID, tiny_chat_tokenizer, tiny_model, tiny_tokenizer
+from tiny_models import tiny_chat_tokenizer, tiny_model
 
 PROMPT = "capital of France?"
 N = 4

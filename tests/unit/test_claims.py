@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attngeom.stats import resampling as bs
 from attngeom import claims as CL
 from attngeom import faithfulness as FA
 from attngeom import heads as HD
@@ -194,19 +193,6 @@ def test_escape_markdown():
     assert escape("*x*_y_") == "\\*x\\*\\_y\\_"
     assert "\n" not in escape("line\nbreak")
     assert escape(None) == ""
-
-
-def test_side_by_side_table():
-    from attngeom.reports.claims import side_by_side
-
-    row = {"id": "sink_value_small", "claim": "values | small", "value": "3.5×", "interval": "[3, 4]", "verdict": "holds"}
-    md = side_by_side({"A": {"rows": [row]}, "B": {"rows": [{**row, "verdict": "refuted", "value": "1×"}]}})
-    lines = md.strip().split("\n")
-    assert len(lines) == 3 and "values \\| small" in lines[2]
-    assert "**holds**" in lines[2] and "**refuted**" in lines[2]
-    assert lines[0].endswith("same verdict |") and lines[2].endswith("**no** |")
-    same = side_by_side({"A": {"rows": [row]}, "B": {"rows": [row]}}).strip().split("\n")
-    assert same[2].endswith("| yes |")
 
 
 def test_per_ratio_verdicts_on_a_hand_made_case():

@@ -107,7 +107,6 @@ def test_batched_rows_equal_one_variant_per_forward(tiny_llama):
 
 def test_resume_after_a_kill_gives_the_same_table(tiny_llama, tmp_path, monkeypatch):
     units = window_units(_windows(tiny_llama, n=4))
-    variants = _variants()
     full, full_s = _table_summary(tiny_llama, _run(tmp_path / "full"), units=units, settings=_settings(rows=5),
                                   progress=False)
 

@@ -11,7 +11,7 @@ from attngeom.capture.kernel import GrowingTensor
 from attngeom.capture.session import Session
 from attngeom.generation.answers import AnswerSources
 from attngeom.generation.decoding import (Decoding, GrowingCache, GrowingNorms, generate, generation_stage,
-                                         model_stop_ids, stream_generation)
+                                         stream_generation)
 from attngeom.generation.prompts import prompt_ids
 from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
 from attngeom.traces.trace import Trace, analyze

@@ -14,7 +14,6 @@ from attngeom.kvcache.cache import kept_entries
 from attngeom.kvcache.policies import (POLICIES, EvictionContext, adakv_budgets, get_policy,
                                        pyramid_budgets)
 from attngeom.kvcache.ruler import Example, encode_example
-from attngeom.metrics.leave_one_out import leave_one_out
 from attngeom.kvcache.settings import TASK_POLICIES, KVTaskSettings
 from tiny_models import eager_attentions, tiny_model
 

@@ -184,7 +184,7 @@ def describes(mask: torch.Tensor, window: int | None, lengths: torch.Tensor,
     """Whether the boolean ``mask [B|1, 1, T, T]`` is exactly causal, with the sliding ``window``
     (``j > i − window``) and the right padding of ``lengths`` (``j < lengths[b]``): what the fused
     winner kernel takes."""
-    B, T = mask.shape[0], mask.shape[-1]
+    T = mask.shape[-1]
     cols = torch.arange(T, device=mask.device)
     real = cols[None, :] < lengths.to(mask.device)[:, None]                           # [B', T]
     for i0 in range(0, T, block_queries):

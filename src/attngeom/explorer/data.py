@@ -189,19 +189,6 @@ def flow(transfers: list[list[dict[int, float]]], token: int, T: int) -> np.ndar
     return f
 
 
-def flow_edges(transfers, f: np.ndarray, threshold: float = 0.02) -> list[tuple[int, int, int, float]]:
-    """Edges of the flow graph: ``(k, i, j, weight)`` = ``f[k+1, i] · A^{(k)}_ij``, those with
-    ``|weight| >= threshold``."""
-    edges = []
-    for k in range(len(transfers) - 1, -1, -1):
-        for i in np.nonzero(f[k + 1])[0]:
-            for j, a in transfers[k][i].items():
-                w = f[k + 1, i] * a
-                if abs(w) >= threshold:
-                    edges.append((k, int(i), int(j), float(w)))
-    return edges
-
-
 # --------------------------------------------------------------------------------------------
 # Collecting the rows while the forward pass runs
 # --------------------------------------------------------------------------------------------

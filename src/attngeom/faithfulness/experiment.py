@@ -46,7 +46,6 @@ from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.streaming.passes import batch_nll
 from attngeom.stats import resampling
 
-DEFAULT_RATIOS = FaithfulnessSettings.ratios
 DEFAULT_SEEDS = FaithfulnessSettings.seeds
 
 

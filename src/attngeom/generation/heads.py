@@ -32,7 +32,6 @@ from typing import Collection, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from attngeom.capture.blocks import Block
 from attngeom.errors import InputError

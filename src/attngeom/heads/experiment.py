@@ -51,7 +51,6 @@ from attngeom.heads.taxonomy import REGIMES, share_of_each_regime
 from attngeom.stats import resampling
 from attngeom.streaming.passes import batch_nll, make_batches, scored_tokens, to_ids
 
-RETENTIONS = HeadsSettings.retentions
 ORDERS = ("taxonomy", "weight", "entropy", "random", "sensitivity")
 REGIME_LABEL = {"Retriever": "winner_self", "Mixer": "winner_sink", "Reset": "winner_other"}
 

@@ -151,37 +151,3 @@ def rerender(stored: dict) -> str:
     rows = [{**r, **{k: one_number_format(r.get(k)) for k in ("value", "interval", "note")}} for r in stored["rows"]]
     return render({**stored, "rows": rows}, stored.get("model", ""), stored.get("data", ""),
                   stored.get("seconds_this_invocation"))
-
-
-def side_by_side(results: dict[str, dict]) -> str:
-    """One Markdown table comparing several models' ``claims.json`` contents (``{model label:
-    result}``): one row per claim, per model the measured value, its 95 % interval and the verdict; with
-    two results (two models, or one model on two corpora) a last column says whether the verdicts agree."""
-    names = list(results)
-    ids: list[str] = []
-    wording: dict[str, str] = {}
-    by = {n: {r["id"]: r for r in results[n]["rows"]} for n in names}
-    for n in names:
-        for r in results[n]["rows"]:
-            if r["id"] not in ids:
-                ids.append(r["id"])
-                wording[r["id"]] = r["claim"]
-    agree = len(names) == 2
-    head = "| # | claim | " + " | ".join(f"{escape(n)}: measured [95 % interval] | verdict" for n in names) + \
-        (" | same verdict |" if agree else " |")
-    lines = [head, "|--:|---|" + "---|---|" * len(names) + ("---|" if agree else "")]
-    for k, i in enumerate(ids, 1):
-        cells = []
-        for n in names:
-            r = by[n].get(i)
-            if r is None:
-                cells += ["not run", ""]
-                continue
-            iv = "" if r["interval"] in (None, "n/a", "—") else f" {r['interval']}"
-            cells += [escape(f"{r['value']}{iv}"), VERDICT_MARK.get(r["verdict"], escape(r["verdict"]))]
-        same = ""
-        if agree:
-            rs = [by[n].get(i) for n in names]
-            same = " | " + ("n/a" if None in rs else "yes" if rs[0]["verdict"] == rs[1]["verdict"] else "**no**")
-        lines.append(f"| {k} | {escape(wording[i])} | " + " | ".join(cells) + same + " |")
-    return "\n".join(lines) + "\n"

@@ -41,7 +41,6 @@ def pack(data: ExploreData) -> tuple[bytes, dict]:
     parts: list[np.ndarray] = []
     blocks: dict[str, list[dict]] = {m: [] for m in data.rows}
     off = 0
-    T = data.T
     for m in blocks:
         for entry in data.rows[m]:
             where = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import DPI, save_figure  # sets the Agg backend first
+from attngeom.reports.common import save_figure  # sets the Agg backend first
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -73,8 +73,6 @@ def fig_regime_grid(heads: pd.DataFrame, path: Path) -> Path:
     fig.suptitle(f"{_title(heads)}: head regimes (shade = share of the winning label)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return save_figure(fig, path, layout=False)
-    plt.close(fig)
-    return path
 
 
 def fig_regimes_by_layer(by_layer: pd.DataFrame, path: Path) -> Path:

@@ -298,7 +298,6 @@ class Run:
         self._writer: Path | None = None
         self._locked = False
         self._records: dict[str, dict[tuple[int, ...], dict]] = {}
-        self._new_records = 0
         self.units_done: dict[str, int] = {}
         self.units_total: dict[str, int] = {}
         self._check_agreement()
@@ -516,7 +515,6 @@ class Run:
                 os.fsync(f.fileno())
         except OSError as e:
             raise OutputError(f"cannot append to {self._writer}: {e.strerror or e}") from None
-        self._new_records += 1
 
     def stage(self, name: str, n_units: int, work: Callable[[list[int]], object], *, group: int = 1,
               group_key: Callable[[int], object] | None = None, fingerprints: Sequence | None = None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

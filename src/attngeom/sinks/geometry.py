@@ -182,7 +182,6 @@ def histogram_counts(x: torch.Tensor, w: torch.Tensor, lo: float, hi: float, bin
     below ``lo`` / at or above ``hi``), on ``x``'s device. NaN entries are left out. ``w`` holds
     whole numbers (0/1 query weights): the counts are exact in any order of addition, so a GPU's
     ``index_add_`` gives the CPU's counts."""
-    H = x.shape[1]
     ok = torch.isfinite(x) & (w > 0)
     width = (hi - lo) / bins
     idx = torch.floor((torch.where(ok, x, torch.zeros_like(x)) - lo) / width).long()

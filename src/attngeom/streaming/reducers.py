@@ -41,10 +41,6 @@ class InputBatch:
         return (torch.arange(T)[None, :] < self.lengths[:, None]).long()
 
 
-Batch = InputBatch
-"""An alias of :class:`InputBatch` for code that imports it from this module; not exported (the
-public name is ``attngeom.InputBatch``)."""
-
 
 class Reducer:
     """Base class: no-op hooks, and the mergeable state the experiment runner records.

@@ -9,7 +9,7 @@ from attngeom.kvcache.policies.attention import SNAP_KERNEL, SNAP_WINDOW, _snap_
 from attngeom.kvcache.policies.base import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 PYRAMID_BETA = 20
 """PyramidKV's β (kvpress's ``beta``): the last compressed layer keeps ``1/β`` of the mean budget."""

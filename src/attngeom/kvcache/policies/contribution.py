@@ -9,7 +9,7 @@ from attngeom.kvcache.policies.attention import SNAP_KERNEL, SNAP_WINDOW, _snap_
 from attngeom.kvcache.policies.base import RECENT, Policy, _recent_count, _tiers
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 def contribution(recent: float = RECENT, signed: bool = False) -> Policy:
     """Contribution (this toolkit; Cunningham & Muca Cirone, *Contribution Weights*): the intra-head
@@ -44,7 +44,6 @@ def suppressor(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, count: int 
     attention sink anti-aligned with the output) are kept first, then the window, then the entries
     by ``|Σ_i c_ij^h|`` (average-pooled): dropping a suppressor moves the output as far as dropping an
     adder of the same size."""
-    import torch
 
     def priority(ctx):
         neg = ctx.score.masked_fill(~ctx.valid, float("inf"))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from attngeom.kvcache.policies.base import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 KVZIP_SINKS = 4
 """Entries at the start of the context KVzip keeps whatever their score (kvpress's ``n_sink``): their score is 1."""

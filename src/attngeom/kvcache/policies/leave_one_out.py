@@ -8,7 +8,7 @@ from attngeom.kvcache.policies.attention import SNAP_WINDOW
 from attngeom.kvcache.policies.base import Policy, _tiers
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 def dropkv(window: int = SNAP_WINDOW, head_space: bool = False) -> Policy:
     """Leave-one-out (DropKV; the closed form of CAOTE, Goel et al., 2025): for each query of the

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from attngeom.kvcache.policies.base import SINKS, Policy, _tiers
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 def full() -> Policy:
     """The full cache: nothing is evicted (the reference)."""

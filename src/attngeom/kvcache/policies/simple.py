@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from attngeom.kvcache.policies.base import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
+    pass
 
 RANDOM_SEED = 0
 

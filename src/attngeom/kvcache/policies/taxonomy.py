@@ -8,7 +8,6 @@ from attngeom.kvcache.policies.base import RECENT, SINKS, Policy, _recent_count,
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
-    import torch
 
 def taxonomy(recent: float = RECENT, sinks: int = SINKS) -> Policy:
     """Taxonomy-aware per-head budgets (this toolkit's head taxonomy, SPEC §6, after Mudarisov et

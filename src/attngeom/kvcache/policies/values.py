@@ -57,7 +57,6 @@ def criticalkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, first: floa
     the budget by the attention score alone; the rest of the budget goes by the score times the
     projected value's ℓ1 norm ``‖W_O^h v_j‖₁`` (:func:`projected_value_l1`). The observation window
     is kept, as SnapKV keeps it."""
-    import torch
 
     def priority(ctx):
         tier, score = _snap_priority(ctx, window, kernel)
