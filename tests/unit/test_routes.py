@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from attngeom.capture import routes
+from attngeom.errors import InputError
 from attngeom.metrics import formulas as F
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -121,7 +122,7 @@ def test_a_route_that_cannot_reproduce_the_attention_says_why():
     assert "soft-capping" in routes.unsupported(q, k, None, 50.0)
     assert "cached" in routes.unsupported(q[:, :, :1], k, None, None)
     assert "additive" in routes.unsupported(q, k, torch.zeros(1, 1, 5, 5), None)
-    with pytest.raises(ValueError, match="auto, fused, block"):
+    with pytest.raises(InputError, match="auto, fused, block"):
         routes.check_route("fast")
 
 
@@ -338,7 +339,7 @@ def test_an_observer_that_reads_blocks_keeps_every_layer_on_the_block_path():
     forward(handle, batch, session)
     assert set(session.routes.values()) == {"block: FullCapture reads blocks"}
     assert len(full.layers) == handle.num_layers
-    with pytest.raises(ValueError, match="route must be one of"):
+    with pytest.raises(InputError, match="route must be one of"):
         Session(route="fast")
 
 
@@ -347,9 +348,8 @@ def test_an_observer_that_reads_blocks_keeps_every_layer_on_the_block_path():
 def test_the_summaries_stage_records_the_route_of_every_layer(route):
     """``summaries`` (the stage of ``attngeom analyze``) takes the route asked and writes the route
     each layer took in the heads table; a soft-capped layer asked to fuse says why it took blocks."""
-    from attngeom.model import ModelHandle
     from attngeom.streaming.stages import summaries
-    from tiny_models import tiny_model, tiny_tokenizer
+    from tiny_models import tiny_model
 
     texts = [[1, 5, 9, 13, 7, 22, 40, 8, 9], [1, 30, 31, 32, 33, 34]]
     for arch in ("llama", "gemma2"):
