@@ -15,6 +15,7 @@ from attngeom.model import handle as handle_mod
 from attngeom.model import gguf_cache, loading
 from attngeom.errors import InputError, ModelLoadError, UnsupportedArchitectureError
 from attngeom.model import (
+    BUNDLED_MODELS,
     DEFAULT_MODEL,
     ModelHandle,
     cache_dir,
@@ -350,10 +351,16 @@ def test_smollm2_default_model():
 
 
 @pytest.mark.slow
-@_needs_smollm2
-def test_smollm2_first_load_caches_exactly(tmp_path, monkeypatch):
-    """A fresh cache: the first load dequantises and saves; the second reads the cache, much
-    faster, and both give the logits of the model transformers dequantised from the GGUF."""
+@pytest.mark.parametrize("alias", [pytest.param(alias, marks=[pytest.mark.gemma3] if alias == "gemma3-270m" else [])
+                                   for alias in BUNDLED_MODELS])
+def test_first_load_caches_exactly_and_quietly(alias, tmp_path, monkeypatch, capfd):
+    """Each bundled model on a fresh cache: the first load dequantises and saves, without progress
+    bars under ``progress=False``; the second (its alias in capitals) reads the cache, much faster;
+    both give the logits of the model transformers dequantised from the GGUF file, and a GGUF file
+    assembled from several packages is removed afterwards."""
+    bundle = BUNDLED_MODELS[alias]
+    if not bundle.installed():
+        pytest.skip(f"needs the {bundle.name} package(s): {bundle.install}")
     monkeypatch.setenv("ATTNGEOM_CACHE", str(tmp_path / "cache"))
     text = "The capital of France is"
     seen = {}
@@ -364,26 +371,29 @@ def test_smollm2_first_load_caches_exactly(tmp_path, monkeypatch):
         ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids])
         with torch.no_grad():
             seen["logits"] = model(ids).logits.float()
+        seen["source"] = args[0]
         return model, tokenizer
 
     monkeypatch.setattr(gguf_cache, "dequantise_gguf", spy)
     start = time.monotonic()
-    first = load_model("SmolLM2-135M-Instruct", device="cpu")
+    first = load_model(alias, device="cpu", progress=False)
     t_first = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "de-quantizing" not in err and "it/s" not in err, err[-500:]
     reference = seen.pop("logits")
-    target = tmp_path / "cache" / "smollm2-135m-instruct"
+    assembled = len(bundle.distributions) > 1          # split over packages: joined in a temporary folder
+    assert seen.pop("source").exists() != assembled
+    target = tmp_path / "cache" / bundle.cache_name
     assert (target / "model.safetensors").is_file()
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["smollm2-135m-instruct"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [bundle.cache_name]
 
     start = time.monotonic()
-    second = load_model("smollm2-135m", device="cpu")
+    second = load_model(alias.upper(), device="cpu", progress=False)
     t_second = time.monotonic() - start
     assert "logits" not in seen  # served from the cache
     assert t_second < t_first / 3, (t_first, t_second)
-
-    a, b = _logits(first, text), _logits(second, text)
-    torch.testing.assert_close(a, reference, rtol=0, atol=0)
-    torch.testing.assert_close(b, reference, rtol=0, atol=0)
+    for handle in (first, second):
+        torch.testing.assert_close(_logits(handle, text), reference, rtol=0, atol=0)
 
 
 # ---- device and dtype policy ----------------------------------------------------------------------
@@ -508,7 +518,7 @@ def test_quiet_progress_silences_the_gguf_reader_and_restores_it():
 
 # ---- the bundled models ---------------------------------------------------------------------------
 
-from attngeom.model import BUNDLED_MODELS, find_bundled  # noqa: E402
+from attngeom.model import find_bundled  # noqa: E402
 
 
 def test_bundled_models_are_one_registry():
