@@ -121,6 +121,11 @@ def test_defect_18_plot_token_map_paths_it_cannot_write(trace, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "locked") == ["map.pdf"]   # no temporary file
 
 
+@pytest.mark.parametrize("path", [3, ["map.png"], b"map.png"])
+def test_plot_token_map_path_is_a_file_name(trace, path):
+    refused(lambda: trace.plot_token_map(0, path=path), match="path must be a file name")
+
+
 @pytest.mark.parametrize("width", [0, -3, 1e5, float("nan"), float("inf"), "3", True, 1.0])
 def test_defect_18_plot_token_map_width(trace, tmp_path, width):
     """``width`` 0 and -3 crashed in matplotlib, 1e5 asked for a 15-megapixel-wide image."""
@@ -153,6 +158,13 @@ def _edit(path: Path, **changes) -> None:
     meta = json.loads((path / "trace.json").read_text())
     meta.update(changes)
     (path / "trace.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("path", [None, 3, ["t"]])
+def test_trace_load_takes_a_path(path):
+    from attngeom import Trace
+
+    refused(lambda: Trace.load(path), match="Trace.load takes the directory of a saved trace")
 
 
 def test_defect_6_edited_token_strings_or_ids_are_refused(saved):

@@ -54,6 +54,8 @@ def _span(tokens, T: int) -> tuple[int, int]:
 def _check_path(path) -> Path:
     """The file a figure is written to, checked before anything is drawn: a known format, not a
     directory, in an existing folder; else one-line :class:`InputError` or :class:`OutputError`."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"path must be a file name, not a value of type {type(path).__name__}")
     path = Path(path)
     check_format(path.suffix or ".png")
     if path.is_dir():

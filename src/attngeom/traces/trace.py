@@ -274,8 +274,12 @@ class Trace:
         any tensor is read, then finiteness, the attention rows (non-negative, nothing above the
         diagonal, each summing to one) and the tensor file's checksum. Anything wrong raises
         :class:`~attngeom.errors.TraceFormatError` with a one-line message."""
+        import os
+
         from attngeom.traces.saved import load_trace
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"Trace.load takes the directory of a saved trace, not a value of type {type(path).__name__}")
         return load_trace(Path(path), cls, LayerTrace)
 
 
