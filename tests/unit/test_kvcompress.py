@@ -350,6 +350,19 @@ def test_criticalkv_first_stage_by_attention_then_by_projected_values():
     assert _kept(criticalkv(window=0, kernel=1), ctx, 4) == [[0, 1, 6, 7]]
 
 
+def test_criticalkv_window_counts_in_the_first_stage_as_kvpress():
+    from attngeom.kvcache.policies import criticalkv
+
+    # 8 entries, window 2 (entries 6, 7), budget 6, first stage int(0.5 * 6) = 3: the window and
+    # entry 0 (the highest score); the other 3 places by (s + eps) x |W_O v|_1, which favours 4 and 5
+    score = torch.tensor([9.0, 8, 7, 6, 1, 1, 0, 0])
+    values = torch.ones(1, 1, 8, 2)
+    values[0, 0, 4:6] = 20.0
+    ctx = _ctx(score, 6)
+    ctx.values, ctx.w_o = values, torch.eye(2)
+    assert _kept(criticalkv(window=2, kernel=1), ctx, 6) == [[0, 1, 4, 5, 6, 7]]
+
+
 def test_suppressor_keeps_the_most_negative_contributions_first():
     from attngeom.kvcache.policies import suppressor
 

@@ -13,6 +13,9 @@ if TYPE_CHECKING:  # pragma: no cover
 CRITICAL_FIRST_STAGE = 0.5
 """CriticalKV's share of the budget chosen by the attention score alone (its first stage)."""
 
+CRITICAL_EPSILON = 1e-4
+"""Added to the score before it is multiplied by the projected value norm (kvpress's ``epsilon``)."""
+
 
 def vatp(recent: float = RECENT, sinks: int = 1) -> Policy:
     """VATP (Guo et al., *Attention Score is not All You Need for Token Importance Indicator in KV
@@ -55,15 +58,19 @@ def criticalkv(window: int = SNAP_WINDOW, kernel: int = SNAP_KERNEL, first: floa
     """CriticalKV (Feng et al., *Identify Critical KV Cache in LLM Inference from an Output
     Perturbation Perspective*, 2025) on SnapKV's scores: a first stage keeps the ``first`` share of
     the budget by the attention score alone; the rest of the budget goes by the score times the
-    projected value's ℓ1 norm ``‖W_O^h v_j‖₁`` (:func:`projected_value_l1`). The observation window
-    is kept, as SnapKV keeps it."""
+    projected value's ℓ1 norm, ``(s_j + ε) ‖W_O^h v_j‖₁`` (:func:`projected_value_l1`, ``ε`` =
+    :data:`CRITICAL_EPSILON`), as kvpress's ``CriticalKVPress(SnapKVPress())``: the observation
+    window is kept, and counts in the first stage's share (SnapKVPress scores it above every entry)."""
+
+    import torch
 
     def priority(ctx):
         tier, score = _snap_priority(ctx, window, kernel)
         n_first = (ctx.budget.float() * first).long().to(ctx.pos.device).reshape(1, -1, 1)
-        rank = score.masked_fill(~ctx.valid, float("-inf")).argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        first_rank = torch.where(tier > 0, float("inf"), score).masked_fill(~ctx.valid, float("-inf"))
+        rank = first_rank.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         stage_one = rank < n_first
-        return tier * 2 + stage_one.long(), score * projected_value_l1(ctx)
+        return tier * 2 + stage_one.long(), (score + CRITICAL_EPSILON) * projected_value_l1(ctx)
 
     return Policy("criticalkv", "SnapKV scores, then x |W_O v|_1 (two stages)", priority, needs="attention",
                   accumulate=False, last=window, params={"window": window, "kernel": kernel, "first": first},
