@@ -133,9 +133,9 @@ def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _byte_to_unicode_inverse() -> dict[str, int]:
-    from attngeom.model.handle import _byte_decoder
+    from attngeom.model.handle import byte_decoder
 
-    return _byte_decoder()
+    return byte_decoder()
 
 
 def tiny_config(arch: str, **overrides):

@@ -148,7 +148,7 @@ def _is_byte_level(tokenizer) -> bool:
 
 
 @lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode table."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))
@@ -164,7 +164,7 @@ def _byte_decoder() -> dict[str, int]:
 
 def _unbyte(tok: str) -> str:
     """Map a byte-level token string back to text (partial UTF-8 shows as U+FFFD)."""
-    table = _byte_decoder()
+    table = byte_decoder()
     data = bytearray()
     for ch in tok:
         if ch in table:

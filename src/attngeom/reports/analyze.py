@@ -97,7 +97,7 @@ def _cmap(name: str):
     return matplotlib.colormaps[name].with_extremes(bad=MASK_COLOR)
 
 
-def _draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, fig, title: str,
+def draw_map(ax, m: np.ndarray, *, diverging: bool, tokens: list[str] | None, fig, title: str,
               colorbar: bool = True, norm=None, ticks: bool = True, cax=None, divider: int | None = None,
               offset: int = 0, fontsize: float = 9):
     """One map with its title (``fontsize``; labels and ticks a little smaller, never below
@@ -178,7 +178,7 @@ def _interpolation(T: int, pixels: float) -> str:
     return "nearest" if pixels >= T else "antialiased"
 
 
-def _wrapped(text: str, width_in: float, fontsize: float) -> str:
+def wrapped(text: str, width_in: float, fontsize: float) -> str:
     """``text`` broken at spaces into lines that fit ``width_in`` inches (existing breaks kept)."""
     import textwrap
 
@@ -217,7 +217,7 @@ def draw_token_maps(layer_trace, tokens: list[str], path: str | Path, title: str
         x0, y0 = (k % 2) * panel_w + left, (1 - k // 2) * panel_h + bottom
         ax, cax = _axes_at(fig, x0, y0, box, box), _axes_at(fig, x0 + box + 0.12, y0, 0.17, box)
         m = layer_trace.token_score(name)
-        _draw_map(ax, m, diverging=name == "contribution", tokens=tokens, fig=fig, title=f"{label}: {formula}",
+        draw_map(ax, m, diverging=name == "contribution", tokens=tokens, fig=fig, title=f"{label}: {formula}",
                   cax=cax, divider=divider)
     answer = "; green line: prompt | answer" if divider is not None and 0 < divider < T else ""
     fig.suptitle(f"{title} — layer {layer_trace.index}, all {layer_trace.num_heads} heads, T = {T} tokens\n"
@@ -302,7 +302,7 @@ def draw_head_grid(layer_trace, tokens: list[str], path: str | Path, heads: list
                        extend="both" if clips else "neither")
     cb2.set_label("contribution $c_{ij}^h$ (intra-head;\nsigned square-root scale)", fontsize=8)
     cb2.ax.tick_params(labelsize=7)
-    fig.suptitle(_wrapped(f"{title} — layer {layer_trace.index}, per head: attention beside contribution\n"
+    fig.suptitle(wrapped(f"{title} — layer {layer_trace.index}, per head: attention beside contribution\n"
                           f"(T = {T}; rows $i$ = queries, columns $j$ = sources; "
                           r"sink = mean over queries $i>0$ of the sink column $j=0$)", fig.get_figwidth(), 10),
                  fontsize=10, y=1 - 0.1 / fig.get_figheight(), va="top")

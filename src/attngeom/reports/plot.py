@@ -91,7 +91,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     from matplotlib.figure import Figure
 
     from attngeom.metrics import registry
-    from attngeom.reports.analyze import _draw_map, _wrapped, token_label
+    from attngeom.reports.analyze import draw_map, wrapped, token_label
 
     layer = whole_number(layer, "layer")
     lt = next((x for x in trace.layers if x is not None and x.index == layer), None)
@@ -117,7 +117,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     box = width - margin - 0.85
     what = registry.label(metric) + (" (all heads)" if head is None else f", head {head}")
     title_size = MIN_FONT_PT + 1.5
-    title = _wrapped(title if title is not None else f"{trace.model_name or 'model'}, layer {layer}: {what}",
+    title = wrapped(title if title is not None else f"{trace.model_name or 'model'}, layer {layer}: {what}",
                      width - 0.2, title_size)
     fig = Figure(figsize=(width, box + margin + 0.15 + 0.2 * (title.count("\n") + 1)))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -127,7 +127,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     ax = fig.add_axes((margin / W, margin / H, box / W, box / H))
     cax = fig.add_axes(((margin + box + 0.08) / W, margin / H, 0.1 / W, box / H))
     diverging = bool(np.nanmin(m) < 0)      # signed maps (contributions) on a diverging scale centred at 0
-    _draw_map(ax, m, diverging=diverging, tokens=None, fig=fig, title="", cax=cax, ticks=False,
+    draw_map(ax, m, diverging=diverging, tokens=None, fig=fig, title="", cax=cax, ticks=False,
               divider=trace.prompt_length, offset=start, fontsize=MIN_FONT_PT + 1)
     cax.set_ylabel(registry.label(metric), fontsize=MIN_FONT_PT)
     step = max(1, int(np.ceil(T * 1.08 * MIN_FONT_PT / 72 / box)))
