@@ -20,7 +20,8 @@ class AnalyzeSettings:
     position ``sink``. The answer tables rank special and chat-template tokens as sources only with
     ``rank_special`` (they are marked either way). ``decoding`` (a :class:`~attngeom.generation.decoding.Decoding`; None: no generation)
     generates an answer to the text as a prompt, a user message through the chat template when
-    ``chat`` (with the ``system`` message)."""
+    ``chat`` (with the ``system`` message). ``route``: how the capture computes the summaries (SPEC
+    §10: ``auto``, ``fused`` or ``block``; :data:`attngeom.capture.routes.ROUTES`)."""
 
     layers: tuple[int, ...] | None = None
     figure_layers: tuple[int, ...] | None = None
@@ -33,6 +34,7 @@ class AnalyzeSettings:
     chat: bool = False
     system: str | None = None
     rank_special: bool = False
+    route: str = "auto"
 
     def _layers(self):
         return "all" if self.layers is None else sorted(set(self.layers))
@@ -43,7 +45,7 @@ class AnalyzeSettings:
                 "figure_layers": None if self.figure_layers is None else list(self.figure_layers),
                 "heads": "all" if self.heads is None else sorted(set(self.heads)),
                 "window": self.window, "stride": self.stride, "sink": self.sink,
-                "max_map_tokens": self.max_map_tokens, "rank_special": self.rank_special,
+                "max_map_tokens": self.max_map_tokens, "rank_special": self.rank_special, "route": self.route,
                 **generation_record(self.decoding, self.chat, self.system)}
 
     def identity(self, corpus: bool = False) -> dict:

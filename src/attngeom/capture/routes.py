@@ -36,6 +36,7 @@ from typing import Iterable
 
 import torch
 
+from attngeom.errors import InputError
 from attngeom.metrics import formulas as metrics
 
 ROUTES = ("auto", "fused", "block")
@@ -49,9 +50,10 @@ FUSED_RECEIVED = ("attention", "value_weighted", "output_normalized", "contribut
 
 
 def check_route(route: str) -> str:
-    """``route`` if it is one of :data:`ROUTES`; a ``ValueError`` naming them otherwise."""
+    """``route`` if it is one of :data:`ROUTES`; an :class:`~attngeom.errors.InputError` naming them
+    otherwise (one line)."""
     if route not in ROUTES:
-        raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+        raise InputError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
     return route
 
 

@@ -56,6 +56,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-map-tokens", type=int, default=d.max_map_tokens,
                    help="draw maps only when the (first) input window has at most this many tokens "
                         "(default %(default)s)")
+    p.add_argument("--route", default=d.route,
+                   help="how the summaries are computed (SPEC §10): auto (default: fused attention kernels on "
+                        "CUDA, blocks of queries on the CPU), fused (the fused kernels wherever they reproduce the "
+                        "layer exactly) or block; heads.parquet's route column says what each layer took")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     common.add_figure_args(p, no_figures=False)
     add_generation_args(p)
@@ -74,6 +78,7 @@ def add_parser(subparsers) -> None:
 
 def _checked(args) -> dict:
     """The options that need no model, checked: layers, figure layers and heads as tuples (None: default)."""
+    from attngeom.capture.routes import check_route
     from attngeom.data.corpora import parse_int_list
 
     layers = check_layer_list(args.layers)
@@ -82,6 +87,7 @@ def _checked(args) -> dict:
     if heads is not None and not heads:
         raise InputError("--heads names no head")
     check_at_least(args, window=3, stride=1, sink=0, max_map_tokens=0)
+    check_route(args.route)
     common.figure_format(args)
     if args.stride is not None and args.window is None:
         raise InputError("--stride needs --window")
@@ -99,7 +105,7 @@ def run(args) -> int:
     text, source = text_input(args, "analyse")
     settings = AnalyzeSettings(**lists, window=args.window, stride=args.stride, sink=args.sink,
                                max_map_tokens=args.max_map_tokens, decoding=decoding_of(args), chat=args.chat,
-                               system=args.system, rank_special=args.rank_special)
+                               system=args.system, rank_special=args.rank_special, route=args.route)
     prompt = prompt_of(args, text) if settings.decoding else text
     identity = common.run_identity(args, settings, **text_identity(text, source))
 
