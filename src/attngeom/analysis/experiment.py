@@ -194,7 +194,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, text_or_ids, settin
         heads_df, tokens_df, each = answer["heads"], answer["tokens"], [answer["heads"]]
     else:
         heads_df, tokens_df, each = summaries(handle, run, [w for _, w in windows], layers=layers,
-                                              sink=settings.sink, each=True, route=settings.route)
+                                              sink=settings.sink, each=True)
     with_token_strings(handle, {"tokens": tokens_df}, ids)
     add_input_positions(tokens_df, windows, has_bos)
     summary = build_summary(handle, settings, source, ids, windows, layers, fig_layers, heads_df, tokens_df)
@@ -298,11 +298,11 @@ def window_sums(heads: Sequence["pd.DataFrame"], layers: Sequence[int]) -> dict:
 def build_summary(handle: ModelHandleLike, settings: AnalyzeSettings, source: str | None, ids: list[int],
                   windows, layers: list[int], fig_layers: list[int], heads_df, tokens_df) -> dict:
     """summary.json of one text, before ``generation``, ``maps``, ``runtime_s`` and ``files``."""
-    from attngeom import __version__
+    from attngeom.runs.run import versions
 
     return {
         "command": "analyze",
-        "attngeom_version": __version__,
+        "attngeom_version": versions()["attngeom"],
         "model": {"name": handle.name, "spec": getattr(handle, "spec", handle.name),
                   "architecture": handle.architecture,
                   "layers": handle.num_layers, "heads": handle.num_heads, "kv_heads": handle.num_kv_heads,
