@@ -194,7 +194,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, text_or_ids, settin
         heads_df, tokens_df, each = answer["heads"], answer["tokens"], [answer["heads"]]
     else:
         heads_df, tokens_df, each = summaries(handle, run, [w for _, w in windows], layers=layers,
-                                              sink=settings.sink, each=True)
+                                              sink=settings.sink, each=True, route=settings.route)
     with_token_strings(handle, {"tokens": tokens_df}, ids)
     add_input_positions(tokens_df, windows, has_bos)
     summary = build_summary(handle, settings, source, ids, windows, layers, fig_layers, heads_df, tokens_df)
