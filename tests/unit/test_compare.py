@@ -59,8 +59,18 @@ def test_differences_equal_the_traces_maps(pair):
         assert np.allclose(heads["sink_rate_b"], lb.attention[:, i, 0], atol=1e-7)
         assert np.all((heads["attention_distance"] >= 0) & (heads["attention_distance"] <= 1 + 1e-6))
         full = d.map_diff(la.index, "contribution", head=1)
-        assert np.allclose(full, lb.contribution_inter[1][np.ix_(pairs[:, 1], pairs[:, 1])]
+        eq = (d.alignment["op"] == "equal").to_numpy()
+        assert list(full.index) == list(full.columns) and len(full) == len(d.alignment)
+        assert np.allclose(full.to_numpy()[np.ix_(eq, eq)], lb.contribution_inter[1][np.ix_(pairs[:, 1], pairs[:, 1])]
                            - la.contribution_inter[1][np.ix_(pairs[:, 0], pairs[:, 0])], atol=1e-6)
+        for k, (pa_, pb_) in enumerate(zip(d.alignment["position_a"], d.alignment["position_b"])):
+            if pd.isna(pa_):                      # a token only in b: its column holds b's values
+                assert full.columns[k].startswith(f"b{pb_} ")
+                rows_b = [j for j, x in enumerate(d.alignment["position_b"]) if not pd.isna(x)]
+                want = lb.contribution_inter[1][[int(d.alignment["position_b"][j]) for j in rows_b], int(pb_)]
+                assert np.allclose(full.to_numpy()[rows_b, k], want, atol=1e-6)
+            elif pd.isna(pb_):                    # only in a: a's values negated
+                assert full.columns[k].startswith(f"a{pa_} ")
 
 
 def test_a_trace_against_itself_differs_nowhere(pair):
@@ -68,7 +78,7 @@ def test_a_trace_against_itself_differs_nowhere(pair):
     d = diff(a, a, target=5)
     assert (d.target_a, d.target_b) == (5, 5)
     assert np.allclose(d.layers["distance"], 0) and np.allclose(d.heads["contribution_distance"], 0)
-    assert np.allclose(d.map_diff(0), 0)
+    assert np.allclose(d.map_diff(0).to_numpy(), 0)
     assert "0 changed in a" in repr(d) and "\n" not in repr(d)
 
 
@@ -91,7 +101,7 @@ def test_refusals_are_one_line(pair):
     for call, match in [(lambda: diff(a, other), "only 0 of trace a's"),
                         (lambda: diff(a, b, target=6), "no counterpart"),       # the changed 'a' of "cat"
                         (lambda: diff(a, b, target=99), "outside"),
-                        (lambda: diff(Trace(a.ids, a.tokens, a.layers[:1]), Trace(b.ids, b.tokens, b.layers[1:])),
+                        (lambda: diff(Trace(a.ids, a.tokens, a.layers.values()[:1]), Trace(b.ids, b.tokens, b.layers.values()[1:])),
                          "no layer in common"),
                         (lambda: diff(a, b).map_diff(7), "not in both")]:
         with pytest.raises(InputError, match=match) as e:

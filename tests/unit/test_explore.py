@@ -118,7 +118,7 @@ def test_exact_rows_equal_the_trace(exact, trace):
 
 
 def test_top_source_matches_the_maps(exact, trace):
-    lt = trace.layers[-1]
+    lt = trace.layers.values()[-1]
     q = exact.T - 1
     j = exact.top_source(lt.index, None, q, "contribution")
     assert j == int(np.argmax(lt.contribution_inter.sum(0)[q]))
@@ -219,7 +219,7 @@ def test_measure_rows_equal_the_trace(tiny_llama, ids, prepared_trace, name):
     assert built.measure == name and set(built.rows) == set(E.METRICS) | {name}
     assert_rows_equal_trace(built, prepared_trace, name)
     assert_rows_equal_trace(E.from_trace(prepared_trace, measure=name), prepared_trace, name)
-    lt, q = prepared_trace.layers[-1], built.T - 2      # the last row of a gradient is 0: it predicts nothing scored
+    lt, q = prepared_trace.layers.values()[-1], built.T - 2      # the last row of a gradient is 0: it predicts nothing scored
     assert built.top_source(lt.index, None, q, name) == int(np.argmax(lt.token_score(name)[q]))
 
 

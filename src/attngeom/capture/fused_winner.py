@@ -1,4 +1,4 @@
-"""The source winner of SPEC §6 (and the row's entropy) without a ``[Q, S]`` map: one fused pass over the keys.
+"""The source winner of SPEC §6 without a ``[Q, S]`` map: one fused pass over the keys.
 
 For D1 (the route selection) -- the interface, identical for both implementations::
 
@@ -46,12 +46,6 @@ Two implementations of that one pass:
   whole layer at once). Used everywhere else.
 
 :func:`source_winner` picks between them (:func:`uses_triton`).
-
-The module's second pass, :func:`values_gradient` (same arguments, with ``lse [B, H, Q]`` and
-``F [B, H, Q, m]`` instead of ``v_norm``; the same two implementations), gives ``PᵀF``: what the
-attention's backward gives as the values' gradient, without its ``dQ`` and ``dK``. With it and the
-entropy above, the fused route needs the forward with ``v`` only, this pass and the winner's: about
-2× the layer's attention on a GPU instead of 5× (docs/benchmark-analyze.md, "Routes", an estimate).
 """
 
 from __future__ import annotations

@@ -417,14 +417,39 @@ class HeadRemoval:
         self.by_layer = _by_layer(removed)
         self.by_row = None if rows is None else [_by_layer(r) for r in rows]
 
-    def __call__(self, block: Block) -> torch.Tensor | None:
+    def hits(self, block: Block) -> list[tuple]:
+        """The (batch rows, head) pairs removed in ``block``'s layer."""
         if self.by_row is None:
-            hits = [(slice(None), h) for h in self.by_layer.get(block.layer, ())]
-        else:
-            hits = [(b, h) for b, r in enumerate(self.by_row) for h in r.get(block.layer, ())]
+            return [(slice(None), h) for h in self.by_layer.get(block.layer, ())]
+        return [(b, h) for b, r in enumerate(self.by_row) for h in r.get(block.layer, ())]
+
+    def __call__(self, block: Block) -> torch.Tensor | None:
+        hits = self.hits(block)
         if not hits:
             return None
         w = block.a.clone()
         for b, h in hits:
             w[b, h] = 0
+        return w
+
+
+class HeadMeanRemoval(HeadRemoval):
+    """Mean ablation of heads (the removals of :class:`HeadRemoval`): a removed head's output at
+    query ``i`` becomes the mean of its outputs at queries ``0..i`` of the same forward,
+    ``Σ_j ā_ij v_j`` with ``ā_ij = (1/(i+1)) Σ_{t<=i} a_tj`` (causal: no later token enters; at the
+    last query, the mean over the whole text). Needs each layer's queries in one block from position
+    0 (a forward without a cache, ``Session(block_elements=...)`` large enough)."""
+
+    def __call__(self, block: Block) -> torch.Tensor | None:
+        hits = self.hits(block)
+        if not hits:
+            return None
+        if block.q_start != 0 or block.k_start != 0:
+            raise InputError("mean ablation needs each layer's queries in one block from position 0 "
+                             "(no cache; a larger block_elements)")
+        Q = block.a.shape[2]
+        count = torch.arange(1, Q + 1, device=block.a.device, dtype=block.a.dtype)[:, None]
+        w = block.a.clone()
+        for b, h in hits:
+            w[b, h] = block.a[b, h].cumsum(-2) / count
         return w

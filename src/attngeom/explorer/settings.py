@@ -8,11 +8,6 @@ from dataclasses import asdict, dataclass
 from attngeom.errors import InputError
 
 
-PAD = 0xFFFF
-"""Index padding in top-k rows (a query with fewer than k visible sources): written by
-:mod:`attngeom.explorer.data`, read by the page (:mod:`attngeom.reports.explore`)."""
-
-
 @dataclass(frozen=True)
 class ExploreSettings:
     """What :func:`attngeom.explorer.data.build` keeps: every source (exact maps) up to

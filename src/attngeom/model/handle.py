@@ -28,6 +28,16 @@ class ModelHandle:
     name: str
     _adapter: ArchitectureAdapter | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        """One line: name, architecture, layers, heads, dtype and device (not the module tree)."""
+        try:
+            shape = (f"{self.num_layers} layers, {self.num_heads} heads"
+                     + (f" ({self.num_kv_heads} kv)" if self.num_kv_heads != self.num_heads else ""))
+        except Exception:                                     # an architecture attngeom cannot read
+            shape = "attention not read"
+        return (f"ModelHandle({self.name or self.spec}: {self.architecture}, {shape}, "
+                f"{str(self.dtype).replace('torch.', '')} on {self.device})")
+
     @property
     def adapter(self) -> ArchitectureAdapter:
         """The model's architecture adapter: attention modules and decoder layers by layer,

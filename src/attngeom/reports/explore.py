@@ -1,6 +1,5 @@
 """HTML of the explorer: one self-contained page (inline JS and CSS, no network) from an
-:class:`attngeom.explorer.data.ExploreData` (the ``data`` every function here takes; this module does not
-import the explorer, whose ``ExploreData.to_html`` calls :func:`write`).
+:class:`attngeom.explorer.data.ExploreData`.
 
 The data travels as JSON in ``<script type="application/json">`` with ``<``, ``>``, ``&``, U+2028
 and U+2029 escaped, so no token text can close the script element or be read as markup; the page
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attngeom.explorer.settings import PAD
+from attngeom.explorer.data import PAD, ExploreData
 
 TEMPLATE = "explore_template.html"
 PLACEHOLDER = "__EXPLORE_DATA__"
@@ -35,7 +34,7 @@ def _tri(x: np.ndarray) -> np.ndarray:
     return x[:, i, j].reshape(-1)
 
 
-def pack(data) -> tuple[bytes, dict]:
+def pack(data: ExploreData) -> tuple[bytes, dict]:
     """The binary block and, per metric and layer, the word offsets of its parts. The block holds
     ``N`` uint16 words as two byte planes (all low bytes, then all high bytes), which deflate
     compresses better than interleaved words."""
@@ -88,7 +87,7 @@ def _escape_json(text: str) -> str:
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
-def payload(data, level: int = 9) -> dict:
+def payload(data: ExploreData, level: int = 9) -> dict:
     """The JSON object the page reads."""
     from attngeom.heads.taxonomy import REGIMES
 
@@ -126,7 +125,7 @@ def payload(data, level: int = 9) -> dict:
     }
 
 
-def render(data) -> str:
+def render(data: ExploreData) -> str:
     """The whole page as a string."""
     template = resources.files("attngeom.reports").joinpath(TEMPLATE).read_text(encoding="utf-8")
     head, sep, tail = template.partition(PLACEHOLDER)
@@ -137,7 +136,7 @@ def render(data) -> str:
     return head + _escape_json(body) + tail
 
 
-def summary(data, settings: dict, page_bytes: int, runtime_s: float) -> dict:
+def summary(data: ExploreData, settings: dict, page_bytes: int, runtime_s: float) -> dict:
     """``summary.json`` of ``attngeom explore``: the run's settings, what the page holds (tokens,
     layers, exact maps or top-k sources, the answer's length, the measure when one is shown) and each
     analysed layer's sink attention and contribution (the page's sink chart);
@@ -152,14 +151,14 @@ def summary(data, settings: dict, page_bytes: int, runtime_s: float) -> dict:
             "page_bytes": int(page_bytes), "runtime_s": runtime_s}
 
 
-def write(data, path: str | Path) -> Path:
+def write(data: ExploreData, path: str | Path) -> Path:
     """Write the page to ``path`` (UTF-8). Returns the path."""
     path = Path(path)
     path.write_text(render(data), encoding="utf-8", newline="\n")
     return path
 
 
-def iframe(data, height: int = 760) -> str:
+def iframe(data: ExploreData, height: int = 760) -> str:
     """The page inside an ``<iframe srcdoc>``, for Jupyter (scripts in notebook output run isolated)."""
     return (f'<iframe srcdoc="{html.escape(render(data), quote=True)}" '
             f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '

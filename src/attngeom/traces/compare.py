@@ -21,7 +21,16 @@ traces hold); per-head differences need the same number of heads.
   changed source counting against zero (for attention rows, which sum to 1, the total variation
   distance), the share of the row on changed sources in each trace, and (per head) the head share
   ``Σ_j C_ij^h`` and sink rate ``a_i0^h`` in both — :attr:`TraceDiff.layers`, :attr:`TraceDiff.heads`;
-- :meth:`TraceDiff.map_diff`: ``b − a`` of a whole map on the aligned (query, source) pairs.
+- :meth:`TraceDiff.map_diff`: ``b − a`` of a whole map, labelled with tokens, the changed tokens included.
+
+**The prediction** (:func:`compare_texts` with ``answer`` and ``contrast`` tokens, e.g. ``" Paris"``
+against ``" Berlin"``; :func:`predictions`, :func:`patch_heads`): each side's probability and logit of
+the tokens at its last position and the metric ``m`` (the logit difference ``z_answer − z_contrast``,
+or without a contrast ``log P(answer)``) — :attr:`TraceDiff.prediction`; and which heads carry the
+difference: **activation patching**, each head's output (its slice of the output projection's input)
+taken from the clean run of ``b`` into the run of ``a`` at the changed positions and, separately, at
+the prediction (the last position), with the patched metric and its share of the gap ``m_b − m_a`` —
+:attr:`TraceDiff.patching`. Patching needs texts of the same number of tokens (one model).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from functools import cached_property
 
 import numpy as np
 import pandas as pd
+import torch
 
 from attngeom.errors import InputError
 from attngeom.model.arguments import check_handle, check_position, takes_handle, whole_number
@@ -72,6 +82,8 @@ class TraceDiff:
     target_a: int
     target_b: int
     layers_compared: list[int]
+    prediction: pd.DataFrame | None = None
+    patching: pd.DataFrame | None = None
 
     @cached_property
     def pairs(self) -> np.ndarray:
@@ -81,10 +93,14 @@ class TraceDiff:
 
     @property
     def same_heads(self) -> bool:
-        return self.a.layers[0].num_heads == self.b.layers[0].num_heads
+        return self.heads_of(self.a) == self.heads_of(self.b)
+
+    @staticmethod
+    def heads_of(trace) -> int:
+        return next(iter(trace.layers)).num_heads
 
     def _layer(self, trace, l: int):
-        return next(lt for lt in trace.layers if lt.index == l)
+        return trace.layers[l]
 
     def _rows(self, l: int, per_head: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """The target rows of layer ``l`` in ``a`` and ``b``: ``{measure: (row_a, row_b)}``, each
@@ -172,25 +188,46 @@ class TraceDiff:
             frames.append(df)
         return pd.concat(frames, ignore_index=True)
 
-    def map_diff(self, layer: int, measure: str = "contribution", head: int | None = None) -> np.ndarray:
-        """``b − a`` of layer ``layer``'s map on the aligned pairs: ``[n, n]`` (queries x sources, in
-        alignment order; zero above the diagonal). ``head`` None: token level (attention: mean over
-        heads; contribution: ``C_ij``); else that head's ``a_ij^h`` or ``C_ij^h``."""
+    def map_diff(self, layer: int, measure: str = "contribution", head: int | None = None) -> pd.DataFrame:
+        """``b − a`` of layer ``layer``'s map over the whole alignment: a ``[n, n]`` table (queries x
+        sources, in alignment order; zero above the diagonal), rows and columns labelled
+        ``"{position_a}/{position_b} {token}"`` for an aligned pair, ``"a{position} {token}"`` or
+        ``"b{position} {token}"`` for a changed token: its value in the one trace that has it (``b``'s
+        positive, ``a``'s negated; a cell between tokens of different traces is NaN). ``head`` None:
+        token level (attention: mean over heads; contribution: ``C_ij``); else that head's ``a_ij^h`` or
+        ``C_ij^h``."""
         if measure not in MEASURES:
             raise InputError(f"measure must be one of {', '.join(MEASURES)}, not {measure!r}")
         if layer not in self.layers_compared:
             raise InputError(f"layer {layer} is not in both traces; compared: {self.layers_compared}")
-        if head is not None and not (self.same_heads and 0 <= head < self.a.layers[0].num_heads):
-            raise InputError(f"head {head} cannot be compared (the traces have {self.a.layers[0].num_heads} and "
-                             f"{self.b.layers[0].num_heads} heads)")
-        out = []
-        for trace, side in ((self.a, 0), (self.b, 1)):
+        if head is not None and not (self.same_heads and 0 <= head < self.heads_of(self.a)):
+            raise InputError(f"head {head} cannot be compared (the traces have {self.heads_of(self.a)} and "
+                             f"{self.heads_of(self.b)} heads)")
+        maps = []
+        for trace in (self.a, self.b):
             lt = self._layer(trace, layer)
             x = lt.attention if measure == "attention" else lt.contribution_inter
-            x = x[head] if head is not None else (x.mean(0) if measure == "attention" else x.sum(0))
-            p = self.pairs[:, side]
-            out.append(x[np.ix_(p, p)].astype(np.float64))
-        return out[1] - out[0]
+            maps.append((x[head] if head is not None else (x.mean(0) if measure == "attention" else x.sum(0)))
+                        .astype(np.float64))
+        al = self.alignment
+        ia = al["position_a"].fillna(-1).to_numpy(np.int64)
+        ib = al["position_b"].fillna(-1).to_numpy(np.int64)
+        n = len(al)
+        out = np.full((n, n), np.nan)
+        both = (ia >= 0) & (ib >= 0)
+        ea, eb = ia >= 0, ib >= 0
+        a_part = np.zeros((n, n))
+        b_part = np.zeros((n, n))
+        a_part[np.ix_(ea, ea)] = maps[0][np.ix_(ia[ea], ia[ea])]
+        b_part[np.ix_(eb, eb)] = maps[1][np.ix_(ib[eb], ib[eb])]
+        out[np.ix_(both, both)] = (b_part - a_part)[np.ix_(both, both)]
+        only_a, only_b = ea & ~eb, eb & ~ea
+        for rows, cols, val in ((ea, only_a, -a_part), (only_a, ea, -a_part), (eb, only_b, b_part), (only_b, eb, b_part)):
+            out[np.ix_(rows, cols)] = val[np.ix_(rows, cols)]
+        labels = [(f"{int(a)}/{int(b)} {ta}" if o == "equal" else
+                   (f"a{int(a)} {ta}" if a >= 0 else f"b{int(b)} {tb}"))
+                  for o, a, b, ta, tb in zip(al["op"], ia, ib, al["token_a"], al["token_b"])]
+        return pd.DataFrame(out, index=labels, columns=labels)
 
     def summary(self) -> dict:
         """A JSON-able overview: models, lengths, alignment counts, the target, and per measure the
@@ -259,15 +296,100 @@ def diff(a, b, *, target: int | None = None) -> TraceDiff:
 
 def tables(d: TraceDiff) -> dict[str, pd.DataFrame]:
     """The tables a comparison writes: ``alignment``, ``layers``, ``heads`` (empty when the head counts
-    differ) and ``sources`` of :class:`TraceDiff`."""
-    return {"alignment": d.alignment, "layers": d.layers, "heads": d.heads, "sources": d.sources}
+    differ) and ``sources`` of :class:`TraceDiff`, and ``prediction`` and ``patching`` when computed."""
+    out = {"alignment": d.alignment, "layers": d.layers, "heads": d.heads, "sources": d.sources}
+    out.update({name: df for name, df in (("prediction", d.prediction), ("patching", d.patching)) if df is not None})
+    return out
 
 
 @takes_handle
-def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, target: int | None = None):
+def predictions(handle, texts, answer, contrast=None) -> pd.DataFrame:
+    """Each text's next-token prediction of ``answer`` (and ``contrast``) tokens: one row per text
+    (``side`` a, b, ...) and token: ``token``, ``token_id``, ``role`` (answer/contrast), ``p``,
+    ``logit``, and the metric ``m`` of the side (logit difference, or log P(answer))."""
+    from attngeom.generation.effects import Answer, head_inputs
+    from attngeom.streaming.passes import to_ids
+
+    ans = Answer(handle, answer, contrast)
+    rows = []
+    for side, text in zip("abcdefgh", texts):
+        logits = head_inputs(handle, to_ids(handle, text))[1][-1]
+        p = torch.softmax(logits.double(), -1)
+        m = float(ans.score(logits))
+        for role, t in (("answer", ans.target), ("contrast", ans.contrast)):
+            if t is not None:
+                rows.append({"side": side, "role": role, "token": handle.tokens([t])[0], "token_id": t,
+                             "p": float(p[t]), "logit": float(logits[t]), "metric": ans.name, "m": m})
+    return pd.DataFrame(rows)
+
+
+PATCH_AT = ("changed", "prediction", "all")
+"""Where :func:`patch_heads` patches a head's output: the changed positions, the last, or every one."""
+
+
+@takes_handle
+def patch_heads(handle, text_a, text_b, answer, *, contrast=None, at=("changed", "prediction"),
+                layers=None, batch_size: int = 16) -> pd.DataFrame:
+    """Activation patching (module docstring): each head's output from the clean run of ``text_b``
+    into the run of ``text_a``, one head at a time, at each place of ``at`` (:data:`PATCH_AT`). One
+    row per (``at``, ``layer``, ``head``): ``patched`` (the metric ``m`` of ``a`` so patched),
+    ``effect`` (``patched − m_a``) and ``share_of_gap`` (``effect / (m_b − m_a)``), ranked by
+    ``|effect|`` within each ``at`` (``rank``, 0 first). ``df.attrs``: ``metric``, ``m_a``, ``m_b``,
+    ``changed`` (the positions that differ)."""
+    from attngeom.data.corpora import check_layers
+    from attngeom.generation.effects import Answer, _chunks, head_inputs, patched_logits
+    from attngeom.model.arguments import check_count
+    from attngeom.streaming.passes import to_ids
+
+    at = (at,) if isinstance(at, str) else tuple(at)
+    bad = [x for x in at if x not in PATCH_AT]
+    if bad or not at:
+        raise InputError(f"at must name places among {', '.join(PATCH_AT)}, not {bad[0] if bad else at!r}"[:200])
+    batch_size = check_count(batch_size, "batch_size")
+    chosen = list(range(handle.num_layers)) if layers is None else sorted(set(check_layers(layers, handle.num_layers)))
+    ans = Answer(handle, answer, contrast)
+    ids_a, ids_b = to_ids(handle, text_a), to_ids(handle, text_b)
+    if len(ids_a) != len(ids_b):
+        raise InputError(f"patching needs two texts of the same number of tokens (a: {len(ids_a)}, b: {len(ids_b)}); "
+                         "reword the counterfactual so that one token replaces one token")
+    T = len(ids_a)
+    changed = [i for i in range(T) if ids_a[i] != ids_b[i]]
+    if not changed:
+        raise InputError("the two texts are the same tokens: nothing to patch")
+    source, logits_b = head_inputs(handle, ids_b)
+    logits_a = head_inputs(handle, ids_a)[1]
+    m_a, m_b = float(ans.score(logits_a[-1])), float(ans.score(logits_b[-1]))
+    places = {"changed": changed, "prediction": [T - 1], "all": list(range(T))}
+    heads = [(l, h) for l in chosen for h in range(handle.num_heads)]
+    frames = []
+    for where in at:
+        patched = []
+        for chunk in _chunks(heads, batch_size):
+            logits = patched_logits(handle, ids_a, source, [[lh] for lh in chunk], places[where])
+            patched += ans.score(logits[:, -1]).cpu().tolist()
+        df = pd.DataFrame({"at": where, "layer": [l for l, _ in heads], "head": [h for _, h in heads],
+                           "patched": patched})
+        df["effect"] = df["patched"] - m_a
+        gap = m_b - m_a
+        df["share_of_gap"] = df["effect"] / gap if gap != 0 else np.nan
+        order = np.argsort(-df["effect"].abs().to_numpy(), kind="stable")
+        df["rank"] = np.empty(len(df), dtype=np.int64)
+        df.loc[order, "rank"] = np.arange(len(df))
+        frames.append(df.sort_values("rank", kind="stable"))
+    out = pd.concat(frames, ignore_index=True)
+    out.attrs.update({"metric": ans.name, "m_a": m_a, "m_b": m_b, "changed": changed})
+    return out
+
+
+@takes_handle
+def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, target: int | None = None,
+                  answer=None, contrast=None, patch: bool = True):
     """Analyse ``text`` with ``handle`` and ``text_b`` (default ``text``) with ``handle_b`` (default
     ``handle``) and compare them: ``(trace_a, trace_b, diff)``. A counterfactual pair is one model and
-    two texts; two models take the same text (and need a tokenizer that cuts it the same way)."""
+    two texts; two models take the same text (and need a tokenizer that cuts it the same way).
+    ``answer`` (and ``contrast``): tokens whose next-token prediction each side reports
+    (``diff.prediction``, :func:`predictions`); with ``patch`` and one model on texts of equal token
+    counts, ``diff.patching`` (:func:`patch_heads`, at the changed positions and at the prediction)."""
     from attngeom.data.corpora import check_layers
     from attngeom.traces.trace import analyze
 
@@ -283,6 +405,19 @@ def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, targ
 
     text_b = text if text_b is None else text_b
     aligned(handle.tokens(to_ids(handle, text)), handle_b.tokens(to_ids(handle_b, text_b)))   # before any analysis
+    if contrast is not None and answer is None:
+        raise InputError("a contrast token needs an answer token (answer=' Paris', contrast=' Berlin')")
+    if answer is not None:
+        from attngeom.generation.effects import Answer
+
+        Answer(handle, answer, contrast)                                 # one token each, before any analysis
     a = analyze(handle, text, layers=layers)
     b = analyze(handle_b, text_b, layers=layers)
-    return a, b, diff(a, b, target=target)
+    d = diff(a, b, target=target)
+    if answer is not None:
+        pa, pb = predictions(handle, [text], answer, contrast), predictions(handle_b, [text_b], answer, contrast)
+        pb["side"] = "b"
+        d.prediction = pd.concat([pa, pb], ignore_index=True)
+        if patch and handle_b is handle and len(a) == len(b):
+            d.patching = patch_heads(handle, text, text_b, answer, contrast=contrast, layers=layers)
+    return a, b, d

@@ -35,7 +35,7 @@ from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.passes import forward, make_batches
 from attngeom.streaming.reducers import FullCapture
 
-__all__ = ["LayerTrace", "Trace", "analyze", "analyze_batch", "analyze_generation"]
+__all__ = ["LayerTrace", "Layers", "Trace", "analyze", "analyze_batch", "analyze_generation"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +118,63 @@ class LayerTrace:
         return metrics.token_scores(torch.from_numpy(per_head)[None], m.heads)[0].numpy()
 
 
+class Layers:
+    """The layers of a :class:`Trace`, **keyed by layer number**: ``trace.layers[23]`` is layer 23
+    whichever layers were analysed (an absent one is a one-line :class:`~attngeom.errors.InputError`
+    naming the analysed layers). Iterating gives the :class:`LayerTrace` objects in layer order
+    (``for lt in trace.layers``); :attr:`numbers`, :meth:`items`, ``n in trace.layers`` (a layer
+    number), ``len`` and :meth:`pop` (frees a layer's maps) as a mapping has them."""
+
+    def __init__(self, layers: Iterable[LayerTrace] = ()):
+        self._by = {}
+        for lt in layers:
+            if lt.index in self._by:
+                raise InputError(f"layer {lt.index} is given twice")
+            self._by[int(lt.index)] = lt
+        self._by = dict(sorted(self._by.items()))
+
+    @property
+    def numbers(self) -> list[int]:
+        """The analysed layers' numbers, in order."""
+        return list(self._by)
+
+    def keys(self) -> list[int]:
+        return self.numbers
+
+    def values(self) -> list[LayerTrace]:
+        return list(self._by.values())
+
+    def items(self) -> list[tuple[int, LayerTrace]]:
+        return list(self._by.items())
+
+    def __getitem__(self, layer) -> LayerTrace:
+        if isinstance(layer, slice) or isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise InputError(f"trace.layers takes a layer number (one of {self.numbers}), not {layer!r}"[:200])
+        if int(layer) not in self._by:
+            raise InputError(f"layer {int(layer)} is not in the trace; it holds layers {self.numbers}"[:300])
+        return self._by[int(layer)]
+
+    def get(self, layer, default=None):
+        return self._by.get(int(layer), default)
+
+    def pop(self, layer) -> LayerTrace:
+        """Layer ``layer``, removed from the trace (its maps are freed once the caller lets go)."""
+        self[layer]
+        return self._by.pop(int(layer))
+
+    def __contains__(self, layer) -> bool:
+        return isinstance(layer, (int, np.integer)) and int(layer) in self._by
+
+    def __iter__(self):
+        return iter(list(self._by.values()))
+
+    def __len__(self) -> int:
+        return len(self._by)
+
+    def __repr__(self) -> str:
+        return f"Layers({self.numbers})"
+
+
 @dataclass(repr=False)
 class Trace:
     """Everything :func:`analyze` captured for one text. ``prompt_length``: for a generation
@@ -128,11 +185,15 @@ class Trace:
 
     ids: list[int]
     tokens: list[str]
-    layers: list[LayerTrace]
+    layers: Layers
     model_name: str = ""
     prompt_length: int | None = None
     special: tuple[int, ...] = ()
     template: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.layers, Layers):
+            self.layers = Layers(self.layers)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -143,7 +204,7 @@ class Trace:
         answer = "" if self.prompt_length is None else f", prompt {self.prompt_length} + answer {len(self) - self.prompt_length}"
         text = "".join(self.tokens[:12]).replace("\n", "⏎")
         return (f"Trace({self.model_name or 'model'}: {len(self)} tokens{answer}, {len(layers)} layer(s) [{shown}], "
-                f"{self.layers[0].num_heads if self.layers else 0} heads; {text[:60]!r}{'…' if len(self) > 12 else ''})")
+                f"{next(iter(self.layers)).num_heads if self.layers else 0} heads; {text[:60]!r}{'…' if len(self) > 12 else ''})")
 
     def marks(self) -> "pd.DataFrame":
         """One row per position: ``source_id``, ``source_token``, ``part`` (``prompt``/``answer``, or
@@ -202,12 +263,7 @@ class Trace:
 
         if layers is None:
             return list(self.layers)
-        have = {lt.index: lt for lt in self.layers}
-        wanted = check_layers(layers)
-        missing = [l for l in wanted if l not in have]
-        if missing:
-            raise InputError(f"layer {missing[0]} is not in the trace; it holds layers {sorted(have)}")
-        return [have[l] for l in sorted(set(wanted))]
+        return [self.layers[l] for l in sorted(set(check_layers(layers)))]
 
     @property
     def generated(self) -> np.ndarray:
@@ -364,8 +420,8 @@ def analyze(handle: ModelHandleLike, text, *, layers: Iterable[int] | None = Non
             generate: int | None = None, prepare: Iterable[str] = (), **generation) -> Trace:
     """Full trace of one text (a string, or token ids): every layer's metric maps.
 
-    ``analyze(load_model("smollm2-135m"), "some text").layers[5].contribution`` is a
-    ``[heads, T, T]`` float32 array. For long inputs or corpora use :func:`stream`.
+    ``analyze(load_model("smollm2-135m"), "some text").layers[5].contribution`` is layer 5's
+    ``[heads, T, T]`` float32 array (``trace.layers`` is keyed by layer number: :class:`Layers`). For long inputs or corpora use :func:`stream`.
 
     ``generate=N``: ``text`` is a prompt (or a list of chat messages) and the trace covers prompt +
     the model's answer of up to ``N`` tokens, captured step by step with the KV cache;

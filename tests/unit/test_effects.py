@@ -1,0 +1,225 @@
+"""Direct and total effects of heads (attngeom.generation.effects) and activation patching between two
+runs (attngeom.traces.compare.patch_heads), each against an independent computation by hand: hooks on
+the model's own modules, no attngeom capture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from attngeom.errors import InputError
+from attngeom.generation.effects import Answer, direct_effects, head_effects, head_inputs, patched_logits
+from attngeom.streaming.passes import to_ids
+from attngeom.traces.compare import compare_texts, patch_heads
+from tiny_models import tiny_model
+
+TEXT = "The cat sat on"
+TARGET, CONTRAST = "m", "d"
+
+
+def _hooked(handle, ids, hooks):
+    """Logits ``[T, V]`` of a plain forward of ``ids`` with ``hooks`` ``(module, pre_hook)`` registered."""
+    hs = [m.register_forward_pre_hook(fn) for m, fn in hooks]
+    try:
+        with torch.no_grad():
+            return handle.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
+    finally:
+        for h in hs:
+            h.remove()
+
+
+def _rms(x, w, eps, plus_one):
+    g = (1 + w) if plus_one else w
+    return g.double() / torch.sqrt(x.double().pow(2).mean() + eps)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3_text"])
+def test_direct_effects_sum_to_the_logit_less_what_no_head_wrote(arch):
+    """Σ_h direct effects = logit difference − U·(k_f ⊙ (x − Σ_l A_l)): ``x`` the final norm's input,
+    ``A_l`` what layer l's attention adds to the residual (the attention module's output, or Gemma 3's
+    post-attention norm of it), ``k_f`` the final norm's frozen scale from its weight. Llama: GQA; Gemma:
+    (1 + w) norms; Gemma 3: a norm between the heads and the residual."""
+    handle = tiny_model(arch)
+    model, ids = handle.model, to_ids(handle, TEXT)
+    layers = model.model.layers
+    seen = {}
+
+    def keep(key):
+        def hook(m, args, out):
+            seen[key] = (out[0] if isinstance(out, tuple) else out)[0, -1].double()
+        return hook
+
+    def keep_in(m, args, out):
+        seen["x"] = args[0][0, -1].double()
+
+    added = [(lay.post_attention_layernorm if arch == "gemma3_text" else lay.self_attn) for lay in layers]
+    hs = [m.register_forward_hook(keep(l)) for l, m in enumerate(added)] + [model.model.norm.register_forward_hook(keep_in)]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+    finally:
+        for h in hs:
+            h.remove()
+    norm = model.model.norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    k = _rms(seen["x"], norm.weight.detach(), eps, plus_one=arch != "llama")
+    U = model.lm_head.weight.detach().double()
+    u = U[handle.tokenizer.convert_tokens_to_ids(TARGET)] - U[handle.tokenizer.convert_tokens_to_ids(CONTRAST)]
+    attention = sum(seen[l] for l in range(len(layers)))
+    not_heads = float((k * (seen["x"] - attention)) @ u)
+    full = float((k * seen["x"]) @ u)
+    eff, parts = direct_effects(handle, ids, Answer(handle, TARGET, CONTRAST))
+    assert eff.shape == (handle.num_layers, handle.num_heads)
+    assert full == pytest.approx(float(logits[handle.tokenizer.convert_tokens_to_ids(TARGET)]
+                                       - logits[handle.tokenizer.convert_tokens_to_ids(CONTRAST)]), abs=1e-4)
+    assert parts["logit"] == pytest.approx(full, abs=1e-4)
+    assert eff.sum() == pytest.approx(full - not_heads, abs=1e-4)
+    assert abs(eff).max() > 1e-3                                            # not all zero
+
+
+def test_one_heads_direct_effect_is_its_slice_through_o_proj(tiny_llama):
+    """Head h's direct effect = U·(k_f ⊙ o_proj(only head h's slice kept)) (no o_proj bias in Llama)."""
+    handle, ids = tiny_llama, to_ids(tiny_llama, TEXT)
+    model, d = handle.model, handle.head_dim
+    seen = {}
+    hs = [model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("o", a[0][0, -1])),
+          model.model.norm.register_forward_hook(lambda m, a, o: seen.__setitem__("x", a[0][0, -1]))]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hs:
+            h.remove()
+    k = _rms(seen["x"], model.model.norm.weight.detach(), model.model.norm.variance_epsilon, plus_one=False)
+    u = model.lm_head.weight.detach().double()[handle.tokenizer.convert_tokens_to_ids(TARGET)]
+    eff, _ = direct_effects(handle, ids, Answer(handle, TARGET))
+    for h in range(handle.num_heads):
+        only = torch.zeros_like(seen["o"])
+        only[h * d:(h + 1) * d] = seen["o"][h * d:(h + 1) * d]
+        with torch.no_grad():
+            out = model.model.layers[1].self_attn.o_proj(only).double()
+        assert eff[1, h] == pytest.approx(float((k * out) @ u), abs=1e-5)
+
+
+def _zero_slice(h, d):
+    def hook(m, args):
+        x = args[0].clone()
+        x[..., h * d:(h + 1) * d] = 0
+        return (x,)
+    return hook
+
+
+def _running_mean_slice(h, d):
+    def hook(m, args):
+        x = args[0].clone()
+        s = x[..., h * d:(h + 1) * d]
+        x[..., h * d:(h + 1) * d] = s.cumsum(1) / torch.arange(1, s.shape[1] + 1, dtype=s.dtype)[:, None]
+        return (x,)
+    return hook
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3_text"])
+def test_ablation_is_the_o_proj_slice_zeroed_by_hand(arch):
+    """Zero ablation through the capture's head removal = a forward with the head's o_proj input slice
+    zeroed by a pre-hook; mean ablation = that slice replaced by its running mean over the positions up
+    to each one (the head's outputs before any other change: only this head is ablated)."""
+    handle = tiny_model(arch)
+    ids, d = to_ids(handle, TEXT), handle.head_dim
+    clean = _hooked(handle, ids, [])[-1]
+    for ablation, edit in (("zero", _zero_slice), ("mean", _running_mean_slice)):
+        for metric, contrast in (("log_prob", None), ("logit_diff", CONTRAST)):
+            ans = Answer(handle, TARGET, contrast)
+            df = head_effects(handle, TEXT, TARGET, contrast=contrast, ablation=ablation).set_index(["layer", "head"])
+            assert df.attrs["metric"] == metric and df.attrs["clean"] == pytest.approx(float(ans.score(clean)), abs=1e-5)
+            for l, h in [(0, 0), (handle.num_layers - 1, handle.num_heads - 1), (1, 2)]:
+                o_proj = handle.model.model.layers[l].self_attn.o_proj
+                by_hand = _hooked(handle, ids, [(o_proj, edit(h, d))])[-1]
+                want = float(ans.score(clean)) - float(ans.score(by_hand))
+                assert df.loc[(l, h), "total_effect"] == pytest.approx(want, abs=2e-4), (ablation, metric, l, h)
+    assert df["total_effect"].abs().max() > 1e-3
+
+
+def test_head_effects_table_ranks_by_effect_with_the_share_beside_it(tiny_llama):
+    df = head_effects(tiny_llama, TEXT, TARGET, contrast=CONTRAST, rank="direct", top=5)
+    assert len(df) == 5 and list(df["rank"]) == list(range(5))
+    assert (np.diff(df["direct_effect"].abs().to_numpy()) <= 1e-12).all()
+    full = head_effects(tiny_llama, TEXT, TARGET, contrast=CONTRAST)
+    trace_shares = {}
+    from attngeom.traces.trace import analyze
+
+    tr = analyze(tiny_llama, TEXT)
+    for lt in tr.layers:
+        trace_shares.update({(lt.index, h): float(lt.head_share[h, -1]) for h in range(lt.num_heads)})
+    for r in full.itertuples():
+        assert r.share == pytest.approx(trace_shares[(r.layer, r.head)], abs=1e-5)
+    assert (np.diff(full["total_effect"].abs().to_numpy()) <= 1e-12).all()
+    assert sorted(full["rank_by_share"]) == list(range(len(full)))
+    assert full.attrs["p_target"] > 0 and full.attrs["logit_diff"] == pytest.approx(full.attrs["clean"])
+
+
+@pytest.mark.parametrize("bad, match", [(dict(target="mm"), "2 tokens"), (dict(target=10 ** 6), "not a token"),
+                                        (dict(contrast="m"), "contrast is the target"),
+                                        (dict(ablation="resample"), "ablation must be"), (dict(rank="x"), "rank must be"),
+                                        (dict(layers=[9]), "layer")])
+def test_head_effects_refuses_bad_input_in_one_line(tiny_llama, bad, match):
+    kw = {"target": TARGET, **bad}
+    with pytest.raises(InputError, match=match) as e:
+        head_effects(tiny_llama, TEXT, kw.pop("target"), **kw)
+    assert "\n" not in str(e.value)
+
+
+A, B = "The cat sat on the mat", "The dog sat on the mat"
+
+
+def test_patching_every_head_everywhere_gives_bs_logits_and_none_changes_nothing(tiny_llama):
+    """All heads' outputs from b into a at every position: a's logits become b's wherever the tokens are
+    the same (the residual there differs only through attention); patching no head: a's own logits."""
+    handle = tiny_llama
+    ia, ib = to_ids(handle, A), to_ids(handle, B)
+    src_b, logits_b = head_inputs(handle, ib)
+    _, logits_a = head_inputs(handle, ia)
+    every = [(l, h) for l in range(handle.num_layers) for h in range(handle.num_heads)]
+    got = patched_logits(handle, ia, src_b, [every, []], range(len(ia)))
+    same = [i for i in range(len(ia)) if ia[i] == ib[i] and i > max(j for j in range(len(ia)) if ia[j] != ib[j])]
+    assert torch.allclose(got[0, same], logits_b[same], atol=1e-4)
+    assert not torch.allclose(got[0, same], logits_a[same], atol=1e-3)
+    assert torch.allclose(got[1], logits_a, atol=1e-5)
+
+
+def test_patch_heads_table_against_a_patch_by_hand(tiny_llama):
+    handle = tiny_llama
+    df = patch_heads(handle, A, B, "m", contrast="d")
+    ans = Answer(handle, "m", "d")
+    ia, ib = to_ids(handle, A), to_ids(handle, B)
+    src_b, logits_b = head_inputs(handle, ib)
+    assert df.attrs["m_b"] == pytest.approx(float(ans.score(logits_b[-1])), abs=1e-6)
+    changed = [i for i in range(len(ia)) if ia[i] != ib[i]]
+    assert set(df["at"]) == {"changed", "prediction"} and df.attrs["changed"] == changed == [5, 6, 7]
+    d = handle.head_dim
+    for where, pos in (("changed", changed), ("prediction", [len(ia) - 1])):
+        row = df[(df["at"] == where) & (df["layer"] == 2) & (df["head"] == 1)].iloc[0]
+
+        def hook(m, args, pos=pos):
+            x = args[0].clone()
+            x[0, pos, d:2 * d] = src_b[2][pos, d:2 * d]
+            return (x,)
+
+        by_hand = _hooked(handle, ia, [(handle.model.model.layers[2].self_attn.o_proj, hook)])[-1]
+        assert row["patched"] == pytest.approx(float(ans.score(by_hand)), abs=1e-5)
+        assert row["effect"] == pytest.approx(row["patched"] - df.attrs["m_a"], abs=1e-9)
+    with pytest.raises(InputError, match="same number of tokens"):
+        patch_heads(handle, A, "The horse sat on the mat", "m")
+
+
+def test_compare_texts_reports_the_prediction_and_the_patching(tiny_llama):
+    a, b, d = compare_texts(tiny_llama, A, text_b=B, answer="m", contrast="d")
+    p = d.prediction.set_index(["side", "role"])
+    ans = Answer(tiny_llama, "m", "d")
+    for side, text in (("a", A), ("b", B)):
+        logits = head_inputs(tiny_llama, to_ids(tiny_llama, text))[1][-1]
+        assert p.loc[(side, "answer"), "p"] == pytest.approx(float(torch.softmax(logits.double(), -1)[ans.target]))
+        assert p.loc[(side, "contrast"), "m"] == pytest.approx(float(ans.score(logits)), abs=1e-6)
+    assert d.patching is not None and len(d.patching) == 2 * tiny_llama.num_layers * tiny_llama.num_heads
+    with pytest.raises(InputError, match="contrast token needs"):
+        compare_texts(tiny_llama, A, text_b=B, contrast="d")
