@@ -188,6 +188,9 @@ def test_source_winner_runs_the_kernel_only_where_it_can(monkeypatch):
     """On the CPU the kernel runs only under TRITON_INTERPRET=1; elsewhere the torch pass (same result)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not fw.uses_triton("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)       # fake CUDA tensors: the torch pass
+    assert not fw.uses_triton("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert fw.uses_triton("cuda", torch.bfloat16) and not fw.uses_triton("cuda", torch.float64)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert fw.uses_triton("cpu")

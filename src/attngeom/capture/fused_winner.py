@@ -1,4 +1,4 @@
-"""The source winner of SPEC §6 without a ``[Q, S]`` map: one fused pass over the keys.
+"""The source winner of SPEC §6 (and the row's entropy) without a ``[Q, S]`` map: one fused pass over the keys.
 
 For D1 (the route selection) -- the interface, identical for both implementations::
 
@@ -46,6 +46,12 @@ Two implementations of that one pass:
   whole layer at once). Used everywhere else.
 
 :func:`source_winner` picks between them (:func:`uses_triton`).
+
+The module's second pass, :func:`values_gradient` (same arguments, with ``lse [B, H, Q]`` and
+``F [B, H, Q, m]`` instead of ``v_norm``; the same two implementations), gives ``PᵀF``: what the
+attention's backward gives as the values' gradient, without its ``dQ`` and ``dK``. With it and the
+entropy above, the fused route needs the forward with ``v`` only, this pass and the winner's: about
+2× the layer's attention on a GPU instead of 5× (docs/benchmark-analyze.md, "Routes", an estimate).
 """
 
 from __future__ import annotations
@@ -281,14 +287,15 @@ def _compiled(kernel, interpret: bool):
 
 def uses_triton(device: torch.device | str, dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`source_winner` runs the Triton kernel for tensors on ``device``: on CUDA (not
-    float64, which tensor cores do not multiply) when triton is installed; on the CPU only under
-    ``TRITON_INTERPRET=1``."""
+    float64, which tensor cores do not multiply) when triton is installed and torch sees a CUDA
+    device (tensors of a fake CUDA device, as in tests/device, take the torch pass); on the CPU only
+    under ``TRITON_INTERPRET=1``."""
     if not triton_installed():
         return False
     device = torch.device(device)
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return device.type == "cuda" and dtype != torch.float64
+    return device.type == "cuda" and dtype != torch.float64 and torch.cuda.is_available()   # not fake devices
 
 
 def source_winner_triton(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
