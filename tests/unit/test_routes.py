@@ -309,8 +309,9 @@ def test_the_summaries_on_the_fused_route_equal_the_block_paths(family):
 
 
 def test_the_summaries_in_bf16_stay_within_bf16_rounding_of_the_block_paths():
-    """bf16: the fused route computes in float32 from the bf16 q, k, v; the block path mixes the
-    bf16-rounded weights (docs/precision.md): the means differ by bf16 rounding only."""
+    """bf16: the fused kernels run in bf16 (float32 accumulation), the block path mixes the
+    bf16-rounded weights (docs/precision.md): the means differ by bf16 rounding only (measured here:
+    at most 1.6 % of the largest value of a column; a winner share by one query per head, a near tie)."""
     model = _family("llama")
     heads_f, tokens_f, taken = _summaries(model, [20, 13], "fused", dtype=torch.bfloat16)
     heads_b, tokens_b, _ = _summaries(model, [20, 13], "block", dtype=torch.bfloat16)

@@ -208,8 +208,9 @@ def describes(mask: torch.Tensor, window: int | None, lengths: torch.Tensor,
 class FusedLayer:
     """One attention layer's statistics without blocks: each computed on first use and kept.
 
-    ``q [B, H, T, dk]``, ``k [B, Hkv, T, dk]``, ``value [B, Hkv, T, dv]`` as the call received them
-    (upcast to float32, or kept in float64); ``mask``: the call's boolean mask or None (causal);
+    ``q [B, H, T, dk]``, ``k [B, Hkv, T, dk]``, ``value [B, Hkv, T, dv]`` as the call received them:
+    the kernels run in their dtype (bf16, fp16; float32 otherwise, float64 kept) and accumulate in
+    float32, the statistics are float32 (float64 for float64 inputs); ``mask``: the call's boolean mask or None (causal);
     ``sinks [H]``: learned sink logits or None; ``window``: the call's sliding window (the source
     winner's kernel takes it when the mask is exactly causal with it); ``G [H, dv, dv]``, ``G_full [H*dv, H*dv]``: the output
     projection's Gram matrices (SPEC §2); ``lengths [B]``: real tokens per row (right padding).
@@ -227,25 +228,44 @@ class FusedLayer:
         H, Hkv = q.shape[1], k.shape[1]
         self.layer, self.window = layer, window
         self.n_rep = H // Hkv
-        self.q = q.to(dtype)
-        self.k = k.to(dtype).repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else k.to(dtype)
-        self.value = value.to(dtype)                                                # [B, Hkv, T, dv]
+        # the kernels run in the call's dtype (bf16 and fp16 on tensor cores), the statistics in float32
+        self.kernel_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else dtype
+        self.kq = q.to(self.kernel_dtype)
+        kk = k.to(self.kernel_dtype)
+        self.kk = kk.repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else kk
+        self.kv = value.to(self.kernel_dtype)                                      # [B, Hkv, T, dv]
+        self.dtype = dtype
         self.scale = float(scale)
         self.allowed = mask                                                        # boolean or None
-        self.mask = additive_mask(mask, dtype)
+        self.mask = additive_mask(mask, self.kernel_dtype)
         self.sinks = None if sinks is None else sinks.to(dtype)
         self.G, self.G_full = G.to(dtype), G_full.to(dtype)
         self.lengths = lengths.to(q.device)
 
+    @cached_property
+    def q(self) -> torch.Tensor:
+        """Queries ``[B, H, T, dk]`` in the statistics' dtype."""
+        return self.kq.to(self.dtype)
+
+    @cached_property
+    def k(self) -> torch.Tensor:
+        """Keys per query head ``[B, H, T, dk]`` in the statistics' dtype."""
+        return self.kk.to(self.dtype)
+
+    @cached_property
+    def value(self) -> torch.Tensor:
+        """Values ``[B, Hkv, T, dv]`` in the statistics' dtype."""
+        return self.kv.to(self.dtype)
+
     # ---- geometry -------------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        B, H, T, _ = self.q.shape
+        B, H, T, _ = self.kq.shape
         return B, H, T, T
 
     @cached_property
     def q_positions(self) -> torch.Tensor:
-        return torch.arange(self.q.shape[2], device=self.q.device)
+        return torch.arange(self.kq.shape[2], device=self.kq.device)
 
     @property
     def k_positions(self) -> torch.Tensor:
@@ -284,9 +304,9 @@ class FusedLayer:
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
         """``(u, Σ_j a_ij k_j, lse, saved)`` of the real tokens' softmax (without the learned sink),
         one fused call with ``[v | k]`` as values."""
-        x = torch.cat([self.v, self.k], dim=-1)
-        out, lse, saved = attend(self.q, self.k, x, self.scale, self.mask)
-        dv = self.v.shape[-1]
+        kv = self.kv.repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else self.kv
+        out, lse, saved = attend(self.kq, self.kk, torch.cat([kv, self.kk], dim=-1), self.scale, self.mask)
+        out, dv = out.to(self.dtype), kv.shape[-1]
         return out[..., :dv], out[..., dv:], lse, saved
 
     @cached_property
@@ -393,16 +413,17 @@ class FusedLayer:
 
         norms = norms.to(self.q.dtype)
         if self.allowed is None:            # the call is causal (its window, if any, reaches every source)
-            return source_winner(self.q, self.k, norms, scale=self.scale, causal=True)[0]
+            return source_winner(self.kq, self.kk, norms, scale=self.scale, causal=True)[0]
         if describes(self.allowed, self.window, self.lengths):
-            return source_winner(self.q, self.k, norms, scale=self.scale, causal=True, window=self.window,
+            return source_winner(self.kq, self.kk, norms, scale=self.scale, causal=True, window=self.window,
                                  lengths=self.lengths)[0]
         return source_winner_masked(self.q, self.k, norms, scale=self.scale, mask=self.allowed)
 
     # ---- per source ---------------------------------------------------------------------------------
     def transposed(self, F: torch.Tensor) -> torch.Tensor:
         """``PᵀF`` with the layer's attention ``P`` (learned sink included): ``[B, H, T, m]``."""
-        return transpose(self.q, self.k, self._forward[3], self._rescaled(F), self.scale, self.mask)
+        F = self._rescaled(F).to(self.kernel_dtype)
+        return transpose(self.kq, self.kk, self._forward[3], F, self.scale, self.mask).to(self.dtype)
 
     def seen_by(self, w: torch.Tensor) -> torch.Tensor:
         """``Σ_i w_i [query i sees source j]``: ``[B, T]``."""
@@ -487,7 +508,7 @@ def fused_attention(observers, layer: int, query: torch.Tensor, key: torch.Tenso
                     ) -> torch.Tensor:
     """One attention call on the fused route: the layer's :class:`FusedLayer` handed to every
     observer's ``observe_layer``, and the attention output ``[B, T, H, dv]`` in the call's dtype (the
-    fused kernel's, computed in float32 for bf16 and fp16 models)."""
+    fused kernel's)."""
     fused = FusedLayer(query.detach(), key.detach(), value.detach(), scaling, mask, G, G_full, lengths,
                        sinks=None if sinks is None else sinks.detach(), layer=layer, window=window)
     for obs in observers:
