@@ -1,5 +1,6 @@
 """HTML of the explorer: one self-contained page (inline JS and CSS, no network) from an
-:class:`attngeom.explorer.data.ExploreData`.
+:class:`attngeom.explorer.data.ExploreData` (the ``data`` every function here takes; this module does not
+import the explorer, whose ``ExploreData.to_html`` calls :func:`write`).
 
 The data travels as JSON in ``<script type="application/json">`` with ``<``, ``>``, ``&``, U+2028
 and U+2029 escaped, so no token text can close the script element or be read as markup; the page
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attngeom.explorer.data import PAD, ExploreData
+from attngeom.explorer.settings import PAD
 
 TEMPLATE = "explore_template.html"
 PLACEHOLDER = "__EXPLORE_DATA__"
@@ -34,7 +35,7 @@ def _tri(x: np.ndarray) -> np.ndarray:
     return x[:, i, j].reshape(-1)
 
 
-def pack(data: ExploreData) -> tuple[bytes, dict]:
+def pack(data) -> tuple[bytes, dict]:
     """The binary block and, per metric and layer, the word offsets of its parts. The block holds
     ``N`` uint16 words as two byte planes (all low bytes, then all high bytes), which deflate
     compresses better than interleaved words."""
@@ -87,8 +88,8 @@ def _escape_json(text: str) -> str:
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
-def payload(data: ExploreData, level: int = 9) -> dict:
-    """The JSON object the page reads."""
+def payload(data, level: int = 9, initial_layer: int | None = None) -> dict:
+    """The JSON object the page reads; ``initial_layer``: the layer the page opens at (default the last)."""
     from attngeom.heads.taxonomy import REGIMES
 
     raw, blocks = pack(data)
@@ -111,6 +112,7 @@ def payload(data: ExploreData, level: int = 9) -> dict:
         "special": [int(p) for p in data.special],
         "template": [int(p) for p in data.template],
         "initial_query": default_query,
+        "initial_layer": initial_layer if initial_layer in data.layers else None,
         "regimes": list(REGIMES),
         "head_stats": {k: np.asarray(v).tolist() if k != "regime" else np.asarray(v).astype(int).tolist()
                        for k, v in data.head_stats.items()},
@@ -125,18 +127,18 @@ def payload(data: ExploreData, level: int = 9) -> dict:
     }
 
 
-def render(data: ExploreData) -> str:
-    """The whole page as a string."""
+def render(data, initial_layer: int | None = None) -> str:
+    """The whole page as a string, opening at ``initial_layer`` (default the last analysed layer)."""
     template = resources.files("attngeom.reports").joinpath(TEMPLATE).read_text(encoding="utf-8")
     head, sep, tail = template.partition(PLACEHOLDER)
     if not sep:  # pragma: no cover - a broken install
         raise RuntimeError(f"{TEMPLATE} has no {PLACEHOLDER}")
     # ensure_ascii: non-ASCII text (and any lone surrogate a tokenizer leaves) as \u escapes
-    body = json.dumps(payload(data), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    body = json.dumps(payload(data, initial_layer=initial_layer), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return head + _escape_json(body) + tail
 
 
-def summary(data: ExploreData, settings: dict, page_bytes: int, runtime_s: float) -> dict:
+def summary(data, settings: dict, page_bytes: int, runtime_s: float) -> dict:
     """``summary.json`` of ``attngeom explore``: the run's settings, what the page holds (tokens,
     layers, exact maps or top-k sources, the answer's length, the measure when one is shown) and each
     analysed layer's sink attention and contribution (the page's sink chart);
@@ -151,14 +153,43 @@ def summary(data: ExploreData, settings: dict, page_bytes: int, runtime_s: float
             "page_bytes": int(page_bytes), "runtime_s": runtime_s}
 
 
-def write(data: ExploreData, path: str | Path) -> Path:
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline numbers of ``attngeom explore``'s report from its :func:`summary` (a missing field
+    raises)."""
+    from attngeom.metrics import registry
+    from attngeom.stats.resampling import format_number as f
+
+    layers = summary["layers"]
+    out = [("tokens", str(summary["tokens"])), ("layers analysed", _layer_list(layers)),
+           ("heads per layer", str(summary["heads"])),
+           ("maps", "exact" if summary["exact"] else f"top-{summary['top_k']} sources per (layer, head, query)")]
+    if summary["answer_tokens"] is not None:
+        out.append(("prompt + answer tokens", f"{summary['prompt_tokens']} + {summary['answer_tokens']}"))
+    if summary.get("measure"):                       # in the summary only when the page shows one
+        out.append(("third list of sources", registry.label(summary["measure"])))
+    for key, what in (("sink_attention", "attention"), ("sink_contribution", "contribution")):
+        v = summary["layer_sink"].get(key, [])
+        if v:
+            hi = max(range(len(v)), key=v.__getitem__)
+            out.append((f"sink (position {summary['sink']}) {what}: mean over layers; highest (layer)",
+                        f"{f(sum(v) / len(v))}; {f(v[hi])} (layer {layers[hi]})"))
+    size = summary["page_bytes"]
+    out.append(("page size", f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"))
+    return out
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 12 else f"{layers[0]}–{layers[-1]} ({len(layers)} layers)"
+
+
+def write(data, path: str | Path) -> Path:
     """Write the page to ``path`` (UTF-8). Returns the path."""
     path = Path(path)
     path.write_text(render(data), encoding="utf-8", newline="\n")
     return path
 
 
-def iframe(data: ExploreData, height: int = 760) -> str:
+def iframe(data, height: int = 760) -> str:
     """The page inside an ``<iframe srcdoc>``, for Jupyter (scripts in notebook output run isolated)."""
     return (f'<iframe srcdoc="{html.escape(render(data), quote=True)}" '
             f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
