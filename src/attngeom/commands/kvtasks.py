@@ -95,9 +95,11 @@ def run(args) -> int:
         {"tasks": task_names, "length": args.length, "examples": args.examples, "seed": args.seed,
          **({"first_example": args.first_example} if args.first_example else {}),
          **({"haystack": "noise"} if args.haystack == "noise" else {"haystack": common.data_identity(args.haystack)})}
-    identity = {**common.model_identity(args), **source, **common.settings_identity(settings, omit=("n_resamples",))}
+    identity = common.run_identity(args, settings, **source)
 
     def work(run):
+        from attngeom.kvcache.experiment import task_run_summary
+
         handle = common.load(args)
         if given is not None:
             examples = given
@@ -109,17 +111,14 @@ def run(args) -> int:
             length = args.length
         result = tasks.experiment(handle, run, examples, settings)
         model_name = getattr(handle, "name", args.model)
-        chat = bool(result.tables["answers"]["chat"].any())
-        summary = {"command": "kvtasks", "model": model_name, "examples": len(examples),
-                   "tasks": sorted({e.task for e in examples}), "length": length, "mode": args.mode,
-                   "chat_template": chat, "policies": policies, "ratios": ratios,
-                   "best_baselines": {str(k): v for k, v in tasks.best_baselines(result.tables["summary"]).items()},
-                   **result.summary, "settings": identity}
+        summary = task_run_summary(result, examples, model=model_name, length=length, identity=identity)
+        chat = summary["chat_template"]
 
         def write(staging) -> list[str]:
-            ruler.write_jsonl(examples, staging / "examples.jsonl")
             return common.write_outputs(staging, result.tables, ("answers", "summary", "pairs"), model_name, summary,
-                                        None if args.no_figures else "kvtasks", args, written=["examples.jsonl"])
+                                        None if args.no_figures else "kvtasks", args,
+                                        before=lambda out: out.written("examples.jsonl",
+                                                                       lambda path: ruler.write_jsonl(examples, path)))
 
         def report(out, files) -> None:
             rows = tasks.overall(result.tables["summary"])
