@@ -74,8 +74,10 @@ def exports(package: str) -> dict[str, str]:
                 and node.level == 0 and not node.module.rsplit(".", 1)[-1].startswith("_"):
             out.update({a.asname or a.name: node.module for a in node.names})
         value = getattr(node, "value", None)
-        if isinstance(value, ast.Call):                       # ... = lazy(__name__, {...})
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "lazy":   # ... = lazy(__name__, {...})
             value = next((a for a in value.args if isinstance(a, ast.Dict)), None)
+        elif not (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets)):
+            value = None                                      # another dict (a registry) names no exports
         if isinstance(value, ast.Dict):
             for key, where in zip(value.keys, value.values):
                 sub = f"{package}{where.value}" if where.value.startswith(".") else f"{package}.{where.value}"
@@ -116,6 +118,35 @@ def public_page(name: str) -> str:
     for public, where in sorted(exports(name).items(), key=lambda kv: kv[0].lower()):
         lines.append(f"| [`{public}`]({where}.md#{where}.{public}) | `{where}` | {summary(where, public)} |")
     return "\n".join(lines) + "\n"
+
+
+def source_file(module: str) -> str:
+    """The file that defines ``module``, relative to the repository root."""
+    path = ROOT.parent.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    return path.relative_to(ROOT.parent.parent).as_posix()
+
+
+def checkout_reference() -> str:
+    """docs/reference.md: the public API as a checkout shows it (no build): for ``attngeom`` and each
+    public package, its public names with the first line of their docstring and the file that defines
+    each. tests/integration/test_docs.py checks that the page is what this prints."""
+    lines = ["# API reference in a checkout", "",
+             "Every public name of attngeom, where it is defined and the first line of its docstring, written by",
+             "`python -c \"import mkdocs_hooks; print(mkdocs_hooks.checkout_reference(), end='')\" > docs/reference.md`",
+             "(the documentation site, `make docs`, renders the full docstrings of every module).", ""]
+    for name in modules():
+        if not is_public(name):
+            continue
+        lines += [f"## `{name}`", ""]
+        if not _is_package(name):
+            lines += [f"The whole module: `{source_file(name)}`.", ""]
+            continue
+        lines += ["| name | file | |", "|---|---|---|"]
+        for public, where in sorted(exports(name).items(), key=lambda kv: kv[0].lower()):
+            lines.append(f"| `{public}` | `{source_file(where)}` | {summary(where, public)} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _listed(nav) -> set[str]:

@@ -109,7 +109,7 @@ def _hooks():
 def test_every_name_the_readme_and_the_pages_cite_imports():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     cited = {(p.relative_to(ROOT).as_posix(), n) for p in pages for n in _cited(p.read_text(encoding="utf-8"))}
-    assert len(cited) > 100 and ("README.md", "attngeom.data.load_windows") in cited
+    assert len(cited) > 100 and ("README.md", "attngeom.traces.diff") in cited
     exists = _hooks().exists
     broken = sorted(f"{page}: {name}" for page, name in cited if not exists(name))
     assert not broken, "documented names that do not import:\n" + "\n".join(broken)
@@ -151,6 +151,20 @@ def _build(tmp_path: Path) -> subprocess.CompletedProcess:
 def _links(page: str) -> set[str]:
     text = (ROOT / "docs" / page).read_text(encoding="utf-8")
     return set(re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", text))
+
+
+@needs_mkdocs
+def test_the_checkout_reference_is_current():
+    """docs/reference.md, the API reference a checkout shows without a build, lists every public name
+    of every public package with the file that defines it: exactly what mkdocs_hooks prints now, and
+    every file it names exists."""
+    hooks = _hooks()
+    page = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
+    assert page == hooks.checkout_reference(), ("docs/reference.md is stale: python -c \"import mkdocs_hooks; "
+                                                "print(mkdocs_hooks.checkout_reference(), end='')\" > docs/reference.md")
+    files = set(re.findall(r"`(src/attngeom/[\w/]+\.py)`", page))
+    assert len(files) > 20 and all((ROOT / f).is_file() for f in files)
+    assert "| `analyze` | `src/attngeom/traces/trace.py` |" in page and "## `attngeom.reports.plot`" in page
 
 
 def test_index_maps_every_page():
