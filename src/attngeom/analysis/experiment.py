@@ -223,6 +223,22 @@ def map_window(result: ExperimentResult) -> list[int] | None:
 
 
 @takes_handle
+def figure_maps(handle: ModelHandleLike, result: ExperimentResult):
+    """The maps the figures draw, one figure layer at a time: ``(layer trace, tokens)`` of a full
+    trace (:func:`attngeom.traces.trace.analyze`) of :func:`map_window` at ``summary["figure_layers"]``
+    (nothing when no map is drawn). A layer's maps are freed once the next layer is asked for."""
+    first = map_window(result)
+    if first is None:
+        return
+    from attngeom.traces.trace import analyze
+
+    trace = analyze(handle, first, layers=result.summary["figure_layers"])
+    for k, layer in enumerate(trace.layers):
+        yield layer, trace.tokens
+        trace.layers[k] = None
+
+
+@takes_handle
 def analysed_layers(handle: ModelHandleLike, layers) -> list[int]:
     """The analysed layers, sorted (None: all), each checked against the model."""
     from attngeom.data.corpora import check_layers
@@ -495,3 +511,19 @@ def answer_experiment(handle: ModelHandleLike, run: RunLike | None, prompts: Seq
                "answer_tokens": int(answers["answer_tokens"].sum()),
                "stopped_on_stop_token": int(answers["stopped"].sum())}
     return ExperimentResult("analyze", tables=tables, summary=summary, settings=settings.answer_record())
+
+
+# --------------------------------------------------------------------------------------------
+# The command's summary.json: built here, and read back here for the report's headline
+# --------------------------------------------------------------------------------------------
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline numbers of corpus mode's report (the summary :func:`answer_experiment` returns;
+    one text has its own report, :func:`attngeom.reports.analyze.report_markdown`)."""
+    from attngeom.stats.resampling import format_number
+
+    n = summary["prompts"]
+    return [("prompts answered", str(n)),
+            ("answer tokens (mean per prompt)", format_number(summary["answer_tokens"] / n if n else None)),
+            ("answers ended on a stop token", str(summary["stopped_on_stop_token"]))]

@@ -401,3 +401,23 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, units: Sequence[Uni
                     "variants": len(variants), "settings": dict(meta or {})})
     return ExperimentResult("faithfulness", tables={"table": table}, summary=summary, per_window=per_window,
                             settings=settings.record())
+
+
+# --------------------------------------------------------------------------------------------
+# The command's summary.json: built here, and read back here for the report's headline
+# --------------------------------------------------------------------------------------------
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The headline numbers of ``attngeom faithfulness``' report from the summary :func:`experiment`
+    returns (its ``summary.json``): the clean perplexity or accuracy, each ranking's AOCs and the
+    orders (a missing field raises)."""
+    from attngeom.stats.resampling import format_number as f
+
+    measure = summary["measure"]
+    what = "ΔPPL" if measure == "ppl" else "Δaccuracy"
+    out = [(f"clean {measure}", f(summary["clean"]))]
+    out += [(f"{m}: comprehensiveness / sufficiency AOC ({what})",
+             f"{f(d['comprehensiveness_aoc'])} / {f(d['sufficiency_aoc'])}") for m, d in summary["metrics"].items()]
+    out += [(f"most faithful first, {k}", ", ".join(summary[f"order_{k}"])) for k in ("comprehensiveness", "sufficiency")]
+    return out
