@@ -223,3 +223,26 @@ def test_compare_texts_reports_the_prediction_and_the_patching(tiny_llama):
     assert d.patching is not None and len(d.patching) == 2 * tiny_llama.num_layers * tiny_llama.num_heads
     with pytest.raises(InputError, match="contrast token needs"):
         compare_texts(tiny_llama, A, text_b=B, contrast="d")
+
+
+def test_compare_command_writes_the_prediction_and_opens_at_the_most_changed_layer(tiny_llama_dir, tmp_path, capsys):
+    import json
+
+    import pandas as pd
+
+    from attngeom.cli import main
+
+    out = tmp_path / "c"
+    assert main(["compare", "--model", str(tiny_llama_dir), "--text", A, "--text-b", B, "--answer", "m",
+                 "--contrast", "d", "--out", str(out)]) == 0
+    pred, patch = pd.read_parquet(out / "prediction.parquet"), pd.read_parquet(out / "patching.parquet")
+    assert set(pred["side"]) == {"a", "b"} and set(patch["at"]) == {"changed", "prediction"}
+    worst = json.loads((out / "summary.json").read_text())["most_different_layer"]["contribution"]["layer"]
+    page = (out / "compare.html").read_text()
+    assert page.count(f"&quot;initial_layer&quot;:{worst}") == 2 and 'id="prediction"' in page
+    assert "Activation patching" in (out / "report.md").read_text()
+    bad = tmp_path / "bad"
+    assert main(["compare", "--model", str(tiny_llama_dir), "--text", A, "--text-b", B, "--contrast", "d",
+                 "--out", str(bad)]) == 2
+    assert "--contrast needs --answer" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not bad.exists() or not (bad / "summary.json").exists()

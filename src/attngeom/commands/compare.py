@@ -42,6 +42,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", type=int, default=None,
                    help="the position of text a whose rows are compared (an aligned token; negative counts from "
                         "the end; default: the last aligned token)")
+    p.add_argument("--answer", default=None,
+                   help="a token whose next-token prediction each text reports (e.g. ' Paris', leading space "
+                        "included); with one model and texts of equal token counts, each head's output is also "
+                        "patched from b into a (prediction.parquet, patching.parquet)")
+    p.add_argument("--contrast", default=None,
+                   help="a token to compare --answer with (e.g. ' Berlin'): the logit difference is the metric")
     add_out_arg(p, default=DEFAULT_OUT)
     p.set_defaults(func=run)
 
@@ -70,7 +76,11 @@ def run(args) -> int:
     model_b = args.model_b or args.model
     settings = common.run_identity(args, None, model_b=model_identity(argparse.Namespace(**{**vars(args), "model": model_b})),
                                    a=text_identity(text_a, source_a), b=text_identity(text_b, source_b),
-                                   layers=common.layers_identity(layers), target=args.target)
+                                   layers=common.layers_identity(layers), target=args.target,
+                                   **({"answer": args.answer, "contrast": args.contrast} if args.answer is not None
+                                      or args.contrast is not None else {}))
+    if args.contrast is not None and args.answer is None:
+        raise InputError("--contrast needs --answer (e.g. --answer ' Paris' --contrast ' Berlin')")
 
     def work(run):
         from attngeom.explorer.data import from_trace
@@ -81,10 +91,12 @@ def run(args) -> int:
         handle_b = handle if args.model_b is None else common.load(argparse.Namespace(**{**vars(args), "model": model_b}))
         trace_a, trace_b, diff = compare_texts(handle, text_a, text_b=None if b is None else text_b,
                                                handle_b=None if args.model_b is None else handle_b,
-                                               layers=layers, target=args.target)
+                                               layers=layers, target=args.target, answer=args.answer,
+                                               contrast=args.contrast)
         summary = {"command": "compare", **diff.summary(), "source_a": source_a, "source_b": source_b,
                    "settings": settings}
-        pages = [explore.render(from_trace(t)) for t in (trace_a, trace_b)]
+        worst = summary["most_different_layer"]["contribution"]["layer"]
+        pages = [explore.render(from_trace(t), initial_layer=worst) for t in (trace_a, trace_b)]
 
         def write(staging: Path) -> list[str]:
             out = common.Outputs(staging, args)

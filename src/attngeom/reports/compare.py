@@ -51,6 +51,7 @@ def report_markdown(summary: dict, diff) -> str:
                             f"{r.sink_rate_b:.4f}"] for r in heads.itertuples()), align="rrrrrrrr")
     else:
         lines += ["", "The models have different numbers of heads: no per-head comparison."]
+    lines += prediction_markdown(diff)
     worst = s["most_different_layer"]["contribution"]["layer"]
     src = diff.sources[diff.sources["layer"] == worst]
     src = src.reindex(src["contribution_diff"].abs().sort_values(ascending=False, kind="stable").index).head(TOP)
@@ -67,6 +68,28 @@ def report_markdown(summary: dict, diff) -> str:
     for f, note in FILES.items():
         lines.append(f"- {md.link(f, f)} — {md.text(note)}")
     return "\n".join(lines) + "\n"
+
+
+def prediction_markdown(diff) -> list[str]:
+    """Each side's prediction of the answer (and contrast) tokens and the heads whose patched output
+    moves the metric most (:attr:`TraceDiff.prediction`, :attr:`TraceDiff.patching`); nothing without."""
+    if diff.prediction is None:
+        return []
+    p = diff.prediction
+    lines = ["", "Prediction at the last position of each text (m: the logit difference answer − contrast, or "
+             "log P(answer)):", ""]
+    lines += md.table(["side", "role", "token", "p", "logit", "m"],
+                      ([r.side, r.role, md.Raw(md.token(r.token)), f"{r.p:.4f}", f"{r.logit:.3f}", f"{r.m:+.3f}"]
+                       for r in p.itertuples()), align="lllrrr")
+    if diff.patching is not None:
+        q, a = diff.patching, diff.patching.attrs
+        lines += ["", f"Activation patching: each head's output from b into a (m_a = {a['m_a']:+.3f}, m_b = "
+                  f"{a['m_b']:+.3f}); the heads that move m most (effect = patched − m_a; share of the gap = "
+                  "effect / (m_b − m_a)):", ""]
+        lines += md.table(["patched at", "layer", "head", "patched m", "effect", "share of gap"],
+                          ([r.at, r.layer, r.head, f"{r.patched:+.3f}", f"{r.effect:+.3f}", f"{r.share_of_gap:+.3f}"]
+                           for r in q[q["rank"] < 5].itertuples()), align="lrrrrr")
+    return lines
 
 
 FILES = {
@@ -118,6 +141,11 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
         tok = r.token_a if in_a else r.token_b
         side = "" if not changed else (" a" if in_a else " b")
         toks.append(f'<span class="t{" ch" if changed else ""}{side}">{html.escape(_shown(str(tok)))}</span>')
+    pred = ""
+    if diff.prediction is not None:
+        pred = "<table id=\"prediction\"><tr><th>side</th><th>token</th><th>p</th><th>m</th></tr>" + "".join(
+            f"<tr><td>{html.escape(r.side)}</td><td>{html.escape(_shown(r.token))}</td><td>{r.p:.4f}</td>"
+            f"<td>{r.m:+.3f}</td></tr>" for r in diff.prediction.itertuples()) + "</table>"
     heads = top_heads(diff.heads, top=5)
     head_rows = "".join(f"<tr><td>{int(r.layer)}</td><td>{int(r.head)}</td><td>{r.contribution_distance:.3f}</td>"
                         f"<td>{r.attention_distance:.3f}</td></tr>" for r in heads.itertuples())
@@ -136,7 +164,7 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
  .align {{ font-family: ui-monospace, monospace; white-space: pre-wrap; margin: 6px 0; }}
  .t.ch.a {{ background: #ffd7d5; }} .t.ch.b {{ background: #d2f4d3; }}
  table {{ border-collapse: collapse; font-size: 12px; }} td, th {{ padding: 1px 6px; text-align: right; }}
- .panes {{ display: grid; grid-template-columns: 1fr 1fr; gap: 6px; padding: 6px; }}
+ .panes {{ display: grid; grid-template-columns: minmax(820px, 1fr) minmax(820px, 1fr); gap: 6px; padding: 6px; overflow-x: auto; }}
  .pane h2 {{ font-size: 13px; margin: 2px 4px; }}
  iframe {{ width: 100%; height: 1400px; border: 1px solid #d0d7de; background: #fff; }}
 </style></head><body>
@@ -147,6 +175,7 @@ def page(page_a: str, page_b: str, summary: dict, diff) -> str:
  target {esc(_shown(s['target']['token']))} at a:{s['target']['position_a']} / b:{s['target']['position_b']}.
  Hover or pin a token in one explorer to show its aligned token in the other.</div>
  <div class="align" id="alignment">{"".join(toks)}</div>
+ {pred}
  <table id="topheads"><tr><th>layer</th><th>head</th><th>contribution distance</th><th>attention distance</th></tr>{head_rows}</table>
 </header>
 <div class="panes">
