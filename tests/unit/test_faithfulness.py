@@ -113,7 +113,7 @@ def test_resume_after_a_kill_gives_the_same_table(tiny_llama, tmp_path, monkeypa
     class Killed(Exception):
         pass
 
-    real = F._pair_nll
+    real = F.pair_nll
     calls = []
 
     def dies_after(n):
@@ -124,7 +124,7 @@ def test_resume_after_a_kill_gives_the_same_table(tiny_llama, tmp_path, monkeypa
             return real(handle, unit, chunk, layers, *prepared)
         return pair_nll
 
-    monkeypatch.setattr(F, "_pair_nll", dies_after(5))  # 4 forwards per window (17 variants, 5 rows)
+    monkeypatch.setattr(F, "pair_nll", dies_after(5))  # 4 forwards per window (17 variants, 5 rows)
     with pytest.raises(Killed):
         experiment(tiny_llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5), progress=False)
     # a kill in the middle of a write leaves a cut line: it is ignored and redone
@@ -133,7 +133,7 @@ def test_resume_after_a_kill_gives_the_same_table(tiny_llama, tmp_path, monkeypa
     with log.open("a") as f:
         f.write('{"stage": "faithfulness", "units": [15, 16], "da')
     calls.clear()
-    monkeypatch.setattr(F, "_pair_nll", dies_after(10**9))
+    monkeypatch.setattr(F, "pair_nll", dies_after(10**9))
     part, part_s = _table_summary(tiny_llama, _run(tmp_path / "part"), units=units, settings=_settings(rows=5),
                                   progress=False)
     assert len(calls) == 4 * 4 - 5  # finished forwards were skipped

@@ -323,17 +323,17 @@ def _read_in_a_forward(h, name):
 def test_prepared_maps_rank_a_batch_of_variants_like_one_row(tiny_llama):
     """The prepared maps of one text serve every row of a batched forward: ranking by gradient or
     rollout in a batch of variants gives each variant's NLL as run alone."""
-    from attngeom.faithfulness.experiment import Unit, _pair_nll
+    from attngeom.faithfulness.experiment import Unit, pair_nll
 
     ids = tiny_llama.encode(TEXT * 2)
     unit = Unit(tuple(ids), len(ids) - 1, 0)
     chunk = [Variant(m, mode, 0.4) for m in ("grad_attention", "rollout", "contribution_rollout")
              for mode in ("comprehensiveness", "sufficiency")]
     cache: dict = {}
-    together = _pair_nll(tiny_llama, unit, chunk, None, cache)
+    together = pair_nll(tiny_llama, unit, chunk, None, cache)
     assert list(cache) == [unit.digest]
     assert set(cache[unit.digest]) == {"grad_attention", "rollout", "contribution_rollout"}
-    alone = [_pair_nll(tiny_llama, unit, [v], None)[0] for v in chunk]
+    alone = [pair_nll(tiny_llama, unit, [v], None)[0] for v in chunk]
     assert together == pytest.approx(alone, rel=1e-5)
     assert len(set(round(x, 4) for x in together)) == len(chunk)
 

@@ -309,12 +309,12 @@ def test_value_norm_ratio_of_a_zero_sink_value_is_inf_without_warning():
     than the other values: ``inf``, not a division warning; no samples or 0/0 give NaN."""
     import warnings
 
-    from attngeom.sinks.reducer import _ratio_of_means
+    from attngeom.sinks.reducer import ratio_of_means
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _ratio_of_means(6.0, 3, 1.0, 2) == pytest.approx(4.0)
-        assert _ratio_of_means(6.0, 3, 0.0, 2) == float("inf")
-        assert np.isnan(_ratio_of_means(0.0, 3, 0.0, 2))
-        assert np.isnan(_ratio_of_means(6.0, 0, 1.0, 2))
-        assert np.isnan(_ratio_of_means(6.0, 3, 1.0, 0))
+        assert ratio_of_means(6.0, 3, 1.0, 2) == pytest.approx(4.0)
+        assert ratio_of_means(6.0, 3, 0.0, 2) == float("inf")
+        assert np.isnan(ratio_of_means(0.0, 3, 0.0, 2))
+        assert np.isnan(ratio_of_means(6.0, 0, 1.0, 2))
+        assert np.isnan(ratio_of_means(6.0, 3, 1.0, 0))

@@ -314,11 +314,11 @@ def window_sums(heads: Sequence["pd.DataFrame"], layers: Sequence[int]) -> dict:
 def build_summary(handle: ModelHandleLike, settings: AnalyzeSettings, source: str | None, ids: list[int],
                   windows, layers: list[int], fig_layers: list[int], heads_df, tokens_df) -> dict:
     """summary.json of one text, before ``generation``, ``maps``, ``runtime_s`` and ``files``."""
-    from attngeom import __version__
+    from attngeom.runs.run import versions
 
     return {
         "command": "analyze",
-        "attngeom_version": __version__,
+        "attngeom_version": versions()["attngeom"],
         "model": {"name": handle.name, "spec": getattr(handle, "spec", handle.name),
                   "architecture": handle.architecture,
                   "layers": handle.num_layers, "heads": handle.num_heads, "kv_heads": handle.num_kv_heads,

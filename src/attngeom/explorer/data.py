@@ -42,7 +42,7 @@ from attngeom.capture.blocks import Block
 from attngeom.errors import InputError
 from attngeom.runs.contract import ModelHandleLike
 from attngeom.streaming.reducers import Reducer
-from attngeom.explorer.settings import ExploreSettings, check_measure
+from attngeom.explorer.settings import PAD, ExploreSettings, check_measure
 
 DEFAULT_TOP_K = ExploreSettings.top_k
 DEFAULT_EXACT_MAX_TOKENS = ExploreSettings.exact_max_tokens
@@ -53,7 +53,6 @@ METRICS = ("attention", "contribution", "contribution_inter")
 SHOWN = ("attention", "contribution")
 """The two metrics of the page's Sources panel, side by side (a measure, when asked, is the third)."""
 HEAD_STATS = ("sink_rate", "sink_contribution", "head_share", "regime")
-PAD = 0xFFFF  # index padding in top-k rows (a query with fewer than k visible sources)
 RESIDUAL_DECIMALS = 4  # residual shares are kept to 4 decimals (the page gets the same numbers)
 TOPK_MANTISSA_BITS = 6
 """Top-k values keep 6 of float16's 10 mantissa bits (7 significant bits, relative rounding error

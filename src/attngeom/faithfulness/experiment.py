@@ -136,7 +136,7 @@ def auto_rows(handle: ModelHandleLike, length: int, budget_bytes: float = 3e9, c
 # --------------------------------------------------------------------------------------------
 
 
-def _pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], layers, prepared: dict | None = None) -> list[float]:
+def pair_nll(handle: ModelHandleLike, unit: Unit, chunk: Sequence[Variant], layers, prepared: dict | None = None) -> list[float]:
     """Summed NLL of ``unit`` under each variant of ``chunk``, in one batched forward (row ``b``
     uses variant ``b``). ``prepared``: a cache of the unit's maps computed before the forward
     (:func:`attngeom.capture.prepared.prepare`: gradients, rollouts), keyed by the unit's digest and
@@ -188,7 +188,7 @@ def run_units(handle: ModelHandleLike, units: Sequence[Unit], variants: Sequence
 
     def work(pairs: list[int]) -> dict:
         unit = units[pairs[0] // V]
-        return {"nll": _pair_nll(handle, unit, [variants[p % V] for p in pairs], layers, prepared)}
+        return {"nll": pair_nll(handle, unit, [variants[p % V] for p in pairs], layers, prepared)}
 
     from attngeom.runs.run import run_or_in_memory
 

@@ -26,7 +26,7 @@ import torch
 
 from attngeom.capture.blocks import Block
 from attngeom.metrics.formulas import safe_div
-from attngeom.streaming.reducers import HeadStats, _as_sums, _query_weights
+from attngeom.streaming.reducers import HeadStats, as_sums
 
 REGIMES = ("Retriever", "Mixer", "Reset")
 LABELS = ("self", "sink", "other")
@@ -74,7 +74,7 @@ class TaxonomyStats(HeadStats):
             for k, x in sums.items():
                 mine[k] = mine[k] + x.to(mine[k].device)
             device = next(iter(mine.values())).device
-            self.counts[layer] = _as_sums(self.counts.get(layer, 0.0), device) + _as_sums(other.counts[layer], device)
+            self.counts[layer] = as_sums(self.counts.get(layer, 0.0), device) + as_sums(other.counts[layer], device)
         return self
 
     def result(self) -> pd.DataFrame:

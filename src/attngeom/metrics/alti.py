@@ -20,12 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngeom.metrics.registry import Metric, register
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from attngeom.capture.blocks import Block
 
 CITATION = "Ferrando et al., EMNLP 2022 (ALTI); Ferrando & Voita, Information Flow Routes, 2024 (causal form)"
 
@@ -52,12 +48,7 @@ def alti(a: torch.Tensor, projected: torch.Tensor, o: torch.Tensor) -> torch.Ten
     return formulas.safe_div(out, out.sum(-1, keepdim=True))
 
 
-def alti_layer(block: "Block") -> torch.Tensor:
+def alti_layer(block) -> torch.Tensor:
     from attngeom.metrics import formulas
 
     return alti(block.a, formulas.projected_values(block.v, block.state.w_o), block.layer_output)
-
-
-register(Metric("alti", "ALTI", None, frozenset({"attention", "layer_output"}), token=alti_layer,
-                formula="max(‖o_i‖₁ − ‖o_i − Σ_h a_ij^h ṽ_j^h‖₁, 0), renormalised over j (layer only)",
-                token_latex=r"ALTI$_{ij}$ (L1 proximity, renormalised)", rival=CITATION))

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngeom.metrics.registry import Metric, register
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -47,9 +45,3 @@ def gradient_weighted(a: "torch.Tensor", grad: "torch.Tensor") -> "torch.Tensor"
     """``g = a ⊙ ∂ℓ/∂a``: ``a [B, H, Q, S]`` the mixing weights, ``grad`` the gradient of ``ℓ`` with
     respect to them (same shape; None-free), in float32."""
     return a.float() * grad.float()
-
-
-register(Metric("grad_attention", "gradient × attention", lambda b: b.prepared("grad_attention"),
-                frozenset({"attention"}), prepare="gradient",
-                formula="g_ij^h = a_ij^h ∂ℓ/∂a_ij^h (ℓ: the text's log-likelihood; clean forward)",
-                token_latex=r"$\Sigma_h a_{ij}^h\,\partial\ell/\partial a_{ij}^h$", rival=CITATION))

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngeom.metrics.registry import Metric, register
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from attngeom.capture.blocks import Block
 
 CITATION = "Goel et al., CAOTE: KV Caching through Attention Output Error based Token Eviction, 2025 (DropKV's score)"
 
 
-def leave_one_out(block: "Block", head_space: bool = True, first: int = 0) -> torch.Tensor:
+def leave_one_out(block, head_space: bool = True, first: int = 0) -> torch.Tensor:
     """``[B, H, Q, S]``: ``‖o_i^{(−j)} − o_i‖`` for every head, query and source.
 
     ``o^{(−j)} − o = a_ij (o_i − v_j) / (1 − a_ij)``, so its norm is ``a_ij / (1 − a_ij) · ‖u_i − v_j‖``,
@@ -64,9 +60,3 @@ def leave_one_out(block: "Block", head_space: bool = True, first: int = 0) -> to
     at_top = torch.where(rest[..., 0] > 0, sq(moved).clamp_min(0).sqrt(), uu.clamp_min(0).sqrt())
     out = torch.where(a > 0, change, torch.zeros_like(a))
     return out.scatter(-1, j[..., None], at_top[..., None])
-
-
-register(Metric("leave_one_out", "leave-one-out", lambda b: leave_one_out(b, head_space=True),
-                frozenset({"attention", "uG", "head_output_sq", "value_norm"}),
-                formula="a_ij^h/(1 − a_ij^h) ‖ṽ_j^h − o_i^h‖ (renormalised drop of j, head space)",
-                token_latex=r"$\Sigma_h \|o_i^{h} - o_i^{h,(-j)}\|$", rival=CITATION))

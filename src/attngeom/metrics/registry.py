@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from attngeom.metrics import alti, gradient, leave_one_out, rollout, value_zeroing
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from attngeom.capture.blocks import Block
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class Metric:
 
     name: str
     label: str
-    per_head: Callable[["Block"], "torch.Tensor"] | None
+    per_head: Callable[..., "torch.Tensor"] | None
     needs: frozenset[str]
     heads: str = "sum"
     token_map: str | None = None
@@ -113,7 +113,7 @@ class Metric:
     received: bool = False
     hierarchy: int | None = None
     token_latex: str = ""
-    token: Callable[["Block"], "torch.Tensor"] | None = None
+    token: Callable[..., "torch.Tensor"] | None = None
     rival: str = ""
     prepare: str | None = None
 
@@ -255,10 +255,28 @@ register(Metric("contribution_inter", "contribution (inter-head)", lambda b: b.m
                 frozenset({"attention", "pulled_back", "output_sq"}),
                 formula="C_ij^h = ⟨o_i, a_ij^h ṽ_j^h⟩ / ‖o_i‖²"))
 
-# The published value-aware measures of the faithfulness head-to-head (SPEC §2.1), one module per
-# family; each registers itself (imported last: they read the table above).
-from attngeom.metrics import leave_one_out as _leave_one_out  # noqa: E402,F401
-from attngeom.metrics import value_zeroing as _value_zeroing  # noqa: E402,F401
-from attngeom.metrics import alti as _alti  # noqa: E402,F401
-from attngeom.metrics import gradient as _gradient  # noqa: E402,F401
-from attngeom.metrics import rollout as _rollout  # noqa: E402,F401
+# The published value-aware measures of the faithfulness head-to-head (SPEC §2.1): the math of each
+# family is its own module (imported above), its entries are here.
+register(Metric("leave_one_out", "leave-one-out", lambda b: leave_one_out.leave_one_out(b, head_space=True),
+                frozenset({"attention", "uG", "head_output_sq", "value_norm"}),
+                formula="a_ij^h/(1 − a_ij^h) ‖ṽ_j^h − o_i^h‖ (renormalised drop of j, head space)",
+                token_latex=r"$\Sigma_h \|o_i^{h} - o_i^{h,(-j)}\|$", rival=leave_one_out.CITATION))
+register(Metric("value_zeroing", "value zeroing", value_zeroing.value_zeroing_per_head,
+                frozenset({"attention", "pulled_back", "output_sq", "value_norm"}), token=value_zeroing.value_zeroing_layer,
+                formula="1 − cos(o_i, o_i − a_ij^h ṽ_j^h); token level: j zeroed in every head",
+                token_latex=r"$1-\cos(o_i,\, o_i-\Sigma_h a_{ij}^h\tilde v_j^h)$", rival=value_zeroing.CITATION))
+register(Metric("alti", "ALTI", None, frozenset({"attention", "layer_output"}), token=alti.alti_layer,
+                formula="max(‖o_i‖₁ − ‖o_i − Σ_h a_ij^h ṽ_j^h‖₁, 0), renormalised over j (layer only)",
+                token_latex=r"ALTI$_{ij}$ (L1 proximity, renormalised)", rival=alti.CITATION))
+register(Metric("grad_attention", "gradient × attention", lambda b: b.prepared("grad_attention"),
+                frozenset({"attention"}), prepare="gradient",
+                formula="g_ij^h = a_ij^h ∂ℓ/∂a_ij^h (ℓ: the text's log-likelihood; clean forward)",
+                token_latex=r"$\Sigma_h a_{ij}^h\,\partial\ell/\partial a_{ij}^h$", rival=gradient.CITATION))
+register(Metric("rollout", "attention rollout", None, frozenset({"attention"}),
+                token=lambda b: b.prepared("rollout"), prepare="rollout:attention",
+                formula="R^l = (½ A^l + ½ I) R^{l−1}, A^l the mean over heads (clean forward; layer only)",
+                token_latex=r"$R^l_{ij}$, attention rollout", rival=rollout.CITATION))
+register(Metric("contribution_rollout", "contribution rollout", None, frozenset({"attention"}),
+                token=lambda b: b.prepared("contribution_rollout"), prepare="rollout:contribution",
+                formula="R^l = (½ C^l + ½ I) R^{l−1}, C^l the inter-head contribution (clean forward; layer only)",
+                token_latex=r"$R^l_{ij}$, contribution rollout", rival=rollout.CITATION + ", of contribution"))

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from attngeom.metrics.registry import Metric, register
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -47,13 +45,3 @@ def compose(maps: Sequence["torch.Tensor"]) -> list["torch.Tensor"]:
         R = A if R is None else A @ R
         out.append(R.float())
     return out
-
-
-register(Metric("rollout", "attention rollout", None, frozenset({"attention"}),
-                token=lambda b: b.prepared("rollout"), prepare="rollout:attention",
-                formula="R^l = (½ A^l + ½ I) R^{l−1}, A^l the mean over heads (clean forward; layer only)",
-                token_latex=r"$R^l_{ij}$, attention rollout", rival=CITATION))
-register(Metric("contribution_rollout", "contribution rollout", None, frozenset({"attention"}),
-                token=lambda b: b.prepared("contribution_rollout"), prepare="rollout:contribution",
-                formula="R^l = (½ C^l + ½ I) R^{l−1}, C^l the inter-head contribution (clean forward; layer only)",
-                token_latex=r"$R^l_{ij}$, contribution rollout", rival=CITATION + ", of contribution"))

@@ -20,12 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngeom.metrics.registry import Metric, register
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from attngeom.capture.blocks import Block
 
 CITATION = "Mohebbi et al., Quantifying Context Mixing in Transformers, EACL 2023"
 
@@ -77,7 +73,7 @@ def _ill(oo, o_dot_part, part_sq):
     return ((oo - 2 * o_dot_part + part_sq) < ILL_CONDITIONED * oo) & (part_sq > 0) & (oo > 0)
 
 
-def value_zeroing_per_head(block: "Block") -> torch.Tensor:
+def value_zeroing_per_head(block) -> torch.Tensor:
     """``[B, H, Q, S]``: ``1 − cos(o_i, o_i − a_ij^h ṽ_j^h)`` (``j`` zeroed in head ``h`` only)."""
     import torch
 
@@ -107,7 +103,7 @@ def value_zeroing_per_head(block: "Block") -> torch.Tensor:
     return _refine(dist, ill, block.layer_output, rest)
 
 
-def value_zeroing_layer(block: "Block") -> torch.Tensor:
+def value_zeroing_layer(block) -> torch.Tensor:
     """``[B, Q, S]``: ``1 − cos(o_i, o_i − Σ_h a_ij^h ṽ_j^h)`` (``j`` zeroed in every head)."""
     import torch
 
@@ -132,9 +128,3 @@ def value_zeroing_layer(block: "Block") -> torch.Tensor:
         return torch.cat(out)
 
     return _refine(dist, ill, block.layer_output, rest)
-
-
-register(Metric("value_zeroing", "value zeroing", value_zeroing_per_head,
-                frozenset({"attention", "pulled_back", "output_sq", "value_norm"}), token=value_zeroing_layer,
-                formula="1 − cos(o_i, o_i − a_ij^h ṽ_j^h); token level: j zeroed in every head",
-                token_latex=r"$1-\cos(o_i,\, o_i-\Sigma_h a_{ij}^h\tilde v_j^h)$", rival=CITATION))

@@ -236,6 +236,20 @@ def _all_configs(config):
             yield sub
 
 
+def attn_implementation_for(config, requested: str | None, trust_remote_code: bool) -> str | None:
+    """The attention implementation a model of ``config`` is loaded with: the user's choice, else
+    "sdpa" where the model class supports it, else "eager"."""
+    from transformers import AutoModelForCausalLM
+
+    if requested is not None:
+        return requested
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None if trust_remote_code else "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 @contextlib.contextmanager
 def attention_implementation(model, name: str):
     """Route ``model``'s attention through the function registered as ``name`` for the duration

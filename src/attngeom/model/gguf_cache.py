@@ -20,7 +20,7 @@ import time
 import torch
 
 from attngeom.errors import ModelLoadError
-from attngeom.model.adapter import check_supported
+from attngeom.model.adapter import attn_implementation_for, check_supported
 
 SOURCE_MARKER = "attngeom_source.json"
 """File in a cache folder naming the GGUF it was made from."""
@@ -128,8 +128,6 @@ def cache_complete(target: pathlib.Path) -> bool:
 def dequantise_gguf(gguf: pathlib.Path, attn_implementation: str | None = None):
     """Read a GGUF file into a float32 transformers model and tokenizer (slow: tens of seconds)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    from attngeom.model.loading import attn_implementation_for
 
     folder, name = str(gguf.parent), gguf.name
     try:

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from attngeom.errors import ModelLoadError
 from attngeom.model import gguf_cache as _gc
-from attngeom.model.adapter import adapter_for, check_supported
+from attngeom.model.adapter import adapter_for, attn_implementation_for, check_supported
 from attngeom.model.bundled import BUNDLED_MODELS, BundledModel, find_bundled
 from attngeom.model.device import resolve_device, resolve_dtype
 from attngeom.model.gguf_cache import cache_dir, first_line, quiet_progress
@@ -52,17 +52,6 @@ ACCEPTED_SPECS = (
 
 _HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 """'org/name', or a bare 'name' (the Hub's older ids, e.g. 'gpt2')."""
-
-
-def attn_implementation_for(config, requested: str | None, trust_remote_code: bool) -> str | None:
-    """The user's choice, else "sdpa" where the model class supports it, else "eager"."""
-    if requested is not None:
-        return requested
-    try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-    except (KeyError, ValueError):
-        return None if trust_remote_code else "sdpa"
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 @dataclass

@@ -63,7 +63,7 @@ def counterfactual_norm(r: torch.Tensor, v0: torch.Tensor, rho, G: torch.Tensor 
     return _dot(o, o, G).clamp_min(0).sqrt()
 
 
-def _intra_dot(u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+def intra_dot(u: torch.Tensor, v: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``⟨o_i^h, ṽ_j^h⟩ = (u_i G)·v_j``: ``u [B,H,Q,d]``, ``v [B,H,S,d]`` -> ``[B,H,Q,S]``."""
     return (u @ G) @ v.transpose(-1, -2)
 
@@ -276,7 +276,7 @@ def quadratic_fit_shape(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return convex, convex & (vertex > 0) & (vertex < 1)
 
 
-def _pearson(n, sx, sy, sxx, syy, sxy) -> float:
+def pearson(n, sx, sy, sxx, syy, sxy) -> float:
     if n < 2:
         return float("nan")
     cov = sxy / n - (sx / n) * (sy / n)

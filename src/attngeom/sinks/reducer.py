@@ -10,8 +10,8 @@ import torch
 
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.blocks import Block
-from attngeom.sinks.geometry import (_pearson, bin_sums, histogram_counts, histogram_quantile, log_share_sums,
-                                     pair_factors, quadratic_fit, sink_terms, variance_shares)
+from attngeom.sinks.geometry import (bin_sums, histogram_counts, histogram_quantile, log_share_sums, pair_factors,
+                                     pearson, quadratic_fit, sink_terms, variance_shares)
 from attngeom.streaming.reducers import InputBatch, Reducer, add_into
 
 # Histogram ranges (lo, hi, bins) per distribution; 0 (and 1 for ρ*) are bin edges, so the sign of
@@ -152,8 +152,8 @@ class SinkValues(_SinkPart):
     def head_columns(self, A, h) -> dict:
         nt, ns = A["n_texts"][h], A["n_sources"][h]
         row = {
-            "value_norm_ratio": _ratio_of_means(A["vj_norm_sum"][h], ns, A["v0_norm_sum"][h], nt),
-            "raw_value_norm_ratio": _ratio_of_means(A["vj_raw_norm_sum"][h], ns, A["v0_raw_norm_sum"][h], nt),
+            "value_norm_ratio": ratio_of_means(A["vj_norm_sum"][h], ns, A["v0_norm_sum"][h], nt),
+            "raw_value_norm_ratio": ratio_of_means(A["vj_raw_norm_sum"][h], ns, A["v0_raw_norm_sum"][h], nt),
             "cos_v0_vj": A["cos_v0_vj_sum"][h] / ns if ns else np.nan,
         }
         row.update(_quantiles("cos_v0_vj", A["hist_cos_v0_vj"][h]))
@@ -163,7 +163,7 @@ class SinkValues(_SinkPart):
         return {"hist": _hist_rows(layer, h, "cos_v0_vj", A["hist_cos_v0_vj"][h])}
 
 
-def _ratio_of_means(num_sum, num_n, den_sum, den_n) -> float:
+def ratio_of_means(num_sum, num_n, den_sum, den_n) -> float:
     """``(num_sum / num_n) / (den_sum / den_n)``: NaN without samples on either side; a sink whose
     value is exactly zero (some heads of ZAYA) gives ``inf`` (no warning), or NaN when both are zero."""
     if not (num_n and den_n):
@@ -265,7 +265,7 @@ class SinkDrift(_SinkPart):
             (te0 * te0 * dw).sum((0, 2)), (rho * te0 * dw).sum((0, 2))], -1))
 
     def head_columns(self, A, h) -> dict:
-        return {"corr_rho_entropy": _pearson(*A["corr_rho_entropy"][h])}
+        return {"corr_rho_entropy": pearson(*A["corr_rho_entropy"][h])}
 
     def head_tables(self, layer, A, h) -> dict[str, list[dict]]:
         drift = []

@@ -16,7 +16,7 @@ import torch
 from attngeom.metrics import formulas as metrics
 from attngeom.capture.blocks import Block
 from attngeom.capture.interventions import SOURCE_REMOVALS, remove_source
-from attngeom.sinks.geometry import _intra_dot
+from attngeom.sinks.geometry import intra_dot
 from attngeom.streaming.reducers import Reducer, add_into
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ class SourceRemoval(Reducer):
             mn = metrics.head_output_norm(m, G)
             cos_om = metrics.safe_div(((u @ G) * m).sum(-1), on * mn)
             # cone measure κ: attention-weighted mean cosine of o with the non-sink values
-            dots = _intra_dot(u, block.v, G)                                         # [B,H,Q,S]
+            dots = intra_dot(u, block.v, G)                                         # [B,H,Q,S]
             vn = block.value_norm.unsqueeze(-2)
             cos = metrics.safe_div(dots, on.unsqueeze(-1) * vn)
             kappa = metrics.safe_div((a_tail * cos).sum(-1), a_tail.sum(-1))
