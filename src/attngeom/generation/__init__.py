@@ -1,6 +1,6 @@
 """The model's own answer, analysed step by step with its KV cache (SPEC §7): the prompt and its chat
 template (:mod:`.prompts`), the decoding loop and its caches (:mod:`.decoding`), the answer tables
-(:mod:`.answers`), the heads behind a token (:mod:`.heads`)."""
+(:mod:`.answers`), the heads behind a token (:mod:`.heads`) and what they do to it (:mod:`.effects`)."""
 
 from attngeom._exports import lazy
 
@@ -22,4 +22,6 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "template_positions": "prompts",
     "AnswerHeads": "heads",
     "head_table": "heads",
+    "head_effects": "effects",
+    "direct_effects": "effects",
 })

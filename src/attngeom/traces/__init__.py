@@ -15,5 +15,8 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "diff": "compare",
     "TraceDiff": "compare",
     "compare_texts": "compare",
+    "patch_heads": "compare",
+    "predictions": "compare",
+    "Layers": "trace",
     "MIN_ALIGNED": "compare",
 })

@@ -226,7 +226,8 @@ class Trace:
         ``"attention"`` (``a_ij^h / H``). ``source``: only that source (the link split by head and
         layer). ``top``: rows kept (None: all). ``exclude_special``: special and template tokens are
         left out of the ranking (they stay marked in :meth:`marks`). ``layers``: a subset of the
-        analysed layers."""
+        analysed layers. A share is not a cause: :func:`attngeom.head_effects` ranks the heads by their
+        direct effect and their effect under ablation on the next token, the share beside them."""
         from attngeom.generation.heads import BY, head_table, mean_shares, row_shares
 
         if by not in BY:
