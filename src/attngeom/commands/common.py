@@ -90,6 +90,7 @@ def write_outputs(staging: Path, tables: dict, names, model_name: str | None, su
         before(out)
     out.tables(tables, names, model_name)
     if report is not None:
+        write_json(Path(staging) / "summary.json", summary)    # the figures name what they rest on from it
         summary["figures"] = out.figures(report)
     out.json("summary.json", summary)
     return out.report(summary["command"], summary, model_name)

@@ -2,7 +2,8 @@
 text size, and saving.
 
 Every figure attngeom draws is saved by :func:`save_figure`, in the format its file name ends with
-(any format matplotlib writes: PNG, PDF, SVG, EPS, ...; :func:`check_format`). Sizes are set in
+(any format matplotlib writes: PNG, PDF, SVG, EPS, ...; :func:`check_format`), with TrueType fonts in
+PDF and PostScript and text as text in SVG (:data:`FONT_RC`). Sizes are set in
 points at the saved size of the figure: no text is smaller than :data:`MIN_FONT_PT` (7 pt, legible
 at one column of a paper when the figure is printed at the size it was saved at)."""
 
@@ -17,6 +18,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from attngeom.errors import InputError  # noqa: E402
 
+FONT_RC = {"pdf.fonttype": 42, "ps.fonttype": 42, "svg.fonttype": "none"}
+"""What journals' checks ask of a vector figure: TrueType (Type 42) fonts embedded in PDF and
+PostScript, never Type 3, and text kept as text in SVG (not paths). :func:`save_figure` writes under it."""
 DPI = 150
 MIN_FONT_PT = 7.0
 """The smallest text size of a saved figure, in points at its saved size."""
@@ -79,6 +83,76 @@ def tidy_axes(fig) -> None:
                 axis.set_major_locator(MaxNLocator(integer=True))
 
 
+SMALL_SAMPLE = 10
+"""Fewer independent windows (or examples) than this: no bootstrap interval, and every figure or
+count resting on them says so (:func:`sample_note`)."""
+
+
+def sample_note(n: int | None, unit: str = "windows") -> str:
+    """The sample a figure rests on, for its title: ``"12 windows"``, or with the caveat below
+    :data:`SMALL_SAMPLE` (``"4 windows: fewer than 10, an example, not an estimate"``); "" when unknown."""
+    if n is None:
+        return ""
+    n = int(n)
+    return f"{n} {unit}" + (f": fewer than {SMALL_SAMPLE}, an example, not an estimate" if n < SMALL_SAMPLE else "")
+
+
+_NOTE: list[str] = [""]
+
+
+def run_note(out_dir) -> str:
+    """What a run's figures rest on, from its ``summary.json`` (written before its figures are
+    drawn): model, window length, number of windows (examples, calibration windows) with the small-
+    sample caveat (:func:`sample_note`); "" without a summary."""
+    import json
+
+    try:
+        s = json.loads((Path(out_dir) / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    model = s.get("model") or next(iter(s.get("models") or {}), "")
+    parts = [str(model)] if model else []
+    windows = s.get("windows")
+    if isinstance(windows, list):                          # heads: calibration windows first, then evaluation
+        windows = windows[0] if windows else None
+        unit = "calibration windows"
+    else:
+        unit = "windows"
+    if isinstance(windows, dict):
+        windows = windows.get("windows")
+    if s.get("window"):
+        parts.append(f"windows of {s['window']} tokens")
+    if windows is not None:
+        parts.append(sample_note(windows, unit))
+    elif s.get("examples") is not None:
+        parts.append(sample_note(s["examples"], "examples"))
+    return "; ".join(parts)
+
+
+class figure_note:
+    """``with figure_note(text):`` every figure :func:`save_figure` writes inside carries ``text`` in a
+    line at its foot (what it rests on: :func:`run_note`)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __enter__(self):
+        _NOTE.append(self.text)
+
+    def __exit__(self, *exc):
+        _NOTE.pop()
+
+
+def _add_note(fig, layout: bool) -> float:
+    """The current :class:`figure_note` at the foot of ``fig``; the height (figure fraction) it takes."""
+    note = _NOTE[-1]
+    if not note:
+        return 0.0
+    H = fig.get_figheight()
+    fig.text(0.01, 0.04 / H, note, fontsize=MIN_FONT_PT, ha="left", va="bottom", color="#444444")
+    return (0.06 + 1.3 * MIN_FONT_PT / 72) / H if layout else 0.0
+
+
 def save_figure(fig, path: Path, dpi: float | None = None, layout: bool = True) -> Path:
     """Lay out (``layout``: tight layout; figures laid out by hand pass False), tidy the ticks
     (:func:`tidy_axes`), make every text at least :data:`MIN_FONT_PT`, write in the format of ``path``'s suffix (raster formats at ``dpi``,
@@ -88,12 +162,14 @@ def save_figure(fig, path: Path, dpi: float | None = None, layout: bool = True) 
     fmt = check_format(path.suffix or ".png")
     tidy_axes(fig)
     legible(fig)
+    foot = _add_note(fig, layout)
     if layout:
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, foot, 1, 1))
     kwargs = {"pil_kwargs": {"compress_level": PNG_COMPRESSION}} if fmt == "png" else {}
     if fmt in ("pdf", "svg", "svgz", "eps", "ps"):
         kwargs["metadata"] = {"pdf": {"CreationDate": None}, "svg": {"Date": None},
                               "svgz": {"Date": None}}.get(fmt, {"CreationDate": None})
-    fig.savefig(path, dpi=dpi or DPI, format=fmt, **kwargs)
+    with matplotlib.rc_context(FONT_RC):
+        fig.savefig(path, dpi=dpi or DPI, format=fmt, **kwargs)
     plt.close(fig)
     return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, save_figure  # sets the Agg backend first
+from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, figure_note, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -83,4 +83,5 @@ def render(out_dir, fmt: str = "png") -> list[Path]:
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     if table.empty:
         return []
-    return [plot(table, out / f"faithfulness.{fmt}", measure=summary.get("measure", "ppl"), title=summary.get("title"))]
+    with figure_note(run_note(out)):
+        return [plot(table, out / f"faithfulness.{fmt}", measure=summary.get("measure", "ppl"), title=summary.get("title"))]

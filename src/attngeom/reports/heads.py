@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -141,10 +141,11 @@ def render(out_dir: str | Path, fmt: str = "png", heads: pd.DataFrame | None = N
     heads = pd.read_parquet(out / "heads.parquet") if heads is None else heads
     curves = pd.read_parquet(out / "removal.parquet") if curves is None else curves
     by_layer = pd.read_parquet(out / "regimes_by_layer.parquet") if by_layer is None else by_layer
-    return [fig_regime_grid(heads, out / f"heads-regime-grid.{fmt}"),
-            fig_regimes_by_layer(by_layer, out / f"heads-regimes-by-layer.{fmt}"),
-            fig_removal(curves, out / f"heads-removal.{fmt}"),
-            fig_sensitivity(heads, out / f"heads-sensitivity.{fmt}")]
+    with figure_note(run_note(out)):
+        return [fig_regime_grid(heads, out / f"heads-regime-grid.{fmt}"),
+                fig_regimes_by_layer(by_layer, out / f"heads-regimes-by-layer.{fmt}"),
+                fig_removal(curves, out / f"heads-removal.{fmt}"),
+                fig_sensitivity(heads, out / f"heads-sensitivity.{fmt}")]
 
 
 if __name__ == "__main__":  # pragma: no cover

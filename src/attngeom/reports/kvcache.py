@@ -20,7 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from attngeom.reports.common import save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -123,9 +123,10 @@ def render(out_dir, fmt: str = "png") -> list[Path]:
     ``out_dir`` in format ``fmt``; returns their paths."""
     out = Path(out_dir)
     summary = pd.read_parquet(out / "summary.parquet")
-    paths = [fig_ppl(summary, out / f"kvcache-ppl.{fmt}"), fig_memory(summary, out / f"kvcache-memory.{fmt}")]
-    if (out / "answers-summary.parquet").is_file():
-        paths.append(fig_answers(pd.read_parquet(out / "answers-summary.parquet"), out / f"kvcache-answers.{fmt}"))
+    with figure_note(run_note(out)):
+        paths = [fig_ppl(summary, out / f"kvcache-ppl.{fmt}"), fig_memory(summary, out / f"kvcache-memory.{fmt}")]
+        if (out / "answers-summary.parquet").is_file():
+            paths.append(fig_answers(pd.read_parquet(out / "answers-summary.parquet"), out / f"kvcache-answers.{fmt}"))
     return paths
 
 

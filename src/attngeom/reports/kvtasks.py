@@ -5,7 +5,8 @@
   baselines (left) and the policies from the papers' geometry (right, with the best baseline at
   each ratio drawn again in black for reference); 95 % bootstrap intervals over examples (none
   below 10 examples); the full cache's accuracy as a dashed line in both. Every policy of a panel
-  has its own colour and marker; the legends sit below the panels, off the data.
+  has its own colour and marker; the legends sit below the panels, off the data; the title names
+  the model, the context length, the mode and the number of examples (from ``summary.json``).
 
 Rerun on an existing directory with ``python -m attngeom.reports.kvtasks DIR [FORMAT]``.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import COLUMN_WIDTH_IN, save_figure  # sets the Agg backend first
+from attngeom.reports.common import COLUMN_WIDTH_IN, sample_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -43,7 +44,24 @@ def _line(ax, g: pd.DataFrame, **kw) -> None:
     ax.errorbar(g["ratio"], v, yerr=yerr, ms=3, capsize=1.5, lw=1, **{"marker": "o", **kw})
 
 
-def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
+def context(out_dir) -> str:
+    """Model, context length and mode of the run in ``out_dir``, from its ``summary.json`` ("" without one)."""
+    import json
+
+    try:
+        s = json.loads((Path(out_dir) / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    parts = [str(s["model"])] if s.get("model") else []
+    if s.get("length"):
+        parts.append(f"{int(s['length']):,} tokens")
+    if s.get("mode"):
+        parts.append(str(s["mode"]))
+    return ", ".join(parts)
+
+
+def fig_accuracy(summary: pd.DataFrame, path: Path, run: str = "") -> Path:
+    """The accuracy figure; ``run`` (model, length, mode: :func:`context`) heads its title."""
     from attngeom.kvcache.policies import get_policy
     from attngeom.kvcache.tasks import best_baselines, overall
 
@@ -70,9 +88,9 @@ def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
         ax.set_ylim(-0.03, 1.03)
     axes[0].set_ylabel("accuracy (string match), all tasks", fontsize=8)
     n = int(s["examples"].max()) if len(s) else 0
-    fig.suptitle(f"Compression ratio: share of the cache removed after the prefill. {n} examples; "
-                 + ("95 % bootstrap intervals" if not s["low"].isna().all() else "too few examples for intervals"),
-                 fontsize=7)
+    fig.suptitle((f"{run}: " if run else "") + f"{sample_note(n, 'examples')}; "
+                 + ("95 % bootstrap intervals over examples" if not s["low"].isna().all() else "no intervals")
+                 + ".\nCompression ratio: share of the cache removed after the prefill.", fontsize=7)
     bottom = legend_in / fig.get_figheight()
     fig.tight_layout(rect=(0, bottom, 1, 1))
     for ax in axes:                                          # each panel's legend in the strip below it, off the data
@@ -85,7 +103,7 @@ def fig_accuracy(summary: pd.DataFrame, path: Path) -> Path:
 def render(out_dir, fmt: str = "png") -> list[Path]:
     """Draw the figure from ``summary.parquet`` in ``out_dir`` in format ``fmt``; returns its path."""
     out = Path(out_dir)
-    return [fig_accuracy(pd.read_parquet(out / "summary.parquet"), out / f"kvtasks-accuracy.{fmt}")]
+    return [fig_accuracy(pd.read_parquet(out / "summary.parquet"), out / f"kvtasks-accuracy.{fmt}", context(out))]
 
 
 if __name__ == "__main__":  # pragma: no cover

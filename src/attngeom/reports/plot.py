@@ -5,7 +5,8 @@ tables, in any format matplotlib writes (the file name's suffix: ``.pdf``, ``.sv
   head, any metric of :mod:`attngeom.metrics.registry`, cropped to a token range, one column wide
   by default (:data:`~attngeom.reports.common.COLUMN_WIDTH_IN` inches), token labels of
   :data:`~attngeom.reports.common.MIN_FONT_PT` points (every k-th when they would not fit), a title,
-  a colour bar with its label and a line between prompt and answer.
+  axis labels (query token, source token), a colour bar naming the metric and its scale
+  (:func:`scale_label`) and a line between prompt and answer.
 - :func:`run_figures` — the figures of a finished run (``attngeom sinks``, ``selection``, ``heads``,
   ``kvcache``), drawn again from its tables, in another format.
 """
@@ -29,6 +30,18 @@ map and the colour bar need (under 3 inches)."""
 
 RUN_FIGURES = ("sinks", "selection", "heads", "kvcache", "kvtasks", "faithfulness")
 """The commands whose figures :func:`run_figures` draws again from their tables."""
+
+
+AXIS_LABEL_IN = 0.15
+"""Room for an axis label at :data:`~attngeom.reports.common.MIN_FONT_PT` points, in inches (left and below the map)."""
+
+
+def scale_label(diverging: bool) -> str:
+    """The colour scale of a map, as its colour bar says it: a signed square root clipped at the
+    99.5th percentile of the absolute values for signed maps (contributions), a square root from 0 to
+    the maximum for the others (``attngeom.reports.analyze.draw_map``)."""
+    return ("signed $\\sqrt{\\cdot}$, clipped at 99.5th pct of $|x|$" if diverging
+            else "$\\sqrt{\\cdot}$ scale, 0 to max")
 
 
 def _span(tokens, T: int) -> tuple[int, int]:
@@ -107,7 +120,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     T = stop - start
     # inches: the map is square; room for token labels left and below, the colour bar right, the title above
     labels = [token_label(t) for t in trace.tokens[start:stop]]
-    margin = 0.15 + 0.6 * MIN_FONT_PT / 72 * max(len(x) for x in labels)
+    margin = 0.15 + 0.6 * MIN_FONT_PT / 72 * max(len(x) for x in labels) + AXIS_LABEL_IN
     narrowest = margin + 1.0 + 0.85
     if not narrowest <= width <= MAX_WIDTH_IN:
         raise InputError(f"width must be from {narrowest:.2f} inches (this map's labels, a one-inch map and its "
@@ -129,7 +142,7 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     diverging = bool(np.nanmin(m) < 0)      # signed maps (contributions) on a diverging scale centred at 0
     draw_map(ax, m, diverging=diverging, tokens=None, fig=fig, title="", cax=cax, ticks=False,
               divider=trace.prompt_length, offset=start, fontsize=MIN_FONT_PT + 1)
-    cax.set_ylabel(registry.label(metric), fontsize=MIN_FONT_PT)
+    cax.set_ylabel(f"{registry.label(metric)}\n{scale_label(diverging)}", fontsize=MIN_FONT_PT)
     step = max(1, int(np.ceil(T * 1.08 * MIN_FONT_PT / 72 / box)))
     pos = list(range(0, T, step))
     ax.set_xticks(pos)
@@ -137,6 +150,8 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     ax.set_yticks(pos)
     ax.set_yticklabels([labels[i] for i in pos], fontsize=MIN_FONT_PT)
     ax.tick_params(length=1.5, pad=1)
+    ax.set_xlabel("source token $j$", fontsize=MIN_FONT_PT, labelpad=1)
+    ax.set_ylabel("query token $i$", fontsize=MIN_FONT_PT, labelpad=1)
     fig.suptitle(title, fontsize=title_size, y=1 - 0.05 / H, va="top")
     legible(fig)
     if path is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -53,7 +53,7 @@ def fig_f_vs_n(sel: pd.DataFrame, path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("selection size N")
-        ax.set_ylabel("geometric F_N (mean over windows, layers, heads)")
+        ax.set_ylabel(r"geometric $F_N$ (mean over windows, layers, heads)")
         ax.set_title(f"{dist} distance")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
@@ -123,7 +123,7 @@ def fig_sink_regime(reg: pd.DataFrame, path: Path) -> Path:
                          label="inter-quartile range")
     axes[0].axhline(1, color="#999999", lw=0.8)
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("mean ‖v_j‖ (j>0) / ‖v_0‖")
+    axes[0].set_ylabel(r"mean $\|v_j\|$ ($j>0$) / $\|v_0\|$")
     axes[0].set_title("value-norm ratio non-sink / sink")
     c = g["sink_cos"]
     axes[1].plot(c.mean().index, c.mean().values, "-o", ms=3, color="#c0392b", label="cos(v_0, v_j), mean")
@@ -173,10 +173,11 @@ def render(out_dir: str | Path, fmt: str = "png", sel: pd.DataFrame | None = Non
         sel = pd.read_parquet(out / "selection.parquet")
     if reg is None:
         reg = pd.read_parquet(out / "regime.parquet")
-    paths = [fig_f_vs_n(sel, out / f"selection-f-vs-n.{fmt}"), fig_pr(sel, out / f"selection-pr.{fmt}"),
-             fig_layers(sel, out / f"selection-layers.{fmt}")]
-    if len(reg):
-        paths.append(fig_sink_regime(reg, out / f"selection-sink-regime.{fmt}"))
+    with figure_note(run_note(out)):
+        paths = [fig_f_vs_n(sel, out / f"selection-f-vs-n.{fmt}"), fig_pr(sel, out / f"selection-pr.{fmt}"),
+                 fig_layers(sel, out / f"selection-layers.{fmt}")]
+        if len(reg):
+            paths.append(fig_sink_regime(reg, out / f"selection-sink-regime.{fmt}"))
     return paths
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -49,7 +49,7 @@ def fig_convexity(heads: pd.DataFrame, curve: pd.DataFrame, path: Path, n: int =
         x = (c.bin_lo + c.bin_hi) / 2
         ax.errorbar(x, c.output_norm, yerr=c.output_norm_std, fmt="none", ecolor="#999999", lw=0.8)
         sizes = 10 + 120 * c.queries / max(c.queries.max(), 1)
-        ax.scatter(x, c.output_norm, s=sizes, color="#333333", zorder=3, label="binned mean ‖o_i‖")
+        ax.scatter(x, c.output_norm, s=sizes, color="#333333", zorder=3, label=r"binned mean $\|o_i\|$")
         if np.isfinite(r.fit_alpha):
             g = np.linspace(0, 1, 200)
             inside = (g >= r.rho_min) & (g <= r.rho_max)
@@ -60,17 +60,17 @@ def fig_convexity(heads: pd.DataFrame, curve: pd.DataFrame, path: Path, n: int =
                 vy = r.fit_alpha * r.fit_vertex**2 + r.fit_beta * r.fit_vertex + r.fit_gamma
                 if -0.2 <= r.fit_vertex <= 1.2:
                     ax.plot([r.fit_vertex], [vy], marker="v", color="#d62728", ms=9, ls="none",
-                            label=f"vertex ρ={r.fit_vertex:.2f}")
+                            label=f"vertex $\\rho$={r.fit_vertex:.2f}")
         if np.isfinite(r.rho_star_median):
             ax.axvline(np.clip(r.rho_star_median, 0, 1), color="#1f77b4", ls="--", lw=1.2,
-                       label=f"median ρ*={r.rho_star_median:.2f}")
+                       label=f"median $\\rho^*$={r.rho_star_median:.2f}")
         ax.set_xlim(-0.02, 1.02)
         lo = np.nanmin(c.output_norm - c.output_norm_std.fillna(0)) if len(c) else 0
         hi = np.nanmax(c.output_norm + c.output_norm_std.fillna(0)) if len(c) else 1
         ax.set_ylim(max(0, lo - 0.1 * (hi - lo)), hi + 0.15 * (hi - lo))
-        ax.set_title(f"layer {int(r['layer'])}, head {int(r['head'])} (mean ρ={r.sink_rate:.2f})", fontsize=10)
-        ax.set_xlabel("sink rate ρ = a_i0")
-        ax.set_ylabel("head output norm ‖o_i^h‖")
+        ax.set_title(f"layer {int(r['layer'])}, head {int(r['head'])} (mean $\\rho$={r.sink_rate:.2f})", fontsize=10)
+        ax.set_xlabel(r"sink rate $\rho = a_{i0}$")
+        ax.set_ylabel(r"head output norm $\|o_i^h\|$")
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"{_model_title(heads)}: sink rate vs head output norm (heads with the most sink attention)",
                  fontsize=11)
@@ -99,14 +99,14 @@ def fig_rho_star(heads: pd.DataFrame, hist: pd.DataFrame, path: Path) -> Path:
     if total > 0:
         a1.bar(edges[:-1], counts / total, width=np.diff(edges), align="edge", color="#1f77b4", alpha=0.8)
     a1.axvspan(0, 1, color="#2ca02c", alpha=0.08, label="interior (0, 1)")
-    a1.set_xlabel("per-query minimiser ρ* of ‖ρ ṽ_0 + (1−ρ) r_i‖")
+    a1.set_xlabel(r"per-query minimiser $\rho^*$ of $\|\rho\,\tilde v_0 + (1-\rho)\,r_i\|$")
     a1.set_ylabel("share of queries (all heads)")
-    a1.set_title(f"ρ* distribution ({below / max(total, 1):.1%} below −1, {above / max(total, 1):.1%} above 2)",
+    a1.set_title(f"$\\rho^*$ distribution ({below / max(total, 1):.1%} below −1, {above / max(total, 1):.1%} above 2)",
                  fontsize=10)
     a1.legend(fontsize=8)
     by = heads.groupby("layer")
     a2.plot(by.rho_star_median_interior.mean().index, by.rho_star_median_interior.mean().values, marker="o",
-            color="#1f77b4", label="median ρ* in (0, 1)")
+            color="#1f77b4", label=r"median $\rho^*$ in (0, 1)")
     a2.plot(by.fit_vertex_interior.mean().index, by.fit_vertex_interior.mean().values, marker="s",
             color="#d62728", label="empirical fit: convex, vertex in (0, 1)")
     a2.set_ylim(-0.05, 1.05)
@@ -122,8 +122,8 @@ def fig_rho_star(heads: pd.DataFrame, hist: pd.DataFrame, path: Path) -> Path:
 def fig_anti_alignment(heads: pd.DataFrame, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     rng = np.random.default_rng(0)
-    for ax, col, title in ((axes[0], "cos_v0_m_median", "cos(ṽ_0, m_i): sink value vs semantic mean"),
-                           (axes[1], "cos_v0_vj_median", "cos(ṽ_0, ṽ_j), j > 0: sink value vs each value")):
+    for ax, col, title in ((axes[0], "cos_v0_m_median", r"$\cos(\tilde v_0, m_i)$: sink value vs semantic mean"),
+                           (axes[1], "cos_v0_vj_median", r"$\cos(\tilde v_0, \tilde v_j)$, $j > 0$: sink value vs each value")):
         x = heads.layer + rng.uniform(-0.2, 0.2, len(heads))
         ax.scatter(x, heads[col], s=10, alpha=0.6, color="#1f77b4", label="head median")
         med = heads.groupby("layer")[col].median()
@@ -140,8 +140,8 @@ def fig_anti_alignment(heads: pd.DataFrame, path: Path) -> Path:
 
 def fig_decomposition(heads: pd.DataFrame, path: Path) -> Path:
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.8))
-    names = [("attention", "attention a_ij"), ("relative_norm", "relative norm ‖ṽ_j‖/‖o_i‖"),
-             ("cosine", "cos(o_i, ṽ_j)")]
+    names = [("attention", r"attention $a_{ij}$"), ("relative_norm", r"relative norm $\|\tilde v_j\|/\|o_i\|$"),
+             ("cosine", r"$\cos(o_i, \tilde v_j)$")]
     for ax, (k, label) in zip(axes[:3], names):
         vals = [heads[f"sink_{k}"], heads[f"tail_{k}"]]
         med = [v.median() for v in vals]
@@ -158,12 +158,12 @@ def fig_decomposition(heads: pd.DataFrame, path: Path) -> Path:
         ax.bar(np.array([0, 1]) + (i - 1) * 0.27, v, width=0.27, color=c,
                label={"attention": "attention", "relative_norm": "relative norm", "cosine": "cosine"}[k])
     ax.set_xticks([0, 1], ["sink", "tail"])
-    ax.set_ylabel("Cov(log f, log|c|)/Var(log|c|)\n(mean over heads; sums to 1)")
+    ax.set_ylabel(r"$\mathrm{Cov}(\log f, \log|c|)/\mathrm{Var}(\log|c|)$" "\n(mean over heads; sums to 1)")
     ax.set_title("which factor explains the contribution", fontsize=10)
     ax.axhline(0, color="#333333", lw=0.6)
     ax.set_ylim(min(0.0, ax.get_ylim()[0]), max(1.0, ax.get_ylim()[1]) * 1.15)
     ax.legend(fontsize=8, loc="upper center", ncol=3, columnspacing=0.8, handlelength=1.2)
-    fig.suptitle(f"{_model_title(heads)}: contribution c = a · (‖ṽ‖/‖o‖) · cos, sink vs tail", fontsize=11)
+    fig.suptitle(f"{_model_title(heads)}: contribution $c = a \\cdot (\\|\\tilde v\\|/\\|o\\|) \\cdot \\cos$, sink vs tail", fontsize=11)
     return save_figure(fig, path)
 
 
@@ -177,12 +177,12 @@ def fig_removal(removal: pd.DataFrame, ppl: pd.DataFrame, path: Path) -> Path:
         for ax, col in zip(axes[:3], ("output_norm", "cone", "cone_sink_heavy")):
             y = by[col].mean()
             ax.plot(y.index, y.values, marker="o", ms=3, color=color[mode], label=label[mode])
-    axes[0].set_ylabel("mean head output norm ‖o_i^h‖")
+    axes[0].set_ylabel(r"mean head output norm $\|o_i^h\|$")
     axes[0].set_yscale("log")
     axes[0].set_title("output norm (all queries)", fontsize=10)
-    axes[1].set_ylabel("cone measure κ = Σ_j>0 ã_ij cos(o_i, ṽ_j)")
+    axes[1].set_ylabel(r"cone measure $\kappa = \sum_{j>0} \tilde a_{ij} \cos(o_i, \tilde v_j)$")
     axes[1].set_title("position in the semantic cone (all queries)", fontsize=10)
-    axes[2].set_ylabel("cone measure κ")
+    axes[2].set_ylabel(r"cone measure $\kappa$")
     axes[2].set_title("queries with sink rate ≥ 0.5", fontsize=10)
     for ax in axes[:3]:
         ax.set_xlabel("layer")
@@ -227,12 +227,12 @@ def fig_drift(drift: pd.DataFrame, path: Path) -> Path:
         axes[0].plot(agg.index, agg.wr / agg.queries, marker="o", ms=3, color=col, label=lab)
         axes[1].plot(agg.index, agg.cancel, marker="o", ms=3, color=col, label=lab)
     axes[0].set_xlabel("normalised entropy of the non-sink attention")
-    axes[0].set_ylabel("mean sink rate ρ (all heads)")
+    axes[0].set_ylabel(r"mean sink rate $\rho$ (all heads)")
     axes[0].set_title("diffuse queries and the sink", fontsize=10)
     axes[1].set_xlabel("normalised entropy of the non-sink attention")
     axes[1].set_ylabel("cancel (median over heads)")
     axes[1].set_title("sink's cancellation of the semantic mean m_i:\n"
-                      "Σ −⟨ρ ṽ_0, m_i⟩/‖m_i‖ / Σ ‖m_i‖ per head and bin", fontsize=10)
+                      r"$\sum -\langle\rho\,\tilde v_0, m_i\rangle/\|m_i\| \,/\, \sum \|m_i\|$ per head and bin", fontsize=10)
     axes[1].axhline(0, color="#333333", lw=0.6)
     for ax in axes:
         ax.legend(fontsize=8)
@@ -249,14 +249,15 @@ def render(out_dir, fmt: str = "png") -> list[Path]:
     hist = pd.read_parquet(out / "hist.parquet")
     removal = pd.read_parquet(out / "removal.parquet")
     ppl = pd.read_parquet(out / "ppl.parquet")
-    return [
-        fig_convexity(heads, curve, out / f"sinks-convexity.{fmt}"),
-        fig_rho_star(heads, hist, out / f"sinks-rho-star.{fmt}"),
-        fig_anti_alignment(heads, out / f"sinks-anti-alignment.{fmt}"),
-        fig_decomposition(heads, out / f"sinks-decomposition.{fmt}"),
-        fig_removal(removal, ppl, out / f"sinks-removal.{fmt}"),
-        fig_drift(drift, out / f"sinks-drift.{fmt}"),
-    ]
+    with figure_note(run_note(out)):
+        return [
+            fig_convexity(heads, curve, out / f"sinks-convexity.{fmt}"),
+            fig_rho_star(heads, hist, out / f"sinks-rho-star.{fmt}"),
+            fig_anti_alignment(heads, out / f"sinks-anti-alignment.{fmt}"),
+            fig_decomposition(heads, out / f"sinks-decomposition.{fmt}"),
+            fig_removal(removal, ppl, out / f"sinks-removal.{fmt}"),
+            fig_drift(drift, out / f"sinks-drift.{fmt}"),
+        ]
 
 
 if __name__ == "__main__":  # pragma: no cover
