@@ -246,3 +246,20 @@ def test_compare_command_writes_the_prediction_and_opens_at_the_most_changed_lay
                  "--out", str(bad)]) == 2
     assert "--contrast needs --answer" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not bad.exists() or not (bad / "summary.json").exists()
+
+
+def test_explorer_heads_panel_holds_the_direct_effects(tiny_llama):
+    """``build`` adds the heads panel's ``direct_effect`` grid: each head's direct effect on the logit of
+    the model's top prediction after the text (equal to direct_effects), and the page offers it."""
+    from attngeom.explorer import data as E
+    from attngeom.reports.explore import render
+
+    ids = to_ids(tiny_llama, TEXT)
+    d = E.build(tiny_llama, ids, layers=[0, 2])
+    top = int(head_inputs(tiny_llama, ids)[1][-1].argmax())
+    want, _ = direct_effects(tiny_llama, ids, Answer(tiny_llama, top))
+    np.testing.assert_allclose(d.head_stats["direct_effect"], want[[0, 2]], atol=1e-9)
+    assert '"direct_effect":[[' in render(d)
+    from attngeom.traces.trace import analyze
+
+    assert "direct_effect" not in E.from_trace(analyze(tiny_llama, ids)).head_stats       # no model: no grid

@@ -79,7 +79,9 @@ class ExploreData:
 
     ``measure``: the registry measure shown beside attention and contribution (None: none).
 
-    ``head_stats[name]``: float ``[len(layers), H]`` (``regime``: 0 Retriever, 1 Mixer, 2 Reset).
+    ``head_stats[name]``: float ``[len(layers), H]`` (``regime``: 0 Retriever, 1 Mixer, 2 Reset;
+    ``direct_effect``, from :func:`build` only: each head's direct effect on the logit of the token
+    after the page's first query row, :func:`direct_effect_grid`).
     ``layer_sink``: ``{"sink_attention", "sink_contribution", "sink_share"}`` each ``[len(layers)]``.
     ``residual_share``: ``[len(layers), T]`` (``r_i^l``), or None when unknown (a saved Trace).
     ``answer``: for a generation (:func:`build` with ``decoding``), ``{"prompt_length": P, "layers":
@@ -357,6 +359,22 @@ def _head_tables(stats_df, layers: list[int], H: int) -> tuple[dict, dict]:
     return head, sink
 
 
+def direct_effect_grid(handle, ids, layers: list[int], row: int) -> np.ndarray | None:
+    """Each head's direct effect (:func:`attngeom.generation.effects.direct_effects`) at ``row`` on the
+    logit of the token that follows it (the model's top prediction at the last position): the heads
+    panel's ``direct_effect`` grid ``[len(layers), H]``; None where the model's norms are not RMS norms."""
+    from attngeom.errors import UnsupportedArchitectureError
+    from attngeom.generation.effects import Answer, direct_effects, head_inputs
+
+    prefix = list(ids[:row + 1])
+    try:
+        nxt = int(ids[row + 1]) if row + 1 < len(ids) else int(head_inputs(handle, prefix)[1][-1].argmax())
+        effects, _ = direct_effects(handle, prefix, Answer(handle, nxt))
+    except (InputError, UnsupportedArchitectureError):
+        return None
+    return effects[layers]
+
+
 def resolve_mode(T: int, top_k: int | None, exact_max_tokens: int) -> int | None:
     """``None`` (exact maps) when ``T <= exact_max_tokens``, else the top-k size."""
     k = DEFAULT_TOP_K if top_k is None else int(top_k)
@@ -428,6 +446,9 @@ def build(handle: ModelHandleLike, text, *, layers=None, top_k: int | None = Non
     finally:
         res.close()
     head, sink_fig = _head_tables(stats.result(), layers, H)
+    effect = direct_effect_grid(handle, ids, layers, len(ids) - 1 if answer is None else P - 1)
+    if effect is not None:
+        head["direct_effect"] = effect
     share = (np.round(np.stack([res.shares[l] for l in layers]).astype(np.float64), RESIDUAL_DECIMALS)
              if all(l in res.shares for l in layers) else None)
     return ExploreData(
