@@ -7,7 +7,7 @@ import pytest
 
 from attngeom.cli import main
 from attngeom.runs.contract import MIN_SCORED_TOKENS
-from attngeom.heads import experiment as HD
+from attngeom.heads import orders as HO
 
 TEXTS = ["The cat sat on the mat; the dog lay by the door.", "A shorter one, with commas."]
 
@@ -26,7 +26,7 @@ def test_cli_end_to_end_two_corpora(tiny_llama_dir, tmp_path):
     for shares in s["regime_share"].values():
         assert sum(shares.values()) == pytest.approx(1.0)
     assert 0 <= s["corpus_agreement"]["agreement"] <= 1
-    assert set(s["perplexity"]) == set(HD.ORDERS)
+    assert set(s["perplexity"]) == set(HO.ORDERS)
     base = s["perplexity_base"]["heldout"]
     for name, curve in s["perplexity"].items():
         assert curve["100"] == pytest.approx(base)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attngeom.heads import experiment as HD
+from attngeom.heads import orders as HO
 from attngeom.capture.session import Session
 from attngeom.errors import InputError
 from attngeom.streaming import forward, make_batches
@@ -91,9 +92,9 @@ def test_weight_norms_match_manual():
 
 def test_removed_at_and_retention_checks():
     order = [(l, h) for l in range(3) for h in range(4)]
-    assert HD.removed_at(order, 100) == []
-    assert len(HD.removed_at(order, 75)) == 3 and HD.removed_at(order, 75) == order[:3]
-    assert len(HD.removed_at(order, 25)) == 9
+    assert HO.removed_at(order, 100) == []
+    assert len(HO.removed_at(order, 75)) == 3 and HO.removed_at(order, 75) == order[:3]
+    assert len(HO.removed_at(order, 25)) == 9
     assert HD.check_retentions([25, 100, 50]) == [100.0, 50.0, 25.0]
     for bad in ([0], [100.5], [-10], [float("nan")], []):
         with pytest.raises(InputError):
@@ -118,8 +119,8 @@ def test_orders_are_permutations_and_follow_their_rule():
     tax = _tax()
     weights = np.arange(12, dtype=float).reshape(3, 4)[::-1].copy()   # smallest = last layer
     sens = np.random.default_rng(0).normal(size=(3, 4))
-    orders = HD.build_orders(tax, weights, sens, ["Mixer", "Reset", "Retriever"], seed=1)
-    assert set(orders) == set(HD.ORDERS)
+    orders = HO.build_orders(tax, weights, sens, ["Mixer", "Reset", "Retriever"], seed=1)
+    assert set(orders) == set(HO.ORDERS)
     for o in orders.values():
         assert sorted(o) == [(l, h) for l in range(3) for h in range(4)]
     regime = {(r.layer, r.head): r.regime for r in tax.itertuples()}
@@ -128,16 +129,16 @@ def test_orders_are_permutations_and_follow_their_rule():
     assert orders["weight"][0] == (2, 0)      # smallest weight product first
     assert orders["entropy"][0] == (2, 3)     # largest entropy first
     assert orders["sensitivity"][0] == tuple(int(x) for x in np.unravel_index(sens.argmin(), sens.shape))
-    assert orders["random"] == HD.build_orders(tax, weights, sens, ["Mixer", "Reset", "Retriever"], seed=1)["random"]
+    assert orders["random"] == HO.build_orders(tax, weights, sens, ["Mixer", "Reset", "Retriever"], seed=1)["random"]
 
 
 def test_critical_heads_rule():
     tax = _tax()
     rng = np.random.default_rng(0)
     sens = rng.normal(1.0, 0.1, size=(3, 4))
-    assert HD.critical_heads(sens, tax) == []
+    assert HO.critical_heads(sens, tax) == []
     sens[1, 2] = 50.0
-    crit = HD.critical_heads(sens, tax)
+    crit = HO.critical_heads(sens, tax)
     assert [(c["layer"], c["head"]) for c in crit] == [(1, 2)]
     assert crit[0]["regime"] == tax.set_index(["layer", "head"]).loc[(1, 2), "regime"]
     assert crit[0]["z"] > 3

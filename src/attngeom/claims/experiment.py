@@ -39,6 +39,7 @@ from attngeom.claims.catalogue import (CLAIMS, DEFAULTS, Settings, calibration_e
 from attngeom.faithfulness import experiment as faithfulness
 from attngeom.faithfulness.settings import FaithfulnessSettings
 from attngeom.heads import experiment as heads
+from attngeom.heads import orders as head_orders
 from attngeom.heads.settings import HeadsSettings
 from attngeom.selection import experiment as selection
 from attngeom.selection.settings import SelectionSettings
@@ -153,7 +154,7 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     cal_df = res.tables["taxonomy_calibration"]
     extra = None
     if fixed != chosen:
-        removals = [heads.removed_at(heads.taxonomy_order(cal_df, fixed), x) for x in levels]
+        removals = [head_orders.removed_at(head_orders.taxonomy_order(cal_df, fixed), x) for x in levels]
         nll_f, _ = heads.removal_nll(handle, run, "removal_fixed", held, removals, 1, "removal: fixed regime order")
         extra = {("fixed", x): nll_f[i] for i, x in enumerate(levels)}
     ppl_point = {k: v[0] for k, v in heads.resampled_removal(res.per_window, None, extra).items()}
@@ -161,7 +162,7 @@ def _heads_part(handle: ModelHandleLike, run: RunLike, ids, calib_windows, reten
     if extra is None:                                   # the fixed order is the calibrated one
         for x in levels:
             ppl_point[("fixed", x)], ppl_samples[("fixed", x)] = ppl_point[("taxonomy", x)], ppl_samples[("taxonomy", x)]
-    names = list(heads.ORDERS) + ["fixed"]
+    names = list(head_orders.ORDERS) + ["fixed"]
     for x in retentions:
         if x >= 100:
             for name in names:
@@ -198,7 +199,7 @@ def _early_critical_claim(handle: ModelHandleLike, res: ExperimentResult, calib_
 
     def early_z(cnt):
         delta = heads.resampled_sensitivity(res.per_window, cnt)["delta"]
-        z = heads.critical_z(delta, regimes)
+        z = head_orders.critical_z(delta, regimes)
         early = np.array([(k // H) * 3 < L for k in range(L * H)])
         ze = np.where(early[None] & np.isfinite(z), z, -np.inf)
         return ze.max(1), ze.argmax(1), delta
