@@ -3,7 +3,6 @@ tables of the fused route equal the block path's, and a route that does not exis
 line before any model is loaded."""
 
 import pandas as pd
-import pytest
 
 from attngeom.cli import main
 

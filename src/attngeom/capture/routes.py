@@ -414,15 +414,33 @@ class FusedLayer:
         norms = norms.to(self.q.dtype)
         if self.allowed is None:            # the call is causal (its window, if any, reaches every source)
             return source_winner(self.kq, self.kk, norms, scale=self.scale, causal=True)[0]
-        if describes(self.allowed, self.window, self.lengths):
+        if self._masks_described:
             return source_winner(self.kq, self.kk, norms, scale=self.scale, causal=True, window=self.window,
                                  lengths=self.lengths)[0]
         return source_winner_masked(self.q, self.k, norms, scale=self.scale, mask=self.allowed)
 
     # ---- per source ---------------------------------------------------------------------------------
+    @cached_property
+    def _masks_described(self) -> bool:
+        """Whether the mask is causal with the call's window and right padding (or None)."""
+        return self.allowed is None or describes(self.allowed, self.window, self.lengths)
+
     def transposed(self, F: torch.Tensor) -> torch.Tensor:
-        """``PᵀF`` with the layer's attention ``P`` (learned sink included): ``[B, H, T, m]``."""
+        """``PᵀF`` with the layer's attention ``P`` (learned sink included): ``[B, H, T, m]``. Where
+        triton runs (:func:`attngeom.capture.fused_winner.uses_triton`) and the mask is causal with
+        the call's window and padding, :func:`attngeom.capture.fused_winner.values_gradient` (``P``
+        recomputed from ``lse``, no ``dQ``, ``dK``); else the attention's backward (:func:`transpose`).
+        Not in bf16/fp16 yet: under triton's interpreter that kernel's bf16 result is off by orders of
+        magnitude (float32 and float64 agree with the backward to 1e-10; unverified on a GPU)."""
+        from attngeom.capture import fused_winner
+
         F = self._rescaled(F).to(self.kernel_dtype)
+        if (self.kernel_dtype in (torch.float32, torch.float64) and self._masks_described
+                and fused_winner.uses_triton(self.kq.device, self.kq.dtype)):
+            masked = self.allowed is not None
+            return fused_winner.values_gradient(
+                self.kq, self.kk, self._forward[2], F, scale=self.scale, causal=True,
+                window=self.window if masked else None, lengths=self.lengths if masked else None).to(self.dtype)
         return transpose(self.kq, self.kk, self._forward[3], F, self.scale, self.mask).to(self.dtype)
 
     def seen_by(self, w: torch.Tensor) -> torch.Tensor:
