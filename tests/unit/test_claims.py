@@ -339,11 +339,14 @@ def test_rows_on_too_few_windows_get_no_interval_and_say_so():
 
 
 def test_stored_claims_render_again_in_one_number_format_with_terms():
-    """claims.md of the runs kept in docs/claims-runs is their claims.json rendered again: one number
-    format in every cell, the terms defined, the stored verdicts unchanged (nothing recomputed)."""
+    """claims.md of the runs kept in docs/claims-runs is their claims.json rendered again under the
+    current rules: one number format in every cell, the terms defined, the claims numbered as the
+    catalogue numbers them, a claim resting on fewer than 10 windows (claim 16 on 2 calibration
+    windows) too few windows, every other verdict the stored one (nothing recomputed)."""
     import re
     from pathlib import Path
 
+    from attngeom.claims.catalogue import claim_number
     from attngeom.reports.claims import one_number_format, rerender
 
     assert one_number_format("1.772e+04 [1.161e+04, 114286]; +2606 at layer 23, 0.5 %") == \
@@ -358,7 +361,12 @@ def test_stored_claims_render_again_in_one_number_format_with_terms():
         assert "## Terms" in md and not re.search(r"\d\.?\d*e\+\d", md)
         assert not re.search(r"(?<![\d.,\w/])-?\d{4,}(?![\d,.\w])", md.split("Run time")[1].split("\n", 1)[1])
         verdicts = re.findall(r"\| ((?:\*\*)?[a-z ]+(?:\*\*)?) \|$", md, re.M)[1:len(stored["rows"]) + 1]
-        assert [v.strip("*") for v in verdicts] == [r["verdict"] for r in stored["rows"]]
+        info = stored["windows"]
+        expected = ["too few windows" if r["id"] == "early_critical_head" and info["calibration_windows"] < 10
+                    else r["verdict"] for r in stored["rows"]]
+        assert [v.strip("*") for v in verdicts] == expected
+        numbers = [int(n) for n in re.findall(r"^\| (\d+) \|", md, re.M)][:len(stored["rows"])]
+        assert numbers == [claim_number(r["id"]) for r in stored["rows"]]
 
 
 def test_the_calibration_claim_states_its_evidence_and_what_gives_a_verdict():
@@ -436,3 +444,54 @@ def test_claims_per_head_and_rivals_choose_the_head_to_head(tiny_llama_dir, tmp_
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
         assert not (tmp_path / "x").exists()
+
+
+def test_a_row_of_several_margins_shows_the_one_its_verdict_comes_from():
+    """The row used to show the smallest margin: an interval wholly above 0 beside 'inconclusive',
+    because another margin with a larger value reached below 0. It now shows that other margin."""
+    from attngeom.claims.catalogue import HOLDS, INCONCLUSIVE, REFUTED, deciding, verdict_all
+
+    def iv(v, lo, hi):
+        return {"value": v, "low": lo, "high": hi}
+
+    cases = [({"a": iv(1.0, 0.5, 1.5), "b": iv(3.0, -1.0, 7.0)}, "b", INCONCLUSIVE),   # smallest value is 'a'
+             ({"a": iv(1.0, 0.5, 1.5), "b": iv(3.0, 0.2, 7.0)}, "b", HOLDS),
+             ({"a": iv(-2.0, -3.0, -1.0), "b": iv(-5.0, -9.0, 1.0)}, "a", REFUTED),
+             ({"a": iv(2.0, None, None), "b": iv(1.0, None, None)}, "b", None)]
+    for numbers, name, verdict in cases:
+        assert deciding(numbers) is numbers[name]
+        if verdict is not None:
+            d = deciding(numbers)
+            assert verdict_all([(x["low"], x["high"]) for x in numbers.values()]) == verdict
+            # the row's own interval can never read 'holds' while the verdict says otherwise, nor the reverse
+            assert (d["low"] > 0) == (verdict == HOLDS)
+
+
+def test_claims_keep_their_numbers_when_some_are_skipped():
+    from attngeom.claims.catalogue import CLAIMS, claim_number, claim_row
+    from attngeom.reports.claims import render
+
+    rows = [claim_row("sink_value_small", value="3.7×", verdict="holds", low=3.6, high=3.8),
+            claim_row("early_critical_head", value="z = 5", verdict="too few windows")]
+    md = render({"rows": rows, "detail": {}, "windows": {"windows": 12}, "settings": {}}, "m", "d")
+    assert "\n| 5 | the sink token" in md and "\n| 16 | a single head" in md and "\n| 1 |" not in md
+    assert [claim_number(c["id"]) for c in CLAIMS] == list(range(1, len(CLAIMS) + 1))
+
+
+def test_a_stored_run_is_judged_by_the_current_rules():
+    from attngeom.claims.catalogue import claim_row, under_current_rules
+
+    z = claim_row("early_critical_head", value="z = 13", verdict="holds", low=11.0, high=13.0,
+                  numbers={"largest early z": {"value": 13.0, "low": 11.0, "high": 13.0}})
+    best = claim_row("contribution_best_comprehensiveness", value="1", verdict="inconclusive", low=0.5, high=1.5,
+                     numbers={"contribution vs a": {"value": 1.0, "low": 0.5, "high": 1.5},
+                              "contribution vs b": {"value": 3.0, "low": -1.0, "high": 7.0}},
+                     note="value: the smallest AOC margin of contribution over another metric (ΔPPL units)")
+    stored = {"rows": [best, z], "windows": {"windows": 12, "calibration_windows": 2, "heldout_windows": 10}}
+    out = under_current_rules(stored)
+    b, e = out["rows"]
+    assert (b["value"], b["low"], b["high"], b["verdict"], b["windows"]) == ("3", -1.0, 7.0, "inconclusive", 12)
+    assert "the smallest" not in b["note"] and "rests on" in b["note"]
+    assert e["verdict"] == "too few windows" and e["low"] is None and e["windows"] == 2
+    assert "--calib-windows 10" in e["note"]
+    assert stored["rows"][1]["verdict"] == "holds"                          # the stored data is left as it was

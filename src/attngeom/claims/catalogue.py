@@ -160,6 +160,7 @@ def rival_claims() -> tuple[dict, ...]:
 
 CLAIMS = CLAIMS + rival_claims()
 CLAIM_BY_ID = {c["id"]: c for c in CLAIMS}
+CLAIM_NUMBER = {c["id"]: k for k, c in enumerate(CLAIMS, 1)}
 
 PAPER_ABBREVIATIONS = {CONTRIBUTION_PAPER: "CW", SELECTION_PAPER: "TS", HEAD_TO_HEAD: "H2H"}
 """How ``docs/claims.md`` names the two papers in its table."""
@@ -198,6 +199,78 @@ def verdict_range(low, high, lo: float, hi: float) -> str:
     if high < lo or low > hi:
         return REFUTED
     return INCONCLUSIVE
+
+
+DECIDING_NOTE = "the margin the verdict rests on (of those that must all lie above 0, the one whose interval lies lowest)"
+"""How a row of several margins judged together (:func:`verdict_all`) says which one it shows (:func:`deciding`)."""
+ALL_MARGINS = ("contribution_best_comprehensiveness", "contribution_best_sufficiency", "taxonomy_removal_calibrated",
+               "taxonomy_removal_fixed")
+"""The claims whose row shows one of several margins judged together (:func:`verdict_all`)."""
+
+
+def deciding(numbers: dict) -> dict:
+    """Of several margins judged together by :func:`verdict_all` (each a dict with ``value``, ``low``,
+    ``high``), the one the verdict comes from, so that the row shows it: one wholly below 0 (refuted;
+    the lowest), else the one whose interval reaches lowest (its lower end above 0 means every one is:
+    holds; at or below 0, inconclusive); without intervals, the smallest value."""
+    ds = [d for d in numbers.values() if isinstance(d, dict) and d.get("value") is not None]
+    below = [d for d in ds if d.get("high") is not None and d["high"] < 0]
+    if below:
+        return min(below, key=lambda d: d["high"])
+    bounded = [d for d in ds if d.get("low") is not None]
+    if bounded:
+        return min(bounded, key=lambda d: d["low"])
+    return min(ds, key=lambda d: d["value"])
+
+
+def claim_number(claim_id: str) -> int:
+    """A claim's number: its place in :data:`CLAIMS` from 1, the same in every run (``--skip`` leaves
+    gaps, it does not renumber)."""
+    return CLAIM_NUMBER[claim_id]
+
+
+def row_windows(row: dict, windows: dict) -> int | None:
+    """The windows a row's interval rests on: its own record, else (runs written before rows recorded
+    it) from the run's ``windows`` record: the calibration windows for the early critical head, the
+    held-out windows for the taxonomy removal, the corpus windows otherwise."""
+    if row.get("windows") is not None:
+        return int(row["windows"])
+    key = {"early_critical_head": "calibration_windows", "taxonomy_removal_calibrated": "heldout_windows",
+           "taxonomy_removal_fixed": "heldout_windows"}.get(row["id"], "windows")
+    n = windows.get(key, windows.get("windows"))
+    return None if n is None else int(n)
+
+
+def under_current_rules(stored: dict) -> dict:
+    """A run's stored ``claims.json`` content judged by the current rules, nothing recomputed: each row
+    records the windows it rests on (:func:`row_windows`); a row on fewer than
+    :data:`~attngeom.stats.resampling.MIN_UNITS` gets no interval and the verdict **too few windows**
+    (:func:`sized`; the early critical head says what would give it one, :func:`calibration_evidence`);
+    a row of several margins judged together shows the one its verdict comes from (:func:`deciding`)."""
+    import copy
+
+    out = copy.deepcopy(stored)
+    info = out.get("windows") or {}
+    rows = []
+    for r in out["rows"]:
+        n = row_windows(r, info)
+        if r["id"] in ALL_MARGINS and r.get("numbers"):
+            d = deciding(r["numbers"])
+            signed = r["id"].startswith("taxonomy")
+            r.update(value=fmt_num(d["value"], signed=signed), low=d["low"], high=d["high"],
+                     interval="—" if d["low"] is None or d["high"] is None else f"[{fmt_num(d['low'])}, {fmt_num(d['high'])}]")
+            if r.get("note"):
+                r["note"] = (r["note"].replace("value: the smallest AOC", f"value: {DECIDING_NOTE}, an AOC")
+                             .replace("value: the smallest log", f"value: {DECIDING_NOTE}, a log"))
+        if n is not None and not resampling.enough_units(n) and r["verdict"] != TOO_FEW:
+            r = sized([r], {}, n)[0]
+            if r["id"] == "early_critical_head":
+                r = calibration_evidence([r], n)[0]
+        elif n is not None:
+            r["windows"] = n
+        rows.append(r)
+    out["rows"] = rows
+    return out
 
 
 def verdict_all(intervals: Sequence[tuple], threshold: float = 0.0) -> str:
@@ -261,11 +334,11 @@ def faithfulness_rows(point: dict, samples: dict, metrics: Sequence[str], rivals
                          verdict=verdict, numbers=diffs, per_ratio=per_ratio))
         pairs = [(hierarchy[-1], w) for w in hierarchy[:-1]]
         best = {f"{b} vs {w}": diff(b, w) for b, w in pairs}
-        low = min(best.values(), key=lambda d: d["value"] if d["value"] is not None else np.inf)
+        low = deciding(best)
         rows.append(claim_row(f"contribution_best_{mode}", value=fmt_num(low["value"]), low=low["low"], high=low["high"],
                          verdict=verdict_all([(d["low"], d["high"]) for d in best.values()]), numbers=best,
                          per_ratio=per_ratio_verdicts(point, samples, mode, pairs, ratios),
-                         note="value: the smallest AOC margin of contribution over another metric "
+                         note=f"value: {DECIDING_NOTE}, an AOC margin of contribution over another metric "
                               "(ΔPPL units; positive = contribution better)"))
         if rivals:
             rows += rival_rows(mode, rivals, present, diff, point, samples)
@@ -401,11 +474,11 @@ def removal_row(claim_id: str, regime_order: Sequence[str], ppl_point: dict, ppl
             numbers[f"vs {base} at {r:g} %"] = resampling.interval_dict(p, s)
     if not numbers:
         return claim_row(claim_id, value="n/a", verdict=INCONCLUSIVE, note="no moderate retention (90 % or 75 %) in the run")
-    low = min(numbers.values(), key=lambda d: d["value"])
+    low = deciding(numbers)
     return claim_row(claim_id, value=fmt_num(low["value"], signed=True), low=low["low"], high=low["high"],
                 verdict=verdict_all([(d["low"], d["high"]) for d in numbers.values()]), numbers=numbers,
-                note=f"regime order {' > '.join(regime_order)} (first removed first); value: the smallest "
-                     "log PPL ratio baseline / taxonomy (positive = taxonomy better)")
+                note=f"regime order {' > '.join(regime_order)} (first removed first); value: {DECIDING_NOTE}, "
+                     "a log PPL ratio baseline / taxonomy (positive = taxonomy better)")
 
 
 def early_critical_row(z: dict, head: dict, same: float, num_layers: int, base_ppl: float, critical_k: float) -> dict:

@@ -6,7 +6,7 @@ import re
 
 from attngeom.reports.markdown import text as _text
 from attngeom.stats.resampling import MIN_UNITS, TOO_FEW, format_number
-from attngeom.claims.catalogue import PAPER_ABBREVIATIONS
+from attngeom.claims.catalogue import PAPER_ABBREVIATIONS, claim_number, deciding, under_current_rules
 
 
 def escape(value) -> str:
@@ -59,17 +59,18 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
                  f"**too few windows** when the claim rests on fewer than {MIN_UNITS} windows, where no "
                  "interval is given. Terms are defined at the end.")
     lines += ["", "| # | claim | paper | measured | 95 % interval | verdict |", "|--:|---|---|---|---|---|"]
-    for k, r in enumerate(result["rows"], 1):
+    for r in result["rows"]:
         paper = PAPER_ABBREVIATIONS.get(r["paper"], r["paper"])
-        lines.append(f"| {k} | {escape(r['claim'])} | {paper} | {escape(r['value'])} | {escape(r['interval'])} | "
-                     f"{VERDICT_MARK.get(r['verdict'], escape(r['verdict']))} |")
+        lines.append(f"| {claim_number(r['id'])} | {escape(r['claim'])} | {paper} | {escape(r['value'])} | "
+                     f"{escape(_interval_cell(r))} | {VERDICT_MARK.get(r['verdict'], escape(r['verdict']))} |")
     h2h = any(PAPER_ABBREVIATIONS.get(r["paper"]) == "H2H" for r in result["rows"])
     lines += ["", "CW: *Contribution Weights* (Cunningham & Muca Cirone); TS: *Geometric Analysis of Token "
               "Selection in Multi-Head Attention* (Mudarisov et al.)" + ("; H2H: the head-to-head of contribution "
               "with published value-aware measures (docs/findings-faithfulness.md)." if h2h else "."),
               "", "## Measures, rules and numbers", ""]
-    for k, r in enumerate(result["rows"], 1):
-        lines.append(f"**{k}. {escape(r['id'])}** — measured: {escape(r['measure'])}. Rule: {escape(r['rule'])}.")
+    for r in result["rows"]:
+        lines.append(f"**{claim_number(r['id'])}. {escape(r['id'])}** — measured: {escape(r['measure'])}. "
+                     f"Rule: {escape(r['rule'])}." + (f" Windows: {r['windows']}." if r.get("windows") is not None else ""))
         if r.get("note"):
             lines.append(f"Note: {escape(r['note'])}.")
         pr = r.get("per_ratio")
@@ -94,14 +95,18 @@ def render(result: dict, model: str, data: str, seconds: float | None = None) ->
         lines.append("")
     faith = result.get("detail", {}).get("faithfulness")
     if faith:
-        lines += ["## Faithfulness AOC (mean ΔPPL over ratios; 95 % intervals)", "",
-                  f"Clean PPL {_num(faith['clean_ppl']['value'])}.", "",
-                  "| metric | comprehensiveness (↑) | sufficiency (↓) |", "|---|---:|---:|"]
+        logs = faith.get("log_aoc") or {}
+        lines += ["## Faithfulness AOC (95 % intervals)", "",
+                  f"Clean PPL {_num(faith['clean_ppl']['value'])}. Raw: the mean ΔPPL over the removal ratios, "
+                  "which grows without bound where a removal breaks the model; ΔNLL: the mean over the ratios of "
+                  "ln(PPL′ / PPL), the rise in the mean next-token loss in nats, on a scale that reads alike "
+                  "across models.", "",
+                  "| metric | comprehensiveness ΔNLL (↑) | sufficiency ΔNLL (↓) | comprehensiveness ΔPPL (↑) | "
+                  "sufficiency ΔPPL (↓) |", "|---|---:|---:|---:|---:|"]
         for m in faith["aoc"].get("comprehensiveness", {}):
-            c = faith["aoc"]["comprehensiveness"][m]
-            u = faith["aoc"].get("sufficiency", {}).get(m)
-            lines.append(f"| {escape(m)} | {_num(c['value'])} [{_num(c['low'])}, {_num(c['high'])}] | "
-                         + (f"{_num(u['value'])} [{_num(u['low'])}, {_num(u['high'])}]" if u else "") + " |")
+            cells = [_interval(logs.get(mode, {}).get(m)) for mode in ("comprehensiveness", "sufficiency")]
+            cells += [_interval(faith["aoc"].get(mode, {}).get(m)) for mode in ("comprehensiveness", "sufficiency")]
+            lines.append(f"| {escape(m)} | " + " | ".join(cells) + " |")
         lines.append("")
         for mode, arrow in (("comprehensiveness", "↑"), ("sufficiency", "↓")):
             per = faith.get("delta_ppl", {}).get(mode)
@@ -126,6 +131,21 @@ def _num(x) -> str:
     return format_number(x)
 
 
+def _interval(d) -> str:
+    """``value [low, high]`` of an interval dict; "" without one."""
+    return f"{_num(d['value'])} [{_num(d['low'])}, {_num(d['high'])}]" if d else ""
+
+
+def _interval_cell(row: dict) -> str:
+    """A row's interval cell; a hierarchy row (its value the order) names the step its verdict rests on
+    (:func:`~attngeom.claims.catalogue.deciding`) before the shares of resamples."""
+    numbers = {k: d for k, d in (row.get("numbers") or {}).items() if isinstance(d, dict) and "value" in d}
+    if not row["id"].startswith("hierarchy_") or not numbers:
+        return row["interval"]
+    name, d = next((k, d) for k, d in numbers.items() if d is deciding(numbers))
+    return f"weakest step, {name.replace(' vs ', ' over ')}: {_interval(d)}; {row['interval']}"
+
+
 _OLD_NUMBER = re.compile(r"(?<![\w.,])([-+−]?)(\d+(?:\.\d+)?e[-+]\d+|\d{4,}(?:\.\d+)?)(?!\w|,\d|\.\d)")
 """A number in a stored text cell written the way earlier versions did (``1.168e+04``, ``1840``)."""
 
@@ -145,9 +165,11 @@ def one_number_format(cell):
 
 
 def rerender(stored: dict) -> str:
-    """``claims.md`` from a run's ``claims.json`` content alone (nothing recomputed; the verdicts are
-    the stored ones): what the command writes, and how a run's ``claims.md`` written by an earlier
-    version is brought to the current one (terms, one number format)."""
+    """``claims.md`` from a run's ``claims.json`` content alone, nothing recomputed: what the command
+    writes, and how a run's ``claims.md`` written by an earlier version is brought to the current rules
+    (:func:`~attngeom.claims.catalogue.under_current_rules`: too few windows, the deciding margin) and
+    format (terms, one number format)."""
+    stored = under_current_rules(stored)
     rows = [{**r, **{k: one_number_format(r.get(k)) for k in ("value", "interval", "note")}} for r in stored["rows"]]
     return render({**stored, "rows": rows}, stored.get("model", ""), stored.get("data", ""),
                   stored.get("seconds_this_invocation"))
