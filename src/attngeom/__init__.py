@@ -24,7 +24,7 @@ _LAZY = {
     "wrap": ".model",
     "InputBatch": ".streaming", "FullCapture": ".streaming", "HeadStats": ".streaming", "Reducer": ".streaming",
     "TokenStats": ".streaming",
-    "head_effects": ".generation",
+    "head_effects": ".traces",
     "LayerTrace": ".traces", "Trace": ".traces", "analyze": ".traces", "analyze_batch": ".traces", "stream": ".streaming",
     "load_windows": ".data", "read_texts": ".data",
     "CompressedCache": ".kvcache",

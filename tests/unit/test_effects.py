@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attngeom.errors import InputError
-from attngeom.generation.effects import Answer, direct_effects, head_effects, head_inputs, patched_logits
+from attngeom.generation.effects import Answer, direct_effects, head_inputs, patched_logits
+from attngeom.traces.effects import head_effects
 from attngeom.streaming.passes import to_ids
 from attngeom.traces.compare import compare_texts, patch_heads
 from tiny_models import tiny_model
@@ -263,3 +264,31 @@ def test_explorer_heads_panel_holds_the_direct_effects(tiny_llama):
     from attngeom.traces.trace import analyze
 
     assert "direct_effect" not in E.from_trace(analyze(tiny_llama, ids)).head_stats       # no model: no grid
+
+
+def test_answer_heads_table_holds_each_heads_direct_effect(tiny_llama_dir, tiny_llama, tmp_path):
+    """``attngeom analyze --generate``'s answer_heads.parquet: each row's ``direct_effect`` is the head's
+    direct effect on that generated token's logit at its producing row (the whole answer: the mean)."""
+    import pandas as pd
+
+    from attngeom.cli import main
+
+    out = tmp_path / "g"
+    assert main(["analyze", "--model", str(tiny_llama_dir), "--text", TEXT, "--generate", "3", "--out", str(out)]) == 0
+    heads = pd.read_parquet(out / "answer_heads.parquet")
+    steps = sorted(int(s) for s in heads["step"].dropna().unique())
+    assert steps and "direct_effect" in heads
+    per_step = []
+    for s in steps:
+        row = heads[(heads["step"] == s) & (heads["by"] == "contribution")].iloc[0]
+        per_step.append((s, row, int(row["token_id"])))
+    # the producing row of step s is position P - 1 + s: rebuild the prefix from the table's token ids
+    answer = [t for _, _, t in per_step]
+    for s, row, token in per_step:
+        want, _ = direct_effects(tiny_llama, to_ids(tiny_llama, TEXT) + answer[:s], Answer(tiny_llama, token))
+        assert row["direct_effect"] == pytest.approx(want[int(row["layer"]), int(row["head"])], abs=1e-4)
+    whole = heads[heads["step"].isna() & (heads["by"] == "contribution")].iloc[0]
+    want = np.mean([direct_effects(tiny_llama, to_ids(tiny_llama, TEXT) + answer[:s], Answer(tiny_llama, t))[0]
+                    [int(whole["layer"]), int(whole["head"])] for s, _, t in per_step])
+    assert whole["direct_effect"] == pytest.approx(want, abs=1e-4)
+    assert "direct effect" in (out / "report.md").read_text()

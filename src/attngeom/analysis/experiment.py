@@ -233,9 +233,8 @@ def figure_maps(handle: ModelHandleLike, result: ExperimentResult):
     from attngeom.traces.trace import analyze
 
     trace = analyze(handle, first, layers=result.summary["figure_layers"])
-    for k, layer in enumerate(trace.layers):
-        yield layer, trace.tokens
-        trace.layers[k] = None
+    for number in trace.layers.numbers:
+        yield trace.layers.pop(number), trace.tokens
 
 
 @takes_handle
@@ -418,12 +417,14 @@ def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_len
                   template: dict) -> dict:
     """The answer tables (``shares``, ``sources``, ``summary``, ``heads``) of :func:`answer_reducers`
     with token strings and, per source (or prompt position), its marks; ``ids``, ``prompt_lengths``
-    and ``template`` by prompt (the tables' ``text``)."""
+    and ``template`` by prompt (the tables' ``text``). ``heads`` gains ``direct_effect``: the head's
+    direct effect on the generated token's logit (:func:`attngeom.generation.effects.answer_direct_effects`;
+    the whole answer: the mean over its tokens)."""
     import pandas as pd
 
     from attngeom.generation.heads import token_marks, with_marks
 
-    tables = {**sources.result(), "heads": heads.result()}
+    tables = {**sources.result(), "heads": with_direct_effects(handle, heads.result(), ids, prompt_lengths)}
     for name, col in (("sources", "source"), ("summary", "position")):          # heads: marked already
         df = tables[name]
         if len(df):
@@ -432,6 +433,28 @@ def answer_tables(handle: ModelHandleLike, sources, heads, ids: dict, prompt_len
             tables[name] = pd.concat(parts).sort_index()
     seen = {int(x) for v in ids.values() for x in v}
     return with_token_strings(handle, tables, seen)
+
+
+@takes_handle
+def with_direct_effects(handle: ModelHandleLike, heads, ids: dict, prompt_lengths: dict):
+    """The answer's heads table with each row's ``direct_effect`` (see :func:`answer_tables`; NaN where
+    the model's norms are not RMS norms)."""
+    import pandas as pd
+
+    from attngeom.generation.effects import answer_direct_effects
+
+    if not len(heads):
+        return heads
+    parts = []
+    for k, g in heads.groupby("text", sort=False):
+        eff = answer_direct_effects(handle, ids[k], prompt_lengths[k])
+        key = {(None if pd.isna(s) else int(s), int(l), int(h)): float(x)
+               for s, l, h, x in zip(eff["step"], eff["layer"], eff["head"], eff["direct_effect"])}
+        g = g.copy()
+        g["direct_effect"] = [key.get((None if pd.isna(s) else int(s), int(l), int(h)), float("nan"))
+                              for s, l, h in zip(g["step"], g["layer"], g["head"])]
+        parts.append(g)
+    return pd.concat(parts).sort_index()
 
 
 @takes_handle
@@ -452,7 +475,8 @@ def generation_summary(handle: ModelHandleLike, answer: dict, decoding: Decoding
     return {
         "heads_behind_the_answer": [
             {"layer": int(r.layer), "head": int(r.head), "source": int(r.source), "token": r.source_token,
-             "part": r.part, "share": float(r.share), "rank_in_layer": int(r.rank_in_layer)} for r in heads.itertuples()],
+             "part": r.part, "share": float(r.share), "rank_in_layer": int(r.rank_in_layer),
+             "direct_effect": float(getattr(r, "direct_effect", float("nan")))} for r in heads.itertuples()],
         "prompt_tokens": answer["prompt_length"], "answer_tokens": len(answer["answer_ids"]),
         "chat_template": answer["chat_template"],
         "answer_text": handle.tokenizer.decode(answer["answer_ids"]), "stopped_on_stop_token": answer["stopped"],

@@ -22,6 +22,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "template_positions": "prompts",
     "AnswerHeads": "heads",
     "head_table": "heads",
-    "head_effects": "effects",
     "direct_effects": "effects",
 })

@@ -1,4 +1,6 @@
-"""What a head does to the answer: direct and total effects beside the share (docs/generation.md).
+"""What a head does to the answer: direct and total effects, and patching (docs/generation.md).
+The table that ranks heads by effect with their share beside it is
+:func:`attngeom.traces.effects.head_effects` (it reads the shares from a trace).
 
 A share (:mod:`attngeom.generation.heads`) says how much of a layer's attention output a head
 carries; it is not a cause. For the next token after a text, predicted at the text's last row
@@ -17,8 +19,9 @@ logit difference ``z_target − z_contrast``:
   output 0; :class:`~attngeom.capture.interventions.HeadMeanRemoval`, ``mean``: the mean of its
   outputs up to each position). Positive: the head supports the target (against the contrast).
 
-- :func:`head_effects` — the table of every head: share, direct and total effect, ranked by effect.
-- :func:`direct_effects` — ``[L, H]`` direct effects and the logit they decompose.
+- :func:`direct_effects` / :func:`direct_effects_at` — direct effects and the logit they decompose;
+  :func:`answer_direct_effects` — at each generated token's producing row (the answer tables).
+- :func:`ablated_scores` — the answer metric with each head ablated alone.
 - :func:`head_inputs` / :func:`patched_logits` — each head's output (its slice of the output
   projection's input) recorded from one run and patched into another (:mod:`attngeom.traces.compare`).
 """
@@ -33,12 +36,10 @@ import pandas as pd
 import torch
 
 from attngeom.errors import InputError
-from attngeom.model.arguments import check_count, takes_handle
+from attngeom.model.arguments import takes_handle
 
 ABLATIONS = ("zero", "mean")
-"""How :func:`head_effects` removes a head (module docstring)."""
-RANKS = ("total", "direct", "share")
-"""What :func:`head_effects` ranks by (absolute value, largest first)."""
+"""How a head is removed (module docstring)."""
 DEFAULT_BATCH = 16
 """Ablated (or patched) copies of the text per forward."""
 
@@ -129,32 +130,37 @@ def final_norm(model) -> torch.nn.Module:
 
 
 @takes_handle
-@torch.no_grad()
 def direct_effects(handle, ids: Sequence[int], answer: Answer) -> tuple[np.ndarray, dict]:
     """Each head's direct effect on ``answer`` at the last row of ``ids`` (module docstring):
     float64 ``[L, H]``, and ``{"logit": the logit (difference) it decomposes, "heads": Σ of all heads,
     "logits": the last row's logits}``."""
+    effects, logit, logits = direct_effects_at(handle, ids, [len(ids) - 1], [answer])
+    return effects[0], {"logit": float(logit[0]), "heads": float(effects[0].sum()), "logits": logits[0]}
+
+
+@takes_handle
+@torch.no_grad()
+def direct_effects_at(handle, ids: Sequence[int], rows: Sequence[int],
+                      answers: Sequence[Answer]) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """Direct effects at several rows of one forward of ``ids``, row ``rows[r]`` onto ``answers[r]``:
+    float64 ``[R, L, H]``, the logits (differences) they decompose ``[R]`` and the rows' logits ``[R, V]``."""
     model, ad = handle.model, handle.adapter
-    L = handle.num_layers
+    L, H = handle.num_layers, handle.num_heads
+    rows = [int(r) for r in rows]
     seen: dict = {}
     hooks = []
-
-    def keep(key, which):
-        def hook(module, args, output):
-            x = args[0] if which == "in" else (output[0] if isinstance(output, tuple) else output)
-            seen[key] = x[0, -1].detach()
-        return hook
 
     def keep_io(key):
         def hook(module, args, output):
             y = output[0] if isinstance(output, tuple) else output
-            seen[key] = (args[0][0, -1].detach(), y[0, -1].detach())
+            seen[key] = (args[0][0, rows].detach(), y[0, rows].detach())
         return hook
 
     norm = final_norm(model)
     try:
         for l in range(L):
-            hooks.append(ad.o_proj(l).register_forward_pre_hook(lambda m, a, l=l: seen.__setitem__(("o", l), a[0][0, -1].detach())))
+            hooks.append(ad.o_proj(l).register_forward_pre_hook(
+                lambda m, a, l=l: seen.__setitem__(("o", l), a[0][0, rows].detach())))
             delta = ad.attention_delta_module(l)
             if delta is not ad.attention(l):
                 hooks.append(delta.register_forward_hook(keep_io(("post", l))))
@@ -163,27 +169,52 @@ def direct_effects(handle, ids: Sequence[int], answer: Answer) -> tuple[np.ndarr
     finally:
         for h in hooks:
             h.remove()
-    logits = out.logits[0, -1].float()
-    x, y = seen["final"]
-    k_f = _rms_scale(norm, x, y, "the final norm")
+    logits = out.logits[0, rows].float()
     lm_head = model.get_output_embeddings()
-    u = answer.direction(lm_head.weight.detach())
-    ku = k_f * u.to(k_f.device)
-    H = handle.num_heads
-    effects = np.zeros((L, H))
-    for l in range(L):
-        w = ad.w_o_heads(l).double()                                      # [H, d, D]
-        o = seen[("o", l)].double().reshape(H, -1)                        # [H, d]
-        c = torch.einsum("hd,hdD->hD", o.to(w.device), w)                 # each head's W_O^h o^h
-        if ("post", l) in seen:
-            xp, yp = seen[("post", l)]
-            c = c * _rms_scale(ad.attention_delta_module(l), xp, yp, f"layer {l}'s post-attention norm").to(c.device)
-        effects[l] = (c @ ku.to(c.device)).cpu().numpy()
-    logit = float(y.double() @ u.to(y.device))
     bias = getattr(lm_head, "bias", None)
-    if bias is not None:
-        logit += float(answer.direction(bias.detach()[:, None])[0])
-    return effects, {"logit": logit, "heads": float(effects.sum()), "logits": logits}
+    x, y = seen["final"]
+    effects, logit = np.zeros((len(rows), L, H)), np.zeros(len(rows))
+    for r, answer in enumerate(answers):
+        k_f = _rms_scale(norm, x[r], y[r], "the final norm")
+        u = answer.direction(lm_head.weight.detach()).to(k_f.device)
+        ku = k_f * u
+        for l in range(L):
+            w = ad.w_o_heads(l).double()                                  # [H, d, D]
+            o = seen[("o", l)][r].double().reshape(H, -1)                 # [H, d]
+            c = torch.einsum("hd,hdD->hD", o.to(w.device), w)             # each head's W_O^h o^h
+            if ("post", l) in seen:
+                xp, yp = seen[("post", l)]
+                c = c * _rms_scale(ad.attention_delta_module(l), xp[r], yp[r],
+                                   f"layer {l}'s post-attention norm").to(c.device)
+            effects[r, l] = (c @ ku.to(c.device)).cpu().numpy()
+        logit[r] = float(y[r].double() @ u.to(y.device))
+        if bias is not None:
+            logit[r] += float(answer.direction(bias.detach()[:, None])[0])
+    return effects, logit, logits
+
+
+@takes_handle
+def answer_direct_effects(handle, ids: Sequence[int], prompt_length: int) -> pd.DataFrame:
+    """Each head's direct effect on each generated token's logit at its producing row (one forward of
+    prompt + answer ``ids``): ``step``, ``layer``, ``head``, ``direct_effect``; the whole answer
+    (``step`` null): the mean over the answer's tokens. Empty where the model's norms are not RMS."""
+    from attngeom.errors import UnsupportedArchitectureError
+
+    P, T = int(prompt_length), len(ids)
+    if T <= P:
+        return pd.DataFrame(columns=["step", "layer", "head", "direct_effect"])
+    rows = list(range(P - 1, T - 1))
+    try:
+        eff, _, _ = direct_effects_at(handle, ids, rows, [Answer(handle, int(ids[q + 1])) for q in rows])
+    except (InputError, UnsupportedArchitectureError):
+        return pd.DataFrame(columns=["step", "layer", "head", "direct_effect"])
+    L, H = eff.shape[1:]
+    steps = [*range(len(rows)), None]
+    eff = np.concatenate([eff, eff.mean(0, keepdims=True)])
+    df = pd.DataFrame({"step": np.repeat(steps, L * H), "layer": np.tile(np.repeat(np.arange(L), H), len(steps)),
+                       "head": np.tile(np.arange(H), L * len(steps)), "direct_effect": eff.reshape(-1)})
+    df["step"] = pd.array([None if s is None else int(s) for s in df["step"]], dtype="Int64")
+    return df
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +222,7 @@ def direct_effects(handle, ids: Sequence[int], answer: Answer) -> tuple[np.ndarr
 # --------------------------------------------------------------------------------------------
 
 
-def _chunks(items: list, n: int) -> Iterable[list]:
+def chunks(items: list, n: int) -> Iterable[list]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
 
@@ -209,93 +240,13 @@ def ablated_scores(handle, ids: Sequence[int], heads: Sequence[tuple[int, int]],
     removal = {"zero": HeadRemoval, "mean": HeadMeanRemoval}[ablation]
     T, H = len(ids), handle.num_heads
     out = []
-    for chunk in _chunks(list(heads), batch_size):
+    for chunk in chunks(list(heads), batch_size):
         session = Session(intervention=removal(rows=[[lh] for lh in chunk]),
                           block_elements=len(chunk) * H * T * T + 1)
         for batch in make_batches(handle, [list(ids)] * len(chunk), len(chunk)):
             logits = forward(handle, batch, session, logits=True)[:, T - 1]
             out += answer.score(logits).cpu().tolist()
     return np.asarray(out, dtype=np.float64)
-
-
-def _shares(handle, ids: list[int], layers) -> tuple[dict, "pd.DataFrame"]:
-    """Per analysed layer ``[H, T]`` contribution shares ``C_ij^h`` of the last row, and the marks."""
-    from attngeom.generation.heads import row_shares
-    from attngeom.traces.trace import analyze
-
-    trace = analyze(handle, ids, layers=layers)
-    T = len(ids)
-    return {lt.index: row_shares(lt.block, T - 1)["contribution"] for lt in trace.layers}, trace.marks()
-
-
-@takes_handle
-def head_effects(handle, text, target, *, contrast=None, ablation: str = "zero", rank: str = "total",
-                 top: int | None = None, layers: Iterable[int] | None = None,
-                 batch_size: int = DEFAULT_BATCH) -> pd.DataFrame:
-    """Every head's effect on the next token after ``text`` (a string or ids), ranked by effect, with
-    its share beside it (module docstring).
-
-    ``target``: the token (``" Paris"`` or an id); ``contrast``: a token to compare it with
-    (``" Berlin"``: the metric is the logit difference, else ``log P(target)``). ``ablation``: ``zero``
-    or ``mean``. ``rank``: ``total``, ``direct`` or ``share`` (by absolute value, largest first).
-    ``top``: rows kept (None: all). ``layers``: a subset of layers (default all).
-
-    Columns: ``layer``, ``head``, ``share`` (the head's share ``Σ_j C_ij^h`` of its layer's attention
-    output at the predicting row), ``top_source``/``top_source_token``/``top_source_share`` (its largest
-    ``C_ij^h`` among the non-special sources), ``direct_effect`` (logit units), ``total_effect``
-    (``m(clean) − m(ablated)``), ``rank`` (0 first), ``rank_by_share``. ``df.attrs``: ``metric``,
-    ``clean`` (``m`` of the clean run), ``p_target`` (``p_contrast``, ``logit_diff``), ``logit`` and
-    ``direct_sum`` (the direct effects' sum), ``ablation``, ``target``/``contrast`` (ids and tokens)."""
-    from attngeom.data.corpora import check_layers
-    from attngeom.streaming.passes import to_ids
-
-    if ablation not in ABLATIONS:
-        raise InputError(f"ablation must be one of {', '.join(ABLATIONS)}, not {ablation!r}"[:200])
-    if rank not in RANKS:
-        raise InputError(f"rank must be one of {', '.join(RANKS)}, not {rank!r}"[:200])
-    top = None if top is None else check_count(top, "top")
-    batch_size = check_count(batch_size, "batch_size")
-    chosen = list(range(handle.num_layers)) if layers is None else sorted(set(check_layers(layers, handle.num_layers)))
-    answer = Answer(handle, target, contrast)
-    ids = to_ids(handle, text)
-    direct, parts = direct_effects(handle, ids, answer)
-    clean = float(answer.score(parts["logits"]))
-    shares, marks = _shares(handle, ids, chosen)
-    H = handle.num_heads
-    heads = [(l, h) for l in chosen for h in range(H)]
-    ablated = ablated_scores(handle, ids, heads, answer, ablation, batch_size)
-    ordinary = ~(marks["is_special"] | marks["is_template"]).to_numpy()
-    rows = []
-    for (l, h), m in zip(heads, ablated):
-        c = shares[l][h]
-        cand = np.where(ordinary[:len(c)], c, -np.inf)
-        j = int(np.argmax(cand)) if np.isfinite(cand).any() else int(np.argmax(c))
-        rows.append({"layer": l, "head": h, "share": float(c.sum()), "top_source": j,
-                     "top_source_token": marks["source_token"].iloc[j], "top_source_share": float(c[j]),
-                     "direct_effect": float(direct[l, h]), "total_effect": clean - float(m)})
-    df = pd.DataFrame(rows)
-    df["rank_by_share"] = _ranks(df["share"].abs())
-    key = {"total": "total_effect", "direct": "direct_effect", "share": "share"}[rank]
-    df["rank"] = _ranks(df[key].abs())
-    df = df.sort_values("rank", kind="stable").reset_index(drop=True)
-    df = df[["layer", "head", "share", "top_source", "top_source_token", "top_source_share", "direct_effect",
-             "total_effect", "rank", "rank_by_share"]]
-    if top is not None:
-        df = df.head(top).reset_index(drop=True)
-    tok = handle.tokens([answer.target] + ([] if answer.contrast is None else [answer.contrast]))
-    df.attrs.update({"metric": answer.name, "clean": clean, "logit": parts["logit"], "direct_sum": parts["heads"],
-                     "ablation": ablation, "target": answer.target, "target_token": tok[0],
-                     "contrast": answer.contrast, "contrast_token": tok[1] if len(tok) > 1 else None,
-                     **answer.probabilities(parts["logits"])})
-    return df
-
-
-def _ranks(values: pd.Series) -> np.ndarray:
-    """0 for the largest value, ties by order."""
-    order = np.argsort(-values.to_numpy(), kind="stable")
-    out = np.empty(len(order), dtype=np.int64)
-    out[order] = np.arange(len(order))
-    return out
 
 
 # --------------------------------------------------------------------------------------------

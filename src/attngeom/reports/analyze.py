@@ -472,11 +472,15 @@ def _answer_heads_lines(rows: list[dict]) -> list[str]:
         return []
     lines = ["", "Heads behind the whole answer: (layer, head, source) shares of the layer's attention output "
              "C_ij^h, mean over the answer's predicting rows (answer_heads.parquet; each layer's shares sum to 1; "
-             "special and template tokens left out unless --rank-special):", ""]
-    lines += md.table(["rank", "layer", "head", "source", "part", "share", "rank in layer"],
+             "special and template tokens left out unless --rank-special). A share is not a cause: the direct "
+             "effect is the head's output straight onto the answer tokens' logits (mean over the answer; "
+             "attngeom.head_effects adds ablation):", ""]
+    lines += md.table(["rank", "layer", "head", "source", "part", "share", "rank in layer", "direct effect"],
                       ([k, r["layer"], r["head"], md.Raw(f"{md.token(r['token'])} @{r['source']}"), r["part"],
-                        f"{r['share']:.4f}", r["rank_in_layer"]] for k, r in enumerate(rows, 1)),
-                      align="rrrllrr")
+                        f"{r['share']:.4f}", r["rank_in_layer"],
+                        "" if r.get("direct_effect") is None or r["direct_effect"] != r["direct_effect"]
+                        else f"{r['direct_effect']:+.3f}"] for k, r in enumerate(rows, 1)),
+                      align="rrrllrrr")
     return lines
 
 

@@ -1,5 +1,5 @@
 """Traces of one text: :func:`analyze` and :class:`Trace` (:mod:`.trace`), saved traces (:mod:`.saved`),
-two traces compared (:mod:`.compare`)."""
+two traces compared (:mod:`.compare`), heads ranked by their effect on a token (:mod:`.effects`)."""
 
 from attngeom._exports import lazy
 
@@ -16,6 +16,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "TraceDiff": "compare",
     "compare_texts": "compare",
     "patch_heads": "compare",
+    "head_effects": "effects",
     "predictions": "compare",
     "Layers": "trace",
     "MIN_ALIGNED": "compare",

@@ -337,7 +337,7 @@ def patch_heads(handle, text_a, text_b, answer, *, contrast=None, at=("changed",
     ``|effect|`` within each ``at`` (``rank``, 0 first). ``df.attrs``: ``metric``, ``m_a``, ``m_b``,
     ``changed`` (the positions that differ)."""
     from attngeom.data.corpora import check_layers
-    from attngeom.generation.effects import Answer, _chunks, head_inputs, patched_logits
+    from attngeom.generation.effects import Answer, chunks, head_inputs, patched_logits
     from attngeom.model.arguments import check_count
     from attngeom.streaming.passes import to_ids
 
@@ -364,7 +364,7 @@ def patch_heads(handle, text_a, text_b, answer, *, contrast=None, at=("changed",
     frames = []
     for where in at:
         patched = []
-        for chunk in _chunks(heads, batch_size):
+        for chunk in chunks(heads, batch_size):
             logits = patched_logits(handle, ids_a, source, [[lh] for lh in chunk], places[where])
             patched += ans.score(logits[:, -1]).cpu().tolist()
         df = pd.DataFrame({"at": where, "layer": [l for l, _ in heads], "head": [h for _, h in heads],
