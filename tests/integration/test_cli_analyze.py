@@ -150,7 +150,7 @@ def test_layer_subset_window_and_heads(tiny_llama_dir, handle, tmp_path):
     assert (body.sort_values("input_position")["token_id"].to_numpy() == np.array(ids[1:])).all()
     # a window is analysed as its own text: compare the second window with a direct analysis
     w1 = [ids[0]] + ids[1 + 199: 1 + 2 * 199]
-    lt = analyze(handle, w1, layers=[2]).layers[0]
+    lt = analyze(handle, w1, layers=[2]).layers[2]
     rows = tokens[(tokens["layer"] == 2) & (tokens["text"] == 1)].sort_values("position")
     np.testing.assert_allclose(rows["sink_rate"].to_numpy()[1:], lt.attention[:, 1:, 0].mean(0), atol=1e-5)
 
@@ -229,7 +229,7 @@ def test_default_model_short_text(smollm2, tmp_path):
     for l in (0, 15, 29):
         assert (out / f"maps_layer{l}.png").is_file()
     heads = pd.read_parquet(out / "heads.parquet").set_index(["layer", "head"])
-    lt = analyze(smollm2, text, layers=[15]).layers[0]
+    lt = analyze(smollm2, text, layers=[15]).layers[15]
     for h in range(lt.num_heads):
         assert heads.loc[(15, h), "sink_rate"] == pytest.approx(lt.attention[h, 1:, 0].mean(), abs=1e-5)
         assert heads.loc[(15, h), "sink_contribution"] == pytest.approx(lt.contribution[h, 1:, 0].mean(), abs=1e-4)

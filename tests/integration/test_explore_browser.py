@@ -436,7 +436,7 @@ def test_heads_behind_a_token_and_the_split_by_head(driver, tmp_path):
 
     ActionChains(driver).move_to_element(src).perform()
     cells = driver.find_elements("css selector", "#split tr.split")
-    C = trace.layers[-1].contribution_inter[:, t - 1, j]
+    C = trace.layers.values()[-1].contribution_inter[:, t - 1, j]
     assert np.allclose([float(c.find_elements("tag name", "td")[1].text) for c in cells], C, atol=2e-3)
     # leave special and template tokens out of the rankings
     driver.find_element("id", "skipmarked").click()
