@@ -206,12 +206,12 @@ def seal(folder: Path, settings: dict, merged: list, files: list[str]) -> None:
     """``run.json`` of a folder this tool wrote: sealed as a run's manifest is
     (:func:`attngeom.runs.run.seal`), with the merged inputs and every file's checksum, so that
     :func:`attngeom.runs.verify` finds the folder intact, or says what changed."""
-    from attngeom.runs.run import FORMAT, KINDS, MANIFEST, seal as sealed
+    from attngeom.runs.run import FORMAT, SEALED_KINDS, MANIFEST, seal as sealed
     from attngeom.runs.storage import sha256_file, write_json
 
     write_json(folder / MANIFEST, sealed({"format": FORMAT, "command": "kvtasks", "settings": settings, "complete": True,
                                           "merged": merged, "files": {f: sha256_file(folder / f) for f in files}},
-                                         KINDS[MANIFEST]))
+                                         SEALED_KINDS[MANIFEST]))
 
 
 def written(out: Path, write, settings: dict, merged: list) -> None:
