@@ -105,7 +105,7 @@ def runs(tiny_llama_dir, tmp_path_factory):
     cmds = {
         "sinks": ["--window", "24", "--max-windows", "2"],
         "selection": ["--window", "24", "--max-windows", "2"],
-        "heads": ["--window", "24", "--max-windows", "3", "--calib-windows", "1"],
+        "heads": ["--window", "24", "--max-windows", "3", "--calib-windows", "1", "--few-windows"],
         "kvcache": ["--window", "40", "--max-windows", "2", "--policies", "full,streamingllm,h2o,window",
                     "--budgets", "8,16"],
         "faithfulness": ["--window", "24", "--max-windows", "2", "--ratios", "0.3,0.6"],

@@ -19,7 +19,7 @@ def test_cli_end_to_end_two_corpora(tiny_llama_dir, tmp_path):
     c2.write_text("Completely different words go here, on and on. " * 6)
     out = tmp_path / "heads"
     rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(c1), "--data", str(c2), "--window", "24",
-               "--max-windows", "4", "--calib-windows", "1", "--out", str(out), "--no-progress"])
+               "--max-windows", "4", "--calib-windows", "1", "--few-windows", "--out", str(out), "--no-progress"])
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert set(s["regime_share"]) == {str(c1), str(c2)}
@@ -40,13 +40,15 @@ def test_cli_end_to_end_two_corpora(tiny_llama_dir, tmp_path):
     assert search["regime_order"].nunique() == 6
     for f in s["figures"]:
         assert (out / f).stat().st_size > 10_000
+    report = (out / "report.md").read_text()                       # the count says what it rests on
+    assert "from 1 calibration windows: fewer than 10, an example, not an estimate" in report
 
 
 def test_cli_too_few_windows(tiny_llama_dir, tmp_path, capsys):
     c1 = tmp_path / "a.txt"
     c1.write_text("tiny")
     rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(c1), "--window", "24", "--calib-windows", "1",
-               "--out", str(tmp_path / "o"), "--no-progress"])
+               "--few-windows", "--out", str(tmp_path / "o"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "held-out" in err
 
@@ -57,7 +59,7 @@ def test_texts_too_short_to_score_are_refused(tiny_llama_dir, tmp_path, capsys):
     data = tmp_path / "short.csv"
     data.write_text("text\nthe cat\na dog\nthe mat\n")
     out = tmp_path / "h"
-    rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(data), "--calib-windows", "1",
+    rc = main(["heads", "--model", str(tiny_llama_dir), "--data", str(data), "--calib-windows", "1", "--few-windows",
                "--no-progress", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
@@ -90,3 +92,22 @@ def test_empty_corpus_refused_before_load(no_model, capsys, tmp_path):
     rc = main(["heads", "--data", str(c), "--data", str(e), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "holds no text" in err
+
+
+@pytest.mark.parametrize("calib", ["4", "9"])
+def test_fewer_calibration_windows_than_the_rule_needs_refused_before_load(no_model, capsys, tmp_path, calib):
+    """Below 10 calibration windows the critical heads and the regime order are no estimate: refused in
+    one line before the model loads (no_model fails any load), unless --few-windows asks for it."""
+    c = tmp_path / "c.txt"
+    c.write_text("some text " * 50)
+    rc = main(["heads", "--data", str(c), "--calib-windows", calib, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "at least 10 calibration windows" in err[0] and "--few-windows" in err[0]
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_heads_help_states_the_default_and_the_cost(capsys):
+    with pytest.raises(SystemExit):
+        main(["heads", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default 10" in text and "270 per window" in text and "37 min" in text and "--few-windows" in text

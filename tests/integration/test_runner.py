@@ -193,7 +193,7 @@ COMMANDS = {
     "sinks": ["sinks", "--data", "{data}", "--window", "32", "--max-windows", "4", "--batch-size", "1"],
     "selection": ["selection", "--data", "{data}", "--window", "32", "--max-windows", "4", "--batch-size", "1",
                   "--repeats", "2"],
-    "heads": ["heads", "--data", "{data}", "--window", "24", "--max-windows", "4", "--calib-windows", "2",
+    "heads": ["heads", "--data", "{data}", "--window", "24", "--max-windows", "4", "--calib-windows", "2", "--few-windows",
               "--batch-size", "2", "--retentions", "100,50"],
 }
 VOLATILE = {"seconds", "runtime_s", "started", "finished"}

@@ -501,5 +501,8 @@ def headline(summary: dict) -> list[tuple[str, str]]:
     out = [(f"regime shares, {corpus}", ", ".join(f"{r} {share(v)}" for r, v in shares.items()))
            for corpus, shares in summary["regime_share"].items()]
     out.append(("regime order chosen on calibration (first removed first)", " > ".join(summary["taxonomy_regime_order"])))
-    out.append(("individually critical heads", str(len(summary["critical_heads"]))))
+    few = summary["calibration_windows"] < resampling.MIN_UNITS
+    out.append(("individually critical heads", str(len(summary["critical_heads"])) + (
+        f" (from {summary['calibration_windows']} calibration windows: fewer than {resampling.MIN_UNITS}, an example, "
+        "not an estimate)" if few else "")))
     return out

@@ -113,19 +113,19 @@ def run_note(out_dir) -> str:
     model = s.get("model") or next(iter(s.get("models") or {}), "")
     parts = [str(model)] if model else []
     windows = s.get("windows")
-    if isinstance(windows, list):                          # heads: calibration windows first, then evaluation
+    if isinstance(windows, list):                          # heads: the windows of each corpus, the first one's here
         windows = windows[0] if windows else None
-        unit = "calibration windows"
-    else:
-        unit = "windows"
     if isinstance(windows, dict):
         windows = windows.get("windows")
     if s.get("window"):
         parts.append(f"windows of {s['window']} tokens")
     if windows is not None:
-        parts.append(sample_note(windows, unit))
+        parts.append(sample_note(windows, "windows"))
     elif s.get("examples") is not None:
         parts.append(sample_note(s["examples"], "examples"))
+    for key, unit in (("calibration_windows", "calibration windows"), ("heldout_windows", "held-out windows")):
+        if s.get(key) is not None:                         # heads: the splits its numbers rest on
+            parts.append(sample_note(s[key], unit))
     return "; ".join(parts)
 
 

@@ -244,7 +244,7 @@ RUNS: dict[str, list[str]] = {
     "selection": ["selection", *M, "--data", "data/distinct.txt", "--window", "16", "--max-windows", "2",
                   "--repeats", "2", "--queries", "2", "--no-progress", "--out", "runs/selection"],
     "heads": ["heads", *M, "--data", "data/corpus.txt", "--data", "data/code.txt", "--window", "24",
-              "--max-windows", "4", "--calib-windows", "1", "--no-progress", "--out", "runs/heads"],
+              "--max-windows", "4", "--calib-windows", "1", "--few-windows", "--no-progress", "--out", "runs/heads"],
     "kvcache": ["kvcache", *M, "--data", "data/corpus.txt", "--window", "40", "--max-windows", "2",
                 "--policies", "full,h2o,contribution,taxonomy", "--budgets", "8,16", "--chunk", "2",
                 "--calibration-windows", "1", "--answers", "data/prompts.jsonl", "--max-examples", "2",
