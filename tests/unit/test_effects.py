@@ -292,3 +292,16 @@ def test_answer_heads_table_holds_each_heads_direct_effect(tiny_llama_dir, tiny_
                     [int(whole["layer"]), int(whole["head"])] for s, _, t in per_step])
     assert whole["direct_effect"] == pytest.approx(want, abs=1e-4)
     assert "direct effect" in (out / "report.md").read_text()
+
+
+def test_compare_summary_holds_the_prediction_and_the_top_patched_heads(tiny_llama):
+    import json
+
+    _, _, d = compare_texts(tiny_llama, A, text_b=B, answer="m", contrast="d")
+    s = json.loads(json.dumps(d.summary()))
+    assert {(r["side"], r["role"]) for r in s["prediction"]} == {("a", "answer"), ("a", "contrast"), ("b", "answer"),
+                                                                  ("b", "contrast")}
+    assert s["patching"]["m_a"] == pytest.approx(d.patching.attrs["m_a"]) and len(s["patching"]["top"]) == 10
+    best = d.patching[(d.patching["at"] == "prediction")].iloc[0]
+    assert any(r["layer"] == best["layer"] and r["head"] == best["head"] and r["at"] == "prediction"
+               for r in s["patching"]["top"])

@@ -230,20 +230,32 @@ class TraceDiff:
         return pd.DataFrame(out, index=labels, columns=labels)
 
     def summary(self) -> dict:
-        """A JSON-able overview: models, lengths, alignment counts, the target, and per measure the
-        layer whose target rows differ most."""
+        """A JSON-able overview: models, lengths, alignment counts, the target, per measure the
+        layer whose target rows differ most, and (when computed) the prediction and the five heads
+        per place whose patching moves the metric most."""
         counts = self.alignment["op"].value_counts().to_dict()
         worst = {}
         for m, g in self.layers.groupby("measure"):
             r = g.sort_values(["distance", "layer"], ascending=[False, True]).iloc[0]
             worst[m] = {"layer": int(r["layer"]), "distance": float(r["distance"])}
-        return {"model_a": self.a.model_name, "model_b": self.b.model_name, "tokens_a": len(self.a),
+        out = {"model_a": self.a.model_name, "model_b": self.b.model_name, "tokens_a": len(self.a),
                 "tokens_b": len(self.b), "aligned": int(counts.get("equal", 0)),
                 "changed_a": int(((self.alignment["op"] != "equal") & self.alignment["position_a"].notna()).sum()),
                 "changed_b": int(((self.alignment["op"] != "equal") & self.alignment["position_b"].notna()).sum()),
                 "target": {"position_a": self.target_a, "position_b": self.target_b,
                            "token": self.a.tokens[self.target_a]},
                 "layers": self.layers_compared, "most_different_layer": worst}
+        if self.prediction is not None:
+            out["prediction"] = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()}
+                                 for r in self.prediction.to_dict("records")]
+        if self.patching is not None:
+            top = self.patching[self.patching["rank"] < 5]
+            out["patching"] = {"metric": self.patching.attrs["metric"], "m_a": self.patching.attrs["m_a"],
+                               "m_b": self.patching.attrs["m_b"],
+                               "top": [{"at": r.at, "layer": int(r.layer), "head": int(r.head),
+                                        "effect": float(r.effect), "share_of_gap": float(r.share_of_gap)}
+                                       for r in top.itertuples()]}
+        return out
 
     def __repr__(self) -> str:
         s = self.summary()
@@ -410,7 +422,8 @@ def compare_texts(handle, text, *, text_b=None, handle_b=None, layers=None, targ
     if answer is not None:
         from attngeom.generation.effects import Answer
 
-        Answer(handle, answer, contrast)                                 # one token each, before any analysis
+        for h in {id(handle): handle, id(handle_b): handle_b}.values():
+            Answer(h, answer, contrast)                                  # one token each, before any analysis
     a = analyze(handle, text, layers=layers)
     b = analyze(handle_b, text_b, layers=layers)
     d = diff(a, b, target=target)
