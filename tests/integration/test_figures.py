@@ -154,11 +154,12 @@ def test_run_figures_name_the_model_and_the_sample_with_the_caveat_below_ten(tmp
     (tmp_path / "summary.json").write_text(json.dumps({"command": "sinks", "window": 128, "windows": 4,
                                                         "models": {"tiny-model": {}}}))
     note = run_note(tmp_path)
-    assert note == "tiny-model; windows of 128 tokens; 4 windows: fewer than 10, an example, not an estimate"
+    assert note == "tiny-model; windows of 128 tokens; 4 windows (fewer than 10: an example, not an estimate)"
     (tmp_path / "summary.json").write_text(json.dumps({"model": "m", "windows": [12, 12], "calibration_windows": 2,
                                                         "heldout_windows": 10}))
-    assert run_note(tmp_path) == "m; 12 windows; 2 calibration windows: fewer than 10, an example, not an estimate; " \
-                                 "10 held-out windows"
+    assert run_note(tmp_path) == "m; 12 windows, 2 calibration, 10 held out (fewer than 10: an example, not an estimate)"
+    (tmp_path / "summary.json").write_text(json.dumps({"model": "m", "windows": 12}))
+    assert run_note(tmp_path) == "m; 12 windows"
     fig = rep._figure(3, 2, 100)
     fig.add_subplot().plot([0, 1])
     with figure_note(note):

@@ -83,6 +83,16 @@ def tidy_axes(fig) -> None:
                 axis.set_major_locator(MaxNLocator(integer=True))
 
 
+def legend_outside(ax, *args, **kw):
+    """``ax.legend(...)`` placed right of the axes, off the data (the layout makes room for it); ``loc``
+    and ``bbox_to_anchor`` given by the caller are overridden."""
+    kw.pop("loc", None)
+    kw.pop("bbox_to_anchor", None)
+    kw.setdefault("frameon", False)
+    kw.setdefault("borderaxespad", 0.3)
+    return ax.legend(*args, loc="upper left", bbox_to_anchor=(1.01, 1.0), **kw)
+
+
 SMALL_SAMPLE = 10
 """Fewer independent windows (or examples) than this: no bootstrap interval, and every figure or
 count resting on them says so (:func:`sample_note`)."""
@@ -119,13 +129,19 @@ def run_note(out_dir) -> str:
         windows = windows.get("windows")
     if s.get("window"):
         parts.append(f"windows of {s['window']} tokens")
+    counts = []
     if windows is not None:
-        parts.append(sample_note(windows, "windows"))
+        counts.append((int(windows), "windows"))
     elif s.get("examples") is not None:
-        parts.append(sample_note(s["examples"], "examples"))
-    for key, unit in (("calibration_windows", "calibration windows"), ("heldout_windows", "held-out windows")):
+        counts.append((int(s["examples"]), "examples"))
+    for key, unit in (("calibration_windows", "calibration"), ("heldout_windows", "held out")):
         if s.get(key) is not None:                         # heads: the splits its numbers rest on
-            parts.append(sample_note(s[key], unit))
+            counts.append((int(s[key]), unit))
+    if counts:
+        text = ", ".join(f"{n} {unit}" for n, unit in counts)
+        if min(n for n, _ in counts) < SMALL_SAMPLE:
+            text += f" (fewer than {SMALL_SAMPLE}: an example, not an estimate)"
+        parts.append(text)
     return "; ".join(parts)
 
 

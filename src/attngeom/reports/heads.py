@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, legend_outside, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -88,7 +88,7 @@ def fig_regimes_by_layer(by_layer: pd.DataFrame, path: Path) -> Path:
         ax.set_ylabel("share of the layer's heads")
         ax.set_ylim(0, 1)
         ax.set_title(Path(str(corpus)).name)
-        ax.legend(fontsize=7, loc="upper right")
+        legend_outside(ax, fontsize=7, loc="upper right")
     fig.suptitle(f"{_title(by_layer)}: regime shares by layer depth")
     return save_figure(fig, path)
 
@@ -107,7 +107,7 @@ def fig_removal(curves: pd.DataFrame, path: Path) -> Path:
     ax.set_xlabel("heads retained (%)")
     ax.set_ylabel("held-out perplexity (log scale)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, title="removal order", title_fontsize=8)
+    legend_outside(ax, fontsize=8, title="removal order", title_fontsize=8)
     ax.set_title(f"{_title(curves)}: perplexity against head retention")
     return save_figure(fig, path)
 

@@ -20,7 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, legend_outside, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -68,7 +68,7 @@ def fig_ppl(summary: pd.DataFrame, path: Path) -> Path:
     ax.set_yscale("log")                    # plain tick numbers: reports.common.tidy_axes
     ax.set_ylabel("perplexity")
     ax.set_title(f"Perplexity under a KV-cache budget ({_windows_note(summary)})", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    legend_outside(ax, fontsize=7)
     return save_figure(fig, path)
 
 
@@ -112,7 +112,7 @@ def fig_answers(summary: pd.DataFrame, path: Path) -> Path:
     axes[1].set_title("Perplexity of the reference continuation", fontsize=10)
     for ax in axes:
         _budget_axis(ax, summary["budget"])
-    axes[1].legend(fontsize=7, ncol=2)
+    legend_outside(axes[1], fontsize=7)
     n = int(summary["examples"].max()) if "examples" in summary and len(summary) else 0
     fig.suptitle(f"Answers under a KV-cache budget ({n} examples)", fontsize=10)
     return save_figure(fig, path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, legend_outside, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -56,7 +56,7 @@ def fig_f_vs_n(sel: pd.DataFrame, path: Path) -> Path:
         ax.set_ylabel(r"geometric $F_N$ (mean over windows, layers, heads)")
         ax.set_title(f"{dist} distance")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        legend_outside(ax, fontsize=7, loc="best")
     fig.suptitle(f"{_title(sel)}: separability of the top-N selection vs random subsets")
     return save_figure(fig, path)
 
@@ -85,7 +85,7 @@ def fig_pr(sel: pd.DataFrame, path: Path) -> Path:
         ax.grid(alpha=0.3)
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
+        legend_outside(ax, h1 + h2, l1 + l2, fontsize=7, loc="best")
     fig.suptitle(f"{_title(sel)}: precision and recall of the top-N selection")
     return save_figure(fig, path)
 
@@ -104,11 +104,11 @@ def fig_layers(sel: pd.DataFrame, path: Path, dist: str = "euclidean", ns=(2, 4,
             if len(m):
                 ax.plot(m.index, m.values, style, color=color, ms=3, label=label)
         ax.set_xlabel("layer")
-        ax.set_ylabel(f"mean F_{n} over heads")
+        ax.set_ylabel(f"mean $F_{{{n}}}$ over heads")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"N = {n} ({dist})")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    legend_outside(axes[0][0], fontsize=7)
     fig.suptitle(f"{_title(sel)}: separability by layer")
     return save_figure(fig, path)
 
@@ -126,29 +126,29 @@ def fig_sink_regime(reg: pd.DataFrame, path: Path) -> Path:
     axes[0].set_ylabel(r"mean $\|v_j\|$ ($j>0$) / $\|v_0\|$")
     axes[0].set_title("value-norm ratio non-sink / sink")
     c = g["sink_cos"]
-    axes[1].plot(c.mean().index, c.mean().values, "-o", ms=3, color="#c0392b", label="cos(v_0, v_j), mean")
+    axes[1].plot(c.mean().index, c.mean().values, "-o", ms=3, color="#c0392b", label=r"$\cos(v_0, v_j)$, mean")
     axes[1].fill_between(c.mean().index, c.quantile(0.25).values, c.quantile(0.75).values, alpha=0.2, color="#c0392b")
     cl = g["cos_lag1"].mean()
     cf = g["cos_far"].mean()
-    axes[1].plot(cl.index, cl.values, "-", color="#2a9d8f", label="cos(v_j, v_j+1)")
+    axes[1].plot(cl.index, cl.values, "-", color="#2a9d8f", label=r"$\cos(v_j, v_{j+1})$")
     axes[1].plot(cf.index, cf.values, "--", color="#2a9d8f", label="cos at the largest lag")
     axes[1].axhline(0, color="#999999", lw=0.8)
     axes[1].set_ylabel("cosine")
     axes[1].set_title("value directions")
-    axes[1].legend(fontsize=7)
+    legend_outside(axes[1], fontsize=7)
     lam = g["lam"].median()
     mae = g["lam_mae"].mean()
-    axes[2].plot(lam.index, lam.values, "-o", ms=3, color="#6a3d9a", label="λ (median over heads)")
+    axes[2].plot(lam.index, lam.values, "-o", ms=3, color="#6a3d9a", label=r"$\lambda$ (median over heads)")
     axes[2].set_yscale("log")
-    axes[2].set_ylabel("λ of exp(−λ|i−j|)")
+    axes[2].set_ylabel(r"$\lambda$ of $\exp(-\lambda|i-j|)$")
     ax2 = axes[2].twinx()
     ax2.plot(mae.index, mae.values, ":", color="#999999", label="mean abs. error (right)")
     ax2.set_ylabel("fit MAE")
     axes[2].set_title("cosine decay with position distance")
     h1, l1 = axes[2].get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    axes[2].legend(h1 + h2, l1 + l2, fontsize=7)
-    for col, color, label in (("sink_mass", "#333333", "sink weight a_0"),
+    legend_outside(axes[2], h1 + h2, l1 + l2, fontsize=7)
+    for col, color, label in (("sink_mass", "#333333", r"sink weight $a_0$"),
                               ("recent_level", "#e07b00", "recency level (per token)"),
                               ("middle_level", "#1f77b4", "middle level (per token)")):
         m = g[col].mean()
@@ -156,11 +156,11 @@ def fig_sink_regime(reg: pd.DataFrame, path: Path) -> Path:
     axes[3].set_yscale("log")
     axes[3].set_ylabel("attention weight")
     axes[3].set_title("piecewise attention profile")
-    axes[3].legend(fontsize=7)
+    legend_outside(axes[3], fontsize=7)
     for ax in axes:
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    legend_outside(axes[0], fontsize=7)
     fig.suptitle(f"{_title(reg)}: sink-aware regime at the analysed queries")
     return save_figure(fig, path)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import figure_note, run_note, save_figure  # sets the Agg backend first
+from attngeom.reports.common import figure_note, legend_outside, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -71,7 +71,7 @@ def fig_convexity(heads: pd.DataFrame, curve: pd.DataFrame, path: Path, n: int =
         ax.set_title(f"layer {int(r['layer'])}, head {int(r['head'])} (mean $\\rho$={r.sink_rate:.2f})", fontsize=10)
         ax.set_xlabel(r"sink rate $\rho = a_{i0}$")
         ax.set_ylabel(r"head output norm $\|o_i^h\|$")
-        ax.legend(fontsize=7, loc="best")
+        legend_outside(ax, fontsize=7, loc="best")
     fig.suptitle(f"{_model_title(heads)}: sink rate vs head output norm (heads with the most sink attention)",
                  fontsize=11)
     return save_figure(fig, path)
@@ -103,7 +103,7 @@ def fig_rho_star(heads: pd.DataFrame, hist: pd.DataFrame, path: Path) -> Path:
     a1.set_ylabel("share of queries (all heads)")
     a1.set_title(f"$\\rho^*$ distribution ({below / max(total, 1):.1%} below −1, {above / max(total, 1):.1%} above 2)",
                  fontsize=10)
-    a1.legend(fontsize=8)
+    legend_outside(a1, fontsize=8)
     by = heads.groupby("layer")
     a2.plot(by.rho_star_median_interior.mean().index, by.rho_star_median_interior.mean().values, marker="o",
             color="#1f77b4", label=r"median $\rho^*$ in (0, 1)")
@@ -113,7 +113,7 @@ def fig_rho_star(heads: pd.DataFrame, hist: pd.DataFrame, path: Path) -> Path:
     a2.set_xlabel("layer")
     a2.set_ylabel("share of heads")
     a2.set_title("interior minimum per layer", fontsize=10)
-    a2.legend(fontsize=8)
+    legend_outside(a2, fontsize=8)
     fig.suptitle(f"{_model_title(heads)}: where the output norm is smallest as a function of the sink rate",
                  fontsize=11)
     return save_figure(fig, path)
@@ -132,7 +132,7 @@ def fig_anti_alignment(heads: pd.DataFrame, path: Path) -> Path:
         share = (heads[col] < 0).mean()
         ax.set_title(f"{title}\n{share:.0%} of heads with negative median", fontsize=10)
         ax.set_xlabel("layer")
-        ax.legend(fontsize=8)
+        legend_outside(ax, fontsize=8)
     axes[0].set_ylabel("median cosine (head space via G)")
     fig.suptitle(f"{_model_title(heads)}: anti-alignment of the sink's projected value", fontsize=11)
     return save_figure(fig, path)
@@ -162,7 +162,7 @@ def fig_decomposition(heads: pd.DataFrame, path: Path) -> Path:
     ax.set_title("which factor explains the contribution", fontsize=10)
     ax.axhline(0, color="#333333", lw=0.6)
     ax.set_ylim(min(0.0, ax.get_ylim()[0]), max(1.0, ax.get_ylim()[1]) * 1.15)
-    ax.legend(fontsize=8, loc="upper center", ncol=3, columnspacing=0.8, handlelength=1.2)
+    legend_outside(ax, fontsize=8, loc="upper center")
     fig.suptitle(f"{_model_title(heads)}: contribution $c = a \\cdot (\\|\\tilde v\\|/\\|o\\|) \\cdot \\cos$, sink vs tail", fontsize=11)
     return save_figure(fig, path)
 
@@ -186,7 +186,7 @@ def fig_removal(removal: pd.DataFrame, ppl: pd.DataFrame, path: Path) -> Path:
     axes[2].set_title("queries with sink rate ≥ 0.5", fontsize=10)
     for ax in axes[:3]:
         ax.set_xlabel("layer")
-        ax.legend(fontsize=8)
+        legend_outside(ax, fontsize=8)
     p = ppl.set_index("pass")
     mass = removal[removal["mode"] != "none"].groupby("mode").removed_mass.mean()
     bars = [p.loc["sink", "delta_ppl"], p.loc["control", "delta_ppl"]]
@@ -231,11 +231,11 @@ def fig_drift(drift: pd.DataFrame, path: Path) -> Path:
     axes[0].set_title("diffuse queries and the sink", fontsize=10)
     axes[1].set_xlabel("normalised entropy of the non-sink attention")
     axes[1].set_ylabel("cancel (median over heads)")
-    axes[1].set_title("sink's cancellation of the semantic mean m_i:\n"
+    axes[1].set_title("sink's cancellation of the semantic mean $m_i$:\n"
                       r"$\sum -\langle\rho\,\tilde v_0, m_i\rangle/\|m_i\| \,/\, \sum \|m_i\|$ per head and bin", fontsize=10)
     axes[1].axhline(0, color="#333333", lw=0.6)
     for ax in axes:
-        ax.legend(fontsize=8)
+        legend_outside(ax, fontsize=8)
     fig.suptitle(f"{_model_title(drift)}: semantic drift and the sink", fontsize=11)
     return save_figure(fig, path)
 
