@@ -417,7 +417,12 @@ def headline(summary: dict) -> list[tuple[str, str]]:
     measure = summary["measure"]
     what = "ΔPPL" if measure == "ppl" else "Δaccuracy"
     out = [(f"clean {measure}", f(summary["clean"]))]
-    out += [(f"{m}: comprehensiveness / sufficiency AOC ({what})",
-             f"{f(d['comprehensiveness_aoc'])} / {f(d['sufficiency_aoc'])}") for m, d in summary["metrics"].items()]
+    if measure == "ppl":      # the raw ΔPPL grows without bound where a removal breaks the model: ΔNLL beside it
+        out += [(f"{m}: comprehensiveness / sufficiency AOC, ΔNLL (mean ln PPL′/PPL, nats); ΔPPL",
+                 f"{f(d['comprehensiveness_log_aoc'])} / {f(d['sufficiency_log_aoc'])}; "
+                 f"{f(d['comprehensiveness_aoc'])} / {f(d['sufficiency_aoc'])}") for m, d in summary["metrics"].items()]
+    else:
+        out += [(f"{m}: comprehensiveness / sufficiency AOC ({what})",
+                 f"{f(d['comprehensiveness_aoc'])} / {f(d['sufficiency_aoc'])}") for m, d in summary["metrics"].items()]
     out += [(f"most faithful first, {k}", ", ".join(summary[f"order_{k}"])) for k in ("comprehensiveness", "sufficiency")]
     return out

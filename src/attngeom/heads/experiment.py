@@ -501,7 +501,7 @@ def headline(summary: dict) -> list[tuple[str, str]]:
     out = [(f"regime shares, {corpus}", ", ".join(f"{r} {share(v)}" for r, v in shares.items()))
            for corpus, shares in summary["regime_share"].items()]
     out.append(("regime order chosen on calibration (first removed first)", " > ".join(summary["taxonomy_regime_order"])))
-    few = summary["calibration_windows"] < resampling.MIN_UNITS
+    few = summary.get("calibration_windows", resampling.MIN_UNITS) < resampling.MIN_UNITS   # older summaries: none
     out.append(("individually critical heads", str(len(summary["critical_heads"])) + (
         f" (from {summary['calibration_windows']} calibration windows: fewer than {resampling.MIN_UNITS}, an example, "
         "not an estimate)" if few else "")))

@@ -120,7 +120,7 @@ def run_note(out_dir) -> str:
         s = json.loads((Path(out_dir) / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return ""
-    model = s.get("model") or next(iter(s.get("models") or {}), "")
+    model = s.get("model") or next(iter(s.get("models") or {}), "") or (s.get("settings") or {}).get("model_name", "")
     parts = [str(model)] if model else []
     windows = s.get("windows")
     if isinstance(windows, list):                          # heads: the windows of each corpus, the first one's here
@@ -134,6 +134,8 @@ def run_note(out_dir) -> str:
         counts.append((int(windows), "windows"))
     elif s.get("examples") is not None:
         counts.append((int(s["examples"]), "examples"))
+    elif s.get("units_done") is not None:                  # faithfulness: windows or examples done
+        counts.append((int(s["units_done"]), f"{s.get('unit', 'window')}s"))
     for key, unit in (("calibration_windows", "calibration"), ("heldout_windows", "held out")):
         if s.get(key) is not None:                         # heads: the splits its numbers rest on
             counts.append((int(s[key]), unit))
@@ -160,9 +162,10 @@ class figure_note:
 
 
 def _add_note(fig, layout: bool) -> float:
-    """The current :class:`figure_note` at the foot of ``fig``; the height (figure fraction) it takes."""
+    """The current :class:`figure_note` at the foot of ``fig`` (a figure laid out by hand, ``layout``
+    False, gets none: it has no room kept for it); the height (figure fraction) it takes."""
     note = _NOTE[-1]
-    if not note:
+    if not note or not layout:
         return 0.0
     H = fig.get_figheight()
     fig.text(0.01, 0.04 / H, note, fontsize=MIN_FONT_PT, ha="left", va="bottom", color="#444444")

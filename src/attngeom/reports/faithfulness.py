@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, figure_note, run_note, save_figure  # sets the Agg backend first
+from attngeom.reports.common import COLUMN_WIDTH_IN, MIN_FONT_PT, SMALL_SAMPLE, save_figure  # sets the Agg backend first
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -22,7 +22,8 @@ LABELS = {"comprehensiveness": "Comprehensiveness (top-k masked)", "sufficiency"
 FONT = MIN_FONT_PT + 0.5
 
 
-def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str | None = None) -> Path:
+def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str | None = None,
+         model: str | None = None) -> Path:
     """Two panels stacked at one column of a paper (:data:`~attngeom.reports.common.COLUMN_WIDTH_IN`;
     every text at least 7 pt at that size): comprehensiveness above, sufficiency below, change vs
     ratio per metric, one legend under both; ``random`` as the mean over seeds with a band from the
@@ -64,7 +65,10 @@ def plot(table: pd.DataFrame, path: str | Path, measure: str = "ppl", title: str
         units = int(table["units"].iloc[0])
         what = "PPL" if measure == "ppl" else "accuracy"
         noun = ("window" if measure == "ppl" else "example") + ("" if units == 1 else "s")
-        title = f"Faithfulness of token rankings\n(clean {what} {clean:.4g}, {units} {noun})"
+        model = model or (str(table["model"].iloc[0]) if "model" in table else "")
+        model = f", {model}" if model else ""
+        title = f"Faithfulness of token rankings{model}\n(clean {what} {clean:.4g}, {units} {noun})" + (
+            f"\nfewer than {SMALL_SAMPLE} {noun}: an example, not an estimate" if units < SMALL_SAMPLE else "")
     if title:
         fig.suptitle(title, fontsize=FONT + 1)
     rows = sum(max(label.count("\n") + 1 for label in labels[k:k + 2]) for k in range(0, len(labels), 2))
@@ -83,5 +87,5 @@ def render(out_dir, fmt: str = "png") -> list[Path]:
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     if table.empty:
         return []
-    with figure_note(run_note(out)):
-        return [plot(table, out / f"faithfulness.{fmt}", measure=summary.get("measure", "ppl"), title=summary.get("title"))]
+    return [plot(table, out / f"faithfulness.{fmt}", measure=summary.get("measure", "ppl"), title=summary.get("title"),
+                 model=(summary.get("settings") or {}).get("model_name"))]
