@@ -72,7 +72,8 @@ def report_markdown(summary: dict, diff) -> str:
 
 def prediction_markdown(diff) -> list[str]:
     """Each side's prediction of the answer (and contrast) tokens and the heads whose patched output
-    moves the metric most (:attr:`TraceDiff.prediction`, :attr:`TraceDiff.patching`); nothing without."""
+    moves the metric most (:attr:`attngeom.traces.compare.TraceDiff.prediction`,
+    :attr:`attngeom.traces.compare.TraceDiff.patching`); nothing without."""
     if diff.prediction is None:
         return []
     p = diff.prediction
