@@ -189,7 +189,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
 
     from attngeom.model import load_model
     from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
-    from attngeom.traces import trace as tr
+    from attngeom.streaming.passes import forward
     from attngeom.capture.session import Session
 
     torch.manual_seed(0)
@@ -234,7 +234,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
             reducers = make()
             for r in reducers:
                 r.begin(batch)
-            tr.forward(handle, batch, session(reducers))  # = stream(), without its context-length check
+            forward(handle, batch, session(reducers))  # = stream(), without its context-length check
             for r in reducers:
                 r.end(batch)
             return [r.result() for r in reducers]
@@ -243,7 +243,7 @@ def worker(method: str, T: int, layers: int | None, naive_layers: int, threads: 
         wr = make()
         for r in wr:
             r.begin(wb)
-        tr.forward(handle, wb, session(wr))
+        forward(handle, wb, session(wr))
     elif method in ("eager", "eager_attn", "sdpa"):
         def run():
             with torch.no_grad():

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from attngeom.data.corpora import SAMPLE_TEXT
     from attngeom.metrics import registry
     from attngeom.streaming.reducers import InputBatch
-    from attngeom.traces import trace as tr
+    from attngeom.streaming.passes import forward
 
     h = load_model(a.model)
     model = h.model
@@ -94,12 +94,12 @@ def main(argv=None) -> int:
 
         def score(m):
             if m in before:
-                return lambda: tr.forward(h, batch, Session(observers=[Score(m)], prepared=prepare(h, ids, T - 1, [m])))
-            return lambda: tr.forward(h, batch, Session(observers=[Score(m)]))
+                return lambda: forward(h, batch, Session(observers=[Score(m)], prepared=prepare(h, ids, T - 1, [m])))
+            return lambda: forward(h, batch, Session(observers=[Score(m)]))
 
         def rank(m):
             v = Variant(m, "comprehensiveness", 0.5)
-            return lambda: tr.forward(h, batch, Session(intervention=RankIntervention(v), prepared=maps.get(m)))
+            return lambda: forward(h, batch, Session(intervention=RankIntervention(v), prepared=maps.get(m)))
 
         methods = {"sdpa": plain("sdpa"), "eager": plain("eager")}
         methods |= {f"prepare:{m}": prepass(m) for m in before}

@@ -173,7 +173,7 @@ torch.set_grad_enabled(False)
 from attngeom import load_model
 from attngeom.capture.session import Session
 from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
-from attngeom.traces.trace import forward
+from attngeom.streaming.passes import forward
 from seed_configs import random_ids, seed_model
 
 dev = os.environ["GPU_CHECK_DEVICE"]
@@ -200,7 +200,7 @@ def measure(handle, T, repeats=3, block=None, route=None):
     def sdpa():
         model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
     taken = {}
-    def analyze():                     # what attngeom.traces.trace.stream does for one text, keeping the session
+    def analyze():                     # what attngeom.streaming.passes.stream does for one text, keeping the session
         batch = InputBatch(ids=ids.cpu()[None], lengths=torch.tensor([T]), index=[0])
         reducers = [HeadStats(), TokenStats()]
         session = Session(observers=reducers, block_elements=block, **kw)

@@ -40,7 +40,7 @@ def analysis_methods(T: int, dtype: str = "float32", block_elements: int | None 
     from bench_analyze import ATTENTION_FIELDS, _bench_ids
     from attngeom.model import load_model
     from attngeom.streaming.reducers import HeadStats, Reducer, TokenStats
-    from attngeom.traces import trace as tr
+    from attngeom.streaming.passes import stream
 
     handle = load_model("smollm2-135m", dtype=dtype, device="cpu")
     model = handle.model
@@ -64,7 +64,7 @@ def analysis_methods(T: int, dtype: str = "float32", block_elements: int | None 
 
     def streamed(observers, route=None):
         kw = {} if route is None else {"route": route}       # the capture's route (issue 49), when forced
-        return lambda: tr.stream(handle, [ids], observers(), progress=False, block_elements=block_elements, **kw)
+        return lambda: stream(handle, [ids], observers(), progress=False, block_elements=block_elements, **kw)
 
     def attention_stats():
         return [HeadStats(fields=ATTENTION_FIELDS), TokenStats(metrics=("attention",), columns=("sink_rate", "entropy"))]
