@@ -115,7 +115,7 @@ def runs(tiny_llama_dir, tmp_path_factory):
     from attngeom.kvcache.ruler import Example, write_jsonl
 
     examples = write_jsonl([Example("toy", i, 0, "the key is abc. " * 3, "\nWhat is the key?", " The key is",
-                                    ("abc",), 4, 0) for i in range(3)], d / "examples.jsonl")
+                                    ("abc",), 4, 16) for i in range(3)], d / "examples.jsonl")
     assert main(["kvtasks", "--model", str(tiny_llama_dir), "--examples-file", str(examples), "--policies",
                  "h2o,snap_contribution", "--ratios", "0.5,0.75", "--no-progress", "--no-figures",
                  "--out", str(d / "kvtasks")]) == 0
@@ -280,7 +280,7 @@ def test_the_readme_lists_what_the_other_commands_write(tiny_llama_dir, tmp_path
     (tmp_path / "corpus.txt").write_text(TEXT * 4)
     from attngeom.kvcache.ruler import Example, write_jsonl
 
-    write_jsonl([Example("toy", i, 0, "the key is abc. " * 3, "\nWhat is the key?", " The key is", ("abc",), 4, 0)
+    write_jsonl([Example("toy", i, 0, "the key is abc. " * 3, "\nWhat is the key?", " The key is", ("abc",), 4, 16)
                  for i in range(2)], tmp_path / "examples.jsonl")
     argv = [a.format(prompts=tmp_path / "prompts.jsonl", corpus=tmp_path / "corpus.txt",
                      examples=tmp_path / "examples.jsonl") for a in argv]
