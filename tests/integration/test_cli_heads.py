@@ -42,6 +42,7 @@ def test_cli_end_to_end_two_corpora(tiny_llama_dir, tmp_path):
         assert (out / f).stat().st_size > 10_000
     report = (out / "report.md").read_text()                       # the count says what it rests on
     assert "from 1 calibration windows: fewer than 10, an example, not an estimate" in report
+    assert "- 1 calibration window(s), fewer than 10: the critical heads and the regime order are an example" in report
 
 
 def test_cli_too_few_windows(tiny_llama_dir, tmp_path, capsys):

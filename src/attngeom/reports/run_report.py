@@ -109,6 +109,13 @@ def render(command: str, summary: dict, files: list[str], model: str | None = No
         if command in WITH_INTERVALS and isinstance(windows, int) and windows < MIN_UNITS:
             lines.append(f"- too few windows for an interval ({windows}; intervals need at least {MIN_UNITS}): "
                          "none is given")
+        elif isinstance(windows, int) and windows < MIN_UNITS:
+            lines.append(f"- fewer than {MIN_UNITS} windows ({windows}): the numbers below are an example, "
+                         "not an estimate")
+    calibration = summary.get("calibration_windows")
+    if isinstance(calibration, int) and calibration < MIN_UNITS:        # heads: what its critical heads rest on
+        lines.append(f"- {calibration} calibration window(s), fewer than {MIN_UNITS}: the critical heads and the "
+                     "regime order are an example, not an estimate")
     lines += ["", "## Results", ""]
     lines += md.table(["measure", "value"], headline(command, summary), align="lr")
     lines += ["", "## Files", ""]
