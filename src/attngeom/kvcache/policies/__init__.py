@@ -23,7 +23,7 @@ Every policy's docstring names its source; ``docs/kvcache.md`` lists the scores 
 torch is imported inside the functions that use it, so that the registry's names (the settings'
 and ``--help``'s default policies) need no torch.
 The families: :mod:`.recency` (full, window, StreamingLLM), :mod:`.attention` (H2O, TOVA,
-SnapKV), :mod:`.values` (VATP, CriticalKV), :mod:`.simple` (random, knorm), :mod:`.budgets`
+SnapKV), :mod:`.values` (VATP, CriticalKV), :mod:`.andpro` (AnDPro), :mod:`.simple` (random, knorm), :mod:`.budgets`
 (PyramidKV, AdaKV), :mod:`.leave_one_out` (DropKV, ``loo_head``), :mod:`.kvzip` (KVzip, KVzip+,
 KVzip by contribution), :mod:`.contribution` (the papers' geometry by contribution) and
 :mod:`.taxonomy`; what they share is :mod:`.base`.
@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Callable
 
 from attngeom.errors import InputError
+from attngeom.kvcache.policies.andpro import ANDPRO_CHUNK, ANDPRO_KERNEL, ANDPRO_WINDOW, AnDPro
 from attngeom.kvcache.policies.attention import SNAP_KERNEL, SNAP_WINDOW, _avg_pool, h2o, snapkv, tova
 from attngeom.kvcache.policies.base import RECENT, SINKS, POLICY_OPTIONS, EvictionContext, Policy, uniform_keep
 from attngeom.kvcache.policies.budgets import ADAKV_FLOOR, PYRAMID_BETA, adakv, adakv_budgets, pyramid_budgets, pyramidkv
@@ -56,7 +57,8 @@ __all__ = ["POLICIES", "READING_POLICIES", "Policy", "EvictionContext", "get_pol
            "KVZIP_CHUNK", "KVZIP_OVERLAP", "KVZIP_PROMPT", "KVZIP_PROMPT_NEXT", "RECONSTRUCTION_SCORES",
            "full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "criticalkv", "knorm", "random_policy",
            "pyramidkv", "adakv", "dropkv", "kvzip", "kvzip_plus", "kvzip_contribution", "contribution",
-           "snap_contribution", "suppressor", "global_contribution", "taxonomy", "_avg_pool"]
+           "snap_contribution", "suppressor", "global_contribution", "taxonomy", "_avg_pool",
+           "AnDPro", "ANDPRO_WINDOW", "ANDPRO_KERNEL", "ANDPRO_CHUNK"]
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "full": full,
@@ -88,6 +90,7 @@ POLICIES.update({
     "adakv_contribution": lambda: adakv("snap_contribution", "adakv_contribution"),
     "suppressor": suppressor,
     "global_contribution": global_contribution,
+    "andpro": AnDPro,
 })
 
 READING_POLICIES = ("full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
