@@ -184,3 +184,23 @@ def test_the_kvtasks_figure_names_model_length_mode_and_examples(tmp_path, monke
     kvtasks.render(tmp_path, "png")
     title = figs[0]._suptitle.get_text()
     assert "tiny-model, 4,096 tokens, query-aware" in title and "6 examples: fewer than 10" in title
+
+
+def test_the_kvcache_figure_gives_every_policy_its_own_colour_and_marker(tmp_path, monkeypatch):
+    """Ten policies and more: matplotlib's default cycle of 10 would repeat a colour."""
+    import pandas as pd
+
+    from attngeom.reports import kvcache
+
+    names = [f"p{i:02d}" for i in range(13)]
+    rows = [{"policy": p, "budget": b, "ppl": 10.0 + i + b / 100, "ppl_low": float("nan"), "ppl_high": float("nan"),
+             "windows": 4} for i, p in enumerate(["full", *names]) for b in (8, 16)]
+    figs = []
+    real = kvcache.save_figure
+    monkeypatch.setattr(kvcache, "save_figure", lambda fig, path, **kw: (figs.append(fig), real(fig, path, **kw))[1])
+    kvcache.fig_ppl(pd.DataFrame(rows), tmp_path / "p.png")
+    from matplotlib.colors import to_hex
+
+    lines = [c.lines[0] for c in figs[0].axes[0].containers]        # one errorbar container per policy
+    assert len(lines) == 13 and len({to_hex(line.get_color()) for line in lines}) == 13
+    assert len({line.get_marker() for line in lines}) > 1

@@ -40,11 +40,21 @@ def _budget_axis(ax, budgets) -> None:
     ax.set_xlabel("entries kept per key/value head (budget)")
 
 
-def _errorbars(ax, g: pd.DataFrame, col: str, label: str) -> None:
+def _style(summary: pd.DataFrame) -> dict:
+    """policy -> (colour, marker): every policy its own, the same in every panel
+    (:func:`attngeom.reports.kvtasks.styles`)."""
+    from attngeom.reports.kvtasks import styles
+
+    names = sorted(p for p in summary["policy"].unique() if p != "full")
+    return dict(zip(names, styles(len(names))))
+
+
+def _errorbars(ax, g: pd.DataFrame, col: str, label: str, style: tuple | None = None) -> None:
     lo, hi = g[f"{col}_low"].to_numpy(float), g[f"{col}_high"].to_numpy(float)
     v = g[col].to_numpy(float)
     yerr = None if np.isnan(lo).all() else [v - lo, hi - v]
-    ax.errorbar(g["budget"], v, yerr=yerr, marker="o", ms=3, capsize=2, lw=1.2, label=label)
+    colour, marker = style if style is not None else (None, "o")
+    ax.errorbar(g["budget"], v, yerr=yerr, marker=marker, color=colour, ms=3, capsize=2, lw=1.2, label=label)
 
 
 def _windows_note(summary: pd.DataFrame) -> str:
@@ -55,6 +65,7 @@ def _windows_note(summary: pd.DataFrame) -> str:
 
 def fig_ppl(summary: pd.DataFrame, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    style = _style(summary)
     for policy, g in summary.groupby("policy"):
         g = g.sort_values("budget")
         if policy == "full":
@@ -63,7 +74,7 @@ def fig_ppl(summary: pd.DataFrame, path: Path) -> Path:
                 ax.axhspan(g["ppl_low"].iloc[0], g["ppl_high"].iloc[0], color="k", alpha=0.08,
                            label=f"{FULL}: 95 % interval")
             continue
-        _errorbars(ax, g, "ppl", policy)
+        _errorbars(ax, g, "ppl", policy, style[policy])
     _budget_axis(ax, summary["budget"])
     ax.set_yscale("log")                    # plain tick numbers: reports.common.tidy_axes
     ax.set_ylabel("perplexity")
@@ -99,13 +110,14 @@ def fig_memory(summary: pd.DataFrame, path: Path) -> Path:
 
 def fig_answers(summary: pd.DataFrame, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    style = _style(summary)
     for policy, g in summary.groupby("policy"):
         g = g.sort_values("budget")
         for ax, col in zip(axes, ("match", "ref_ppl")):
             if policy == "full":
                 ax.axhline(g[col].iloc[0], color="k", ls="--", lw=1, label=FULL)
                 continue
-            _errorbars(ax, g, col, policy)
+            _errorbars(ax, g, col, policy, style[policy])
     axes[0].set_ylabel("greedy tokens equal to the full cache's")
     axes[0].set_title("Agreement with the full cache", fontsize=10)
     axes[1].set_ylabel("reference perplexity")
