@@ -161,6 +161,12 @@ class figure_note:
         _NOTE.pop()
 
 
+def current_note() -> str:
+    """The text of the innermost :class:`figure_note` ("" outside one): for a figure laid out by hand,
+    which places it itself."""
+    return _NOTE[-1]
+
+
 def _add_note(fig, layout: bool) -> float:
     """The current :class:`figure_note` at the foot of ``fig`` (a figure laid out by hand, ``layout``
     False, gets none: it has no room kept for it); the height (figure fraction) it takes."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attngeom.reports.common import figure_note, legend_outside, run_note, save_figure  # sets the Agg backend first
+from attngeom.reports.common import current_note, figure_note, legend_outside, run_note, save_figure  # sets the Agg backend first
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -69,9 +69,14 @@ def fig_regime_grid(heads: pd.DataFrame, path: Path) -> Path:
     handles = [Patch(color=REGIME_COLORS[r], label=f"{r} ({(heads['regime'] == r).mean():.0%})") for r in REGIMES]
     if "critical" in heads and heads["critical"].any():
         handles.append(Patch(fill=False, ec="black", lw=1.8, label="individually critical"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    note = current_note()                    # what the figure rests on: under the legend (laid out here)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, ha="left", va="bottom", color="#444444")
+    foot = 0.05 if note else 0.0
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, foot))
     fig.suptitle(f"{_title(heads)}: head regimes (shade = share of the winning label)")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.07 + foot, 1, 1))
     return save_figure(fig, path, layout=False)
 
 
@@ -130,7 +135,7 @@ def fig_sensitivity(heads: pd.DataFrame, path: Path) -> Path:
     ax.set_xlabel("layer")
     ax.set_ylabel("head")
     ax.set_yticks(range(H))
-    ax.set_title(f"{_title(heads)}: single-head sensitivity (calibration split; critical outlined)")
+    ax.set_title(f"{_title(heads)}: single-head sensitivity\n(calibration split; critical heads outlined)")
     return save_figure(fig, path)
 
 
