@@ -186,7 +186,7 @@ def fig_removal(removal: pd.DataFrame, ppl: pd.DataFrame, path: Path) -> Path:
     axes[2].set_title("queries with sink rate ≥ 0.5", fontsize=10)
     for ax in axes[:3]:
         ax.set_xlabel("layer")
-        legend_outside(ax, fontsize=8)
+    legend_outside(axes[2], fontsize=8)                 # the same three lines in each panel: one legend
     p = ppl.set_index("pass")
     mass = removal[removal["mode"] != "none"].groupby("mode").removed_mass.mean()
     bars = [p.loc["sink", "delta_ppl"], p.loc["control", "delta_ppl"]]
@@ -234,8 +234,7 @@ def fig_drift(drift: pd.DataFrame, path: Path) -> Path:
     axes[1].set_title("sink's cancellation of the semantic mean $m_i$:\n"
                       r"$\sum -\langle\rho\,\tilde v_0, m_i\rangle/\|m_i\| \,/\, \sum \|m_i\|$ per head and bin", fontsize=10)
     axes[1].axhline(0, color="#333333", lw=0.6)
-    for ax in axes:
-        legend_outside(ax, fontsize=8)
+    legend_outside(axes[-1], fontsize=8)                # the same layers in both panels: one legend
     fig.suptitle(f"{_model_title(drift)}: semantic drift and the sink", fontsize=11)
     return save_figure(fig, path)
 
