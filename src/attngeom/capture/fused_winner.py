@@ -186,14 +186,17 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr, ME
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, slb, slh, sln,
                    H, N_REP, LN_DIV, Q_LEN, S_LEN, OFFSET, D, WINDOW, scale, softcap,
                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                   HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr, ENTROPY: tl.constexpr,
+                   HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: ``BLOCK_M`` queries of one (text, head); the keys in blocks of ``BLOCK_N``.
 
     Builtins only, and ``tl.reduce`` with triton's own combine functions (what ``tl.max``/``tl.sum``
     call): ``tl.max`` and ``tl.zeros`` are themselves jit functions, compiled for the device or for
     the interpreter when triton is *imported* (``TRITON_INTERPRET`` then), and torch imports triton
-    early (``torch._dynamo``); the interpreter recognises these combine functions either way."""
+    early (``torch._dynamo``); the interpreter recognises these combine functions either way.
+
+    ``DOT_F32`` (set under the interpreter for bf16 only; see :data:`INTERPRETER_BF16_DOT`) multiplies
+    bf16 tiles as float32: the same products, since a product of two bf16 values is exact in float32."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)           # 64-bit offsets: a long input's q and k pass 2^31 elements
@@ -203,6 +206,8 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr, ME
     pos = OFFSET + offs_m                                                   # query positions
     q = tl.load(Q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < D), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
     k_base = K_ptr + b * skb + (h // N_REP) * skh
     ln_base = LN_ptr + b * slb + (h // LN_DIV) * slh
 
@@ -228,6 +233,8 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr, ME
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd,
                     mask=(offs_n[:, None] < S_LEN) & (offs_d[None, :] < D), other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_ty)
         else:
@@ -271,6 +278,22 @@ def _winner_kernel(Q_ptr, K_ptr, LN_ptr, LEN_ptr, IDX_ptr, BEST_ptr, LSE_ptr, ME
     tl.store(LSE_ptr + out, lse, mask=keep)
     if ENTROPY:
         tl.store(MEAN_ptr + out, u_i / tl.where(l_i > 0, l_i, 1.0), mask=keep)
+
+
+INTERPRETER_BF16_DOT = "multiplied as float32"
+"""How the kernels multiply bf16 tiles under triton's interpreter. Its ``tl.dot`` (triton 3.9,
+``triton/runtime/interpreter.py``, ``create_dot``) is ``np.matmul`` of the operands' storage, and the
+interpreter stores bf16 as ``uint16`` (numpy has no bf16): it multiplies the *bit patterns* as
+integers (only 8-bit floats are converted first; 1.0 is 16256 there), so a bf16 ``q·k`` came out
+orders of magnitude too large and ``exp`` of it overflowed (``PᵀF`` off by ~1e10; float32, float16
+and float64 are stored as themselves and are right). That is the interpreter's alone: on a GPU ``tl.dot`` of bf16 tiles is
+the tensor cores' MMA (``test_kernel_compiles_for_an_h100`` finds ``mma`` in the PTX). So under
+the interpreter (``DOT_F32``) the bf16 tiles are cast to float32 before ``tl.dot``: every product
+of two bf16 values is exact in float32 and both accumulate in float32, so this is the tensor cores'
+arithmetic up to the order of the sums. ``P`` is rounded to bf16 before ``PᵀF`` on both; the
+interpreter truncates it (``_convert_float`` without a rounding mode) where the GPU rounds to
+nearest: at most one bf16 ulp (2⁻⁷ relative) instead of half (tests/unit/test_fused_winner.py::
+test_bf16_kernels_under_the_interpreter_are_within_bf16_rounding)."""
 
 
 @functools.cache
@@ -329,6 +352,7 @@ def source_winner_triton(q, k, v_norm, *, scale, causal=True, window=None, softc
         H, H // Hkv, H // log_n.shape[1], Q, S, S - Q, d, window or 0, float(scale), float(softcap or 1.0),
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
         HAS_LENGTHS=lengths is not None, IEEE=q.dtype in (torch.float32, torch.float64), ENTROPY=bool(return_entropy),
+        DOT_F32=interpret and q.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)))
     return _finish(index, best, lse, mean_s, sinks, return_lse, return_entropy)
 
@@ -399,10 +423,12 @@ def _values_grad_kernel(Q_ptr, K_ptr, LSE_ptr, F_ptr, LEN_ptr, OUT_ptr,
                         sqb, sqh, sqm, sqd, skb, skh, skn, skd, slb, slh, slm, sfb, sfh, sfm, sfc,
                         H, N_REP, Q_LEN, S_LEN, OFFSET, D, M, WINDOW, scale, softcap,
                         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                        HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr,
+                        HAS_LENGTHS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """One program: ``BLOCK_N`` sources of one (text, head); the queries that can see them in
-    blocks of ``BLOCK_M``: ``P`` recomputed from ``q``, ``k`` and ``lse``, times ``F``'s rows."""
+    blocks of ``BLOCK_M``: ``P`` recomputed from ``q``, ``k`` and ``lse``, times ``F``'s rows.
+    ``P`` is rounded to ``F``'s dtype before its product (bf16/fp16: the tensor cores' inputs);
+    ``DOT_F32`` as in :func:`_winner_kernel` (the rounded ``P`` and ``F`` then multiplied as float32)."""
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -412,6 +438,8 @@ def _values_grad_kernel(Q_ptr, K_ptr, LSE_ptr, F_ptr, LEN_ptr, OUT_ptr,
     offs_c = tl.arange(0, BLOCK_C)
     k = tl.load(K_ptr + b * skb + (h // N_REP) * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
                 mask=(offs_n[:, None] < S_LEN) & (offs_d[None, :] < D), other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
     acc_ty = tl.float64 if Q_ptr.dtype.element_ty == tl.float64 else tl.float32
     acc = tl.full([BLOCK_N, BLOCK_C], 0.0, acc_ty)
     if HAS_LENGTHS:
@@ -428,6 +456,8 @@ def _values_grad_kernel(Q_ptr, K_ptr, LSE_ptr, F_ptr, LEN_ptr, OUT_ptr,
         pos = OFFSET + offs_m
         q = tl.load(Q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
                     mask=(offs_m[:, None] < Q_LEN) & (offs_d[None, :] < D), other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_ty)
         else:
@@ -451,6 +481,9 @@ def _values_grad_kernel(Q_ptr, K_ptr, LSE_ptr, F_ptr, LEN_ptr, OUT_ptr,
         f = tl.load(F_ptr + b * sfb + h * sfh + offs_m[:, None] * sfm + offs_c[None, :] * sfc,
                     mask=(offs_m[:, None] < Q_LEN) & (offs_c[None, :] < M), other=0.0)
         pt = tl.trans(p.to(F_ptr.dtype.element_ty))
+        if DOT_F32:
+            pt = pt.to(tl.float32)
+            f = f.to(tl.float32)
         if IEEE:
             acc += tl.dot(pt, f, input_precision="ieee", out_dtype=acc_ty)
         else:
@@ -485,6 +518,7 @@ def values_gradient_triton(q, k, lse, F, *, scale, causal=True, window=None, sof
         H, H // Hkv, Q, S, S - Q, d, F.shape[-1], window or 0, float(scale), float(softcap or 1.0),
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
         HAS_LENGTHS=lengths is not None, IEEE=q.dtype in (torch.float32, torch.float64),
+        DOT_F32=interpret and q.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_C=max(16, triton.next_power_of_2(F.shape[-1])))
     return out

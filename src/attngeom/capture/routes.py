@@ -429,14 +429,12 @@ class FusedLayer:
         """``PᵀF`` with the layer's attention ``P`` (learned sink included): ``[B, H, T, m]``. Where
         triton runs (:func:`attngeom.capture.fused_winner.uses_triton`) and the mask is causal with
         the call's window and padding, :func:`attngeom.capture.fused_winner.values_gradient` (``P``
-        recomputed from ``lse``, no ``dQ``, ``dK``); else the attention's backward (:func:`transpose`).
-        Not in bf16/fp16 yet: under triton's interpreter that kernel's bf16 result is off by orders of
-        magnitude (float32 and float64 agree with the backward to 1e-10; unverified on a GPU)."""
+        recomputed from ``lse``, no ``dQ``, ``dK``; in bf16/fp16 ``P`` is rounded to that dtype before
+        its product, as the backward's is); else the attention's backward (:func:`transpose`)."""
         from attngeom.capture import fused_winner
 
         F = self._rescaled(F).to(self.kernel_dtype)
-        if (self.kernel_dtype in (torch.float32, torch.float64) and self._masks_described
-                and fused_winner.uses_triton(self.kq.device, self.kq.dtype)):
+        if self._masks_described and fused_winner.uses_triton(self.kq.device, self.kq.dtype):
             masked = self.allowed is not None
             return fused_winner.values_gradient(
                 self.kq, self.kk, self._forward[2], F, scale=self.scale, causal=True,
