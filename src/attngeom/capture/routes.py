@@ -237,10 +237,17 @@ class FusedLayer:
         self.dtype = dtype
         self.scale = float(scale)
         self.allowed = mask                                                        # boolean or None
-        self.mask = additive_mask(mask, self.kernel_dtype)
+        self.lengths = lengths.to(q.device)
+        # the kernels' own causal flag where the mask is causal with right padding (a padded query
+        # then sees padded sources too: its weight in every statistic is 0 and no real query sees
+        # it): no [B, 1, T, T] float mask, 4x the boolean one. A sliding window shorter than the
+        # input, or any other mask, is handed to the kernels as that float mask (ATen's fused
+        # kernels take no window): quadratic in T, docs/benchmark-analyze.md "Long inputs".
+        T = q.shape[2]
+        causal = mask is None or ((window is None or window >= T) and describes(mask, None, self.lengths))
+        self.mask = None if causal else additive_mask(mask, self.kernel_dtype)
         self.sinks = None if sinks is None else sinks.to(dtype)
         self.G, self.G_full = G.to(dtype), G_full.to(dtype)
-        self.lengths = lengths.to(q.device)
 
     @cached_property
     def q(self) -> torch.Tensor:
