@@ -47,7 +47,7 @@ def test_every_experiment_returns_one_shape_whose_per_window_sums_give_its_table
     bootstrap resamples add up to the experiment's own tables (the claims read nothing else)."""
     from attngeom.faithfulness import experiment as faithfulness
     from attngeom.heads import experiment as heads
-    from attngeom import kvcache
+    from attngeom.kvcache import experiment as kvcache
     from attngeom.selection import experiment as selection
     from attngeom.sinks import experiment as sinks
     from attngeom.runs.contract import perplexity as ppl
@@ -100,13 +100,10 @@ def test_every_experiment_has_the_contract_signature():
     ``experiment`` module: ``run`` may be None (in memory), the inputs and the settings come next,
     anything else is keyword-only."""
     import importlib
-    import importlib.util
     import inspect
 
     for name in ("faithfulness", "sinks", "selection", "heads", "kvcache", "claims", "analysis"):
-        # kvcache's experiment is still exported by its package until its own module takes the name
-        where = f"attngeom.{name}.experiment" if importlib.util.find_spec(f"attngeom.{name}.experiment") else f"attngeom.{name}"
-        mod = importlib.import_module(where)
+        mod = importlib.import_module(f"attngeom.{name}.experiment")
         sig = inspect.signature(mod.experiment)
         params = list(sig.parameters.values())
         assert sig.return_annotation == "ExperimentResult", mod.__name__

@@ -1,6 +1,7 @@
 """A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`), the evaluation under a budget
 (:mod:`.evaluation`), compression once after the prefill to a ratio (:mod:`.prefill`), RULER's synthetic
-long-context tasks (:mod:`.ruler`) and the tasks at compression ratios (:mod:`.tasks`)."""
+long-context tasks (:mod:`.ruler`), the tasks at compression ratios (:mod:`.tasks`) and the commands' experiments
+(:mod:`.experiment`)."""
 
 from attngeom._exports import lazy
 
@@ -11,7 +12,6 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "compressing": "cache",
     "read_under_budget": "evaluation",
     "configurations": "evaluation",
-    "experiment": "evaluation",
     "answer_under_budget": "evaluation",
     "answers": "evaluation",
     "summarize": "evaluation",
