@@ -296,6 +296,19 @@ def test_adakv_shares_the_layer_budget_across_heads_with_a_floor():
     assert b[0].tolist() == [5, 5]
 
 
+@pytest.mark.parametrize("name, inner", [("adakv", "snapkv"), ("adakv_contribution", "snap_contribution")])
+def test_adakv_takes_its_inner_policys_scores_and_protections(name, inner):
+    """AdaKV is given its inner policy itself (no registry look-up from policies/budgets.py): its
+    scores, protections and needs are the inner policy's, its identity names it."""
+    a, b = get_policy(name), get_policy(inner)
+    assert a.params["inner"] == inner and a.name == name and a.allocator is not None
+    assert (a.needs, a.accumulate, a.pool, a.last, a.signed, a.geometry) == \
+        (b.needs, b.accumulate, b.pool, b.last, b.signed, b.geometry)
+    cs = _ctx([[9, 8, 7, 6, 5, 4, 3, 2, 1, 0.5], [0.01] * 10], 0, n_kv=2)
+    for x, y in zip(a.priority(cs), b.priority(cs)):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("name", ["kvzip", "kvzip_plus"])
 def test_kvzip_keeps_the_highest_pooled_scores_of_the_whole_model(name):
     """The global cut on a real prefill: the kept (layer, head, entry) triples are exactly the

@@ -87,7 +87,7 @@ POLICIES.update({
     "kvzip_plus": kvzip_plus,
     "snap_contribution": snap_contribution,
     "kvzip_contribution": kvzip_contribution,
-    "adakv_contribution": lambda: adakv("snap_contribution", "adakv_contribution"),
+    "adakv_contribution": lambda: adakv(snap_contribution(), "adakv_contribution"),
     "suppressor": suppressor,
     "global_contribution": global_contribution,
     "andpro": AnDPro,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attngeom.kvcache.policies.attention import SNAP_KERNEL, SNAP_WINDOW, _snap_priority
+from attngeom.kvcache.policies.attention import SNAP_KERNEL, SNAP_WINDOW, _snap_priority, snapkv
 from attngeom.kvcache.policies.base import Policy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,14 +86,12 @@ def adakv_budgets(contexts: dict, ratio: float, priority, floor: float = ADAKV_F
     return out
 
 
-def adakv(inner: str = "snapkv", name: str = "adakv") -> Policy:
-    """AdaKV on top of any score: the ``inner`` policy's scores and protections, with head-wise
-    budgets from :func:`adakv_budgets` (the layer keeps the same total)."""
-    from attngeom.kvcache.policies import get_policy
-
-    base = get_policy(inner)
-    return Policy(name, f"{inner} scores, head-wise budgets (AdaKV)",
+def adakv(inner: Policy | None = None, name: str = "adakv") -> Policy:
+    """AdaKV on top of any score: the ``inner`` policy's (default :func:`snapkv`) scores and
+    protections, with head-wise budgets from :func:`adakv_budgets` (the layer keeps the same total)."""
+    base = inner if inner is not None else snapkv()
+    return Policy(name, f"{base.name} scores, head-wise budgets (AdaKV)",
                   base.priority, needs=base.needs, accumulate=base.accumulate, pool=base.pool, last=base.last,
-                  signed=base.signed, params={"inner": inner, "floor": ADAKV_FLOOR}, prefill_only=True,
+                  signed=base.signed, params={"inner": base.name, "floor": ADAKV_FLOOR}, prefill_only=True,
                   geometry=base.geometry,
                   allocator=lambda cs, r: adakv_budgets(cs, r, base.priority))
