@@ -10,7 +10,11 @@ paragraph per block separated by blank lines (the layout WikiText's raw text has
 
     apt-get download debian-handbook        # or: apt-get install debian-handbook
     python tools/debian_handbook_corpus.py debian-handbook_*.deb out/debian-handbook.txt
+    python tools/debian_handbook_corpus.py debian-handbook_*.deb prose.txt --start "I'm pleased" --max-bytes 300000
 
+The second writes ``attngeom/kvcache/data/prose.txt``, the essay haystack of ``attngeom kvtasks``:
+the paragraphs from the first that begins with ``--start`` on, as many whole ones as fit in
+``--max-bytes``.
 The first argument is the ``.deb`` file or the installed ``/usr/share/doc/debian-handbook/html``.
 It is technical English prose (system administration), unlike WikiText's encyclopaedia articles,
 which is the point of a second corpus.
@@ -71,25 +75,41 @@ def chapters(html_dir: Path) -> list[Path]:
     return [html_dir / n for n in order + rest]
 
 
-def corpus(html_dir: Path) -> str:
+def corpus(html_dir: Path, start: str = "", max_bytes: int = 0) -> str:
+    """The book's paragraphs, from the first beginning with ``start`` on; with ``max_bytes``, as
+    many whole paragraphs as the text holds within that size."""
     paras: list[str] = []
     for f in chapters(html_dir):
         p = _Paragraphs()
         p.feed(f.read_text(encoding="utf-8"))
         paras += p.out
+    paras = paras[next(i for i, p in enumerate(paras) if p.startswith(start)):]
+    if max_bytes:
+        kept, size = [], 0
+        for p in paras:
+            size += len(p.encode("utf-8")) + 2
+            if size > max_bytes:
+                break
+            kept.append(p)
+        paras = kept
     return "\n\n".join(paras) + "\n"
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.exit("usage: debian_handbook_corpus.py (DEB | HTML_DIR) OUT.txt")
-    src, out = Path(argv[0]), Path(argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the Debian Administrator's Handbook's English prose")
+    ap.add_argument("src", type=Path, help="the debian-handbook .deb or its installed html folder")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--start", default="", help="begin at the first paragraph beginning with this text")
+    ap.add_argument("--max-bytes", type=int, default=0, help="keep whole paragraphs within this size")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    src, out = a.src, a.out
     with tempfile.TemporaryDirectory() as tmp:
         if src.suffix == ".deb":
             subprocess.run(["dpkg-deb", "-x", str(src), tmp], check=True)
             src = Path(tmp) / "usr/share/doc/debian-handbook/html"
-        text = corpus(src / "en-US")
+        text = corpus(src / "en-US", a.start, a.max_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     print(f"{out}: {len(text.split()):,} words in {text.count(chr(10) * 2) + 1:,} paragraphs")

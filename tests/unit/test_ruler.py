@@ -19,8 +19,8 @@ CORPUS = Path(__file__).parents[1] / "data" / "wikitext-2-raw-test-excerpt.txt"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
-NIAH = ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_single_3", "niah_multikey_2",
-        "niah_multikey_3"]
+NIAH = ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_single_2", "niah_single_3",
+        "niah_multikey_2", "niah_multikey_3"]
 LENGTHS = {**{t: (512, 1024) for t in NIAH}, "variable_tracking": (1024, 2048),
            "common_words": (1024, 4096), "frequent_words": (1024, 2048)}
 

@@ -44,8 +44,11 @@ def add_parser(subparsers) -> None:
                         "different examples, which tools/kvtasks_merge.py joins into one sample")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the examples (default {d.seed})")
     p.add_argument("--haystack", default=d.haystack,
-                   help="the needle tasks' haystack: 'noise' (RULER's repeated sentences) or a corpus file of "
-                        f"real prose (.txt/.jsonl/.csv/.parquet; default {d.haystack})")
+                   help="the needle tasks' haystack: 'ruler' (RULER's for each task: the shipped essays, from "
+                        "the Debian Administrator's Handbook, CC BY-SA 3.0, for niah_single_2/3, niah_multikey, "
+                        "niah_multivalue and niah_multiquery, the noise for niah_single and variable_tracking), "
+                        "'noise' (RULER's repeated sentences for every task) or a corpus file of real prose for "
+                        f"every task (.txt/.jsonl/.csv/.parquet; default {d.haystack})")
     p.add_argument("--examples-file", default=None,
                    help="read the examples from this JSONL file (as written in examples.jsonl) instead of making them")
     p.add_argument("--policies", default=",".join(s.policies), help=f"comma-separated policies, or module:Class for a policy of your own (default {','.join(s.policies)})")
@@ -86,7 +89,7 @@ def run(args) -> int:
         raise InputError("--first-example numbers the examples kvtasks makes; an --examples-file brings its own")
     given = ruler.read_jsonl(args.examples_file) if args.examples_file is not None else None  # checked before the model loads
     haystack = args.haystack
-    if haystack != "noise":
+    if haystack not in ("noise", ruler.RULER_HAYSTACK):
         from attngeom.data.corpora import read_texts
 
         haystack = read_texts(haystack)
@@ -94,7 +97,9 @@ def run(args) -> int:
     source = common.data_identity(args.examples_file) if args.examples_file else \
         {"tasks": task_names, "length": args.length, "examples": args.examples, "seed": args.seed,
          **({"first_example": args.first_example} if args.first_example else {}),
-         **({"haystack": "noise"} if args.haystack == "noise" else {"haystack": common.data_identity(args.haystack)})}
+         "haystack": "noise" if args.haystack == "noise" else
+         {"ruler": "essays", "essay_sha256": ruler.essay_sha256()} if args.haystack == ruler.RULER_HAYSTACK else
+         common.data_identity(args.haystack)}
     identity = common.run_identity(args, settings, **source)
 
     def work(run):

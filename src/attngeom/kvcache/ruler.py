@@ -5,8 +5,12 @@ Models?*, COLM 2024 (arXiv 2404.06654, https://github.com/NVIDIA/RULER). Its syn
 what the question needs in a long distracting text, so a KV-cache policy that drops the wrong
 entries loses the answer. This module reproduces the task templates, answer prefixes, answer-length
 limits (``tokens_to_generate``) and scoring rule of RULER's ``scripts/data/synthetic`` and
-``scripts/eval/synthetic``, in its own code, with no download: the word lists are built in, the
-haystack is RULER's noise or prose the caller passes.
+``scripts/eval/synthetic``, in its own code, with no download: the word lists are built in, and
+each task's haystack is the one RULER's ``scripts/synthetic.yaml`` gives it (:attr:`TaskSpec.haystack`):
+RULER's noise, other needles, or for RULER's essay tasks the prose shipped with the package
+(``attngeom/kvcache/data/prose.txt``, from *The Debian Administrator's Handbook*, CC BY-SA 3.0:
+:func:`essay_words`; RULER's are Paul Graham's essays, which may not be shipped), unless the
+caller passes a haystack of its own.
 
 Every prompt is split as RULER's template puts it: ``context`` (the instruction preamble, then the
 haystack with the needles: the part a cache policy compresses), then ``question`` (after the
@@ -25,6 +29,8 @@ and 1 share no example), never from global state.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import math
 import random
@@ -39,6 +45,15 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 """RULER's noise haystack: this line repeated (one line per five sentences here; see :func:`haystack_text`)."""
 
 NOISE_SENTENCES = tuple(s + "." for s in NOISE.rstrip(".").split(". "))
+
+RULER_HAYSTACK = "ruler"
+"""The ``haystack`` argument that gives each task RULER's own (:attr:`TaskSpec.haystack`): the
+shipped essays (:func:`essay_words`) for the essay tasks, the noise for the others."""
+
+ESSAY_FILE = Path(__file__).with_name("data") / "prose.txt"
+"""The essay haystack shipped with the package: 300 kB of *The Debian Administrator's Handbook*
+(Raphaël Hertzog and Roland Mas; CC BY-SA 3.0, see ``data/LICENSE`` beside it), about 62,000
+SmolLM2 tokens (a longer haystack repeats it, as RULER repeats its essays)."""
 
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))
 """RULER's needle depths in a prose haystack: 40 evenly spaced percentages, 0 to 100."""
@@ -142,7 +157,9 @@ class TaskSpec:
     ``refine`` names an integer option of finer steps, searched once the size is found (the
     frequent-words padding, whose size steps can add several words at once). ``slack``: tokens a
     prompt may fall short beyond :func:`tolerance` (one haystack unit of a coarse haystack: a line
-    of a needle, 64 tokens; of two UUIDs, 128)."""
+    of a needle, 64 tokens; of two UUIDs, 128). ``haystack``: the haystack RULER's
+    ``scripts/synthetic.yaml`` gives the task, ``noise``, ``essay`` (:func:`essay_words`),
+    ``needle`` (other needles, built in) or ``none`` (the task's text is its haystack)."""
 
     name: str
     generate: Callable[..., Prompt]
@@ -151,6 +168,7 @@ class TaskSpec:
     min_size: int = 0
     refine: str | None = None
     slack: int = 0
+    haystack: str = "noise"
 
     def score(self, prediction: str, answers: Sequence[str]) -> float:
         """The task's score of one prediction, in [0, 1]."""
@@ -165,6 +183,36 @@ class TaskSpec:
 def prose_words(texts: Iterable[str]) -> tuple[str, ...]:
     """The words of a prose corpus (whitespace runs collapsed, as RULER reads its essays)."""
     return tuple(" ".join(texts).split())
+
+
+@functools.lru_cache(maxsize=1)
+def essay_words() -> tuple[str, ...]:
+    """The words of the shipped essay haystack (:data:`ESSAY_FILE`), RULER's essay tasks' default."""
+    return prose_words([ESSAY_FILE.read_text(encoding="utf-8")])
+
+
+def essay_sha256() -> str:
+    """The sha256 of :data:`ESSAY_FILE`'s bytes: what a run's identity records of the essays."""
+    return hashlib.sha256(ESSAY_FILE.read_bytes()).hexdigest()
+
+
+def task_haystack(task: str, haystack=RULER_HAYSTACK):
+    """The haystack :func:`haystack_text` takes for ``task``: with :data:`RULER_HAYSTACK`, RULER's
+    (the shipped essays' words for a task whose :attr:`TaskSpec.haystack` is ``essay``, else the
+    noise); ``"noise"`` for the noise; a list of prose texts for their words (every needle task
+    and ``variable_tracking`` then use them). Tasks with a haystack of their own (needles, lists)
+    ignore it."""
+    if haystack == RULER_HAYSTACK:
+        return essay_words() if TASKS[task].haystack == "essay" else "noise"
+    if haystack == "noise":
+        return haystack
+    if isinstance(haystack, str):
+        raise ValueError(f"haystack {haystack!r}: {RULER_HAYSTACK!r}, 'noise' or a list of prose texts "
+                         "(attngeom.data.corpora.read_texts reads a file)")
+    words = prose_words(haystack)
+    if not words:
+        raise ValueError("the prose haystack has no words")
+    return words
 
 
 def haystack_text(haystack, size: int, needles: Sequence[str], rng: random.Random) -> str:
@@ -281,8 +329,8 @@ def needle_haystack_text(size: int, needles: Sequence[str], rng: random.Random, 
 
 def niah_single(rng, size, haystack, length, *, key_type="words", value_type="numbers") -> Prompt:
     """One needle, one key asked (RULER's ``niah_single_1`` with the noise haystack, ``niah_single_2``
-    with prose): keys are adjective-noun words, values 7-digit numbers by default; ``value_type=
-    "uuids"`` is ``niah_single_3``."""
+    with the essays: the tasks ``niah_single`` and ``niah_single_2``): keys are adjective-noun
+    words, values 7-digit numbers by default; ``value_type="uuids"`` is ``niah_single_3``."""
     return _niah(rng, size, haystack, key_type=key_type, value_type=value_type)
 
 
@@ -293,8 +341,8 @@ def niah_multikey(rng, size, haystack, length, *, num_keys=4, key_type="words", 
 
 
 def niah_single_3(rng, size, haystack, length, *, key_type="words", value_type="uuids") -> Prompt:
-    """RULER's ``niah_single_3``: one needle whose value is a UUID (RULER puts it in an essay: give
-    ``--haystack`` prose; with the noise haystack it is the UUID variant of ``niah_single``)."""
+    """RULER's ``niah_single_3``: one needle whose value is a UUID, in the essays (with the noise
+    haystack it is the UUID variant of ``niah_single``)."""
     return _niah(rng, size, haystack, key_type=key_type, value_type=value_type)
 
 
@@ -482,18 +530,22 @@ def _distinct_coded(rng, n, length) -> list[str]:
 
 TASKS: dict[str, TaskSpec] = {
     "niah_single": TaskSpec("niah_single", niah_single, 128),
-    "niah_multikey": TaskSpec("niah_multikey", niah_multikey, 128),
-    "niah_multivalue": TaskSpec("niah_multivalue", niah_multivalue, 128),
-    "niah_multiquery": TaskSpec("niah_multiquery", niah_multiquery, 128),
-    "niah_single_3": TaskSpec("niah_single_3", niah_single_3, 128),
-    "niah_multikey_2": TaskSpec("niah_multikey_2", niah_multikey_2, 128, slack=64),
-    "niah_multikey_3": TaskSpec("niah_multikey_3", niah_multikey_3, 128, slack=128),
+    "niah_multikey": TaskSpec("niah_multikey", niah_multikey, 128, haystack="essay"),
+    "niah_multivalue": TaskSpec("niah_multivalue", niah_multivalue, 128, haystack="essay"),
+    "niah_multiquery": TaskSpec("niah_multiquery", niah_multiquery, 128, haystack="essay"),
+    "niah_single_2": TaskSpec("niah_single_2", niah_single, 128, haystack="essay"),
+    "niah_single_3": TaskSpec("niah_single_3", niah_single_3, 128, haystack="essay"),
+    "niah_multikey_2": TaskSpec("niah_multikey_2", niah_multikey_2, 128, slack=64, haystack="needle"),
+    "niah_multikey_3": TaskSpec("niah_multikey_3", niah_multikey_3, 128, slack=128, haystack="needle"),
     "variable_tracking": TaskSpec("variable_tracking", variable_tracking, 30),
-    "common_words": TaskSpec("common_words", common_words, 120, min_size=10),
-    "frequent_words": TaskSpec("frequent_words", frequent_words, 50, min_size=100, refine="pad"),
+    "common_words": TaskSpec("common_words", common_words, 120, min_size=10, haystack="none"),
+    "frequent_words": TaskSpec("frequent_words", frequent_words, 50, min_size=100, refine="pad", haystack="none"),
 }
-"""The task families by name. ``max_new_tokens`` is RULER's ``tokens_to_generate`` (niah 128,
-vt 30, cwe 120, fwe 50); all score by ``string_match_all`` (:func:`string_match_all`)."""
+"""The task families by name, each with RULER's haystack (``scripts/synthetic.yaml``: the essays
+for ``niah_single_2``/``_3``, ``niah_multikey`` (RULER's ``niah_multikey_1``), ``niah_multivalue``
+and ``niah_multiquery``; the noise for ``niah_single`` (``niah_single_1``) and
+``variable_tracking``). ``max_new_tokens`` is RULER's ``tokens_to_generate`` (niah 128, vt 30,
+cwe 120, fwe 50); all score by ``string_match_all`` (:func:`string_match_all`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,24 +597,24 @@ def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, option
     return best
 
 
-def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, haystack="noise", first: int = 0,
+def make_examples(tokenizer, task: str, length: int, n: int, seed: int = 0, haystack=RULER_HAYSTACK, first: int = 0,
                   **task_options) -> list[Example]:
     """``n`` examples of ``task`` (a key of :data:`TASKS`), numbered ``first .. first + n - 1``,
     whose prompt (context + question + answer prefix, plain text, BOS included, no chat template)
     has at most ``length`` tokens of ``tokenizer`` and at least ``length - tolerance(length)``
     (less the task's ``slack``: :data:`TASKS`).
 
-    ``haystack`` is ``"noise"`` or a list of prose texts (e.g. ``attngeom.data.corpora.read_texts``;
-    used by the niah tasks and variable_tracking). ``task_options`` go to the task's generator
+    ``haystack`` is :data:`RULER_HAYSTACK` (RULER's: the shipped essays for the essay tasks, the
+    noise for the others), ``"noise"`` or a list of prose texts (e.g.
+    ``attngeom.data.corpora.read_texts``; used by the niah tasks and variable_tracking):
+    :func:`task_haystack`. ``task_options`` go to the task's generator
     (e.g. ``num_keys=8``, ``value_type="uuids"``, ``num_hops=2``). Example ``i`` depends only on
     ``(task, seed, i)``, the options, the haystack and the tokenizer.
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; one of {', '.join(TASKS)}")
     spec = TASKS[task]
-    hay = haystack if haystack == "noise" else prose_words(haystack)
-    if not isinstance(hay, str) and not hay:
-        raise ValueError("the prose haystack has no words")
+    hay = task_haystack(task, haystack)
     out = []
     for index in range(first, first + n):
         (context, question, prefix, answers), tokens = _fit(tokenizer, spec, f"ruler:{task}:{seed}:{index}", length, hay, task_options)

@@ -81,8 +81,9 @@ class KVTaskSettings:
 class KVTaskInputs:
     """How ``attngeom kvtasks`` makes its examples (:mod:`attngeom.kvcache.ruler`): ``tasks``,
     ``length`` tokens per example, ``examples`` per task from example number ``first_example`` on,
-    ``seed``, and the ``haystack`` of the needle tasks (``noise``: RULER's repeated sentences, or a
-    corpus file of real prose). Example ``i`` of a task is the same whatever the other numbers, so
+    ``seed``, and the ``haystack`` of the needle tasks (``ruler``: RULER's own for each task, the
+    shipped essays or the noise, :func:`attngeom.kvcache.ruler.task_haystack`; ``noise``: RULER's
+    repeated sentences for every task; or a corpus file of real prose). Example ``i`` of a task is the same whatever the other numbers, so
     runs of ``first_example = 0, 10, 20, ...`` add up to one larger sample
     (``tools/kvtasks_merge.py``)."""
 
@@ -92,4 +93,4 @@ class KVTaskInputs:
     examples: int = 50
     first_example: int = 0
     seed: int = 0
-    haystack: str = "noise"
+    haystack: str = "ruler"
