@@ -264,6 +264,8 @@ def main(argv=None) -> int:
         named = df["model"].dropna()
         model = str(named.iloc[0]) if len(named) else model
         df["model"] = df["model"].fillna(model)
+    from attngeom.kvcache import averages
+
     summary, pairs = tasks.summarize(df), tasks.paired(df)
     per_task = df.groupby("task")["example"].nunique()
     doc = {"command": "kvtasks", "model": model, "examples": int(per_task.sum()),
@@ -271,8 +273,8 @@ def main(argv=None) -> int:
            "tasks": sorted(df["task"].unique()), "length": first["length"], "mode": first["mode"],
            "chat_template": bool(df["chat"].any()), "policies": list(first["policies"]), "ratios": list(first["ratios"]),
            "best_baselines": {str(k): v for k, v in tasks.best_baselines(summary).items()},
-           "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs), "settings": first,
-           "merged": merged}
+           "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs),
+           "ruler_average": averages.record(summary), "settings": first, "merged": merged}
 
     def write(staging: Path) -> list[str]:
         for name, t in (("answers", df), ("summary", summary), ("pairs", pairs)):

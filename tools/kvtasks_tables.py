@@ -2,7 +2,10 @@
 """Markdown tables of an ``attngeom kvtasks`` run (its ``summary.json`` and ``pairs.parquet``): the
 accuracy of every policy at every compression ratio over all tasks with 95 % intervals, each
 geometry policy against the best baseline at each ratio (paired difference, interval, verdict),
-and the accuracy per task (the tables of docs/kvcache.md).
+the accuracy per task, the tasks whose full-cache accuracy is below the floor (marked †) and
+RULER's average as kvpress computes it with and without them (:mod:`attngeom.kvcache.averages`,
+computed from the summary's rows, so a run written before the field existed has it too): the
+tables of docs/kvcache.md.
 
     python tools/kvtasks_tables.py docs/kvtasks-runs/smollm2-135m-2k-question-agnostic
     python tools/kvtasks_tables.py --readme RUN       # the README's short table
@@ -123,15 +126,67 @@ def verdict_table(s: dict) -> str:
     return "\n".join(out)
 
 
+def floor_record(s: dict) -> dict:
+    """:func:`attngeom.kvcache.averages.from_results` of the run's rows: the floor, the tasks below
+    it, kvpress's average with and without them."""
+    from attngeom.kvcache.averages import from_results
+
+    return from_results(s["results"])
+
+
 def task_table(s: dict, ratio: float) -> str:
-    """Tasks (columns) by policy (rows) at one ratio: accuracy in %, the full cache's first."""
+    """Tasks (columns) by policy (rows) at one ratio: accuracy in %, the full cache's first; a task
+    whose full-cache accuracy is below the floor is marked †."""
     tasks = list(s["tasks"]) + (["all"] if len(s["tasks"]) > 1 else [])
+    below = set(floor_record(s)["below_floor"])
     by = {(r["task"], r["policy"], r["ratio"]): r for r in s["results"]}
-    out = ["| policy | " + " | ".join(t.replace("_", " ") for t in tasks) + " |", "|---|" + "---:|" * len(tasks)]
+    out = ["| policy | " + " | ".join(t.replace("_", " ") + ("†" if t in below else "") for t in tasks) + " |",
+           "|---|" + "---:|" * len(tasks)]
     for p, r in [("full", 0.0)] + [(p, ratio) for p in s["policies"]]:
         cells = [pct(by[(t, p, r)]["accuracy"]) if (t, p, r) in by else "—" for t in tasks]
         out.append(f"| {'full cache' if p == 'full' else p} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def floor_said(s: dict) -> str:
+    """The sentence naming the tasks below the floor, or saying there are none."""
+    from attngeom.kvcache.averages import said
+
+    rec = floor_record(s)
+    floor = f"{100 * rec['floor']:g} %"
+    if not rec["below_floor"]:
+        return f"No task's full-cache accuracy is below the floor ({floor})."
+    return (f"† Tasks whose full-cache accuracy is below the floor ({floor}), which cannot tell policies apart: "
+            f"{said(rec)}.")
+
+
+def average_table(s: dict) -> str:
+    """Policies (rows) by ratio (columns): RULER's average as kvpress computes it (each task's
+    accuracy × 100 rounded to two decimals, then their mean), over every task / over the tasks at or
+    above the floor (— when none is)."""
+    rec = floor_record(s)
+    rows = {(r["policy"], r["ratio"]): r for r in rec["averages"]}
+    ratios = sorted({r["ratio"] for r in rec["averages"] if r["policy"] != "full"})
+
+    def cell(r):
+        kept = "—" if r["average_discriminating"] is None else f"{r['average_discriminating']:.2f}"
+        return f"{r['average']:.2f} / {kept}"
+
+    out = ["| policy | " + " | ".join(f"ratio {r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
+    if ("full", 0.0) in rows:
+        out.append("| full cache | " + " | ".join([cell(rows[("full", 0.0)])] * len(ratios)) + " |")
+    for p in s["policies"]:
+        out.append(f"| {p} | " + " | ".join(cell(rows[(p, r)]) if (p, r) in rows else "—" for r in ratios) + " |")
+    return "\n".join(out)
+
+
+def average_heading(s: dict) -> str:
+    rec = floor_record(s)
+    n = len(rec["full_accuracy"])
+    kept = n - len(rec["below_floor"])
+    return ("RULER's average as kvpress computes it (each task's accuracy × 100 rounded to two decimals, then "
+            f"their mean, each task weighing the same), over all {n} task{'s' if n > 1 else ''} / over the "
+            f"{kept} at or above the floor:")
 
 
 def readme_table(s: dict, pairs: list[dict]) -> str:
@@ -244,7 +299,12 @@ def tables(a) -> int:
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
                 f"({tasks_said(s)}), {'chat template' if s.get('chat_template') else 'no chat template'}")
         if a.readme:
-            print(f"{head}\n\n{readme_table(s, pairs)}\n")
+            full = next((r for r in floor_record(s)["averages"] if r["policy"] == "full"), None)
+            kvpress = "" if full is None else (
+                f" kvpress's RULER average of the full cache: {full['average']:.2f} over all tasks, "
+                + ("—" if full["average_discriminating"] is None else f"{full['average_discriminating']:.2f}")
+                + " over the tasks at or above the floor.")
+            print(f"{head}\n\n{readme_table(s, pairs)}\n\n{floor_said(s)}{kvpress}\n")
             continue
         print(f"### {head}\n\nAccuracy (%) over all tasks, 95 % intervals over examples "
               "(geometry policies in bold; the best baseline at each ratio in italics):\n")
@@ -253,6 +313,8 @@ def tables(a) -> int:
         print(verdict_table(s) + "\n")
         for ratio in sorted({r["ratio"] for r in s["results"] if r["ratio"] > 0}):
             print(f"Accuracy (%) per task at ratio {ratio:g}:\n\n{task_table(s, ratio)}\n")
+        print(f"{floor_said(s)}\n")
+        print(f"{average_heading(s)}\n\n{average_table(s)}\n")
     return 0
 
 

@@ -30,3 +30,43 @@ def test_average_is_kvpress_mean_of_rounded_task_scores_with_and_without_the_flo
     assert math.isclose(avg.loc["full", "average"], (90 + 5 + 50) / 3)
     none = ruler_average(_summary(), floor=0.95).set_index("policy")
     assert math.isnan(none.loc["snapkv", "average_discriminating"]) and none.loc["snapkv", "discriminating_tasks"] == 0
+
+
+def test_record_is_what_summary_json_keeps_and_reads_the_same_from_its_rows():
+    from attngeom.kvcache.averages import from_results, record, said
+
+    rec = record(_summary(), floor=0.10)
+    assert rec["floor"] == 0.10 and rec["below_floor"] == ["b"] and rec["full_accuracy"] == {"a": 0.9, "b": 0.05, "c": 0.5}
+    by = {(r["policy"], r["ratio"]): r for r in rec["averages"]}
+    assert math.isclose(by[("snapkv", 0.5)]["average_discriminating"], (80.12 + 25) / 2)
+    assert from_results(_summary().to_dict(orient="records"), floor=0.10) == rec      # a summary.json's rows
+    assert said(rec) == "b (5.0 %)"
+    none = record(_summary(), floor=0.95)
+    assert all(r["average_discriminating"] is None for r in none["averages"])             # JSON null, not NaN
+    assert said(record(_summary(), floor=0.01)) == "none"
+
+
+def test_the_tables_and_the_report_mark_the_floor_and_give_both_averages():
+    """tools/kvtasks_tables.py marks a task below the floor with † in the per-task tables and prints
+    kvpress's average over all tasks / without it; the command's report says the same lines."""
+    from pathlib import Path
+
+    from checks import load_script
+
+    from attngeom.kvcache.averages import record
+    from attngeom.kvcache.experiment import task_headline
+
+    tables = load_script(Path(__file__).resolve().parents[2] / "tools" / "kvtasks_tables.py")
+    rows = _summary().assign(low=None, high=None).to_dict(orient="records")
+    s = {"tasks": ["a", "b", "c"], "policies": ["snapkv"], "results": rows}
+    assert tables.task_table(s, 0.5).splitlines()[0] == "| policy | a | b† | c | all |"
+    assert tables.floor_said(s).endswith("cannot tell policies apart: b (5.0 %).")
+    avg = tables.average_table(s).splitlines()
+    assert avg[2] == "| full cache | 48.33 / 70.00 |"                        # (90 + 5 + 50) / 3; (90 + 50) / 2
+    assert avg[3] == "| snapkv | 35.04 / 52.56 |"
+    assert "over all 3 tasks / over the 2 at or above the floor" in tables.average_heading(s)
+    summary = {"examples": 12, "tasks": ["a", "b", "c"], "mode": "question-agnostic", "chat_template": False,
+               "results": rows, "verdicts": [], "ruler_average": record(_summary())}
+    lines = dict(task_headline(summary))
+    assert lines["tasks below the floor (full-cache accuracy under 10 %: they cannot tell policies apart)"] == "b (5.0 %)"
+    assert lines["RULER average as kvpress computes it, snapkv at ratio 0.5"] == "35.04 over 3 tasks; 52.56 over the 2 at or above the floor"

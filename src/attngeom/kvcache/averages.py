@@ -52,3 +52,27 @@ def ruler_average(summary: pd.DataFrame, floor: float = FLOOR) -> pd.DataFrame:
                     "average_discriminating": float(kept.mean()) if len(kept) else float("nan"),
                     "tasks": int(len(scores)), "discriminating_tasks": int(len(kept))})
     return pd.DataFrame(out)
+
+
+def record(summary: pd.DataFrame, floor: float = FLOOR) -> dict:
+    """What a kvtasks ``summary.json`` records of the floor and the averages (``ruler_average``):
+    the ``floor``, each task's ``full_accuracy``, the tasks ``below_floor``, and ``averages``, the
+    rows of :func:`ruler_average` (NaN as ``None``). The tables and the report read them from here."""
+    table = floor_table(summary, floor)
+    rows = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()}
+            for r in ruler_average(summary, floor).to_dict(orient="records")]
+    return {"floor": floor, "full_accuracy": {str(t): float(a) for t, a in zip(table["task"], table["full_accuracy"])},
+            "below_floor": [str(t) for t, keep in zip(table["task"], table["discriminates"]) if not keep],
+            "averages": rows}
+
+
+def from_results(results: list[dict], floor: float = FLOOR) -> dict:
+    """:func:`record` of a ``summary.json``'s ``results`` rows (a run written before the field existed
+    has them too)."""
+    return record(pd.DataFrame(results, columns=["task", "policy", "ratio", "accuracy"]), floor)
+
+
+def said(rec: dict) -> str:
+    """The tasks below the floor in words: ``"common_words (1.3 %), variable_tracking (8.7 %)"`` or ``"none"``."""
+    return ", ".join(f"{t} ({100 * rec['full_accuracy'][t]:.1f} %)" for t in rec["below_floor"]) or "none"
+

@@ -130,8 +130,11 @@ def task_run_summary(result: ExperimentResult, examples: Sequence, *, model: str
                      identity: dict) -> dict:
     """``summary.json`` of ``attngeom kvtasks`` from :func:`attngeom.kvcache.tasks.experiment`'s
     ``result`` on ``examples``: the tasks, the mode, whether the chat template applied, the policies
-    and ratios, the best baseline per ratio, ``results`` and ``verdicts``, and the run's
-    ``identity``. :func:`task_headline` reads the report's numbers from it."""
+    and ratios, the best baseline per ratio, ``results`` and ``verdicts``, ``ruler_average``
+    (:func:`attngeom.kvcache.averages.record`: the tasks whose full-cache accuracy is below the
+    floor, kvpress's RULER average with and without them), and the run's ``identity``.
+    :func:`task_headline` reads the report's numbers from it."""
+    from attngeom.kvcache import averages
     from attngeom.kvcache.tasks import best_baselines
 
     s = result.settings
@@ -140,7 +143,7 @@ def task_run_summary(result: ExperimentResult, examples: Sequence, *, model: str
             "chat_template": bool(result.tables["answers"]["chat"].any()), "policies": list(s["policies"]),
             "ratios": list(s["ratios"]),
             "best_baselines": {str(k): v for k, v in best_baselines(result.tables["summary"]).items()},
-            **result.summary, "settings": identity}
+            **result.summary, "ruler_average": averages.record(result.tables["summary"]), "settings": identity}
 
 
 def task_headline(summary: dict) -> list[tuple[str, str]]:
@@ -164,4 +167,15 @@ def task_headline(summary: dict) -> list[tuple[str, str]]:
     for v in summary["verdicts"]:
         out.append((f"{v['policy']} vs {v['baseline']} (best baseline) at ratio {f(v['ratio'])}",
                     f"{f(v['delta'], True)}: {v['verdict']}"))
+    from attngeom.kvcache.averages import said
+
+    rec = summary["ruler_average"]
+    out.append((f"tasks below the floor (full-cache accuracy under {100 * rec['floor']:g} %: they cannot "
+                "tell policies apart)", said(rec)))
+    for r in rec["averages"]:
+        what = "full cache" if r["policy"] == "full" else f"{r['policy']} at ratio {f(r['ratio'])}"
+        kept = "—" if r["average_discriminating"] is None else f"{r['average_discriminating']:.2f}"
+        out.append((f"RULER average as kvpress computes it, {what}",
+                    f"{r['average']:.2f} over {r['tasks']} tasks; {kept} over the {r['discriminating_tasks']} "
+                    "at or above the floor"))
     return out
