@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Peak memory of ``analyze`` at long inputs: the fused route, the block path and the SDPA forward
+side by side (issue 49, "long inputs": memory above the forward's must grow as O(T·H), not T²).
+
+Every measurement is one fresh process of ``benchmarks/bench_analyze.py --worker`` (the bundled
+SmolLM2-135M-Instruct, its 4-bit Q4_1 weights dequantised to float32, on the CPU, one torch thread,
+the model cut to ``--layers`` decoder layers as that benchmark's long runs do; ``forward`` is called
+directly, so lengths past the model's 8,192 trained positions run, for memory only, as there). The
+worker loads the model, runs a short warm-up, resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``) and reads the peak resident set (``VmHWM``) after the measured call:
+``added`` below is that peak less the process's RSS before the call (weights, warm-up and the
+interpreter excluded), ``above forward`` the method's ``added`` less the SDPA forward's at the same
+T. The methods:
+
+``sdpa``           a plain forward (``attn_implementation="sdpa"``), logits of the last position only;
+``analyze_fused``  HeadStats + TokenStats with every field, ``Session(route="fused")`` (SPEC §10);
+``analyze_block``  the same on the block path (``route="block"``, the CPU's ``auto``).
+
+The growth of ``above forward`` is fitted as ``c·T^p`` (least squares on the logs, sizes whose
+figure is at least 1 MiB): ``p`` near 1 is O(T·H) (H fixed), near 2 is T². The fused route's time at
+the longest size, scaled by (T'/T)² (its kernels are quadratic in compute), estimates a run at
+``--estimate`` tokens; that size is run only with ``--run-estimate`` and when the estimate is under
+``--max-minutes``.
+
+Usage::
+
+    python benchmarks/bench_memory.py                          # 4k, 8k, 16k, 32k; 1 layer
+    python benchmarks/bench_memory.py --sizes 1024,2048 --layers 1   # a quick check
+    python benchmarks/bench_memory.py --json out/memory.json --run-estimate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_analyze  # noqa: E402  (the worker and its process-per-measurement driver)
+
+METHODS = ("sdpa", "analyze_fused", "analyze_block")
+MiB = 1024**2
+
+
+def added(res: dict) -> int:
+    """What the measured call added to the process: peak RSS less the RSS before it."""
+    return max(0, res["peak_bytes"] - res["base_bytes"])
+
+
+def fit_power(points: list[tuple[int, float]]) -> float | None:
+    """``p`` of ``y = c·T^p`` by least squares on ``log y`` against ``log T`` (points with ``y`` of
+    at least 1 MiB; None with fewer than two)."""
+    pts = [(math.log(T), math.log(y)) for T, y in points if y >= MiB]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="4096,8192,16384,32768", help="input lengths (comma-separated)")
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers kept (default 1)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    ap.add_argument("--estimate", type=int, default=131072, help="the length whose fused run time is estimated")
+    ap.add_argument("--run-estimate", action="store_true", help="also run that length when the estimate allows")
+    ap.add_argument("--max-minutes", type=float, default=10.0, help="longest estimated run that --run-estimate starts")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
+    ap.add_argument("--json", help="write every measurement here")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not sizes or min(sizes) < 16 or "sdpa" not in methods:
+        print(f"--methods must include sdpa and be among {', '.join(METHODS)}, --sizes at least 16 tokens",
+              file=sys.stderr)
+        return 2
+    print(f"# {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f} at start; "
+          f"SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to float32), {args.layers} layer(s), "
+          f"1 thread, a fresh process per measurement", flush=True)
+
+    rows: list[dict] = []
+
+    def run(T: int) -> dict:
+        got = {}
+        for m in methods:
+            try:
+                res = bench_analyze.measure(m, T, layers=args.layers, timeout=args.timeout)
+            except Exception as e:          # one failure (memory, timeout) ends nothing else
+                print(f"  T={T} {m}: failed ({str(e).splitlines()[0]})", flush=True)
+                continue
+            got[m] = res
+            rows.append(dict(res, added_bytes=added(res)))
+            print(f"  T={T:6d} {m:14s} {res['seconds']:8.1f} s  added {added(res) / MiB:9.1f} MiB  "
+                  f"peak {res['peak_bytes'] / MiB:8.1f} MiB  routes {res.get('routes_taken', '-')}", flush=True)
+        return got
+
+    table = {T: run(T) for T in sizes}
+
+    print("\nMemory each call added (peak RSS less the RSS before it), MiB; above = less the SDPA forward's")
+    head = f"{'T':>7} {'sdpa':>9}" + "".join(f" {m:>14} {'above':>9} {'x fwd':>6}" for m in methods if m != "sdpa")
+    print(head)
+    above: dict[str, list[tuple[int, float]]] = {m: [] for m in methods if m != "sdpa"}
+    for T, got in table.items():
+        if "sdpa" not in got:
+            continue
+        f = added(got["sdpa"])
+        line = f"{T:>7} {f / MiB:>9.1f}"
+        for m in above:
+            if m in got:
+                a = added(got[m])
+                above[m].append((T, a - f))
+                line += f" {a / MiB:>14.1f} {(a - f) / MiB:>9.1f} {a / max(f, 1):>6.2f}"
+            else:
+                line += f" {'-':>14} {'-':>9} {'-':>6}"
+        print(line)
+    print("\nGrowth of the memory above the forward's, fitted as c*T^p (p ~ 1: O(T*H); p ~ 2: T^2):")
+    for m, pts in above.items():
+        p = fit_power(pts)
+        per = [f"{y / (T * 9):.0f}" for T, y in pts if y > 0]
+        print(f"  {m:14s} p = {'n/a' if p is None else f'{p:.2f}'}; bytes per token and head "
+              f"(9 heads): {', '.join(per) or '-'}")
+
+    fused = [(T, got["analyze_fused"]["seconds"]) for T, got in table.items() if "analyze_fused" in got]
+    if fused:
+        T0, s0 = fused[-1]
+        est = s0 * (args.estimate / T0) ** 2
+        print(f"\nEstimated fused run at T={args.estimate}: {est / 60:.1f} min ({s0:.0f} s at T={T0} times "
+              f"({args.estimate}/{T0})^2, {args.layers} layer(s)); ", end="")
+        if args.run_estimate and est <= args.max_minutes * 60:
+            print("running it")
+            run(args.estimate)
+        else:
+            print("not run" + ("" if args.run_estimate else " (--run-estimate not given)")
+                  + (f" (over --max-minutes {args.max_minutes:g})" if est > args.max_minutes * 60 else ""))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
