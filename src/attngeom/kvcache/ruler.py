@@ -52,7 +52,7 @@ shipped essays (:func:`essay_words`) for the essay tasks, the noise for the othe
 
 ESSAY_FILE = Path(__file__).with_name("data") / "prose.txt"
 """The essay haystack shipped with the package: 300 kB of *The Debian Administrator's Handbook*
-(Raphaël Hertzog and Roland Mas; CC BY-SA 3.0, see ``data/LICENSE`` beside it), about 62,000
+(Raphaël Hertzog and Roland Mas; CC BY-SA 3.0, see ``data/LICENSE`` beside it), about 64,000
 SmolLM2 tokens (a longer haystack repeats it, as RULER repeats its essays)."""
 
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))
