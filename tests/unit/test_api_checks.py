@@ -81,3 +81,23 @@ def test_token_ids_beyond_the_embedding_are_an_input_error():
     with pytest.raises(InputError, match=r"outside the model's vocabulary \(0\.\.39\)"):
         attngeom.analyze(small, "xyz~", generate=2)     # a prompt
     assert len(attngeom.analyze(small, [1, 5, 39])) == 3
+
+
+@pytest.mark.parametrize("ids, said", [([1, True, 5], "True"), ([1, 2.7, 5], "2.7"), ([1, "5"], "'5'"),
+                                       (np.array([1.0, 5.0]), r"(np\.float64\()?1\.0")])
+def test_token_ids_that_are_not_whole_numbers_are_an_input_error(tiny_llama, ids, said):
+    """``True``, ``2.7`` or ``"5"`` is no token id (``int()`` made them 1, 2 and 5 before): one line
+    naming it, before any forward pass; numpy and torch integers are ids."""
+    import torch
+
+    import attngeom
+    from attngeom.streaming.passes import check_ids, to_ids
+
+    with pytest.raises(InputError, match=f"a token id must be a whole number, not {said}"):
+        attngeom.analyze(tiny_llama, ids)
+    with pytest.raises(InputError, match="a token id must be a whole number, not 2.7"):
+        to_ids(tiny_llama, torch.tensor([2.7, 1.0]))
+    with pytest.raises(InputError, match="a text or a sequence of token ids, not int"):
+        to_ids(tiny_llama, 5)
+    assert check_ids(tiny_llama, np.array([1, 5])) == [1, 5] == to_ids(tiny_llama, torch.tensor([[1, 5]]))
+    assert all(type(x) is int for x in check_ids(tiny_llama, np.array([1, 5])))

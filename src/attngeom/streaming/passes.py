@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from attngeom.model.arguments import takes_handle
+from attngeom.model.arguments import takes_handle, whole_number
 from attngeom.capture.blocks import Intervention
 from attngeom.capture.session import attngeom_attention_implementation, Session
 from attngeom.errors import InputError
@@ -35,7 +35,10 @@ def to_ids(handle: ModelHandleLike, item) -> list[int]:
         return check_ids(handle, handle.encode(item))
     if isinstance(item, torch.Tensor):
         item = item.reshape(-1).tolist()
-    ids = [int(x) for x in item]
+    try:
+        ids = list(item)
+    except TypeError:
+        raise InputError(f"an input is a text or a sequence of token ids, not {type(item).__name__}") from None
     if not ids:
         raise InputError("empty input: no tokens to analyse")
     return check_ids(handle, ids)
@@ -51,9 +54,10 @@ def vocabulary_size(handle: ModelHandleLike) -> int:
 
 
 def check_ids(handle: ModelHandleLike, ids: Sequence[int]) -> list[int]:
-    """``ids`` as a list, or an :class:`InputError` naming the first id the model has no embedding for
-    (the embedding would raise a bare IndexError)."""
-    ids = [int(x) for x in ids]
+    """``ids`` as a list of ints, or an :class:`InputError` naming the first id that is not a whole
+    number (:func:`~attngeom.model.arguments.whole_number`: ``True`` or ``2.7`` is no token id) or
+    that the model has no embedding for (the embedding would raise a bare IndexError)."""
+    ids = [whole_number(x, "a token id") for x in ids]
     vocab = vocabulary_size(handle)
     bad = [x for x in ids if not 0 <= x < vocab]
     if bad:
