@@ -154,7 +154,7 @@ def _sinks_selection_heads(handle, windows):
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_device_sinks_selection_and_heads_match_the_cpu(arch, test_device):
     """The sink statistics and removal, the selection geometry, the head taxonomy and the heads'
-    weight norms computed on ``test_device`` (float32) equal the CPU's (gpu_check.sh runs this on cuda; tests/unit/
+    weight norms computed on ``test_device`` (float32) equal the CPU's (gpu_check.sh runs this on cuda; tests/device/
     test_fake_device.py checks their devices without a GPU). Gemma 2's sliding window of 8 makes
     the selection read its candidates through the mask; the sink leaves the window."""
     handle = tiny_model(arch)
