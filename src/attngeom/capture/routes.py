@@ -244,7 +244,10 @@ class FusedLayer:
         # input, or any other mask, is handed to the kernels as that float mask (ATen's fused
         # kernels take no window): quadratic in T, docs/benchmark-analyze.md "Long inputs".
         T = q.shape[2]
-        causal = mask is None or ((window is None or window >= T) and describes(mask, None, self.lengths))
+        no_window = window is None or window >= T
+        causal = mask is None or (no_window and describes(mask, None, self.lengths))
+        if no_window:                   # the same check as the winner's and PᵀF's: done once
+            self.__dict__["_masks_described"] = causal
         self.mask = None if causal else additive_mask(mask, self.kernel_dtype)
         self.sinks = None if sinks is None else sinks.to(dtype)
         self.G, self.G_full = G.to(dtype), G_full.to(dtype)
