@@ -75,9 +75,9 @@ that builds the summary (``module:function``), so that the summary's fields have
 
 def headline(command: str, summary: dict) -> list[tuple[str, str]]:
     """The headline rows ``(measure, value)`` of ``command``'s report from its ``summary``. Fails
-    loudly, never a silent "(no results)": a command without a headline (:class:`KeyError`), a
+    loudly, never a silent "(no results)": a command without a headline (``KeyError``), a
     summary without a field its headline reads (the error of the lookup) or a headline with no row
-    (:class:`ValueError`)."""
+    (``ValueError``)."""
     import importlib
 
     if command not in HEADLINES:
