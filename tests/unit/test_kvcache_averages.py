@@ -70,3 +70,10 @@ def test_the_tables_and_the_report_mark_the_floor_and_give_both_averages():
     lines = dict(task_headline(summary))
     assert lines["tasks below the floor (full-cache accuracy under 10 %: they cannot tell policies apart)"] == "b (5.0 %)"
     assert lines["RULER average as kvpress computes it, snapkv at ratio 0.5"] == "35.04 over 3 tasks; 52.56 over the 2 at or above the floor"
+
+
+def test_the_figure_names_the_tasks_below_the_floor():
+    from attngeom.reports.kvtasks import below_floor
+
+    assert below_floor(_summary(), 0.10, floor_table) == "Below the floor (full cache < 10 %), counted in all tasks: b."
+    assert below_floor(_summary(), 0.01, floor_table) == "No task below the floor (full cache < 1 %)."

@@ -6,7 +6,9 @@
   each ratio drawn again in black for reference); 95 % bootstrap intervals over examples (none
   below 10 examples); the full cache's accuracy as a dashed line in both. Every policy of a panel
   has its own colour and marker; the legends sit below the panels, off the data; the title names
-  the model, the context length, the mode and the number of examples (from ``summary.json``).
+  the model, the context length, the mode and the number of examples (from ``summary.json``), and
+  the tasks whose full-cache accuracy is below the floor (:mod:`attngeom.kvcache.averages`), which
+  the accuracy over all tasks counts.
 
 Rerun on an existing directory with ``python -m attngeom.reports.kvtasks DIR [FORMAT]``.
 """
@@ -62,6 +64,7 @@ def context(out_dir) -> str:
 
 def fig_accuracy(summary: pd.DataFrame, path: Path, run: str = "") -> Path:
     """The accuracy figure; ``run`` (model, length, mode: :func:`context`) heads its title."""
+    from attngeom.kvcache.averages import FLOOR, floor_table
     from attngeom.kvcache.policies import get_policy
     from attngeom.kvcache.tasks import best_baselines, overall
 
@@ -90,7 +93,8 @@ def fig_accuracy(summary: pd.DataFrame, path: Path, run: str = "") -> Path:
     n = int(s["examples"].max()) if len(s) else 0
     fig.suptitle((f"{run}: " if run else "") + f"{sample_note(n, 'examples')}; "
                  + ("95 % bootstrap intervals over examples" if not s["low"].isna().all() else "no intervals")
-                 + ".\nCompression ratio: share of the cache removed after the prefill.", fontsize=7)
+                 + ".\nCompression ratio: share of the cache removed after the prefill.\n" + below_floor(summary, FLOOR, floor_table),
+                 fontsize=7)
     bottom = legend_in / fig.get_figheight()
     fig.tight_layout(rect=(0, bottom, 1, 1))
     for ax in axes:                                          # each panel's legend in the strip below it, off the data
@@ -98,6 +102,14 @@ def fig_accuracy(summary: pd.DataFrame, path: Path, run: str = "") -> Path:
         ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=((box.x0 + box.x1) / 2, bottom),
                   bbox_transform=fig.transFigure, frameon=False)
     return save_figure(fig, path, layout=False)
+
+
+def below_floor(summary: pd.DataFrame, floor: float, floor_table) -> str:
+    """The figure's words on the tasks whose full-cache accuracy is below ``floor``."""
+    table = floor_table(summary, floor)
+    below = table.loc[~table["discriminates"], "task"].tolist()
+    return (f"Below the floor (full cache < {100 * floor:g} %), counted in all tasks: {', '.join(below)}." if below
+            else f"No task below the floor (full cache < {100 * floor:g} %).")
 
 
 def render(out_dir, fmt: str = "png") -> list[Path]:
