@@ -145,16 +145,17 @@ def transpose(q: torch.Tensor, k: torch.Tensor, saved: tuple, F: torch.Tensor, s
     :func:`attend` of the same ``q``, ``k`` and ``mask``."""
     width = _width(q, F)
     q, k, Fp = _pad_last(q, width), _pad_last(k, width), _pad_last(F, width).contiguous()
-    zeros = torch.zeros_like(Fp)
+    zeros = torch.zeros_like(Fp)                                                    # the output
+    values = zeros if k.shape[2] == q.shape[2] else Fp.new_zeros(*k.shape[:-1], width)
     causal = mask is None
     if q.device.type == "cpu":
         dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            Fp, q, k, zeros, zeros, saved[0], 0.0, causal, attn_mask=mask, scale=scale)[2]
+            Fp, q, k, values, zeros, saved[0], 0.0, causal, attn_mask=mask, scale=scale)[2]
     else:
         bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1)
         lse_p, seed, offset = saved
         dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            Fp, q, k, zeros, bias, zeros, lse_p, seed, offset, 0.0, [False, False, True, False], causal,
+            Fp, q, k, values, bias, zeros, lse_p, seed, offset, 0.0, [False, False, True, False], causal,
             scale=scale)[2]
     return dv[..., :F.shape[-1]]
 
@@ -241,14 +242,20 @@ class FusedLayer:
         # the kernels' own causal flag where the mask is causal with right padding (a padded query
         # then sees padded sources too: its weight in every statistic is 0 and no real query sees
         # it): no [B, 1, T, T] float mask, 4x the boolean one. A sliding window shorter than the
-        # input, or any other mask, is handed to the kernels as that float mask (ATen's fused
-        # kernels take no window): quadratic in T, docs/benchmark-analyze.md "Long inputs".
+        # input (with right padding): the kernels run per band of ``window`` queries and the sources
+        # they can see (:attr:`bands`), each with its own small float mask. Any other mask is handed
+        # to the kernels whole as that float mask (ATen's fused kernels take no window or boolean
+        # mask): quadratic in T, docs/benchmark-analyze.md "Long inputs".
         T = q.shape[2]
         no_window = window is None or window >= T
         causal = mask is None or (no_window and describes(mask, None, self.lengths))
         if no_window:                   # the same check as the winner's and PᵀF's: done once
             self.__dict__["_masks_described"] = causal
-        self.mask = None if causal else additive_mask(mask, self.kernel_dtype)
+        self.bands: list[tuple[int, int, int]] | None = None
+        if not causal and not no_window and self._masks_described:
+            step = max(window, T // 256)
+            self.bands = [(i0, min(T, i0 + step), max(0, i0 - window + 1)) for i0 in range(0, T, step)]
+        self.mask = None if causal or self.bands else additive_mask(mask, self.kernel_dtype)
         self.sinks = None if sinks is None else sinks.to(dtype)
         self.G, self.G_full = G.to(dtype), G_full.to(dtype)
 
@@ -315,7 +322,14 @@ class FusedLayer:
         """``(u, Σ_j a_ij k_j, lse, saved)`` of the real tokens' softmax (without the learned sink),
         one fused call with ``[v | k]`` as values."""
         kv = self.kv.repeat_interleave(self.n_rep, dim=1) if self.n_rep > 1 else self.kv
-        out, lse, saved = attend(self.kq, self.kk, torch.cat([kv, self.kk], dim=-1), self.scale, self.mask)
+        x = torch.cat([kv, self.kk], dim=-1)
+        if self.bands is None:
+            out, lse, saved = attend(self.kq, self.kk, x, self.scale, self.mask)
+        else:                           # queries i0:i1 see sources k0:i1 only (a sliding window)
+            parts = [attend(self.kq[:, :, i0:i1], self.kk[:, :, k0:i1], x[:, :, k0:i1], self.scale,
+                            self._band_mask(i0, i1, k0)) for i0, i1, k0 in self.bands]
+            out, lse = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+            saved = [p[2] for p in parts]
         out, dv = out.to(self.dtype), kv.shape[-1]
         return out[..., :dv], out[..., dv:], lse, saved
 
@@ -449,7 +463,17 @@ class FusedLayer:
             return fused_winner.values_gradient(
                 self.kq, self.kk, self._forward[2], F, scale=self.scale, causal=True,
                 window=self.window if masked else None, lengths=self.lengths if masked else None).to(self.dtype)
-        return transpose(self.kq, self.kk, self._forward[3], F, self.scale, self.mask).to(self.dtype)
+        if self.bands is None:
+            return transpose(self.kq, self.kk, self._forward[3], F, self.scale, self.mask).to(self.dtype)
+        out = torch.zeros(*F.shape, dtype=self.dtype, device=F.device)
+        for (i0, i1, k0), saved in zip(self.bands, self._forward[3]):
+            out[:, :, k0:i1] += transpose(self.kq[:, :, i0:i1], self.kk[:, :, k0:i1], saved, F[:, :, i0:i1],
+                                          self.scale, self._band_mask(i0, i1, k0)).to(self.dtype)
+        return out
+
+    def _band_mask(self, i0: int, i1: int, k0: int) -> torch.Tensor:
+        """The float mask of queries ``i0:i1`` over sources ``k0:i1`` (:attr:`bands`)."""
+        return additive_mask(self.allowed[:, :, i0:i1, k0:i1], self.kernel_dtype)
 
     def seen_by(self, w: torch.Tensor) -> torch.Tensor:
         """``Σ_i w_i [query i sees source j]``: ``[B, T]``."""
