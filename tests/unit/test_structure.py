@@ -159,18 +159,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-PENDING_CYCLES = [
-    ["attngeom.kvcache.examples", "attngeom.kvcache.ruler", "attngeom.kvcache.tasks"],
-]
-"""The cycles left in kvcache/ while its restructuring (issues 48 and 52) is under way in parallel:
-imports inside functions between the examples' check, the RULER tasks and the tasks experiment.
-Nothing may be added here; kvcache/ empties it."""
 
 
 def test_no_module_is_in_an_import_cycle():
     """No two modules of attngeom import each other, directly or through others (every import
     statement counted, those inside functions too: :func:`_import_graph`)."""
-    assert [c for c in _cycles(_import_graph()) if c not in PENDING_CYCLES] == []
+    assert _cycles(_import_graph()) == []
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -75,7 +75,7 @@ def _names(spec: str, what: str) -> list[str]:
 
 def run(args) -> int:
     from attngeom.data.corpora import parse_float_list
-    from attngeom.kvcache import examples as checks, ruler, tasks
+    from attngeom.kvcache import ruler, tasks
 
     common.figure_format(args)
     common.check_at_least(args, length=64, examples=1, first_example=0)
@@ -108,11 +108,11 @@ def run(args) -> int:
         handle = common.load(args)
         if given is not None:
             examples = given
-            length = max(checks.prompt_tokens(handle.tokenizer, e) for e in examples)    # in this model's tokens
+            length = max(tasks.prompt_tokens(handle.tokenizer, e) for e in examples)    # in this model's tokens
         else:
-            checks.check_length(handle, args.length, task_names, len(policies))           # before any is made
-            examples = checks.make_examples(handle.tokenizer, task_names, args.length, args.examples, args.seed,
-                                            haystack, first=args.first_example)
+            tasks.check_length(handle, args.length, task_names, len(policies))           # before any is made
+            examples = tasks.make_examples(handle.tokenizer, task_names, args.length, args.examples, args.seed,
+                                           haystack, first=args.first_example)
             length = args.length
         result = tasks.experiment(handle, run, examples, settings)
         model_name = getattr(handle, "name", args.model)

@@ -12,7 +12,9 @@ row that has finished leaves without copying the others; in as few batches as th
 intervals over examples; :func:`paired` the paired differences against the best baseline at each
 ratio (none below :data:`~attngeom.stats.resampling.MIN_UNITS` examples).
 
-What belongs here: the experiment over examples and its summaries. Not here: the protocol
+What belongs here: the examples for a model (made, encoded and checked against its positions and
+the memory, before any prefill) and the experiment over them with its summaries. Not here: the
+checks that need no model (:mod:`attngeom.kvcache.examples`), the protocol
 (:mod:`attngeom.kvcache.prefill`), the scores (:mod:`attngeom.kvcache.policies`), the task
 generator (:mod:`attngeom.kvcache.ruler`), argument parsing (:mod:`attngeom.commands.kvtasks`).
 """
@@ -28,7 +30,7 @@ import torch
 
 from attngeom.errors import InputError
 from attngeom.kvcache import prefill as P
-from attngeom.kvcache.examples import ALL_TASKS  # noqa: F401  (the summary's rows over every task)
+from attngeom.kvcache.examples import ALL_TASKS, check_examples, example_name  # noqa: F401  (ALL_TASKS: the summary's rows over every task)
 from attngeom.kvcache.policies import get_policy
 from attngeom.kvcache.settings import KVTaskSettings
 from attngeom.model.arguments import takes_handle
@@ -88,6 +90,69 @@ def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None =
         raise InputError(f"the grid needs {need / 2**30:.1f} GiB for the caches of {rows} variants of a "
                          f"{n}-token context, more than the {limit / 2**30:.1f} GiB it may use; use fewer "
                          "--policies or a shorter --length")
+
+
+# --------------------------------------------------------------------------------------------
+# Examples for a model
+# --------------------------------------------------------------------------------------------
+
+EXAMPLE_HINT = "use a shorter --length, examples with fewer tokens, or fewer tokens to generate"
+"""What an example too long for the model's positions is told to change."""
+
+
+def prompt_tokens(tokenizer, ex) -> int:
+    """An example's ``length`` as :mod:`~attngeom.kvcache.ruler` defines it, in ``tokenizer``'s tokens:
+    the plain prompt's, special tokens (BOS) included, no chat template."""
+    from attngeom.kvcache.ruler import count_tokens
+
+    return count_tokens(tokenizer, ex.context + ex.question + ex.answer_prefix)
+
+
+def encode_examples(handle, examples: Sequence, chat: bool | None = None) -> list[tuple[list[int], list[int], bool]]:
+    """:func:`attngeom.kvcache.ruler.encode_example` of every example, after
+    :func:`~attngeom.kvcache.examples.check_examples`: a context that cannot be split from its
+    question, an empty context, or more positions than the model has (``context + question +
+    max_new_tokens``) is one :class:`InputError` naming the example."""
+    from attngeom.kvcache import ruler
+    from attngeom.model.arguments import check_positions
+
+    check_examples(examples)
+    out = []
+    for ex in examples:
+        try:
+            ctx, q, applied = ruler.encode_example(ex, handle.tokenizer, chat)
+        except ValueError as e:
+            raise InputError(f"{example_name(ex)}: {e}") from None
+        if not ctx or not q:
+            raise InputError(f"{example_name(ex)}: its {'context' if not ctx else 'question'} has no tokens")
+        check_positions(handle, len(ctx) + len(q) + ex.max_new_tokens,
+                        f"{example_name(ex)} ({len(ctx) + len(q)} prompt tokens, up to {ex.max_new_tokens} generated)", EXAMPLE_HINT)
+        out.append((ctx, q, applied))
+    return out
+
+
+def check_length(handle, length: int, tasks: Sequence[str], rows: int) -> None:
+    """A ``--length`` to make examples of ``tasks`` at, before any is made: its prompt and the longest
+    answer of the tasks within the model's positions, and the caches of ``rows`` variants within the
+    memory (:func:`check_memory`)."""
+    from attngeom.kvcache.ruler import TASKS
+    from attngeom.model.arguments import check_positions
+
+    new = max(TASKS[t].max_new_tokens for t in tasks)
+    check_positions(handle, length + new, f"--length {length} (and up to {new} tokens generated)",
+                    "use a shorter --length")
+    check_memory(handle, length + new, rows)
+
+
+def make_examples(tokenizer, tasks: Sequence[str], length: int, n: int, seed: int, haystack, first: int = 0) -> list:
+    """:func:`attngeom.kvcache.ruler.make_examples` of every task of ``tasks``; a length a task cannot
+    be made at is one :class:`InputError`."""
+    from attngeom.kvcache import ruler
+
+    try:
+        return [e for t in tasks for e in ruler.make_examples(tokenizer, t, length, n, seed, haystack, first=first)]
+    except (ValueError, RuntimeError) as e:
+        raise InputError(f"--length {length}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,9 +244,7 @@ def experiment(handle: ModelHandleLike, run: RunLike | None, examples: Sequence,
     check_ratios(settings.ratios)
     if not examples:
         raise InputError("no examples to evaluate")
-    from attngeom.kvcache.examples import encode
-
-    encoded = encode(handle, examples, settings.chat)      # checked: fields, tokens, the model's positions
+    encoded = encode_examples(handle, examples, settings.chat)      # checked: fields, tokens, the model's positions
     check_memory(handle, max(len(c) + len(q) + e.max_new_tokens for (c, q, _), e in zip(encoded, examples)),
                  len(settings.policies))
     fps = [fingerprint([len(c)] + c + q) for c, q, _ in encoded]        # what the model reads, and the split
