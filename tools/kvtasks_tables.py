@@ -209,6 +209,19 @@ def readme_table(s: dict, pairs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def haystack_said(s: dict) -> str:
+    """The needle tasks' haystack, from the run's settings: ``"needle tasks in the noise"``, ``"RULER's
+    haystacks (the shipped essays)"`` or the prose file's name; ``""`` for a run of an examples file."""
+    h = (s.get("settings") or {}).get("haystack")
+    if h is None:
+        return ""
+    if h == "noise":
+        return ", needle tasks in the noise"
+    if isinstance(h, dict) and "ruler" in h:
+        return ", RULER's haystacks (the essay tasks in the shipped essays)"
+    return f", needle tasks in {Path(str(h.get('data', h) if isinstance(h, dict) else h)).name}"
+
+
 def tasks_said(s: dict) -> str:
     """``"6 tasks"``, or with the examples per task when they differ (a merged sample gathered in
     parts): ``"6 tasks: frequent_words 20, the others 10"``."""
@@ -297,7 +310,7 @@ def tables(a) -> int:
     loaded = [load(run) for run in a.runs]
     for s, pairs in loaded:
         head = (f"{s['model']}, {s['length']} tokens, {s['mode']}, {s['examples']} examples "
-                f"({tasks_said(s)}), {'chat template' if s.get('chat_template') else 'no chat template'}")
+                f"({tasks_said(s)}), {'chat template' if s.get('chat_template') else 'no chat template'}{haystack_said(s)}")
         if a.readme:
             full = next((r for r in floor_record(s)["averages"] if r["policy"] == "full"), None)
             kvpress = "" if full is None else (

@@ -75,3 +75,16 @@ def test_noise_and_prose_override_the_essays():
     assert "The grass is green." in single.context
     with pytest.raises(ValueError, match="'ruler', 'noise' or a list"):
         ruler.make_examples(tok, "niah_single", 800, 1, haystack="essays.txt")
+
+
+def test_the_tables_say_which_haystack_a_run_used():
+    from checks import load_script
+
+    tables = load_script(ROOT / "tools" / "kvtasks_tables.py")
+    said = {"noise": ", needle tasks in the noise",
+            "ruler": ", RULER's haystacks (the essay tasks in the shipped essays)"}
+    assert tables.haystack_said({"settings": {"haystack": "noise"}}) == said["noise"]
+    assert tables.haystack_said({"settings": {"haystack": {"ruler": "essays", "essay_sha256": "0"}}}) == said["ruler"]
+    assert tables.haystack_said({"settings": {"haystack": {"data": "/x/wiki.txt", "data_sha256": "0"}}}) == \
+        ", needle tasks in wiki.txt"
+    assert tables.haystack_said({"settings": {"data": "examples.jsonl"}}) == ""        # an examples file's run
