@@ -124,27 +124,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# --------------------------------------------------------------------------------------------
-# The torch pass
-# --------------------------------------------------------------------------------------------
-
-
-def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
-                        return_lse=False, return_entropy=False, block_elements=BLOCK_ELEMENTS):
-    """:func:`source_winner` in torch: blocks of queries, each with the sources it can see."""
-    _check(q, k, v_norm, window, softcap, lengths, sinks)
+def _logit_blocks(q, k, *, scale, causal, window, softcap, lengths, block_elements):
+    """The torch passes' blocks of queries: ``(i0, i1, k0, k1, s, hidden)`` for queries ``i0:i1``
+    with the sources ``k0:k1`` they can see, ``s`` their scaled (soft-capped) logits ``[B, H, i1-i0,
+    k1-k0]`` in the accumulation dtype, not yet masked, and ``hidden`` the sources each query may
+    not see (causal, window, padding), broadcastable to ``s``."""
     B, H, Q, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     n_rep = H // Hkv
     acc = _acc_dtype(q.dtype)
-    log_n = v_norm.to(acc).log()
-    if v_norm.shape[1] != H:                                   # one norm per key head: its group's
-        log_n = log_n.repeat_interleave(n_rep, dim=1)
     offset = S - Q
-    index = torch.zeros(B, H, Q, dtype=torch.long, device=q.device)
-    best = torch.empty(B, H, Q, dtype=acc, device=q.device)
-    lse = torch.empty(B, H, Q, dtype=acc, device=q.device)
-    mean_s = torch.empty(B, H, Q, dtype=acc, device=q.device) if return_entropy else None
     step = max(1, min(Q, block_elements // max(1, B * H * S)))
     for i0 in range(0, Q, step):
         i1 = min(Q, i0 + step)
@@ -166,6 +155,29 @@ def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softca
         hidden = hidden[None, None]
         if lengths is not None:
             hidden = hidden | (kpos >= lengths.to(q.device).view(B, 1, 1, 1))
+        yield i0, i1, k0, k1, s, hidden
+
+
+# --------------------------------------------------------------------------------------------
+# The torch pass
+# --------------------------------------------------------------------------------------------
+
+
+def source_winner_torch(q, k, v_norm, *, scale, causal=True, window=None, softcap=None, lengths=None, sinks=None,
+                        return_lse=False, return_entropy=False, block_elements=BLOCK_ELEMENTS):
+    """:func:`source_winner` in torch: blocks of queries, each with the sources it can see."""
+    _check(q, k, v_norm, window, softcap, lengths, sinks)
+    B, H, Q, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    log_n = v_norm.to(acc).log()
+    if v_norm.shape[1] != H:                                   # one norm per key head: its group's
+        log_n = log_n.repeat_interleave(H // k.shape[1], dim=1)
+    index = torch.zeros(B, H, Q, dtype=torch.long, device=q.device)
+    best = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    lse = torch.empty(B, H, Q, dtype=acc, device=q.device)
+    mean_s = torch.empty(B, H, Q, dtype=acc, device=q.device) if return_entropy else None
+    for i0, i1, k0, k1, s, hidden in _logit_blocks(q, k, scale=scale, causal=causal, window=window, softcap=softcap,
+                                                   lengths=lengths, block_elements=block_elements):
         s.masked_fill_(hidden, float("-inf"))
         lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
         if return_entropy:              # Σ_j a_ij s_ij over the real sources (a hidden source adds 0)
@@ -386,33 +398,11 @@ def values_gradient_torch(q, k, lse, F, *, scale, causal=True, window=None, soft
                           block_elements=BLOCK_ELEMENTS):
     """:func:`values_gradient` in torch: blocks of queries, ``Pᵀ F`` of each added to its sources."""
     _check_f(q, k, lse, F, window, softcap, lengths)
-    B, H, Q, d = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    n_rep = H // Hkv
+    B, H, S = q.shape[0], q.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
     out = torch.zeros(B, H, S, F.shape[-1], dtype=acc, device=q.device)
-    offset = S - Q
-    step = max(1, min(Q, block_elements // max(1, B * H * S)))
-    for i0 in range(0, Q, step):
-        i1 = min(Q, i0 + step)
-        p0, p1 = offset + i0, offset + i1
-        k0 = 0 if window is None else max(0, p0 - window + 1)
-        k1 = min(S, p1) if causal else S
-        qb = q[:, :, i0:i1].to(acc).reshape(B * Hkv, n_rep * (i1 - i0), d)
-        kt = k[:, :, k0:k1].to(acc).reshape(B * Hkv, k1 - k0, d).transpose(1, 2)
-        s = torch.baddbmm(qb.new_empty(()), qb, kt, beta=0, alpha=scale).view(B, H, i1 - i0, k1 - k0)
-        if softcap is not None:
-            s = s.div_(softcap).tanh_().mul_(softcap)
-        qpos = torch.arange(p0, p1, device=q.device)[:, None]
-        kpos = torch.arange(k0, k1, device=q.device)[None, :]
-        hidden = torch.zeros(i1 - i0, k1 - k0, dtype=torch.bool, device=q.device)
-        if causal:
-            hidden |= kpos > qpos
-        if window is not None:
-            hidden |= kpos <= qpos - window
-        hidden = hidden[None, None]
-        if lengths is not None:
-            hidden = hidden | (kpos >= lengths.to(q.device).view(B, 1, 1, 1))
+    for i0, i1, k0, k1, s, hidden in _logit_blocks(q, k, scale=scale, causal=causal, window=window, softcap=softcap,
+                                                   lengths=lengths, block_elements=block_elements):
         rows = lse[:, :, i0:i1, None].to(acc)
         p = s.sub_(torch.where(rows == float("-inf"), 0.0, rows)).exp_().masked_fill_(hidden, 0.0)
         out[:, :, k0:k1] += p.transpose(-1, -2) @ F[:, :, i0:i1].to(acc)
