@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
                     "reporting held-out perplexity against retention and the individually critical heads.")
     common.add_model_args(p)
     common.add_data_args(p, repeat=True)
-    p.add_argument("--calib-windows", type=int, default=max(d.calib_windows, MIN_UNITS),
+    p.add_argument("--calib-windows", type=int, default=d.calib_windows,
                    help=f"windows of the first corpus used for calibration (the rest are held out; default "
                         f"%(default)s, the fewest the critical-head rule and the regime order rest on; fewer "
                         f"only with --few-windows). Cost: the single-head removal runs one forward pass of "

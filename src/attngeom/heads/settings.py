@@ -13,7 +13,7 @@ class HeadsSettings:
     ``a_ij‖v_j W_O‖``) with the sink at position ``sink``; ``seed`` of the random order; a critical
     head exceeds ``mean + critical_k·std`` of its regime; ``batch_size`` windows per forward."""
 
-    calib_windows: int = 4
+    calib_windows: int = 10   # stats.resampling.MIN_UNITS: the fewest the critical-head rule and the regime order rest on
     retentions: tuple[float, ...] = (100.0, 90.0, 75.0, 50.0, 25.0)
     winner_norm: str = "raw"
     sink: int = 0
