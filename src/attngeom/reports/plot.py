@@ -23,6 +23,7 @@ import numpy as np
 
 from attngeom.errors import InputError, OutputError
 from attngeom.model.arguments import whole_number
+from attngeom.runs.storage import replace_atomically
 
 MAX_WIDTH_IN = 40.0
 """The widest :func:`token_map` drawn (inches; a poster's). The narrowest is what its labels, a one-inch
@@ -81,17 +82,7 @@ def _check_path(path) -> Path:
 def _write(fig, path: Path) -> Path:
     """Save ``fig`` to ``path`` through a temporary file beside it: a failed write leaves no file,
     and no half-written one under ``path``'s name (:class:`OutputError`)."""
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        save_figure(fig, tmp, layout=False)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise OutputError(f"cannot write the figure to {path}: {e.strerror or e}") from None
-    return path
+    return replace_atomically(path, lambda tmp: save_figure(fig, tmp, layout=False), f"the figure to {path}")
 
 
 def token_map(trace, layer: int, metric: str = "contribution", head: int | None = None, tokens=None,

@@ -38,20 +38,33 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, fsynced and renamed
     in place: a reader sees the old file or the new one, never half of one. Write errors become
     :class:`OutputError` and leave no temporary file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+
+    replace_atomically(path, write)
+
+
+def replace_atomically(path: Path, write, what: str | None = None) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path`` (``.NAME.tmp-PID`` plus ``path``'s
+    suffix, so a writer that reads the format from the suffix still can), then rename it to ``path``:
+    a failed write leaves neither a temporary file nor a half-written ``path``. Write errors become one
+    :class:`OutputError` line naming ``what`` (default: ``path``)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
         os.replace(tmp, path)
     except OSError as e:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+        raise OutputError(f"cannot write {what or path}: {e.strerror or e}") from None
+    return path
 
 
 def clean_json(x):
