@@ -2,7 +2,8 @@
 
 The snippets of one page run in order in one namespace (later ones use the ``model`` and ``trace``
 of earlier ones), in a temporary folder holding the corpus file the README names (the WikiText
-excerpt of tests/data under that name). A snippet that fails names its page and its first line."""
+excerpt of tests/data under that name) and ``docs/`` (a link: the published runs a page reads, as in
+a checkout). A snippet that fails names its page and its first line."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_every_snippet_of_the_page_runs(page, tmp_path, monkeypatch):
 
     matplotlib.use("Agg")
     shutil.copy(EXCERPT, tmp_path / "wikitext-2-raw-test.txt")
+    (tmp_path / "docs").symlink_to(ROOT / "docs")   # snippets that read a published run do so from a checkout's root
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__snippet__"}
     for code in _snippets(page):
