@@ -22,11 +22,18 @@ the longest size, scaled by (T'/T)² (its kernels are quadratic in compute), est
 ``--estimate`` tokens; that size is run only with ``--run-estimate`` and when the estimate is under
 ``--max-minutes``.
 
+``--window-sizes`` adds the same on the bundled Gemma 3 270M (Q4_K_M weights dequantised to
+float32) cut to its first layer, a sliding-window layer (window 512): the fused route as it runs
+(per band of the window, ``FusedLayer.bands``) beside ``fused_whole_mask``, the same route handed
+the whole ``[T, T]`` float mask, and the SDPA forward (whose own mask, built by transformers, is
+quadratic in both).
+
 Usage::
 
     python benchmarks/bench_memory.py                          # 4k, 8k, 16k, 32k; 1 layer
     python benchmarks/bench_memory.py --sizes 1024,2048 --layers 1   # a quick check
     python benchmarks/bench_memory.py --json out/memory.json --run-estimate
+    python benchmarks/bench_memory.py --sizes '' --window-sizes 4096,8192,16384   # Gemma 3, a window
 """
 
 from __future__ import annotations
@@ -62,7 +69,79 @@ def fit_power(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
+def window_worker(method: str, T: int) -> None:
+    """One measurement on Gemma 3's first (sliding-window) layer; prints one JSON line."""
+    import time
+
+    import torch
+
+    from attngeom.capture import routes
+    from attngeom.capture.session import Session
+    from attngeom.model import load_model
+    from attngeom.streaming.passes import forward
+    from attngeom.streaming.reducers import HeadStats, InputBatch, TokenStats
+
+    torch.set_num_threads(1)
+    if method == "fused_whole_mask":            # the route as it was before the bands
+        class Whole(routes.FusedLayer):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                if self.bands:
+                    self.bands, self.mask = None, routes.additive_mask(self.allowed, self.kernel_dtype)
+        routes.FusedLayer = Whole
+    handle = load_model("gemma3-270m", dtype="float32", device="cpu")
+    bench_analyze._truncate_layers(handle, 1)
+    x = torch.tensor([bench_analyze._bench_ids(handle, T)])
+
+    def run(ids):
+        if method == "sdpa":
+            handle.model.set_attn_implementation("sdpa")
+            with torch.no_grad():
+                handle.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            return None
+        batch = InputBatch(ids=ids, lengths=torch.tensor([ids.shape[1]]), index=[0])
+        reducers = [HeadStats(), TokenStats()]
+        for r in reducers:
+            r.begin(batch)
+        session = Session(observers=reducers, route="fused")
+        forward(handle, batch, session)
+        return {str(k): v for k, v in session.routes.items()}
+
+    run(x[:, :600])
+    base = bench_analyze._rss_bytes("VmRSS")
+    bench_analyze._reset_peak()
+    t0 = time.perf_counter()
+    taken = run(x)
+    print(json.dumps(dict(method=method, T=T, seconds=time.perf_counter() - t0, routes_taken=taken,
+                          base_bytes=base, peak_bytes=bench_analyze._peak_bytes())))
+
+
+def window_table(sizes: list[int], timeout: float) -> None:
+    import subprocess
+
+    print("\nGemma 3 270M (Q4_K_M weights dequantised to float32), its first layer (sliding window 512): "
+          "MiB the call added; above = less the SDPA forward's")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
+    for T in sizes:
+        got = {}
+        for m in ("sdpa", "fused", "fused_whole_mask"):
+            proc = subprocess.run([sys.executable, __file__, "--window-worker", m, str(T)], capture_output=True,
+                                  text=True, env=env, timeout=timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode or not lines:
+                print(f"  T={T} {m}: failed ({(proc.stderr.strip().splitlines() or ['?'])[-1]})")
+                continue
+            got[m] = json.loads(lines[-1])
+        f = added(got["sdpa"]) if "sdpa" in got else None
+        print(f"  T={T:6d} " + "  ".join(
+            f"{m} {added(r) / MiB:7.1f}" + ("" if f is None or m == "sdpa" else f" (above {(added(r) - f) / MiB:+.1f})")
+            + f" {r['seconds']:.1f} s" for m, r in got.items()), flush=True)
+
+
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--window-worker"]:
+        window_worker(sys.argv[2], int(sys.argv[3]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4096,8192,16384,32768", help="input lengths (comma-separated)")
     ap.add_argument("--layers", type=int, default=1, help="decoder layers kept (default 1)")
@@ -71,12 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument("--run-estimate", action="store_true", help="also run that length when the estimate allows")
     ap.add_argument("--max-minutes", type=float, default=10.0, help="longest estimated run that --run-estimate starts")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
+    ap.add_argument("--window-sizes", default="", help="also Gemma 3's sliding-window layer at these lengths")
     ap.add_argument("--json", help="write every measurement here")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
-    if bad or not sizes or min(sizes) < 16 or "sdpa" not in methods:
+    if bad or (sizes and min(sizes) < 16) or "sdpa" not in methods:
         print(f"--methods must include sdpa and be among {', '.join(METHODS)}, --sizes at least 16 tokens",
               file=sys.stderr)
         return 2
@@ -138,6 +218,8 @@ def main(argv=None) -> int:
         else:
             print("not run" + ("" if args.run_estimate else " (--run-estimate not given)")
                   + (f" (over --max-minutes {args.max_minutes:g})" if est > args.max_minutes * 60 else ""))
+    if args.window_sizes:
+        window_table([int(s) for s in args.window_sizes.split(",") if s], args.timeout)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
