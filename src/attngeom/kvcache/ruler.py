@@ -584,13 +584,18 @@ def _fit(tokenizer, spec: TaskSpec, rng_seed: str, length: int, haystack, option
     """The prompt of the largest haystack size whose tokens are at most ``length`` (as RULER's
     binary search), then of the largest ``spec.refine`` option if the task has one; and its token
     count. Raises ValueError when even ``spec.min_size`` is too long."""
-    def build(size, **extra):
-        prompt = spec.generate(random.Random(rng_seed), size, haystack, length, **options, **extra)
+    def build(size, at=length, **extra):
+        prompt = spec.generate(random.Random(rng_seed), size, haystack, at, **options, **extra)
         return prompt, count_tokens(tokenizer, "".join(prompt[:3]))
 
     smallest = build(spec.min_size)
     if smallest[1] > length:
-        raise ValueError(f"{spec.name}: {length} tokens is too short; its smallest prompt has {smallest[1]}")
+        need = smallest[1]             # a prompt that grows with the length asked (variable_tracking's few-shot
+        for _ in range(64):            # example) needs more at its own count: follow it to where it fits
+            if (more := build(spec.min_size, at=need)[1]) <= need:
+                break
+            need = more
+        raise ValueError(f"{spec.name}: {length} tokens is too short; its smallest prompt has {need}")
     size, best = _largest(build, spec.min_size, length)
     if spec.refine and spec.refine not in options:
         best = _largest(lambda x: build(size, **{spec.refine: x}), 0, length)[1]
