@@ -204,3 +204,57 @@ def test_the_kvcache_figure_gives_every_policy_its_own_colour_and_marker(tmp_pat
     lines = [c.lines[0] for c in figs[0].axes[0].containers]        # one errorbar container per policy
     assert len(lines) == 13 and len({to_hex(line.get_color()) for line in lines}) == 13
     assert len({line.get_marker() for line in lines}) > 1
+
+
+def test_the_head_effects_figure_sets_shares_beside_effects_and_patching(tmp_path, tiny_llama):
+    """plot.head_effects on a tiny model's tables: one row per head in the table's order, each panel's
+    bars the table's numbers (share; direct and total effect; share of the gap by place patched), axes
+    labelled with their units, legends below the panels (off the data), title naming model and texts;
+    written as PNG and as a PDF with TrueType fonts only; a table without a contrast is in nats."""
+    import pandas as pd
+
+    from attngeom.errors import InputError, OutputError
+    from attngeom.reports import plot
+    from attngeom.traces.compare import patch_heads
+    from attngeom.traces.effects import head_effects
+
+    a, b = "The cat sat on the mat", "The dog sat on the mat"
+    eff = head_effects(tiny_llama, a, "m", contrast="d", top=5)
+    pat = patch_heads(tiny_llama, a, b, "m", contrast="d")
+    fig = plot.head_effects(eff, pat, model="tiny-llama", text=a, text_b=b)
+    share, effect, patched = fig.axes
+    assert [t.get_text() for t in share.get_yticklabels()] == [f"L{l} H{h}" for l, h in zip(eff["layer"], eff["head"])]
+    np.testing.assert_allclose([p.get_width() for p in share.patches], eff["share"])
+    direct, total = effect.containers
+    np.testing.assert_allclose([p.get_width() for p in direct], eff["direct_effect"])
+    np.testing.assert_allclose([p.get_width() for p in total], eff["total_effect"])
+    gap = pat.set_index(["at", "layer", "head"])["share_of_gap"]
+    for where, bars in zip(("changed", "prediction"), patched.containers):
+        np.testing.assert_allclose([p.get_width() for p in bars],
+                                   [gap[(where, l, h)] for l, h in zip(eff["layer"], eff["head"])])
+    assert "z(m) − z(d)" in effect.get_xlabel() and "logit units" in effect.get_xlabel()
+    assert "share" in share.get_xlabel() and "gap" in patched.get_xlabel() and share.get_ylabel()
+    title = fig._suptitle.get_text().replace("\n", " ")
+    assert "tiny-llama" in title and a in title and b in title
+    assert any("zero ablation" in t.get_text() for t in fig.texts)
+    fig.canvas.draw()
+    for ax in (effect, patched):
+        legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.y1 < box.y0 and len(ax.get_legend().get_texts()) == 2
+    png = plot.head_effects(eff, pat, path=tmp_path / "e.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fonts = _fonts(plot.head_effects(eff, pat, path=tmp_path / "e.pdf").read_bytes())
+    assert "Type3" not in fonts and fonts & {"TrueType", "CIDFontType2"}, fonts
+    svg = plot.head_effects(eff, path=tmp_path / "e.svg").read_text(encoding="utf-8")
+    assert "logit units" in svg and "L" in svg
+    alone = head_effects(tiny_llama, a, "m", top=3)
+    fig = plot.head_effects(alone, heads=[(int(alone["layer"][2]), int(alone["head"][2]))])
+    assert len(fig.axes) == 2 and "nats" in fig.axes[1].get_xlabel() and "log P(m)" in fig.axes[1].get_xlabel()
+    assert len(fig.axes[0].patches) == 1
+    for bad, kw, match in ((pd.DataFrame(), {}, "head_effects"), (eff, {"heads": [(99, 0)]}, "not rows"),
+                           (eff, {"patching": eff}, "patch_heads"), (eff, {"width": 1.0}, "width")):
+        with pytest.raises(InputError, match=match):
+            plot.head_effects(bad, **kw)
+    with pytest.raises(OutputError, match="does not exist"):
+        plot.head_effects(eff, path=tmp_path / "no" / "e.pdf")
+    assert not (tmp_path / "no").exists()

@@ -7,6 +7,9 @@ tables, in any format matplotlib writes (the file name's suffix: ``.pdf``, ``.sv
   :data:`~attngeom.reports.common.MIN_FONT_PT` points (every k-th when they would not fit), a title,
   axis labels (query token, source token), a colour bar naming the metric and its scale
   (:func:`scale_label`) and a line between prompt and answer.
+- :func:`head_effects` — shares beside causes: for the top heads of a
+  :func:`attngeom.traces.effects.head_effects` table, each head's share, direct and total effect,
+  and (with a :func:`attngeom.traces.compare.patch_heads` table) the share of the gap patching it moves.
 - :func:`run_figures` — the figures of a finished run (``attngeom sinks``, ``selection``, ``heads``,
   ``kvcache``), drawn again from its tables, in another format.
 """
@@ -144,6 +147,150 @@ def token_map(trace, layer: int, metric: str = "contribution", head: int | None 
     ax.set_xlabel("source token $j$", fontsize=MIN_FONT_PT, labelpad=1)
     ax.set_ylabel("query token $i$", fontsize=MIN_FONT_PT, labelpad=1)
     fig.suptitle(title, fontsize=title_size, y=1 - 0.05 / H, va="top")
+    legible(fig)
+    if path is None:
+        return fig
+    return _write(fig, path)
+
+
+EFFECT_COLOURS = {"share": "#7f7f7f", "direct": "#1f77b4", "total": "#d62728", "changed": "#9467bd",
+                  "prediction": "#2ca02c", "all": "#8c564b"}
+"""One colour per quantity of :func:`head_effects` (grey the share, the causal measures in colour)."""
+
+
+def _head_rows(effects, heads, top) -> list[tuple[int, int]]:
+    """The (layer, head) pairs :func:`head_effects` draws: ``heads`` as given, else the first ``top`` rows."""
+    have = {(int(l), int(h)) for l, h in zip(effects["layer"], effects["head"])}
+    if heads is None:
+        top = whole_number(top, "top")
+        if top < 1:
+            raise InputError(f"top must be at least 1, not {top}")
+        return [(int(l), int(h)) for l, h in zip(effects["layer"], effects["head"])][:top]
+    try:
+        pairs = [(whole_number(l, "layer"), whole_number(h, "head")) for l, h in heads]
+    except (TypeError, ValueError):
+        raise InputError(f"heads must be (layer, head) pairs, not {heads!r}"[:200]) from None
+    missing = [p for p in pairs if p not in have]
+    if missing or not pairs:
+        raise InputError(f"heads {missing or pairs} are not rows of the effects table"[:200])
+    return list(dict.fromkeys(pairs))
+
+
+def head_effects(effects, patching=None, *, heads=None, top: int = 8, path: str | Path | None = None,
+                 width: float = 2 * COLUMN_WIDTH_IN + 0.3, model: str | None = None, text: str | None = None,
+                 text_b: str | None = None, title: str | None = None):
+    """Shares beside causes, one row per head (docs/generation.md, "A share is not a cause"): for the
+    heads of ``effects`` (a :func:`attngeom.traces.effects.head_effects` table; ``heads``: ``(layer,
+    head)`` pairs, default its first ``top`` rows, its ranking), the head's share ``Σ_j C_ij^h`` (left), its direct
+    and total effect on the table's metric (middle: logit units for a logit difference, nats for
+    ``log P``), and with ``patching`` (a :func:`attngeom.traces.compare.patch_heads` table) the share of
+    the gap ``m_b − m_a`` each head moves when patched from ``text_b``'s run, at each place it was
+    patched (right). ``model``, ``text`` and ``text_b`` name the run in the title and foot line.
+    ``width`` inches (default two columns). Saved to ``path`` (format from its suffix) and the path
+    returned; without ``path`` the matplotlib ``Figure`` is returned."""
+    import pandas as pd
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from attngeom.reports.analyze import token_label, wrapped
+
+    need = {"layer", "head", "share", "direct_effect", "total_effect"}
+    if not isinstance(effects, pd.DataFrame) or not need <= set(effects.columns) or effects.empty:
+        raise InputError("effects must be a table of attngeom.head_effects (columns layer, head, share, "
+                         "direct_effect, total_effect)")
+    if patching is not None and (not isinstance(patching, pd.DataFrame)
+                                 or not {"at", "layer", "head", "share_of_gap"} <= set(patching.columns)):
+        raise InputError("patching must be a table of attngeom.traces.compare.patch_heads "
+                         "(columns at, layer, head, share_of_gap)")
+    if not isinstance(width, (int, float, np.number)) or isinstance(width, bool) or not 3.0 <= width <= MAX_WIDTH_IN:
+        raise InputError(f"width must be a number of inches from 3 to {MAX_WIDTH_IN:g}, not {width!r}"[:200])
+    path = None if path is None else _check_path(path)
+    pairs = _head_rows(effects, heads, top)
+    rows = effects.set_index(["layer", "head"]).loc[pairs]
+    a = effects.attrs
+    target = token_label(str(a.get("target_token", "target")), 20)
+    contrast = a.get("contrast_token")
+    if a.get("metric", "logit_diff" if contrast is not None else "log_prob") == "logit_diff":
+        metric, unit = f"z({target}) − z({token_label(str(contrast), 20)})", "logit units"
+    else:
+        metric, unit = f"log P({target})", "nats"
+    places = [] if patching is None else list(dict.fromkeys(patching["at"]))
+    n = len(pairs)
+    fs = MIN_FONT_PT
+    label_in = 0.7
+    panels = 3 if places else 2
+    title_text = title if title is not None else (
+        f"{model or 'model'}: what each head does to {metric}"
+        + (f" after “{text}”" if text else "")
+        + (f", against “{text_b}”" if text_b and places else ""))
+    title_text = wrapped(title_text, width - 0.2, fs + 1.5)
+    title_in = 0.08 + 0.2 * (title_text.count("\n") + 1)
+    foot = [(f"total effect: m(clean) − m(head ablated), {a.get('ablation', 'zero')} ablation in every position; "
+             "direct effect: the head's output straight to the unembedding, norms linearised at the run's scale")]
+    if "clean" in a:
+        foot.append(f"m = {metric} = {a['clean']:+.2f} on the clean run"
+                    + (f"; patched from b: $m_a$ = {patching.attrs['m_a']:+.2f}, $m_b$ = {patching.attrs['m_b']:+.2f}"
+                       if places and "m_a" in patching.attrs else ""))
+    foot_text = wrapped("\n".join(foot), width - 0.2, fs)
+    foot_in = 0.06 + 0.14 * (foot_text.count("\n") + 1)
+    axis_in = 0.85                                     # tick labels, the two-line axis label, the legend below
+    box_h = max(0.9, n * 0.2)
+    gap = 0.25
+    box_w = (width - label_in - 0.15 - gap * (panels - 1)) / panels
+    if box_w < 0.8:
+        raise InputError(f"width {width:g} inches leaves less than 0.8 inches per panel; give at least "
+                         f"{label_in + 0.15 + gap * (panels - 1) + 0.8 * panels:.1f}")
+    H = foot_in + axis_in + box_h + 0.22 + title_in
+    fig = Figure(figsize=(width, H))
+    FigureCanvasAgg(fig)
+    y = np.arange(n)[::-1].astype(float)
+    names = [f"L{l} H{h}" for l, h in pairs]
+    bottom = foot_in + axis_in
+
+    def axes(k):
+        ax = fig.add_axes(((label_in + k * (box_w + gap)) / width, bottom / H, box_w / width, box_h / H))
+        ax.set_yticks(y)
+        ax.set_yticklabels(names if k == 0 else [], fontsize=fs)
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.axvline(0, color="black", linewidth=0.6)
+        ax.grid(axis="x", linewidth=0.3, color="#dddddd")
+        ax.set_axisbelow(True)
+        ax.tick_params(labelsize=fs, length=2, pad=1)
+        return ax
+
+    def legend(ax, handles):
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45 / box_h), ncol=1,
+                  frameon=False, fontsize=fs, handlelength=1.0, borderaxespad=0, labelspacing=0.2)
+
+    ax0 = axes(0)
+    ax0.barh(y, rows["share"], height=0.6, color=EFFECT_COLOURS["share"])
+    ax0.set_xlabel("head share $\\Sigma_j\\, C_{ij}^h$\n(fraction of its layer's output)", fontsize=fs, labelpad=1)
+    ax0.set_xlim(min(0.0, float(rows["share"].min()) * 1.1), max(0.05, float(rows["share"].max()) * 1.1))
+    ax0.set_title("share (not a cause)", fontsize=fs + 0.5, pad=3)
+    ax0.set_ylabel("head H of layer L", fontsize=fs, labelpad=1)
+    ax1 = axes(1)
+    h = 0.38
+    b1 = ax1.barh(y + h / 2, rows["direct_effect"], height=h, color=EFFECT_COLOURS["direct"], label="direct effect")
+    b2 = ax1.barh(y - h / 2, rows["total_effect"], height=h, color=EFFECT_COLOURS["total"],
+                  label=f"total effect ({a.get('ablation', 'zero')} ablation)")
+    ax1.set_xlabel(f"effect on {metric}\n({unit})", fontsize=fs, labelpad=1)
+    ax1.set_title("effect on the answer", fontsize=fs + 0.5, pad=3)
+    legend(ax1, [b1, b2])
+    if places:
+        ax2 = axes(2)
+        hp = 0.76 / len(places)
+        got = patching.set_index(["at", "layer", "head"])["share_of_gap"]
+        handles = []
+        for k, where in enumerate(places):
+            vals = [float(got.get((where, l, hh), np.nan)) for l, hh in pairs]
+            handles.append(ax2.barh(y + 0.38 - hp * (k + 0.5), vals, height=hp, color=EFFECT_COLOURS.get(where, None),
+                                    label=f"patched at the {'changed tokens' if where == 'changed' else where}"
+                                    if where != "all" else "patched everywhere"))
+        ax2.set_xlabel("share of the gap $m_b - m_a$\nmoved by patching the head", fontsize=fs, labelpad=1)
+        ax2.set_title("patching (b into a)", fontsize=fs + 0.5, pad=3)
+        legend(ax2, handles)
+    fig.suptitle(title_text, fontsize=fs + 1.5, y=1 - 0.05 / H, va="top")
+    fig.text(0.01, 0.04 / H, foot_text, fontsize=fs, ha="left", va="bottom", color="#444444")
     legible(fig)
     if path is None:
         return fig
