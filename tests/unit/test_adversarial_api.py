@@ -296,6 +296,8 @@ def test_max_new_tokens_is_a_count(handle, no_compute, new):
     ([5] * 10, [-1], "token id -1 is outside the model's vocabulary"),
     ([5, True, 5], [6], "a token id must be a whole number, not True"),
     ([5, 2.5], [6], "a token id must be a whole number"),
+    ("The capital of France is", [6], "the context is text; compressed_generate takes token ids"),  # issue 51
+    ([5] * 10, "is", "the question is text"),
 ])
 def test_defect_11_compressed_generate_context_and_ids(handle, no_compute, context, question, match):
     """An empty context raised torch's RuntimeError ('indices ... FloatTensor'); an id beyond the

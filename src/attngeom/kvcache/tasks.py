@@ -402,6 +402,10 @@ def compressed_generate(handle: ModelHandleLike, context: Sequence[int], questio
     pol = get_policy(policy)
     if pol.name == "taxonomy":
         raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
+    for what, ids in (("context", context), ("question", question)):
+        if isinstance(ids, (str, bytes)):
+            raise InputError(f"the {what} is text; compressed_generate takes token ids: "
+                             f"handle.tokenizer.encode(text, add_special_tokens=False)")
     context, question = ([whole_number(i, "a token id") for i in ids] for ids in (context, question))
     if not context:
         raise InputError("the context is empty: compressed_generate compresses the cache of at least one token")
