@@ -361,3 +361,39 @@ def test_the_summaries_stage_records_the_route_of_every_layer(route):
             want = {l: "block: soft-capping (the fused kernels have no score_mod)" for l in want}
         assert heads.groupby("layer")["route"].first().to_dict() == want
         assert heads["route"].notna().all() and len(tokens) == handle.num_layers * 15
+
+
+def test_a_fused_layer_handed_its_mask_whole_says_so_in_the_record():
+    """Causal with right padding, and a sliding window over it, take the kernels' causal flag or
+    bands (route ``fused``); left padding is neither, so the kernels take the whole ``[T, T]`` mask
+    (exact, quadratic in memory): the session's routes and :class:`RouteRecord` say so, and the
+    logits equal the block path's."""
+    from attngeom.capture.session import Session, attngeom_attention_implementation
+    from attngeom.streaming.reducers import HeadStats, InputBatch, RouteRecord
+    from tiny_models import tiny_model
+
+    right = _random_case(3, lengths=[13, 9])
+    assert routes.FusedLayer(right["q"], right["k"], right["v"], right["scale"], right["mask"], right["G"],
+                             right["G_full"], right["lengths"]).route == "fused"
+    band = _random_case(4, T=40, lengths=[40, 31], window=6)
+    assert routes.FusedLayer(band["q"], band["k"], band["v"], band["scale"], band["mask"], band["G"],
+                             band["G_full"], band["lengths"], window=6).route == "fused"
+
+    handle = tiny_model("llama")
+    ids = torch.randint(4, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0                                                      # left padding
+    batch = InputBatch(ids=ids, lengths=torch.tensor([9, 9]), index=[0, 1])
+    logits = {}
+    for route in ("fused", "block"):
+        record, heads = RouteRecord(), HeadStats()
+        for r in (record, heads):
+            r.begin(batch)
+        session = Session(observers=[heads, record], route=route)
+        with torch.no_grad(), attngeom_attention_implementation(handle.model), session.active(batch.lengths):
+            logits[route] = handle.model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
+        want = routes.WHOLE_MASK_ROUTE if route == "fused" else "block"
+        assert set(session.routes.values()) == {want} and len(session.routes) == handle.num_layers
+        assert record.result() == session.routes
+    real = attention_mask.bool()           # a padded query's row is the kernels' choice: never read
+    torch.testing.assert_close(logits["fused"][real], logits["block"][real], rtol=1e-4, atol=1e-5)

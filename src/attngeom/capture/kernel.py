@@ -268,8 +268,10 @@ def exact_attention(
         route = session.routes[layer] = layer_route(session, query, key, attention_mask, softcap)
         if route == "fused":
             session.layers_seen.append(layer)
-            return fused_attention(session.observers, layer, query, key, value, attention_mask, scaling, G,
-                                   G_full, lengths.to(query.device), sinks=sinks, window=window)
+            out, session.routes[layer] = fused_attention(
+                session.observers, layer, query, key, value, attention_mask, scaling, G, G_full,
+                lengths.to(query.device), sinks=sinks, window=window)
+            return out
         state = LayerState(layer=layer, module=module, value=value.detach().float(), w_o=w_o, G=G, G_full=G_full,
                            kv_head=torch.arange(H) // n_rep, lengths=lengths.to(query.device),
                            prepared=session.prepared.get(layer), route=route)

@@ -45,6 +45,11 @@ route wherever it is exact, the block path elsewhere, said in the record), ``blo
 
 FUSED_DEVICES = ("cpu", "cuda")
 
+WHOLE_MASK_ROUTE = "fused: the whole [T, T] mask (not causal with right padding: memory quadratic in T)"
+"""The route recorded for a fused layer whose mask is neither causal with right padding nor a
+sliding window over such: left padding, a bidirectional or a custom mask. The kernels then take the
+mask whole as a float ``[B, 1, T, T]`` tensor, exact but quadratic in memory (SPEC §10)."""
+
 FUSED_RECEIVED = ("attention", "value_weighted", "output_normalized", "contribution")
 """The token-level scores whose sums over queries :meth:`FusedLayer.received` computes (SPEC §2's)."""
 
@@ -256,6 +261,7 @@ class FusedLayer:
             step = max(window, T // 256)
             self.bands = [(i0, min(T, i0 + step), max(0, i0 - window + 1)) for i0 in range(0, T, step)]
         self.mask = None if causal or self.bands else additive_mask(mask, self.kernel_dtype)
+        self.route = "fused" if self.mask is None else WHOLE_MASK_ROUTE
         self.sinks = None if sinks is None else sinks.to(dtype)
         self.G, self.G_full = G.to(dtype), G_full.to(dtype)
 
@@ -557,10 +563,10 @@ def fused_attention(observers, layer: int, query: torch.Tensor, key: torch.Tenso
                     lengths: torch.Tensor, sinks: torch.Tensor | None = None, window: int | None = None,
                     ) -> torch.Tensor:
     """One attention call on the fused route: the layer's :class:`FusedLayer` handed to every
-    observer's ``observe_layer``, and the attention output ``[B, T, H, dv]`` in the call's dtype (the
-    fused kernel's)."""
+    observer's ``observe_layer``; returns the attention output ``[B, T, H, dv]`` in the call's dtype
+    (the fused kernel's) and the route taken (``"fused"``, or :data:`WHOLE_MASK_ROUTE`)."""
     fused = FusedLayer(query.detach(), key.detach(), value.detach(), scaling, mask, G, G_full, lengths,
                        sinks=None if sinks is None else sinks.detach(), layer=layer, window=window)
     for obs in observers:
         obs.observe_layer(fused)
-    return fused.head_output.transpose(1, 2).to(query.dtype).contiguous()
+    return fused.head_output.transpose(1, 2).to(query.dtype).contiguous(), fused.route

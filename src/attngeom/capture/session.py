@@ -55,8 +55,9 @@ class Session:
     (:func:`attngeom.capture.prepared.prepare`), read by :meth:`Block.prepared`.
     ``route`` (SPEC §10, :data:`attngeom.capture.routes.ROUTES`): ``"auto"`` (the fused route on CUDA,
     blocks on the CPU), ``"fused"`` (wherever it is exact) or ``"block"``; :attr:`routes` holds the
-    route each observed layer took in the last forward, and why a layer took blocks
-    (:func:`attngeom.capture.routes.layer_route`)."""
+    route each observed layer took in the last forward, why a layer took blocks
+    (:func:`attngeom.capture.routes.layer_route`), and a fused layer that took its mask whole
+    (:data:`attngeom.capture.routes.WHOLE_MASK_ROUTE`)."""
 
     def __init__(
         self,

@@ -464,8 +464,9 @@ class TokenStats(Reducer):
 
 
 class RouteRecord(Reducer):
-    """The route each layer took (SPEC §10): ``{layer: "fused" | "block" | "block: why"}`` (why: a
-    layer the session asked to fuse that took blocks, :func:`attngeom.capture.routes.layer_route`).
+    """The route each layer took (SPEC §10): ``{layer: "fused" | "fused: why" | "block" | "block: why"}``
+    (why: a layer the session asked to fuse that took blocks, :func:`attngeom.capture.routes.layer_route`,
+    or a fused layer handed its mask whole, :data:`attngeom.capture.routes.WHOLE_MASK_ROUTE`).
     Its state is labels, which records of several units carry along."""
 
     STATE = ("routes",)
@@ -478,7 +479,7 @@ class RouteRecord(Reducer):
         self.routes[block.layer] = block.state.route
 
     def observe_layer(self, layer: FusedLayer) -> None:
-        self.routes[layer.layer] = "fused"
+        self.routes[layer.layer] = layer.route
 
     def result(self) -> dict[int, str]:
         return dict(sorted(self.routes.items()))
