@@ -46,7 +46,7 @@ class KVCacheInputs:
 
 
 TASK_POLICIES = ("random", "window", "streamingllm", "knorm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "vatp",
-                 "criticalkv", "andpro", "dropkv", "kvzip", "kvzip_plus", "contribution", "snap_contribution",
+                 "criticalkv", "andpro", "laprox", "dropkv", "kvzip", "kvzip_plus", "contribution", "snap_contribution",
                  "adakv_contribution", "loo_head", "suppressor", "kvzip_contribution", "global_contribution")
 """The policies of ``attngeom kvtasks`` by default: every baseline and every geometry policy that
 compresses to a ratio (not ``full``, the ratio-0 reference always run, nor ``taxonomy``)."""

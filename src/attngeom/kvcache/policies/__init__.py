@@ -23,7 +23,7 @@ Every policy's docstring names its source; ``docs/kvcache.md`` lists the scores 
 torch is imported inside the functions that use it, so that the registry's names (the settings'
 and ``--help``'s default policies) need no torch.
 The families: :mod:`.recency` (full, window, StreamingLLM), :mod:`.attention` (H2O, TOVA,
-SnapKV), :mod:`.values` (VATP, CriticalKV), :mod:`.andpro` (AnDPro), :mod:`.simple` (random, knorm), :mod:`.budgets`
+SnapKV), :mod:`.values` (VATP, CriticalKV), :mod:`.andpro` (AnDPro), :mod:`.laprox` (LaProx), :mod:`.simple` (random, knorm), :mod:`.budgets`
 (PyramidKV, AdaKV), :mod:`.leave_one_out` (DropKV, ``loo_head``), :mod:`.kvzip` (KVzip, KVzip+,
 KVzip by contribution), :mod:`.contribution` (the papers' geometry by contribution) and
 :mod:`.taxonomy`; what they share is :mod:`.base`.
@@ -42,6 +42,7 @@ from attngeom.kvcache.policies.base import RECENT, SINKS, POLICY_OPTIONS, Evicti
 from attngeom.kvcache.policies.budgets import ADAKV_FLOOR, PYRAMID_BETA, adakv, adakv_budgets, pyramid_budgets, pyramidkv
 from attngeom.kvcache.policies.contribution import (SUPPRESSORS, contribution, global_contribution, snap_contribution,
                                                     suppressor)
+from attngeom.kvcache.policies.laprox import LaProx
 from attngeom.kvcache.policies.kvzip import (KVZIP_CHUNK, KVZIP_OVERLAP, KVZIP_PROMPT, KVZIP_PROMPT_NEXT, KVZIP_SINKS,
                                              RECONSTRUCTION_SCORES, global_budgets, kvzip, kvzip_contribution, kvzip_plus)
 from attngeom.kvcache.policies.leave_one_out import dropkv
@@ -58,7 +59,7 @@ __all__ = ["POLICIES", "READING_POLICIES", "Policy", "EvictionContext", "get_pol
            "full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "criticalkv", "knorm", "random_policy",
            "pyramidkv", "adakv", "dropkv", "kvzip", "kvzip_plus", "kvzip_contribution", "contribution",
            "snap_contribution", "suppressor", "global_contribution", "taxonomy", "_avg_pool",
-           "AnDPro", "ANDPRO_WINDOW", "ANDPRO_KERNEL", "ANDPRO_CHUNK"]
+           "AnDPro", "ANDPRO_WINDOW", "ANDPRO_KERNEL", "ANDPRO_CHUNK", "LaProx"]
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "full": full,
@@ -91,6 +92,7 @@ POLICIES.update({
     "suppressor": suppressor,
     "global_contribution": global_contribution,
     "andpro": AnDPro,
+    "laprox": LaProx,
 })
 
 READING_POLICIES = ("full", "window", "streamingllm", "h2o", "tova", "snapkv", "vatp", "contribution",
