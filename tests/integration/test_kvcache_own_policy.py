@@ -1,6 +1,6 @@
 """A KV-cache policy of one's own, in one's own module outside attngeom: it runs in
 ``attngeom kvtasks --policies module:Class`` (a subprocess, the module found on PYTHONPATH) and in
-:func:`attngeom.kvcache.tasks.compressed_generate`, with no edit of attngeom (docs/kvcache.md,
+:func:`attngeom.kvcache.generate.compressed_generate`, with no edit of attngeom (docs/kvcache.md,
 "A policy of your own")."""
 
 import os
@@ -39,7 +39,7 @@ def own_module(tmp_path, monkeypatch):
 def test_own_policy_compresses_as_its_priority_says(own_module):
     from attngeom.kvcache import prefill as P
     from attngeom.kvcache.policies import get_policy
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
     from tiny_models import eager_attentions, tiny_model
 
     h = tiny_model("llama")

@@ -274,7 +274,7 @@ def no_compute(monkeypatch):
 def test_defect_9_max_new_tokens_past_the_context_is_refused_before_allocating(handle, no_compute, new):
     """``max_new_tokens=10**9`` sized the compressed cache for 10**9 more tokens up front (~24 GB on
     SmolLM2); the tiny model reads 256 positions."""
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
 
     refused(lambda: compressed_generate(handle, [5] * 10, [6] * 3, "window", 0.5, max_new_tokens=new),
             match=r"compressed_generate \(context 10 \+ question 3 \+ max_new_tokens \d+\) needs \d+ positions but "
@@ -283,7 +283,7 @@ def test_defect_9_max_new_tokens_past_the_context_is_refused_before_allocating(h
 
 @pytest.mark.parametrize("new", [0, -1, 2.5, True, "4"])
 def test_max_new_tokens_is_a_count(handle, no_compute, new):
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
 
     refused(lambda: compressed_generate(handle, [5] * 10, [6], "window", 0.5, max_new_tokens=new),
             match="max_new_tokens must be a whole number")
@@ -302,14 +302,14 @@ def test_max_new_tokens_is_a_count(handle, no_compute, new):
 def test_defect_11_compressed_generate_context_and_ids(handle, no_compute, context, question, match):
     """An empty context raised torch's RuntimeError ('indices ... FloatTensor'); an id beyond the
     vocabulary an IndexError from the embedding."""
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
 
     refused(lambda: compressed_generate(handle, context, question, "window", 0.5, max_new_tokens=2), match=match)
 
 
 @pytest.mark.parametrize("ratio", [1.0, -0.1, "0.5", True, float("nan")])
 def test_compressed_generate_ratio(handle, no_compute, ratio):
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
 
     refused(lambda: compressed_generate(handle, [5] * 10, [6], "window", ratio, max_new_tokens=2), match="ratio")
 
@@ -318,7 +318,7 @@ def test_compressed_generate_still_answers(handle):
     """Good arguments (numpy ids among them) decode as before: the full cache's answer equals generate's."""
     import torch
 
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
 
     ctx, q = [5, 9, 17, 33, 2, 8, 40, 41, 7, 11], [6, 12]
     out = compressed_generate(handle, np.array(ctx), q, "window", 0.0, max_new_tokens=3, do_sample=False)

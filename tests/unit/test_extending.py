@@ -93,7 +93,7 @@ def test_a_metric_from_outside_is_everywhere_the_table_is_read(outside, tiny_lla
 def test_a_policy_from_outside_compresses_as_its_priority_says(outside):
     from attngeom.kvcache import prefill as P
     from attngeom.kvcache.policies import get_policy
-    from attngeom.kvcache.tasks import compressed_generate
+    from attngeom.kvcache.generate import compressed_generate
 
     outside("my_policies.py")
     h = tiny_model("llama")

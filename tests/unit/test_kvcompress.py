@@ -71,16 +71,18 @@ def test_ratio_zero_answers_equal_generate_with_the_full_cache(arch, mode):
 
 
 def test_compressed_generate_at_ratio_zero_is_generate():
+    from attngeom.kvcache.generate import compressed_generate
+
     h = tiny_model("llama")
     ctx, q = _ids(30), _ids(5, seed=2)
     want = h.model.generate(torch.tensor([ctx + q]), max_new_tokens=8, do_sample=False)
-    got = tasks.compressed_generate(h, ctx, q, "snap_contribution", 0.0, max_new_tokens=8, do_sample=False)
+    got = compressed_generate(h, ctx, q, "snap_contribution", 0.0, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)
-    half = tasks.compressed_generate(h, ctx, q, "snap_contribution", 0.5, max_new_tokens=8, do_sample=False)
+    half = compressed_generate(h, ctx, q, "snap_contribution", 0.5, max_new_tokens=8, do_sample=False)
     assert half.shape[1] <= want.shape[1] and torch.equal(half[0, :35], want[0, :35])
     for bad in (1.0, -0.1):                                          # a share of the cache removed
         with pytest.raises(InputError, match="in \\[0, 1\\)"):
-            tasks.compressed_generate(h, ctx, q, "snap_contribution", bad, max_new_tokens=8)
+            compressed_generate(h, ctx, q, "snap_contribution", bad, max_new_tokens=8)
 
 
 def test_every_policy_keeps_the_budget_and_the_memory_is_freed():

@@ -1,5 +1,5 @@
 """A compressed KV cache (:mod:`.cache`), its eviction policies (:mod:`.policies`), the evaluation under a budget
-(:mod:`.evaluation`), compression once after the prefill to a ratio (:mod:`.prefill`), RULER's synthetic
+(:mod:`.evaluation`), compression once after the prefill to a ratio (:mod:`.prefill`), a compressed ``generate`` (:mod:`.generate`), RULER's synthetic
 long-context tasks (:mod:`.ruler`), the tasks at compression ratios (:mod:`.tasks`) and the commands' experiments
 (:mod:`.experiment`)."""
 
@@ -32,7 +32,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "selection_at_ratio": "prefill",
     "variant_cache": "prefill",
     "greedy_answers": "prefill",
-    "compressed_generate": "tasks",
+    "compressed_generate": "generate",
     "KVTaskSettings": "settings",
     "KVTaskInputs": "settings",
 })

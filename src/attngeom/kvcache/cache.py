@@ -32,7 +32,7 @@ the ``"attngeom"`` function runs (SDPA, or the exact capture inside a session).
 ``with compressing(model, cache):`` (the plug-in and the policy's scoring, restored after);
 :func:`cached_forward` is one such forward pass.
 
-What belongs here: the cache, its scoring and its attention. Not here: the policies' scores
+What belongs here: the cache, its scoring, its attention and its memory (:func:`check_memory`). Not here: the policies' scores
 (:mod:`attngeom.kvcache.policies`), the evaluation under a budget (:mod:`attngeom.kvcache.evaluation`).
 """
 
@@ -47,6 +47,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from attngeom.errors import InputError
 from attngeom.model.arguments import takes_handle, takes_model
 from attngeom.capture.session import ATTN_NAME, Session, attngeom_attention, attngeom_attention_implementation, current_session
 from attngeom.generation.decoding import BatchMappedLayer
@@ -398,3 +399,40 @@ def cached_forward(handle: ModelHandleLike, cache: Cache, ids: torch.Tensor, las
     """One forward pass of ``ids [B, C]`` with ``cache`` (inside :func:`compressing`): float32
     logits ``[B, C, V]``, or of the ``last`` positions only (``[B, last, V]``; 0: all)."""
     return handle.model(input_ids=ids.to(handle.device), cache=cache, use_cache=True, logits_to_keep=last).logits.float()
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: what caches of a given size need, against what the machine has
+# --------------------------------------------------------------------------------------------
+
+
+@takes_handle
+def cache_bytes_estimate(handle: ModelHandleLike, n: int, rows: int) -> int:
+    """Bytes of ``rows`` full caches of ``n`` entries (float keys and values of every layer): the
+    largest batch of variants a ratio can need."""
+    cfg = handle.model.config.get_text_config(decoder=True)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = torch.finfo(handle.dtype).bits // 8
+    return 2 * cfg.num_hidden_layers * handle.num_kv_heads * n * d * size * rows
+
+
+def memory_limit() -> int | None:
+    """Bytes the variants' caches may use: half the memory the system reports available (None
+    where it reports none)."""
+    import os
+
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):  # pragma: no cover - systems without sysconf
+        return None
+
+
+def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None = None) -> None:
+    """Refuse, in one line, a grid whose largest batch of variants (``rows`` caches of ``n``
+    entries) would not fit in the memory available (``limit`` bytes; default: :func:`memory_limit`)."""
+    need = cache_bytes_estimate(handle, n, rows)
+    limit = limit or memory_limit()
+    if limit is not None and need > limit:
+        raise InputError(f"the grid needs {need / 2**30:.1f} GiB for the caches of {rows} variants of a "
+                         f"{n}-token context, more than the {limit / 2**30:.1f} GiB it may use; use fewer "
+                         "--policies or a shorter --length")

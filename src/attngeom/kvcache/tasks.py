@@ -26,10 +26,10 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from attngeom.errors import InputError
 from attngeom.kvcache import prefill as P
+from attngeom.kvcache.cache import cache_bytes_estimate, check_memory, memory_limit
 from attngeom.kvcache.examples import ALL_TASKS, check_examples, example_name  # noqa: F401  (ALL_TASKS: the summary's rows over every task)
 from attngeom.kvcache.policies import get_policy
 from attngeom.kvcache.settings import KVTaskSettings
@@ -58,38 +58,6 @@ def check_ratios(ratios: Sequence[float]) -> list[float]:
     if not out or any(not 0.0 < r < 1.0 for r in out):
         raise InputError(f"--ratios are shares of the cache removed, each in (0, 1); got {list(ratios)}")
     return out
-
-
-@takes_handle
-def cache_bytes_estimate(handle: ModelHandleLike, n: int, rows: int) -> int:
-    """Bytes of ``rows`` full caches of ``n`` entries (float keys and values of every layer): the
-    largest batch of variants a ratio can need."""
-    cfg = handle.model.config.get_text_config(decoder=True)
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    size = torch.finfo(handle.dtype).bits // 8
-    return 2 * cfg.num_hidden_layers * handle.num_kv_heads * n * d * size * rows
-
-
-def memory_limit() -> int | None:
-    """Bytes the variants' caches may use: half the memory the system reports available (None
-    where it reports none)."""
-    import os
-
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError):  # pragma: no cover - systems without sysconf
-        return None
-
-
-def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None = None) -> None:
-    """Refuse, in one line, a grid whose largest batch of variants (``rows`` caches of ``n``
-    entries) would not fit in the memory available (``limit`` bytes; default: :func:`memory_limit`)."""
-    need = cache_bytes_estimate(handle, n, rows)
-    limit = limit or memory_limit()
-    if limit is not None and need > limit:
-        raise InputError(f"the grid needs {need / 2**30:.1f} GiB for the caches of {rows} variants of a "
-                         f"{n}-token context, more than the {limit / 2**30:.1f} GiB it may use; use fewer "
-                         "--policies or a shorter --length")
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,49 +345,3 @@ def verdicts(pairs: pd.DataFrame) -> list[dict]:
         out.append({"ratio": float(r["ratio"]), "policy": r["policy"], "baseline": r["baseline"],
                     "delta": float(r["delta"]), "low": float(r["low"]), "high": float(r["high"]), "verdict": v})
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# A compressed generate
-# --------------------------------------------------------------------------------------------
-
-
-@takes_handle
-@torch.no_grad()
-def compressed_generate(handle: ModelHandleLike, context: Sequence[int], question: Sequence[int], policy: str,
-                        ratio: float, **generate_kwargs) -> torch.Tensor:
-    """``model.generate`` after the field's protocol: ``context`` (token ids) read and its cache
-    compressed once by ``policy`` at ``ratio``, then ``question`` (not compressed) and the answer
-    decoded by ``generate`` with ``generate_kwargs``. Returns ``generate``'s ids ``[1, T]``
-    (context, question and answer). With ``ratio=0`` the answer is the full cache's. Refused in one
-    line before any compute: an empty context, an id beyond the vocabulary, a ``max_new_tokens`` that
-    is not a count or would run past the model's context."""
-    from attngeom.model.arguments import check_count, check_positions, whole_number
-    from attngeom.streaming.passes import check_ids
-
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.number)) or not 0.0 <= float(ratio) < 1.0:
-        raise InputError(f"ratio is the share of the cache removed, in [0, 1); got {ratio!r}"[:200])
-    pol = get_policy(policy)
-    if pol.name == "taxonomy":
-        raise InputError("the taxonomy policy's budgets need a head taxonomy; use attngeom kvcache")
-    for what, ids in (("context", context), ("question", question)):
-        if isinstance(ids, (str, bytes)):
-            raise InputError(f"the {what} is text; compressed_generate takes token ids: "
-                             f"handle.tokenizer.encode(text, add_special_tokens=False)")
-    context, question = ([whole_number(i, "a token id") for i in ids] for ids in (context, question))
-    if not context:
-        raise InputError("the context is empty: compressed_generate compresses the cache of at least one token")
-    check_ids(handle, context + question)
-    new = generate_kwargs.get("max_new_tokens")
-    new = 0 if new is None else check_count(new, "max_new_tokens")
-    total = len(context) + len(question) + new
-    check_positions(handle, total, f"compressed_generate (context {len(context)} + question {len(question)} + "
-                                   f"max_new_tokens {new})")
-    check_memory(handle, total, 1)
-    pre = P.prefill(handle, context, [pol])
-    cache = P.variant_cache(handle, pre, [P.selection_at_ratio(pre, pol, float(ratio), handle.num_heads)],
-                            room=len(question) + new)
-    ids = torch.as_tensor([context + question], device=handle.device)
-    with P.compressing(handle.model, cache):
-        return handle.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
-                                     **generate_kwargs)

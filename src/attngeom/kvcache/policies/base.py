@@ -72,7 +72,7 @@ class Policy:
                 return ctx.sinks(4).long(), ctx.score
 
     ``attngeom kvtasks --policies mymodule:LastQueries`` and
-    :func:`~attngeom.kvcache.tasks.compressed_generate` take it as it is (:func:`~attngeom.kvcache.policies.get_policy`).
+    :func:`~attngeom.kvcache.generate.compressed_generate` take it as it is (:func:`~attngeom.kvcache.policies.get_policy`).
     The toolkit's own policies are instances of this class made by the factories of
     :data:`~attngeom.kvcache.policies.POLICIES` (``Policy(name, doc, priority, allocator=..., params=..., **options)``).
 
