@@ -17,6 +17,8 @@ SETTINGS = [
     {"ATEN_CPU_CAPABILITY": "default"},
     {"ATEN_CPU_CAPABILITY": "avx2"},
     {"ATEN_CPU_CAPABILITY": "avx512"},
+    {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},       # an AVX2-only machine, both libraries
+    {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "default"},    # the two narrowest together
 ]
 
 

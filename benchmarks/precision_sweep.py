@@ -8,9 +8,10 @@ worst value of each tested quantity per setting and over all settings::
 
     .venv/bin/python benchmarks/precision_sweep.py [--json out/precision-sweep.json] [--jobs 2]
 
-Settings: ``ONEDNN_MAX_CPU_ISA`` in (default, AVX2, AVX512_CORE) with ``ATEN_CPU_CAPABILITY``
-default, and ``ATEN_CPU_CAPABILITY`` in (default, avx2, avx512) with oneDNN's default; each with 1
-and 2 threads. A setting the CPU cannot honour (AVX-512 on an AVX2-only CPU) falls back silently
+Settings (``kernel_settings.SETTINGS``): ``ONEDNN_MAX_CPU_ISA`` in (default, AVX2, AVX512_CORE)
+with ``ATEN_CPU_CAPABILITY`` default, ``ATEN_CPU_CAPABILITY`` in (default, avx2, avx512) with
+oneDNN's default, and the two together at AVX2 with ATen's avx2 (an AVX2-only machine) and
+default; each with 1 and 2 threads (``--threads``). A setting the CPU cannot honour (AVX-512 on an AVX2-only CPU) falls back silently
 inside torch; the table prints ``torch.backends.cpu.get_cpu_capability()`` so it is visible.
 """
 
@@ -85,10 +86,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="out/precision-sweep.json")
     ap.add_argument("--jobs", type=int, default=1, help="settings measured at once (numbers do not depend on it)")
+    ap.add_argument("--threads", default=",".join(map(str, THREADS)),
+                    help="thread counts per setting (default 1,2; the numbers have never depended on them)")
     args = ap.parse_args(argv)
     out = Path(args.json).parent / "precision-sweep"
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(env, t) for env in SETTINGS for t in THREADS]
+    jobs = [(env, int(t)) for env in SETTINGS for t in args.threads.split(",")]
     with ThreadPoolExecutor(args.jobs) as ex:
         reps = list(ex.map(lambda j: run_one(j[0], j[1], out), jobs))
     rows = {label(env, t): {**extract(r), "cpu_capability": r["cpu_capability"]} for (env, t), r in zip(jobs, reps)}
