@@ -19,7 +19,7 @@ A2 = torch.tensor([0.25, 0.25, 0.5])                   # query head 2
 
 def _block(a, v, w_o, kv_head, q_start=0, lengths=None):
     """A captured block: ``a [B, H, Q, S]``, values per query head ``v [B, H, S, d]``, ``w_o [D, H·d]``."""
-    B, H, Q, S = a.shape
+    B, H, Q, _ = a.shape
     d = v.shape[-1]
     u = a @ v                                                                  # [B, H, Q, d]
     o = torch.einsum("bhqd,Dhd->bqD", u, w_o.reshape(w_o.shape[0], H, d))      # the layer output
@@ -101,3 +101,62 @@ def test_laprox_keeps_each_window_then_the_highest_scores_of_all_layers():
     kept = {l: sorted(kept_entries(pol, cs[l], b[l])[0][0, 0].tolist()) for l in cs}
     assert kept == {0: [1, 4], 1: [1, 2, 4]}
     assert pol.name == "laprox" and not pol.geometry and pol.prefill_only
+
+
+def _layer_block(a, value, w_o, kv_head, q_start=0, k_start=0, lengths=None, allowed=None):
+    """A real :class:`~attngeom.capture.blocks.Block` of queries ``q_start ..`` and sources ``k_start ..``."""
+    from attngeom.capture.blocks import Block, LayerState
+    from attngeom.metrics import formulas as F
+
+    B, H = a.shape[:2]
+    T = value.shape[2]
+    state = LayerState(layer=0, module=None, value=value, w_o=w_o, G=F.gram(w_o, H), G_full=F.full_gram(w_o),
+                       kv_head=kv_head, lengths=torch.full((B,), T) if lengths is None else lengths)
+    return Block(state=state, a=a[:, :, q_start:, k_start:].contiguous(), q_start=q_start, k_start=k_start,
+                 allowed=None if allowed is None else allowed[None, None, q_start:, k_start:])
+
+
+def test_laprox_on_real_blocks_with_a_window_padding_and_a_zero_output():
+    """A real block whose sources start at 4 (a sliding window of 3): the scores equal the zeroing
+    reference; padded queries are not read; a layer whose output is 0 scores 0, never NaN."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hkv, T, d, D, w = 1, 4, 2, 10, 3, 6, 4
+    kv_head = torch.arange(H) // (H // Hkv)
+    value = torch.randn(B, Hkv, T, d, generator=g)
+    w_o = torch.randn(D, H * d, generator=g)
+    pos = torch.arange(T)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 3)
+    a = torch.randn(B, H, T, T, generator=g).masked_fill(~allowed, float("-inf")).softmax(-1)
+
+    def out(val):
+        return torch.einsum("bhqd,Dhd->bqD", a @ val[:, kv_head], w_o.reshape(D, H, d))
+
+    o = out(value)
+    want = torch.zeros(B, Hkv, T)
+    for kv in range(Hkv):
+        for j in range(T):
+            zeroed = value.clone()
+            zeroed[:, kv, j] = 0
+            want[:, kv, j] = (((o - out(zeroed))[:, T - w:] ** 2).sum(-1) / (o[:, T - w:] ** 2).sum(-1)).sum(-1)
+    s = LaProx(window=w).step(_layer_block(a, value, w_o, kv_head, q_start=6, k_start=4, allowed=allowed), T)
+    got = torch.zeros(B, H, T)
+    got[..., 4:] = s
+    torch.testing.assert_close(got.reshape(B, Hkv, 2, T).sum(2), want, rtol=1e-4, atol=1e-6)
+
+    # right padding: a text of 7 real tokens in a batch padded to 10; of the window (queries 6..9)
+    # only query 6 is real, so the score is its relative change alone, and padded sources score 0
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    a = torch.randn(B, H, T, T, generator=g).masked_fill(~causal, float("-inf")).softmax(-1)
+    padded = LaProx(window=w).step(_layer_block(a, value, w_o, kv_head, lengths=torch.tensor([7])), T)
+    o6 = out(value)[:, 6]
+    want = torch.zeros(B, Hkv, T)
+    for kv in range(Hkv):
+        for j in range(T):
+            zeroed = value.clone()
+            zeroed[:, kv, j] = 0
+            want[:, kv, j] = ((o6 - out(zeroed)[:, 6]) ** 2).sum(-1) / (o6**2).sum(-1)
+    torch.testing.assert_close(padded.reshape(B, Hkv, 2, T).sum(2), want, rtol=1e-4, atol=1e-6)
+    assert (padded[..., 7:] == 0).all()
+
+    zero = LaProx(window=8).step(_layer_block(a, value, torch.zeros(D, H * d), kv_head), T)
+    assert torch.isfinite(zero).all() and (zero == 0).all()

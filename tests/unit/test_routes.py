@@ -395,5 +395,10 @@ def test_a_fused_layer_handed_its_mask_whole_says_so_in_the_record():
         want = routes.WHOLE_MASK_ROUTE if route == "fused" else "block"
         assert set(session.routes.values()) == {want} and len(session.routes) == handle.num_layers
         assert record.result() == session.routes
+        if route == "fused":         # a later batch without padding: the record keeps both routes
+            with torch.no_grad(), attngeom_attention_implementation(handle.model), session.active(batch.lengths):
+                handle.model(input_ids=ids, use_cache=False)
+            assert set(session.routes.values()) == {"fused"}
+            assert set(record.result().values()) == {f"{routes.WHOLE_MASK_ROUTE}; fused"}
     real = attention_mask.bool()           # a padded query's row is the kernels' choice: never read
     torch.testing.assert_close(logits["fused"][real], logits["block"][real], rtol=1e-4, atol=1e-5)

@@ -45,7 +45,7 @@ route wherever it is exact, the block path elsewhere, said in the record), ``blo
 
 FUSED_DEVICES = ("cpu", "cuda")
 
-WHOLE_MASK_ROUTE = "fused: the whole [T, T] mask (not causal with right padding: memory quadratic in T)"
+WHOLE_MASK_ROUTE = "fused: the whole [T, T] mask (neither causal nor a sliding window with right padding: memory quadratic in T)"
 """The route recorded for a fused layer whose mask is neither causal with right padding nor a
 sliding window over such: left padding, a bidirectional or a custom mask. The kernels then take the
 mask whole as a float ``[B, 1, T, T]`` tensor, exact but quadratic in memory (SPEC §10)."""
@@ -561,7 +561,7 @@ def layer_route(session, query: torch.Tensor, key: torch.Tensor, mask: torch.Ten
 def fused_attention(observers, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mask: torch.Tensor | None, scaling: float, G: torch.Tensor, G_full: torch.Tensor,
                     lengths: torch.Tensor, sinks: torch.Tensor | None = None, window: int | None = None,
-                    ) -> torch.Tensor:
+                    ) -> tuple[torch.Tensor, str]:
     """One attention call on the fused route: the layer's :class:`FusedLayer` handed to every
     observer's ``observe_layer``; returns the attention output ``[B, T, H, dv]`` in the call's dtype
     (the fused kernel's) and the route taken (``"fused"``, or :data:`WHOLE_MASK_ROUTE`)."""

@@ -466,23 +466,29 @@ class TokenStats(Reducer):
 class RouteRecord(Reducer):
     """The route each layer took (SPEC §10): ``{layer: "fused" | "fused: why" | "block" | "block: why"}``
     (why: a layer the session asked to fuse that took blocks, :func:`attngeom.capture.routes.layer_route`,
-    or a fused layer handed its mask whole, :data:`attngeom.capture.routes.WHOLE_MASK_ROUTE`).
-    Its state is labels, which records of several units carry along."""
+    or a fused layer handed its mask whole, :data:`attngeom.capture.routes.WHOLE_MASK_ROUTE`). Batches
+    of one run may differ (a left-padded batch takes its mask whole, a right-padded one does not):
+    a layer that took several routes lists each, in the order first seen, joined by ``"; "``. Its
+    state counts the blocks (or fused calls) per layer and route, which records of several units add."""
 
     STATE = ("routes",)
     fused = True
 
     def __init__(self):
-        self.routes: dict[int, str] = {}
+        self.routes: dict[int, dict[str, int]] = {}
+
+    def _seen(self, layer: int, route: str) -> None:
+        calls = self.routes.setdefault(layer, {})
+        calls[route] = calls.get(route, 0) + 1
 
     def observe(self, block: Block) -> None:
-        self.routes[block.layer] = block.state.route
+        self._seen(block.layer, block.state.route)
 
     def observe_layer(self, layer: FusedLayer) -> None:
-        self.routes[layer.layer] = layer.route
+        self._seen(layer.layer, layer.route)
 
     def result(self) -> dict[int, str]:
-        return dict(sorted(self.routes.items()))
+        return {l: "; ".join(r) for l, r in sorted(self.routes.items())}
 
 
 class FullCapture(Reducer):

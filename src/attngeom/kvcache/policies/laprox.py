@@ -5,7 +5,7 @@ layer's output matrix product, an entry scored by the product of its attention a
 one selection over the whole model.
 
 The paper's equations and code could not be read here (only its abstract and summaries of it;
-docs/kvcache.md says so), so this is one exact reading of that description, each choice said.
+docs/kvcache.md says so), so this is one literal reading of that description, each choice said.
 The layer's attention output at query ``i`` is the matrix product ``o_i = Σ_h Σ_j a_ij^h W_O^h v_j``
 over the (head, entry) pairs; evicting entry ``j`` of key/value head ``g`` removes the terms of
 every query head ``h`` that reads it, so over the last ``window`` queries::
@@ -14,10 +14,11 @@ every query head ``h`` that reads it, so over the last ``window`` queries::
          = Σ_{h,h'∈g} (Σ_i a_ij^h a_ij^{h'} / ‖o_i‖²) · v_jᵀ W_O^{hᵀ} W_O^{h'} v_j
 
 the squared change of each window query's layer output, relative to that output, were the entry
-zeroed (the cross terms ``h ≠ h'`` are the heads' interactions; relative to ``‖o_i‖`` so that
+zeroed with the attention held fixed (the cross terms ``h ≠ h'`` are the heads' interactions; relative to ``‖o_i‖`` so that
 layers of different output scales compare). The window is kept (SnapKV's), then one cut over all
 layers and heads (:func:`~attngeom.kvcache.policies.kvzip.global_budgets`). Not pooled over
-neighbouring entries."""
+neighbouring entries. A query whose layer output is 0 weighs 0. The global cut is made for one
+sequence (a prefill of batch 1), so the window is that sequence's last queries."""
 
 from __future__ import annotations
 
@@ -51,15 +52,15 @@ class LaProx(Policy):
         / ‖o_i‖² · v_jᵀ W_O^{hᵀ} W_O^{h'} v_j`` over this block's queries among the last ``window``;
         the sum over the group's heads is ``s_gj`` (the mean pooling divides it by their number,
         the same in every layer)."""
-        import torch
+        from attngeom.metrics import formulas as metrics
 
         first = max(0, max(0, n_queries - self.params["window"]) - block.q_start)
         if first >= block.a.shape[2]:
             return None
         a = block.a[:, :, first:].float()                                          # [B, H, Q, S]
         B, H, _, S = a.shape
-        valid = block.query_valid[:, first:].float()
-        w = valid / block.output_sq[:, first:].clamp_min(torch.finfo(torch.float32).tiny)   # 1/‖o_i‖², [B, Q]
+        # 1/‖o_i‖² of the window's real queries; a query whose layer output is 0 weighs 0 (nothing to keep)
+        w = metrics.safe_div(block.query_valid[:, first:].float(), block.output_sq[:, first:])
         v = block.v.float()                                                         # [B, H, S, d]
         d = v.shape[-1]
         G = block.state.G_full.float().reshape(H, d, H, d)
