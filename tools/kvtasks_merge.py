@@ -266,13 +266,22 @@ def main(argv=None) -> int:
         df["model"] = df["model"].fillna(model)
     from attngeom.kvcache import averages
 
-    summary, pairs = tasks.summarize(df), tasks.paired(df)
+    try:                         # a policy of one's own is known by the kind its runs recorded
+        kinds = {}
+        for run in a.runs:                   # the first input's record of a name wins, as its rows do
+            kinds = {**tasks.recorded_geometry(run), **kinds}
+        geometry = tasks.geometry_of(df["policy"], kinds)
+        summary, pairs = tasks.summarize(df), tasks.paired(df, geometry=geometry)
+        best = tasks.best_baselines(summary, geometry)
+    except InputError as e:
+        print(f"kvtasks_merge: {e}", file=sys.stderr)
+        return 2
     per_task = df.groupby("task")["example"].nunique()
     doc = {"command": "kvtasks", "model": model, "examples": int(per_task.sum()),
            "examples_per_task": {t: int(n) for t, n in per_task.items()},
            "tasks": sorted(df["task"].unique()), "length": first["length"], "mode": first["mode"],
            "chat_template": bool(df["chat"].any()), "policies": list(first["policies"]), "ratios": list(first["ratios"]),
-           "best_baselines": {str(k): v for k, v in tasks.best_baselines(summary).items()},
+           "best_baselines": {str(k): v for k, v in best.items()},
            "results": summary.to_dict(orient="records"), "verdicts": tasks.verdicts(pairs),
            "ruler_average": averages.record(summary), "settings": first, "merged": merged}
 

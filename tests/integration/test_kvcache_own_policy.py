@@ -78,6 +78,17 @@ def test_own_policy_runs_in_kvtasks_from_the_command_line(own_module, tiny_llama
     assert set(answers["policy"]) == {"full", "first_and_loud", "snapkv"} and len(answers) == 2 * 3
     assert (answers.loc[answers["policy"] == "first_and_loud", "kept_share"] == 0.5).all()
 
+    # the project's tools read the run in processes that never load my_policies: they know the
+    # policy's kind from the run's record (pairs.parquet), and write the tables and the figure
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+    bare = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    tables = subprocess.run([sys.executable, os.path.join(tools, "kvtasks_tables.py"), str(out)], env=bare,
+                            capture_output=True, text=True, timeout=600)
+    assert tables.returncode == 0 and "| first_and_loud |" in tables.stdout, tables.stderr
+    drawn = subprocess.run([sys.executable, "-m", "attngeom.reports.kvtasks", str(out)], env=bare,
+                           capture_output=True, text=True, timeout=600)
+    assert drawn.returncode == 0 and (out / "kvtasks-accuracy.png").is_file(), drawn.stderr
+
 
 @pytest.mark.parametrize("spec, message", [
     ("my_policies:Nope", "has no Nope"),

@@ -592,6 +592,14 @@ def test_summaries_on_hand_scores():
     assert pairs.loc["contribution", "delta"] == 0.5 and pairs.loc["contribution", "low"] > 0
     v = tasks.verdicts(tasks.paired(df, n_resamples=200))
     assert [x["verdict"] for x in v] == ["beats"] and v[0]["policy"] == "contribution"
+    # a policy of one's own that this process has not loaded: known by the kind its run recorded
+    mine = df.replace({"policy": {"contribution": "mine"}})
+    with pytest.raises(InputError, match="neither attngeom's nor recorded"):
+        tasks.paired(mine, n_resamples=10)
+    kinds = {"mine": True}
+    assert tasks.best_baselines(tasks.summarize(mine, 1), kinds) == {0.5: "h2o"}
+    pairs = tasks.paired(mine, n_resamples=10, geometry=kinds).set_index("policy")
+    assert bool(pairs.loc["mine", "geometry"]) and not pairs.loc["h2o", "geometry"]
 
 
 def test_over_all_tasks_each_task_weighs_the_same():

@@ -288,27 +288,62 @@ def summarize(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> pd.Da
     return pd.DataFrame(rows)
 
 
-def best_baselines(summary: pd.DataFrame) -> dict[float, str]:
-    """Per ratio, the baseline (a policy not derived from the papers' geometry) with the highest
-    accuracy over all tasks (ties: the first by name)."""
+def geometry_of(policies, known: dict[str, bool] | None = None) -> dict[str, bool]:
+    """Whether each policy derives from the papers' geometry: ``known`` (what a run recorded, e.g.
+    its ``pairs.parquet``'s ``geometry`` column), else the policy of that name in this process's
+    registry (a policy of one's own is registered when a run loads it). A name known to neither is
+    refused in one line."""
+    known = dict(known or {})
+    out = {}
+    for p in dict.fromkeys(policies):
+        if p in known:
+            out[p] = bool(known[p])
+            continue
+        try:
+            out[p] = bool(get_policy(p).geometry)
+        except InputError:
+            raise InputError(f"policy {p!r} is neither attngeom's nor recorded with its kind in these rows "
+                             "(a stopped run of a policy of one's own): finish the run, then merge it") from None
+    return out
+
+
+def recorded_geometry(folder) -> dict[str, bool]:
+    """Each policy's kind as a finished run or a merged folder recorded it (the ``geometry`` column
+    of its ``pairs.parquet``; empty where there is none): how a policy of one's own, which this
+    process has not loaded, is told apart from a baseline (:func:`geometry_of`)."""
+    from pathlib import Path
+
+    pairs = Path(folder) / "pairs.parquet"
+    if not pairs.is_file():
+        return {}
+    kinds = pd.read_parquet(pairs, columns=["policy", "geometry"]).drop_duplicates("policy")
+    return {str(p): bool(g) for p, g in zip(kinds["policy"], kinds["geometry"])}
+
+
+def best_baselines(summary: pd.DataFrame, geometry: dict[str, bool] | None = None) -> dict[float, str]:
+    """Per ratio, the baseline (a policy not derived from the papers' geometry, :func:`geometry_of`)
+    with the highest accuracy over all tasks (ties: the first by name)."""
     rows = overall(summary)
+    flags = geometry_of(rows["policy"], geometry)
     out = {}
     for ratio, g in rows[rows["ratio"] > 0].groupby("ratio"):
-        base = g[[not get_policy(p).geometry for p in g["policy"]]]
+        base = g[[not flags[p] for p in g["policy"]]]
         if len(base):
             out[float(ratio)] = str(base.sort_values(["accuracy", "policy"], ascending=[False, True])["policy"].iloc[0])
     return out
 
 
 def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0,
-           baselines: dict[float, str] | None = None) -> pd.DataFrame:
+           baselines: dict[float, str] | None = None, geometry: dict[str, bool] | None = None) -> pd.DataFrame:
     """Every policy against the best baseline at each ratio (:func:`best_baselines`, or the policy
     ``baselines`` names at each ratio), per task and over all tasks (each task weighing the same, as
     in :func:`summarize`), on the same resamples of the examples: the accuracy difference ``delta``
-    with its 95 % interval and ``better_share``, the share of resamples where the policy is ahead."""
+    with its 95 % interval and ``better_share``, the share of resamples where the policy is ahead.
+    ``geometry``: each policy's kind where the registry may not know it (:func:`geometry_of`)."""
     from attngeom.stats.resampling import percentile_interval, ratio_of_sums, resample_counts
 
-    best = best_baselines(summarize(df, n_resamples=1, seed=seed)) if baselines is None else baselines
+    flags = geometry_of(df["policy"], geometry)
+    best = best_baselines(summarize(df, n_resamples=1, seed=seed), flags) if baselines is None else baselines
     rows = []
     for task, g in _with_all(df):
         units = sorted(_units(g).unique())
@@ -321,7 +356,7 @@ def paired(df: pd.DataFrame, n_resamples: int = 1000, seed: int = 0,
                 boot = ratio_of_sums(counts, w * d, w)
                 lo, hi = percentile_interval(boot, units=len(units))
                 rows.append({"task": task, "ratio": ratio, "policy": policy, "baseline": ref,
-                             "geometry": get_policy(policy).geometry, "examples": len(units),
+                             "geometry": flags[policy], "examples": len(units),
                              "delta": float((w * d).sum() / w.sum()), "low": float(lo), "high": float(hi),
                              "better_share": float(np.mean(boot > 0))})
     return pd.DataFrame(rows)

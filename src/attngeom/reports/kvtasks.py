@@ -62,16 +62,17 @@ def context(out_dir) -> str:
     return ", ".join(parts)
 
 
-def fig_accuracy(summary: pd.DataFrame, path: Path, run: str = "") -> Path:
-    """The accuracy figure; ``run`` (model, length, mode: :func:`context`) heads its title."""
+def fig_accuracy(summary: pd.DataFrame, path: Path, run: str = "", kinds: dict[str, bool] | None = None) -> Path:
+    """The accuracy figure; ``run`` (model, length, mode: :func:`context`) heads its title; ``kinds``:
+    each policy's kind as its run recorded it (:func:`attngeom.kvcache.tasks.geometry_of`)."""
     from attngeom.kvcache.averages import FLOOR, floor_table
-    from attngeom.kvcache.policies import get_policy
-    from attngeom.kvcache.tasks import best_baselines, overall
+    from attngeom.kvcache.tasks import best_baselines, geometry_of, overall
 
     s = overall(summary)
     full = s.loc[s["policy"] == "full", "accuracy"]
-    best = best_baselines(summary)
-    panels = [[(p, g) for p, g in s[s["policy"] != "full"].groupby("policy") if get_policy(p).geometry == geometry]
+    flags = geometry_of(s["policy"], kinds)
+    best = best_baselines(summary, flags)
+    panels = [[(p, g) for p, g in s[s["policy"] != "full"].groupby("policy") if flags[p] == geometry]
               for geometry in (False, True)]
     rows = max((len(panel) + 3) // 2 for panel in panels)    # two legend columns: the policies, full cache, best baseline
     legend_in = LEGEND_ROW_IN * rows + 0.08
@@ -114,8 +115,11 @@ def below_floor(summary: pd.DataFrame, floor: float, floor_table) -> str:
 
 def render(out_dir, fmt: str = "png") -> list[Path]:
     """Draw the figure from ``summary.parquet`` in ``out_dir`` in format ``fmt``; returns its path."""
+    from attngeom.kvcache.tasks import recorded_geometry
+
     out = Path(out_dir)
-    return [fig_accuracy(pd.read_parquet(out / "summary.parquet"), out / f"kvtasks-accuracy.{fmt}", context(out))]
+    return [fig_accuracy(pd.read_parquet(out / "summary.parquet"), out / f"kvtasks-accuracy.{fmt}", context(out),
+                         recorded_geometry(out))]
 
 
 if __name__ == "__main__":  # pragma: no cover
