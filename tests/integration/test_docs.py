@@ -227,7 +227,8 @@ def test_the_published_kvtasks_tables_are_their_runs_tables():
     data and the accuracy figure, and every row of the verdict tables in the README and docs/kvcache.md is a row that tool
     prints (``--readme``) for a published run: a number in the prose tables cannot go stale when a
     sample grows. The README's rows are checked against the run their first cell names (of the
-    runs of that model, length and mode, the largest: the merged sample)."""
+    runs of that model, length, mode and haystack -- the noise unless the cell names RULER's --,
+    the largest: the merged sample)."""
     from contextlib import redirect_stdout
     from io import StringIO
 
@@ -245,7 +246,8 @@ def test_the_published_kvtasks_tables_are_their_runs_tables():
         assert (run.parent / "kvtasks-accuracy.png").is_file(), \
             f"{run.parent.name} has no figure (the command and tools/kvtasks_merge.py draw kvtasks-accuracy.png)"
         s, pairs = tables.load(run.parent)
-        key = (s["model"], s["length"], s["mode"])
+        haystack = "noise" if s["settings"]["haystack"] == "noise" else "ruler's haystacks"
+        key = (s["model"], s["length"], s["mode"], haystack)
         rows = {tuple(r) for r in _verdict_rows(tables.readme_table(s, pairs))}
         anywhere |= rows
         if s["examples"] > printed.get(key, (0, set()))[0]:
@@ -253,8 +255,8 @@ def test_the_published_kvtasks_tables_are_their_runs_tables():
     readme = _verdict_rows((ROOT / "README.md").read_text(encoding="utf-8"))
     assert len(readme) >= 8
     for row in readme:
-        size, mode = (c.strip() for c in row[0].split(","))
-        key = ("SmolLM2-135M-Instruct", int(size.rstrip("k")) * 1024, mode)
+        size, mode, *haystack = (c.strip() for c in row[0].split(","))
+        key = ("SmolLM2-135M-Instruct", int(size.rstrip("k")) * 1024, mode, haystack[0] if haystack else "noise")
         assert tuple(row[1:]) in printed.get(key, (0, set()))[1], f"README row {row} is not in the tables of {key}"
     kvcache = _verdict_rows((ROOT / "docs" / "kvcache.md").read_text(encoding="utf-8"))
     assert len(kvcache) >= 12
