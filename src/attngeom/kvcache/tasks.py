@@ -296,8 +296,9 @@ def geometry_of(policies, known: dict[str, bool] | None = None) -> dict[str, boo
     known = dict(known or {})
     out = {}
     for p in dict.fromkeys(policies):
-        if p in known:
-            out[p] = bool(known[p])
+        recorded = known.get(p)                  # a flag read from a table: no tensor, nothing on a device
+        if recorded is not None:
+            out[p] = bool(recorded)
             continue
         try:
             out[p] = bool(get_policy(p).geometry)
