@@ -17,8 +17,9 @@ from precision_check import FAITH_VARIANTS, MAP_METRICS, load_pair, measure_fait
 pytestmark = pytest.mark.slow
 
 # Tested thresholds (docs/precision.md, "tested" column). Each is the worst value measured by
-# benchmarks/precision_sweep.py over 12 settings (ONEDNN_MAX_CPU_ISA default / AVX2 / AVX512_CORE,
-# ATEN_CPU_CAPABILITY default / avx2 / avx512, 1 and 2 threads) with a margin of at least 1.5x
+# benchmarks/precision_sweep.py over 18 settings (ONEDNN_MAX_CPU_ISA default / AVX2 / AVX512_CORE,
+# ATEN_CPU_CAPABILITY default / avx2 / avx512, both at AVX2 with ATen avx2 / default; 1 and 2
+# threads, on an AMD EPYC and an Intel Xeon with AMX) with a margin of at least 1.5x
 # (worst measured in the comment). bf16 rounding differs between kernel families, so a bound
 # measured under one setting only is not a bound.
 ROW_REL_MEDIAN = 0.04                 # worst 0.0254
@@ -27,9 +28,9 @@ TOP1 = 0.96                           # worst 0.9775 (disagreement 2.3% < 4%)
 TOP5 = 0.96                           # worst 0.984
 HEAD_NORM_REL_MEDIAN = 0.01           # worst 0.0045
 HEAD_NORM_REL_P99 = 0.08              # worst 0.039
-CLEAN_PPL_REL = 0.012                 # worst 0.0074 (ATEN_CPU_CAPABILITY=default)
+CLEAN_PPL_REL = 0.017                 # worst 0.0109 (ONEDNN_MAX_CPU_ISA=AVX2 with ATEN_CPU_CAPABILITY=default)
 COMPREHENSIVENESS_DPPL_REL = 0.55     # worst 0.365 (ONEDNN_MAX_CPU_ISA=AVX2); 0.336 reported with AMX
-SUFFICIENCY_LOG_RATIO = 0.03          # |Δ ln(PPL'/PPL)|, worst 0.017; sufficiency ΔPPL is too close to 0 for a ratio
+SUFFICIENCY_LOG_RATIO = 0.06          # |Δ ln(PPL'/PPL)|, worst 0.0374 (AVX2 with ATen default); ΔPPL is too close to 0 for a ratio
 
 
 @pytest.fixture(scope="module")
