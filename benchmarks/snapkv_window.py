@@ -19,19 +19,22 @@ from __future__ import annotations
 from attngeom.kvcache.policies import Policy, snapkv
 
 
-class SnapKV32(Policy):
+class _Window(Policy):
+    """kvpress's SnapKV read from the last ``last`` queries instead of 64."""
+
+    needs, accumulate, prefill_only = "attention", False, True
+
+    def priority(self, ctx):
+        return snapkv(window=self.last).priority(ctx)
+
+
+class SnapKV32(_Window):
     """SnapKV with the last 32 queries as its window (kvpress: 64)."""
 
-    name, needs, last, accumulate, prefill_only = "snapkv_w32", "attention", 32, False, True
-
-    def priority(self, ctx):
-        return snapkv(window=32).priority(ctx)
+    name, last = "snapkv_w32", 32
 
 
-class SnapKV16(Policy):
+class SnapKV16(_Window):
     """SnapKV with the last 16 queries as its window."""
 
-    name, needs, last, accumulate, prefill_only = "snapkv_w16", "attention", 16, False, True
-
-    def priority(self, ctx):
-        return snapkv(window=16).priority(ctx)
+    name, last = "snapkv_w16", 16

@@ -52,6 +52,8 @@ class LaProx(Policy):
         / ‖o_i‖² · v_jᵀ W_O^{hᵀ} W_O^{h'} v_j`` over this block's queries among the last ``window``;
         the sum over the group's heads is ``s_gj`` (the mean pooling divides it by their number,
         the same in every layer)."""
+        import torch
+
         from attngeom.metrics import formulas as metrics
 
         first = max(0, max(0, n_queries - self.params["window"]) - block.q_start)
@@ -66,13 +68,12 @@ class LaProx(Policy):
         G = block.state.G_full.float().reshape(H, d, H, d)
         kv = block.state.kv_head.tolist()
         out = a.new_zeros(B, H, S)
-        for h in range(H):
-            for h2 in range(H):
-                if kv[h2] != kv[h]:
-                    continue
-                pair = (a[:, h] * a[:, h2] * w[:, :, None]).sum(1)                  # Σ_i a^h a^h' / ‖o_i‖²
-                quad = ((v[:, h] @ G[h, :, h2, :]) * v[:, h2]).sum(-1)              # v_jᵀ W_O^hᵀ W_O^h' v_j
-                out[:, h] += pair * quad
+        for g in dict.fromkeys(kv):                                 # each key/value head and its query heads
+            hs = [h for h in range(H) if kv[h] == g]
+            pair = torch.einsum("bhqs,bkqs,bq->bhks", a[:, hs], a[:, hs], w)      # Σ_i a^h a^h' / ‖o_i‖²
+            vg = v[:, hs[0]]                                                       # the group's values [B, S, d]
+            quad = torch.einsum("bsd,hdke,bse->bhks", vg, G[hs][:, :, hs], vg)    # v_jᵀ W_O^hᵀ W_O^h' v_j
+            out[:, hs] = (pair * quad).sum(2)
         return out
 
     def priority(self, ctx: EvictionContext) -> tuple[torch.Tensor, torch.Tensor]:
