@@ -45,6 +45,7 @@ from attngeom.generation.decoding import model_stop_ids
 from attngeom.kvcache.cache import (CompressedLayer, cache_bytes, cached_forward, compressing, kept_entries, pool_heads,
                                     stacked)
 from attngeom.kvcache.policies import EvictionContext, Policy, full, get_policy
+from attngeom.metrics import formulas
 from attngeom.model.arguments import takes_handle
 from attngeom.runs.contract import ModelHandleLike
 
@@ -148,12 +149,12 @@ class ReconstructionScores:
             if kind == "attention":
                 m = a[..., lo:hi]
             elif kind == "kvzip_plus":
-                wov = self._projected_norms(block)[..., lo:hi]                # [B, H, S']
+                wov = block.value_norm[..., lo:hi]                            # ‖W_O^h v_j‖ [B, H, S']
                 q0 = block.q_start - self.n                                   # the pass's queries follow the context
                 h = self.h_norms[block.layer][:, q0 : q0 + a.shape[2]]                    # [B, Q]
                 m = a[..., lo:hi] * wov[:, :, None, :] / h[:, None, :, None]
             else:                                                         # the renormalised head output
-                m = self._contributions(block, a)[..., lo:hi]
+                m = self._contributions(block, a, lo, hi)
             m = m.amax(2)
             per_layer = self.scores[kind]
             if block.layer not in per_layer:
@@ -162,21 +163,13 @@ class ReconstructionScores:
             torch.maximum(seg, m, out=seg)
 
     @staticmethod
-    def _head_values(block) -> torch.Tensor:
-        """``W_O^h v_j`` of the block's sources, ``[B, H, S, D]``."""
-        w_o = block.state.w_o                                             # [D, H*d]
-        v = block.v                                                       # [B, H, S, d]
-        H, d = v.shape[1], v.shape[-1]
-        return torch.matmul(v.float(), w_o.reshape(-1, H, d).permute(1, 2, 0).float())    # [B, H, S, d] @ [H, d, D]
-
-    def _projected_norms(self, block) -> torch.Tensor:
-        return block._memo("kvzip_wov", lambda: torch.linalg.vector_norm(self._head_values(block), dim=-1))
-
-    def _contributions(self, block, a: torch.Tensor) -> torch.Tensor:
-        wv = block._memo("kvzip_headvalues", lambda: self._head_values(block))    # [B, H, S, D]
-        o = torch.matmul(a, wv)                                           # [B, H, Q, D] renormalised head outputs
-        c = a * torch.matmul(o, wv.transpose(-1, -2))                     # a_ij <W_O^h v_j, o_i>: no [Q, S, D] product
-        return (c / (o * o).sum(-1)[..., None].clamp_min(1e-38)).abs()
+    def _contributions(block, a: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """``|c̃_ij^h|`` of the renormalised attention ``a`` for the block's sources ``lo .. hi − 1``,
+        in head space through the Gram matrices (``⟨W_O^h v_j, õ_i^h⟩ = ũ_i^h G^h · v_j``,
+        ``ũ = a v``): no ``[S, D]`` projected values."""
+        u = formulas.head_output(a, block.group_values)                   # [B, H, Q, d]
+        G = block.state.G
+        return formulas.contribution_from(a[..., lo:hi], u @ G, block.v[:, :, lo:hi], formulas.quad(u, G)).abs()
 
 
 def attention_input_norms(handle: ModelHandleLike):
