@@ -15,14 +15,16 @@ For ``--examples`` RULER examples of ``--task`` at ``--length`` tokens, per exam
     the whole experiment of one example: the captured prefill, the full cache's answer, then every
     policy at every ratio (selection, gathered caches, batched question and answers).
 
-Printed: seconds per example of each and the ratios to ``generate`` (the issue's target: a grid of
-12 policies x 4 ratios within 3x ``generate``). Medians over the examples; one process, the methods
+Printed: seconds per example of each and the ratios to ``generate`` (the first target: a grid of
+12 policies x 4 ratios, ``--policies 12``, within 3x ``generate``; the default is the command's grid). Medians over the examples; one process, the methods
 alternating per example. On a GPU a short example (``WARM_UP_LENGTH`` tokens) is run once unmeasured
 first (kernel warm-up) and every time ends with a synchronisation.
 
 Usage::
 
     python benchmarks/bench_kvtasks.py                                  # niah_single, 4096 tokens, 2 examples
+    python benchmarks/bench_kvtasks.py --length 2048 --mode query-aware  # the query-aware mode
+    python benchmarks/bench_kvtasks.py --policies 12                     # the first target's 12 policies
     python benchmarks/bench_kvtasks.py --length 1024 --examples 1        # smoke run
     python benchmarks/bench_kvtasks.py --device cuda --dtype bfloat16
 """
@@ -34,8 +36,8 @@ import statistics
 import sys
 import time
 
-DEFAULT_POLICIES = ("random", "streamingllm", "knorm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "vatp",
-                    "criticalkv", "dropkv", "snap_contribution")
+FIRST_GRID = ("random", "streamingllm", "knorm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "vatp",
+              "criticalkv", "dropkv", "snap_contribution")
 
 
 WARM_UP_LENGTH = 512
@@ -47,8 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="niah_single")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--examples", type=int, default=2)
-    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                    help="comma-separated (default: 12 policies, the issue's grid)")
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated, or 12: the first target's 12 policies (default: the command's grid)")
+    ap.add_argument("--mode", default="question-agnostic", choices=("question-agnostic", "query-aware"))
     ap.add_argument("--ratios", default="0.25,0.5,0.75,0.875")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu")
@@ -79,19 +82,25 @@ def main(argv=None) -> int:
         sync()
         return time.perf_counter() - t0
 
-    policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
-    settings = KVTaskSettings(policies=policies, ratios=tuple(float(r) for r in a.ratios.split(",")))
+    if a.policies is None:
+        policies = KVTaskSettings().policies
+    elif a.policies == "12":
+        policies = FIRST_GRID
+    else:
+        policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
+    settings = KVTaskSettings(policies=policies, ratios=tuple(float(r) for r in a.ratios.split(",")), mode=a.mode)
     examples = ruler.make_examples(h.tokenizer, a.task, a.length, a.examples, seed=0)
     times: dict[str, list[float]] = {k: [] for k in ("generate", "prefill", "prefill-scores", "grid")}
 
     def run(ex, record: bool) -> None:
         c, q, _ = ruler.encode_example(ex, h.tokenizer)
         ids = torch.tensor([c + q], device=h.device)
+        read = c + q if a.mode == "query-aware" else c           # what the grid's prefill reads
         with torch.no_grad():
             t = {"generate": timed(lambda: h.model.generate(ids, attention_mask=torch.ones_like(ids),
                                                              max_new_tokens=ex.max_new_tokens, do_sample=False)),
-                 "prefill": timed(lambda: P.prefill(h, c, [get_policy("window")])),
-                 "prefill-scores": timed(lambda: P.prefill(h, c, [get_policy(p) for p in policies])),
+                 "prefill": timed(lambda: P.prefill(h, read, [get_policy("window")])),
+                 "prefill-scores": timed(lambda: P.prefill(h, read, [get_policy(p) for p in policies])),
                  "grid": timed(lambda: tasks.answer_example(h, ex, settings))}
         if record:
             for k, v in t.items():
@@ -103,7 +112,7 @@ def main(argv=None) -> int:
         run(ex, record=True)
     gen = statistics.median(times["generate"])
     print(f"{h.name}, {a.task} at {a.length} tokens, {len(examples)} examples, {len(policies)} policies x "
-          f"{len(settings.ratios)} ratios, {h.device}, {h.model.dtype}, torch threads {torch.get_num_threads()}")
+          f"{len(settings.ratios)} ratios, {a.mode}, {h.device}, {h.model.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'method':<16}{'seconds':>10}{'x generate':>12}")
     for k, v in times.items():
         m = statistics.median(v)

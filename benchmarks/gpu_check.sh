@@ -22,7 +22,7 @@
 #      shape beside that layer's SDPA forward (benchmarks/bench_routes.py, the Triton winner included);
 #   5. generation with analysis against model.generate, bf16 (benchmarks/bench_generate.py: prompts
 #      of 128 and 2048 tokens, 64 and 128 new tokens; docs/generation.md);
-#   6. with the bundled model (real weights) only: the long-context task grid (12 policies x 4
+#   6. with the bundled model (real weights) only: the long-context task grid (the command's policies x 4
 #      ratios) against one full-cache generate, bf16 (benchmarks/bench_kvtasks.py, one niah_single
 #      example at 4096 tokens after a warm-up on a short one; docs/kvcache.md).
 # A step that fails is reported and the others still run; the exit status is then 1. With
