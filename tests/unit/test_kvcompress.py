@@ -208,11 +208,27 @@ def test_a_grid_over_the_memory_limit_is_decoded_in_several_batches(monkeypatch)
     whole, seen = _grid_caches(monkeypatch, h, ex, s)
     assert len(seen) == 1
     one_ratio = int(whole.loc[whole["ratio"] == 0.25, "bytes"].sum())
-    monkeypatch.setattr(tasks, "memory_limit", lambda: one_ratio + 1)    # room for about one ratio at a time
+    monkeypatch.setattr(tasks, "memory_limit", lambda device=None: one_ratio + 1)    # room for about one ratio at a time
     split, seen = _grid_caches(monkeypatch, h, ex, s)
     assert len(seen) > 1 and sum(len(c) for c in seen) == 1 + 2 * 3
     cols = ["policy", "ratio", "answer", "score", "kept", "bytes", "answer_tokens"]
     assert split[cols].equals(whole[cols])
+
+
+def test_the_memory_limit_counts_the_page_cache_and_shares_it_between_local_processes(monkeypatch, tmp_path):
+    from attngeom.kvcache import cache as C
+
+    info = tmp_path / "meminfo"                  # a machine whose free memory sits mostly in its page cache
+    info.write_text("MemTotal:       25000000 kB\nMemFree:         1000000 kB\nMemAvailable:   12000000 kB\n")
+    monkeypatch.setattr(C, "MEMINFO", str(info))
+    assert C.available_memory() == 12000000 * 1024
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert C.memory_limit() == 12000000 * 1024 // 2
+    assert C.memory_limit("cpu") == C.memory_limit()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")              # torchrun's two processes on this machine
+    assert C.memory_limit() == 12000000 * 1024 // 4
+    monkeypatch.setattr(C, "MEMINFO", str(tmp_path / "absent"))  # no /proc: the free pages sysconf reports
+    assert C.available_memory() > 0
 
 
 def test_each_variant_holds_the_bytes_of_its_own_cache():

@@ -416,22 +416,53 @@ def cache_bytes_estimate(handle: ModelHandleLike, n: int, rows: int) -> int:
     return 2 * cfg.num_hidden_layers * handle.num_kv_heads * n * d * size * rows
 
 
-def memory_limit() -> int | None:
-    """Bytes the variants' caches may use: half the memory the system reports available (None
-    where it reports none)."""
+MEMINFO = "/proc/meminfo"
+"""Where Linux reports its memory (:func:`available_memory`)."""
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give without swapping: Linux's ``MemAvailable`` (free memory and the
+    page cache it can drop; a machine that has read large files holds most of its free memory
+    there), else the free pages ``sysconf`` reports (None where neither is known)."""
     import os
 
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        with open(MEMINFO, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # pragma: no cover - systems without sysconf
         return None
+
+
+def memory_limit(device=None) -> int | None:
+    """Bytes the variants' caches may use on ``device`` (default: the CPU): on a CUDA device half of
+    its free memory (each ``torchrun`` process has a device of its own); on the CPU half of
+    :func:`available_memory`, shared out between the processes ``torchrun`` started on this machine
+    (``LOCAL_WORLD_SIZE``), which all read the same memory (None where the system reports none)."""
+    import os
+
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0] // 2
+    available = available_memory()
+    if available is None:
+        return None
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return available // 2 // local
 
 
 def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None = None) -> None:
     """Refuse, in one line, a grid whose largest batch of variants (``rows`` caches of ``n``
     entries) would not fit in the memory available (``limit`` bytes; default: :func:`memory_limit`)."""
     need = cache_bytes_estimate(handle, n, rows)
-    limit = limit or memory_limit()
+    limit = limit or memory_limit(handle.device)
     if limit is not None and need > limit:
         raise InputError(f"the grid needs {need / 2**30:.1f} GiB for the caches of {rows} variants of a "
                          f"{n}-token context, more than the {limit / 2**30:.1f} GiB it may use; use fewer "

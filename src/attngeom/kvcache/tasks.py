@@ -168,7 +168,7 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
                              "kept": sel.kept(), "bytes": size, "seconds": v["seconds"] / len(v["names"]) + decoding})
         return rows
 
-    limit = memory_limit()
+    limit = memory_limit(handle.device)
     rows, batch, held = [], [], 0
     for names, ratio in [(["full"], 0.0)] + [(list(settings.policies), r) for r in settings.ratios]:
         t0 = time.perf_counter()
