@@ -525,6 +525,15 @@ def test_kvzip_scores_are_kvpress_reconstruction_chunk_by_chunk(name, monkeypatc
         assert torch.allclose(pre.scores[name][l][0], want[l], rtol=1e-4, atol=1e-6), (name, l)
 
 
+def test_kvzip_reads_only_the_sinks_the_chunk_and_its_own_tokens_of_a_block():
+    # n = 20 context entries, 4 sinks, chunk [8, 12); a block whose sources start at 6 holds
+    # columns 0.. for positions 6..: no sink, the chunk at columns 2..5, its own tokens from column 14
+    r = P.ReconstructionScores(20, 8, 12, 4, ["attention"])
+    assert r._inside(6, 18) == [(2, 6), (14, 18)]
+    assert r._inside(0, 24) == [(0, 4), (8, 12), (20, 24)]
+    assert r._inside(0, 10) == [(0, 4), (8, 10)]             # a block that ends inside the chunk
+
+
 def test_kvzip_without_a_chat_prefix_repeats_from_the_first_token():
     from attngeom.kvcache.policies import KVZIP_PROMPT
 

@@ -136,25 +136,29 @@ class ReconstructionScores:
         self.scores: dict[str, dict[int, torch.Tensor]] = {k: {} for k in self.kinds}
 
     def observe(self, block) -> None:
-        a = block.a.float()                                               # [B, H, Q, S] over keys k_start..
-        pos = block.k_positions
-        inside = (pos < self.sink) | ((pos >= self.start) & (pos < self.end)) | (pos >= self.n)
-        a = a * inside
-        a = a / a.sum(-1, keepdim=True).clamp_min(1e-38)                  # the softmax over those entries
-        lo, hi = self.start - block.k_start, self.end - block.k_start
-        if hi <= 0 or lo >= a.shape[-1]:
+        S = block.a.shape[-1]
+        lo, hi = self.start - block.k_start, self.end - block.k_start        # the chunk in the block's sources
+        if hi <= 0 or lo >= S:
             return
-        lo, hi = max(lo, 0), min(hi, a.shape[-1])
+        lo, hi = max(lo, 0), min(hi, S)
+        cols = self._inside(block.k_start, S)                             # the entries the softmax is over
+        a = torch.cat([block.a[..., c0:c1] for c0, c1 in cols], dim=-1).float()
+        a /= a.sum(-1, keepdim=True).clamp_min(1e-38)                     # the softmax over those entries
+        at = sum(c1 - c0 for c0, c1 in cols if c1 <= lo)                  # where the chunk sits among them
+        chunk = a[..., at : at + hi - lo]
         for kind in self.kinds:
             if kind == "attention":
-                m = a[..., lo:hi]
+                m = chunk
             elif kind == "kvzip_plus":
                 wov = block.value_norm[..., lo:hi]                            # ‖W_O^h v_j‖ [B, H, S']
                 q0 = block.q_start - self.n                                   # the pass's queries follow the context
                 h = self.h_norms[block.layer][:, q0 : q0 + a.shape[2]]                    # [B, Q]
-                m = a[..., lo:hi] * wov[:, :, None, :] / h[:, None, :, None]
-            else:                                                         # the renormalised head output
-                m = self._contributions(block, a, lo, hi)
+                m = chunk * wov[:, :, None, :] / h[:, None, :, None]
+            else:      # |c̃_ij^h| of the renormalised head output, in head space: ⟨W_O^h v_j, õ_i^h⟩ = ũ_i^h G^h · v_j
+                v = torch.cat([block.group_values[:, :, c0:c1] for c0, c1 in cols], dim=-2)
+                u = formulas.head_output(a, v)                            # [B, H, Q, d]
+                G = block.state.G
+                m = formulas.contribution_from(chunk, u @ G, block.v[:, :, lo:hi], formulas.quad(u, G)).abs()
             m = m.amax(2)
             per_layer = self.scores[kind]
             if block.layer not in per_layer:
@@ -162,14 +166,12 @@ class ReconstructionScores:
             seg = per_layer[block.layer][..., block.k_start + lo - self.start : block.k_start + hi - self.start]
             torch.maximum(seg, m, out=seg)
 
-    @staticmethod
-    def _contributions(block, a: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """``|c̃_ij^h|`` of the renormalised attention ``a`` for the block's sources ``lo .. hi − 1``,
-        in head space through the Gram matrices (``⟨W_O^h v_j, õ_i^h⟩ = ũ_i^h G^h · v_j``,
-        ``ũ = a v``): no ``[S, D]`` projected values."""
-        u = formulas.head_output(a, block.group_values)                   # [B, H, Q, d]
-        G = block.state.G
-        return formulas.contribution_from(a[..., lo:hi], u @ G, block.v[:, :, lo:hi], formulas.quad(u, G)).abs()
+    def _inside(self, k_start: int, S: int) -> list[tuple[int, int]]:
+        """The block's source columns ``[c0, c1)`` the renormalised softmax is over: the sinks, the
+        chunk and the pass's own tokens (positions ``n`` on), those the block holds."""
+        spans = [(0, self.sink), (self.start, self.end), (self.n, k_start + S)]
+        return [(max(p0 - k_start, 0), min(p1 - k_start, S)) for p0, p1 in spans
+                if min(p1 - k_start, S) > max(p0 - k_start, 0)]
 
 
 def attention_input_norms(handle: ModelHandleLike):
