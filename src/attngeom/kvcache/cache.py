@@ -444,18 +444,12 @@ def memory_limit(device=None) -> int | None:
     its free memory (each ``torchrun`` process has a device of its own); on the CPU half of
     :func:`available_memory`, shared out between the processes ``torchrun`` started on this machine
     (``LOCAL_WORLD_SIZE``), which all read the same memory (None where the system reports none)."""
-    import os
+    from attngeom.runs.distributed import local_world_size
 
     if device is not None and torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0] // 2
     available = available_memory()
-    if available is None:
-        return None
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return available // 2 // local
+    return None if available is None else available // 2 // local_world_size()
 
 
 def check_memory(handle: ModelHandleLike, n: int, rows: int, limit: int | None = None) -> None:

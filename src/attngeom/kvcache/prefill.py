@@ -157,8 +157,7 @@ class ReconstructionScores:
             else:      # |c̃_ij^h| of the renormalised head output, in head space: ⟨W_O^h v_j, õ_i^h⟩ = ũ_i^h G^h · v_j
                 v = torch.cat([block.group_values[:, :, c0:c1] for c0, c1 in cols], dim=-2)
                 u = formulas.head_output(a, v)                            # [B, H, Q, d]
-                G = block.state.G
-                m = formulas.contribution_from(chunk, u @ G, block.v[:, :, lo:hi], formulas.quad(u, G)).abs()
+                m = formulas.contribution(chunk, u, block.v[:, :, lo:hi], block.state.G).abs()
             m = m.amax(2)
             per_layer = self.scores[kind]
             if block.layer not in per_layer:

@@ -73,6 +73,14 @@ def local_rank() -> int:
         return 0
 
 
+def local_world_size() -> int:
+    """The processes the launcher started on this machine (1 without one)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def local_device() -> str | None:
     """The device this process uses by default: its local GPU under a multi-process launch on a
     CUDA machine, else None (the model's own default)."""
