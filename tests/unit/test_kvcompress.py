@@ -215,6 +215,33 @@ def test_a_grid_over_the_memory_limit_is_decoded_in_several_batches(monkeypatch)
     assert split[cols].equals(whole[cols])
 
 
+def test_a_batch_decoded_early_is_timed_once(monkeypatch):
+    # a ratio that makes the batch held so far decode first does not count that decoding as its own:
+    # on a clock that moves only while greedy_answers runs (100 s a call), the rows' seconds sum to
+    # 100 s a batch, however many batches the memory limit makes
+    import time
+
+    h = tiny_model("llama")
+    ex = _examples(h, 1)[0]
+    s = KVTaskSettings(policies=("h2o", "adakv"), ratios=(0.25, 0.5, 0.875), n_resamples=50)
+    whole, _ = _grid_caches(monkeypatch, h, ex, s)
+    one_ratio = int(whole.loc[whole["ratio"] == 0.25, "bytes"].sum())
+    monkeypatch.setattr(tasks, "memory_limit", lambda device=None: one_ratio + 1)
+    clock, calls, real = [0.0], [], P.greedy_answers
+
+    def slow(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        clock[0] += 100.0
+        return out
+
+    monkeypatch.setattr(P, "greedy_answers", slow)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    df = tasks.answer_example(h, ex, s)
+    assert len(calls) > 1
+    assert df["seconds"].sum() == pytest.approx(100.0 * len(calls))
+
+
 def test_the_memory_limit_counts_the_page_cache_and_shares_it_between_local_processes(monkeypatch, tmp_path):
     from attngeom.kvcache import cache as C
 

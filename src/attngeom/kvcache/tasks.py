@@ -174,13 +174,15 @@ def answer_example(handle: ModelHandleLike, example, settings: KVTaskSettings, e
         t0 = time.perf_counter()
         sels = [P.selection_at_ratio(pre, n, ratio, handle.num_heads) for n in names]
         need = sum(cache_bytes_estimate(handle, _largest_head(s, pre.n) + room, 1) for s in sels)
+        spent = time.perf_counter() - t0
         if batch and limit is not None and held + need > limit:      # decode the ratios held so far first
-            rows += answer(batch)
+            rows += answer(batch)                                     # (their time is theirs, not this ratio's)
             batch, held = [], 0
+        t0 = time.perf_counter()
         caches = [P.variant_cache(handle, pre, [s], room=room) for s in sels]    # each variant its own
         sizes = [P.row_bytes(handle, c) for c in caches]
         batch.append({"names": names, "ratio": ratio, "sels": sels, "caches": caches, "bytes": sizes,
-                      "seconds": time.perf_counter() - t0})
+                      "seconds": spent + time.perf_counter() - t0})
         held += sum(sizes)                                        # what is held (the estimate decided before)
     rows += answer(batch)
     df = pd.DataFrame(rows)
