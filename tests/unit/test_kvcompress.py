@@ -201,14 +201,22 @@ def test_the_grid_gives_each_variant_a_cache_of_its_own(monkeypatch):
     assert [p.keys.untyped_storage().data_ptr() for p in cache.layers[0].parts] == [ptrs[0], ptrs[2], ptrs[5]]
 
 
-def test_a_grid_over_the_memory_limit_is_decoded_in_several_batches(monkeypatch):
+def _limited_to_one_ratio(monkeypatch):
+    """A tiny model, an example and a grid of 3 ratios, answer_example's rows and decoded caches
+    (:func:`_grid_caches`) without a memory limit, and then a memory limit with room for about one
+    ratio's caches at a time."""
     h = tiny_model("llama")
     ex = _examples(h, 1)[0]
     s = KVTaskSettings(policies=("h2o", "adakv"), ratios=(0.25, 0.5, 0.875), n_resamples=50)
     whole, seen = _grid_caches(monkeypatch, h, ex, s)
-    assert len(seen) == 1
     one_ratio = int(whole.loc[whole["ratio"] == 0.25, "bytes"].sum())
-    monkeypatch.setattr(tasks, "memory_limit", lambda device=None: one_ratio + 1)    # room for about one ratio at a time
+    monkeypatch.setattr(tasks, "memory_limit", lambda device=None: one_ratio + 1)
+    return h, ex, s, whole, seen
+
+
+def test_a_grid_over_the_memory_limit_is_decoded_in_several_batches(monkeypatch):
+    h, ex, s, whole, seen = _limited_to_one_ratio(monkeypatch)
+    assert len(seen) == 1
     split, seen = _grid_caches(monkeypatch, h, ex, s)
     assert len(seen) > 1 and sum(len(c) for c in seen) == 1 + 2 * 3
     cols = ["policy", "ratio", "answer", "score", "kept", "bytes", "answer_tokens"]
@@ -221,25 +229,19 @@ def test_a_batch_decoded_early_is_timed_once(monkeypatch):
     # 100 s a batch, however many batches the memory limit makes
     import time
 
-    h = tiny_model("llama")
-    ex = _examples(h, 1)[0]
-    s = KVTaskSettings(policies=("h2o", "adakv"), ratios=(0.25, 0.5, 0.875), n_resamples=50)
-    whole, _ = _grid_caches(monkeypatch, h, ex, s)
-    one_ratio = int(whole.loc[whole["ratio"] == 0.25, "bytes"].sum())
-    monkeypatch.setattr(tasks, "memory_limit", lambda device=None: one_ratio + 1)
-    clock, calls, real = [0.0], [], P.greedy_answers
+    clock, real = [0.0], P.greedy_answers
+    h, ex, s, _, _ = _limited_to_one_ratio(monkeypatch)
 
     def slow(*args, **kwargs):
         out = real(*args, **kwargs)
-        calls.append(1)
         clock[0] += 100.0
         return out
 
     monkeypatch.setattr(P, "greedy_answers", slow)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-    df = tasks.answer_example(h, ex, s)
-    assert len(calls) > 1
-    assert df["seconds"].sum() == pytest.approx(100.0 * len(calls))
+    df, seen = _grid_caches(monkeypatch, h, ex, s)
+    assert len(seen) > 1
+    assert df["seconds"].sum() == pytest.approx(100.0 * len(seen))
 
 
 def test_the_memory_limit_counts_the_page_cache_and_shares_it_between_local_processes(monkeypatch, tmp_path):
